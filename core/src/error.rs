@@ -1,0 +1,148 @@
+//! The error type of `picchio-core`: one variant per failing operation, each naming the file, the
+//! offset in hex and what was expected.
+
+use std::path::PathBuf;
+
+/// Result alias for `picchio-core`.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong while reading, checking or writing a `.picchioflat` image.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An I/O error while reading `what` from `source` at byte `offset`.
+    #[error("{source_name}: reading {what} at offset {offset:#x}: {cause}")]
+    Read {
+        /// The store (path or URI) being read.
+        source_name: String,
+        /// What was being read ("superblock", "index").
+        what: &'static str,
+        /// Byte offset of the read.
+        offset: u64,
+        /// The underlying error.
+        #[source]
+        cause: std::io::Error,
+    },
+    /// The image is shorter than a structure it must contain.
+    #[error("{source_name}: truncated: {what} needs bytes {offset:#x}..{end:#x} but the image is {len:#x} bytes")]
+    Truncated {
+        /// The store.
+        source_name: String,
+        /// The structure that does not fit.
+        what: &'static str,
+        /// Start of the structure.
+        offset: u64,
+        /// End of the structure (exclusive).
+        end: u64,
+        /// Length of the image or device in bytes.
+        len: u64,
+    },
+    /// The superblock does not start with `PCHIOFL1`.
+    #[error("{source_name}: bad magic at offset 0x0: expected \"PCHIOFL1\", found {found:?}")]
+    BadMagic {
+        /// The store.
+        source_name: String,
+        /// The eight bytes found.
+        found: String,
+    },
+    /// A superblock field has a value this reader does not accept.
+    #[error("{source_name}: superblock field `{field}` at offset {offset:#x}: expected {expected}, found {found}")]
+    BadField {
+        /// The store.
+        source_name: String,
+        /// Field name as in DESIGN.md.
+        field: &'static str,
+        /// Byte offset of the field in the superblock.
+        offset: u64,
+        /// What was expected.
+        expected: String,
+        /// What was found.
+        found: u64,
+    },
+    /// The SHA-256 of the index does not match the one in the superblock.
+    #[error("{source_name}: index at {offset:#x} ({len} bytes) has SHA-256 {found}, superblock says {expected}")]
+    IndexHash {
+        /// The store.
+        source_name: String,
+        /// Index byte offset.
+        offset: u64,
+        /// Index length in bytes.
+        len: u64,
+        /// Hex digest in the superblock.
+        expected: String,
+        /// Hex digest computed.
+        found: String,
+    },
+    /// The store's dimensions differ from the model it is used with.
+    #[error("{source_name}: store was packed for a different model: {field} is {found} in the store, {expected} in the model")]
+    DimensionMismatch {
+        /// The store.
+        source_name: String,
+        /// Superblock field.
+        field: &'static str,
+        /// Value the model needs.
+        expected: u64,
+        /// Value in the store.
+        found: u64,
+    },
+    /// A buffer could not be allocated.
+    #[error("cannot allocate a {len}-byte buffer aligned to {align} bytes{}", if *.hugepages { " in hugepages" } else { "" })]
+    Alloc {
+        /// Requested length in bytes.
+        len: usize,
+        /// Requested alignment in bytes.
+        align: usize,
+        /// Whether hugepages were requested.
+        hugepages: bool,
+        /// The OS error, when there is one.
+        #[source]
+        cause: Option<std::io::Error>,
+    },
+    /// Writing an image failed.
+    #[error("{path}: writing {what}: {cause}")]
+    Write {
+        /// The file being written (the temporary file while packing).
+        path: PathBuf,
+        /// What was being written.
+        what: &'static str,
+        /// The underlying error.
+        #[source]
+        cause: std::io::Error,
+    },
+    /// The writer was given inconsistent input.
+    #[error("{path}: {message}")]
+    WriterMisuse {
+        /// The image being written.
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+    /// A store URI could not be parsed.
+    #[error("bad store URI {uri:?}: {message}")]
+    BadUri {
+        /// The URI as given.
+        uri: String,
+        /// What is wrong and what would be accepted.
+        message: String,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error as _;
+
+    #[test]
+    fn display_names_source_offset_and_keeps_cause() {
+        let e = Error::Read {
+            source_name: "/x/experts.picchioflat".into(),
+            what: "index",
+            offset: 0x1000,
+            cause: std::io::Error::from_raw_os_error(libc::EIO),
+        };
+        let s = e.to_string();
+        assert!(s.contains("/x/experts.picchioflat") && s.contains("0x1000") && s.contains("index"), "{s}");
+        assert!(e.source().is_some());
+        let e = Error::BadMagic { source_name: "f".into(), found: "NOTMAGIC".into() };
+        assert!(e.to_string().contains("expected \"PCHIOFL1\""));
+    }
+}

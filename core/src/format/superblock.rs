@@ -1,0 +1,259 @@
+//! The superblock: the first `BLOCK_SIZE` bytes of an image (Python struct `<8sIIIIIIIIQQQ32s`).
+
+use crate::error::{Error, Result};
+
+/// `"PCHIOFL1"`, the first eight bytes of every image.
+pub const MAGIC: [u8; 8] = *b"PCHIOFL1";
+/// The only format version this crate reads and writes.
+pub const VERSION: u32 = 2;
+/// Bytes of the superblock that carry fields (the rest of the block is reserved, written as zeros).
+pub const SUPERBLOCK_ENCODED_LEN: usize = 96;
+
+/// Field offsets in bytes, as DESIGN.md gives them.
+mod off {
+    pub const MAGIC: usize = 0;
+    pub const VERSION: usize = 8;
+    pub const BLOCK_SIZE: usize = 12;
+    pub const HIDDEN: usize = 16;
+    pub const N_LAYERS: usize = 20;
+    pub const N_EXPERTS: usize = 24;
+    pub const TOPK: usize = 28;
+    pub const MOE_INTER: usize = 32;
+    pub const N_ENTRIES: usize = 36;
+    pub const INDEX_OFFSET: usize = 40;
+    pub const INDEX_LEN: usize = 48;
+    pub const DATA_OFFSET: usize = 56;
+    pub const INDEX_SHA256: usize = 64;
+    const _: () = assert!(INDEX_SHA256 + 32 == super::SUPERBLOCK_ENCODED_LEN);
+}
+
+/// The decoded superblock of a `.picchioflat` v2 image.
+///
+/// All integers are little-endian on disk. `moe_inter` is **2 × moe_intermediate_size**: the number of
+/// rows of the fused gate_up matrix, as Picchio (C) writes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Superblock {
+    /// Format version (2).
+    pub version: u32,
+    /// Block size in bytes (4096).
+    pub block_size: u32,
+    /// Model hidden size.
+    pub hidden: u32,
+    /// Number of decoder layers of the model (not of the store: see `n_entries`).
+    pub n_layers: u32,
+    /// Routed experts per MoE layer.
+    pub n_experts: u32,
+    /// Experts chosen per token.
+    pub topk: u32,
+    /// Rows of the fused gate_up matrix: 2 × moe_intermediate_size.
+    pub moe_inter: u32,
+    /// Entries in the index (n_layers × n_experts, fewer for a prefix store).
+    pub n_entries: u32,
+    /// Byte offset of the index, a multiple of `block_size`.
+    pub index_offset: u64,
+    /// Index length in bytes (= n_entries × 24).
+    pub index_len: u64,
+    /// Byte offset of the first payload, a multiple of `block_size`.
+    pub data_offset: u64,
+    /// SHA-256 of the `index_len` index bytes.
+    pub index_sha256: [u8; 32],
+}
+
+fn u32_at(b: &[u8], o: usize) -> u32 {
+    u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"))
+}
+fn u64_at(b: &[u8], o: usize) -> u64 {
+    u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"))
+}
+
+impl Superblock {
+    /// Encodes into a full block of `block_size` bytes (reserved bytes zero).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = vec![0u8; self.block_size.max(SUPERBLOCK_ENCODED_LEN as u32) as usize];
+        b[off::MAGIC..off::MAGIC + 8].copy_from_slice(&MAGIC);
+        for (o, v) in [
+            (off::VERSION, self.version),
+            (off::BLOCK_SIZE, self.block_size),
+            (off::HIDDEN, self.hidden),
+            (off::N_LAYERS, self.n_layers),
+            (off::N_EXPERTS, self.n_experts),
+            (off::TOPK, self.topk),
+            (off::MOE_INTER, self.moe_inter),
+            (off::N_ENTRIES, self.n_entries),
+        ] {
+            b[o..o + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        for (o, v) in [
+            (off::INDEX_OFFSET, self.index_offset),
+            (off::INDEX_LEN, self.index_len),
+            (off::DATA_OFFSET, self.data_offset),
+        ] {
+            b[o..o + 8].copy_from_slice(&v.to_le_bytes());
+        }
+        b[off::INDEX_SHA256..off::INDEX_SHA256 + 32].copy_from_slice(&self.index_sha256);
+        b
+    }
+
+    /// Decodes and checks a superblock read from `source_name` whose image is `image_len` bytes long.
+    ///
+    /// # Errors
+    /// [`Error::BadMagic`], [`Error::BadField`] (version, block size, zero dimensions, misaligned or
+    /// inconsistent offsets) or [`Error::Truncated`] (index or data region past `image_len`).
+    pub fn decode(bytes: &[u8], source_name: &str, image_len: u64) -> Result<Self> {
+        if bytes.len() < SUPERBLOCK_ENCODED_LEN {
+            return Err(Error::Truncated {
+                source_name: source_name.into(),
+                what: "superblock",
+                offset: 0,
+                end: SUPERBLOCK_ENCODED_LEN as u64,
+                len: bytes.len() as u64,
+            });
+        }
+        if bytes[..8] != MAGIC {
+            return Err(Error::BadMagic {
+                source_name: source_name.into(),
+                found: String::from_utf8_lossy(&bytes[..8]).into_owned(),
+            });
+        }
+        let mut index_sha256 = [0u8; 32];
+        index_sha256.copy_from_slice(&bytes[off::INDEX_SHA256..off::INDEX_SHA256 + 32]);
+        let sb = Superblock {
+            version: u32_at(bytes, off::VERSION),
+            block_size: u32_at(bytes, off::BLOCK_SIZE),
+            hidden: u32_at(bytes, off::HIDDEN),
+            n_layers: u32_at(bytes, off::N_LAYERS),
+            n_experts: u32_at(bytes, off::N_EXPERTS),
+            topk: u32_at(bytes, off::TOPK),
+            moe_inter: u32_at(bytes, off::MOE_INTER),
+            n_entries: u32_at(bytes, off::N_ENTRIES),
+            index_offset: u64_at(bytes, off::INDEX_OFFSET),
+            index_len: u64_at(bytes, off::INDEX_LEN),
+            data_offset: u64_at(bytes, off::DATA_OFFSET),
+            index_sha256,
+        };
+        let bad = |field: &'static str, offset: usize, expected: String, found: u64| Error::BadField {
+            source_name: source_name.into(),
+            field,
+            offset: offset as u64,
+            expected,
+            found,
+        };
+        if sb.version != VERSION {
+            return Err(bad("version", off::VERSION, format!("{VERSION}"), sb.version.into()));
+        }
+        if sb.block_size != super::BLOCK_SIZE {
+            return Err(bad("block_size", off::BLOCK_SIZE, format!("{}", super::BLOCK_SIZE), sb.block_size.into()));
+        }
+        for (field, o, v) in [
+            ("hidden", off::HIDDEN, sb.hidden),
+            ("n_layers", off::N_LAYERS, sb.n_layers),
+            ("n_experts", off::N_EXPERTS, sb.n_experts),
+            ("topk", off::TOPK, sb.topk),
+            ("moe_inter", off::MOE_INTER, sb.moe_inter),
+        ] {
+            if v == 0 {
+                return Err(bad(field, o, "a non-zero value".into(), 0));
+            }
+        }
+        if sb.topk > sb.n_experts {
+            return Err(bad("topk", off::TOPK, format!("at most n_experts = {}", sb.n_experts), sb.topk.into()));
+        }
+        let full = u64::from(sb.n_layers) * u64::from(sb.n_experts);
+        if u64::from(sb.n_entries) > full {
+            return Err(bad(
+                "n_entries",
+                off::N_ENTRIES,
+                format!("at most n_layers × n_experts = {full}"),
+                sb.n_entries.into(),
+            ));
+        }
+        if sb.index_len != u64::from(sb.n_entries) * super::EXPERT_LOC_SIZE as u64 {
+            return Err(bad(
+                "index_len",
+                off::INDEX_LEN,
+                format!("n_entries × 24 = {}", u64::from(sb.n_entries) * 24),
+                sb.index_len,
+            ));
+        }
+        let bs = u64::from(sb.block_size);
+        if sb.index_offset < bs || sb.index_offset % bs != 0 {
+            return Err(bad(
+                "index_offset",
+                off::INDEX_OFFSET,
+                format!("a non-zero multiple of {bs}"),
+                sb.index_offset,
+            ));
+        }
+        if sb.data_offset % bs != 0 || sb.data_offset < sb.index_offset + sb.index_len {
+            return Err(bad(
+                "data_offset",
+                off::DATA_OFFSET,
+                format!("a multiple of {bs} at or after the index end {:#x}", sb.index_offset + sb.index_len),
+                sb.data_offset,
+            ));
+        }
+        let index_end = sb.index_offset + sb.index_len;
+        if index_end > image_len {
+            return Err(Error::Truncated {
+                source_name: source_name.into(),
+                what: "index",
+                offset: sb.index_offset,
+                end: index_end,
+                len: image_len,
+            });
+        }
+        Ok(sb)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Superblock {
+        Superblock {
+            version: 2,
+            block_size: 4096,
+            hidden: 64,
+            n_layers: 3,
+            n_experts: 16,
+            topk: 4,
+            moe_inter: 128,
+            n_entries: 48,
+            index_offset: 4096,
+            index_len: 48 * 24,
+            data_offset: 8192,
+            index_sha256: [7; 32],
+        }
+    }
+
+    #[test]
+    fn layout_matches_python_struct_offsets() {
+        let b = sample().encode();
+        assert_eq!(b.len(), 4096);
+        assert_eq!(&b[0..8], b"PCHIOFL1");
+        assert_eq!(u32_at(&b, 8), 2);
+        assert_eq!(u32_at(&b, 32), 128);
+        assert_eq!(u32_at(&b, 36), 48);
+        assert_eq!(u64_at(&b, 40), 4096);
+        assert_eq!(u64_at(&b, 48), 1152);
+        assert_eq!(u64_at(&b, 56), 8192);
+        assert_eq!(&b[64..96], &[7; 32]);
+        assert!(b[96..].iter().all(|&x| x == 0));
+        assert_eq!(Superblock::decode(&b, "t", 1 << 20).unwrap(), sample());
+    }
+
+    #[test]
+    fn rejects_bad_magic_version_and_truncation() {
+        let mut b = sample().encode();
+        b[0] = b'X';
+        let e = Superblock::decode(&b, "img", 1 << 20).unwrap_err().to_string();
+        assert!(e.contains("img") && e.contains("PCHIOFL1"), "{e}");
+        let mut b = sample().encode();
+        b[8] = 3;
+        let e = Superblock::decode(&b, "img", 1 << 20).unwrap_err().to_string();
+        assert!(e.contains("version") && e.contains("0x8") && e.contains("found 3"), "{e}");
+        let e = Superblock::decode(&sample().encode(), "img", 4096).unwrap_err().to_string();
+        assert!(e.contains("truncated") && e.contains("index"), "{e}");
+    }
+}

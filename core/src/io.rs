@@ -1,0 +1,103 @@
+//! [`IoQueue`]: the block-read interface every engine implements (psync, io_uring, user-space NVMe).
+
+use crate::buf::AlignedBuf;
+
+/// A byte offset from the start of a device or file (never an LBA: engines convert).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct ByteOffset(pub u64);
+
+/// Caller-chosen identifier carried from a [`ReadReq`] to its [`Completion`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Tag(pub u64);
+
+/// One read: `len` bytes at `offset` into the start of `buf`.
+///
+/// `offset`, `len` and the buffer address must be multiples of [`IoQueue::block_size`], and
+/// `len <= buf.len()`. The buffer moves into the engine and comes back in the [`Completion`].
+#[derive(Debug)]
+pub struct ReadReq {
+    /// Where to read, in bytes from the start of the target.
+    pub offset: ByteOffset,
+    /// Bytes to read.
+    pub len: u32,
+    /// Destination; returned in the completion.
+    pub buf: AlignedBuf,
+    /// Identifier returned in the completion.
+    pub tag: Tag,
+}
+
+/// The outcome of one [`ReadReq`].
+#[derive(Debug)]
+pub struct Completion {
+    /// The request's tag.
+    pub tag: Tag,
+    /// The request's buffer, now holding the bytes read.
+    pub buf: AlignedBuf,
+    /// Bytes read (a short count is reported as-is; the caller decides), or the I/O error.
+    pub result: std::io::Result<u32>,
+    /// Wall time from submission to completion, in nanoseconds.
+    pub latency_ns: u64,
+}
+
+/// A queue of block-aligned reads on one target, completed in any order.
+///
+/// Consumer operations only: opening, probing and sizing stay on each engine's own type.
+/// A request the engine cannot perform (misaligned, out of range) completes with an error rather
+/// than failing `submit`, so every submitted buffer comes back exactly once.
+pub trait IoQueue: Send {
+    /// Required alignment in bytes of offsets, lengths and buffer addresses.
+    fn block_size(&self) -> u32;
+
+    /// Submits one read. Never blocks for I/O; may block briefly to hand the request over.
+    fn submit(&mut self, req: ReadReq);
+
+    /// Waits until at least `min` completions are available (or nothing is in flight), appends all
+    /// available ones to `out`, and returns how many were appended.
+    fn reap(&mut self, min: usize, out: &mut Vec<Completion>) -> usize;
+
+    /// Reads submitted and not yet reaped.
+    fn in_flight(&self) -> usize;
+
+    /// A short description for logs and `--json` stats, e.g. `psync(direct, 2 threads)`.
+    fn describe(&self) -> String;
+}
+
+impl<Q: IoQueue + ?Sized> IoQueue for Box<Q> {
+    fn block_size(&self) -> u32 {
+        (**self).block_size()
+    }
+    fn submit(&mut self, req: ReadReq) {
+        (**self).submit(req)
+    }
+    fn reap(&mut self, min: usize, out: &mut Vec<Completion>) -> usize {
+        (**self).reap(min, out)
+    }
+    fn in_flight(&self) -> usize {
+        (**self).in_flight()
+    }
+    fn describe(&self) -> String {
+        (**self).describe()
+    }
+}
+
+/// Reads `len` bytes at `offset` synchronously through `queue` (used at open for the superblock and
+/// index). Must be called with nothing else in flight.
+///
+/// # Errors
+/// The I/O error, or `UnexpectedEof` on a short read.
+pub fn read_blocking<Q: IoQueue + ?Sized>(queue: &mut Q, offset: u64, len: u32) -> std::io::Result<AlignedBuf> {
+    let bs = queue.block_size() as usize;
+    let buf = AlignedBuf::new(len as usize, bs.max(512))
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::OutOfMemory, e.to_string()))?;
+    queue.submit(ReadReq { offset: ByteOffset(offset), len, buf, tag: Tag(u64::MAX) });
+    let mut out = Vec::with_capacity(1);
+    while out.is_empty() {
+        queue.reap(1, &mut out);
+    }
+    let c = out.pop().expect("one completion");
+    match c.result {
+        Ok(n) if n == len => Ok(c.buf),
+        Ok(n) => Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, format!("short read: {n} of {len} bytes"))),
+        Err(e) => Err(e),
+    }
+}

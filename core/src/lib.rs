@@ -1,0 +1,25 @@
+//! Picchio core: the `.picchioflat` expert-image format, the two traits that every storage tier and the
+//! runtime meet at ([`IoQueue`] for block reads, [`ExpertLoader`] for whole experts), block-aligned
+//! buffers, store URIs, and I/O statistics.
+//!
+//! Dependencies run one way: engines (`picchio-blockdev`, `picchio-nvme`) implement [`IoQueue`]; the
+//! runtime consumes [`ExpertLoader`]. Nothing here knows about models or about a particular engine.
+#![deny(missing_docs)]
+
+pub mod buf;
+pub mod error;
+pub mod format;
+pub mod io;
+pub mod loader;
+pub mod stats;
+pub mod uri;
+
+pub use buf::AlignedBuf;
+pub use error::{Error, Result};
+pub use format::{ExpertLoc, FlatWriter, Superblock, BLOCK_SIZE};
+pub use io::{ByteOffset, Completion, IoQueue, ReadReq, Tag};
+pub use loader::{
+    ExpertKey, ExpertLoader, FallbackLoader, FlatStore, FlatStoreOptions, LoadError, Loaded, StoreExpect,
+};
+pub use stats::{IoStats, StatsSnapshot};
+pub use uri::StoreUri;

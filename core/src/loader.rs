@@ -1,0 +1,456 @@
+//! [`ExpertLoader`], the expert-load boundary the runtime consumes, and [`FlatStore`], which serves
+//! it from a `.picchioflat` image through any [`IoQueue`].
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::buf::AlignedBuf;
+use crate::error::{Error, Result};
+use crate::format::{decode_index, index_sha256, payload_hash, round_up, ExpertLoc, Superblock, BLOCK_SIZE};
+use crate::io::{read_blocking, ByteOffset, Completion, IoQueue, ReadReq, Tag};
+use crate::stats::IoStats;
+
+/// One routed expert: `(layer, expert)`, both 0-based.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ExpertKey {
+    /// Decoder layer index.
+    pub layer: u32,
+    /// Expert index within the layer.
+    pub expert: u32,
+}
+
+impl std::fmt::Display for ExpertKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "(layer {}, expert {})", self.layer, self.expert)
+    }
+}
+
+/// Why one expert could not be delivered by a loader. Always per expert: the caller may fall back.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// The store has no entry for the expert (a prefix store, or a model layer without experts).
+    #[error("{source_name}: no entry for {key} (the store holds {n_entries} entries)")]
+    Missing {
+        /// The store.
+        source_name: String,
+        /// The expert.
+        key: ExpertKey,
+        /// Entries in the store.
+        n_entries: u32,
+    },
+    /// The entry was rejected when the index was checked at open.
+    #[error("{source_name}: index entry for {key} rejected: {reason}")]
+    Rejected {
+        /// The store.
+        source_name: String,
+        /// The expert.
+        key: ExpertKey,
+        /// What the check expected.
+        reason: String,
+    },
+    /// The read failed.
+    #[error("{source_name}: reading {key} at offset {offset:#x}: {cause}")]
+    Io {
+        /// The store.
+        source_name: String,
+        /// The expert.
+        key: ExpertKey,
+        /// Byte offset of the read.
+        offset: u64,
+        /// The engine's error.
+        #[source]
+        cause: std::io::Error,
+    },
+    /// The read returned fewer bytes than the padded payload.
+    #[error("{source_name}: short read of {key} at offset {offset:#x}: {got} of {want} bytes")]
+    Short {
+        /// The store.
+        source_name: String,
+        /// The expert.
+        key: ExpertKey,
+        /// Byte offset of the read.
+        offset: u64,
+        /// Bytes read.
+        got: u32,
+        /// Bytes requested.
+        want: u32,
+    },
+    /// `--verify`: the payload hash differs from the index.
+    #[error(
+        "{source_name}: payload of {key} at offset {offset:#x} has hash {found:#018x}, index says {expected:#018x}"
+    )]
+    Hash {
+        /// The store.
+        source_name: String,
+        /// The expert.
+        key: ExpertKey,
+        /// Byte offset of the payload.
+        offset: u64,
+        /// Hash in the index.
+        expected: u64,
+        /// Hash of the bytes read.
+        found: u64,
+    },
+    /// The slot handed in is smaller than the payload.
+    #[error("{source_name}: slot of {slot} bytes is too small for {key} ({need} bytes)")]
+    SlotTooSmall {
+        /// The store.
+        source_name: String,
+        /// The expert.
+        key: ExpertKey,
+        /// Slot length.
+        slot: usize,
+        /// Bytes needed.
+        need: usize,
+    },
+    /// A loader-specific failure (e.g. a safetensors tensor missing), described in full.
+    #[error("{0}")]
+    Other(String),
+}
+
+/// An expert delivered into its slot (or the reason it was not).
+#[derive(Debug)]
+pub struct Loaded {
+    /// Which expert.
+    pub key: ExpertKey,
+    /// The slot, holding the payload in its first bytes when `result` is `Ok`.
+    pub buf: AlignedBuf,
+    /// Success, or why the slot holds no valid payload.
+    pub result: std::result::Result<(), LoadError>,
+}
+
+/// The expert-load boundary: the runtime sees only this trait.
+///
+/// `load` reads each requested expert of `layer` into the slot given with it and calls `ready` once
+/// per request, as soon as that expert's bytes are in place (in completion order, not request order),
+/// so compute can start on ready experts while others are still in flight. Every slot comes back
+/// through `ready` exactly once, with or without a payload. The payload layout is the `.picchioflat`
+/// one: gate_up packed, gate_up scales, down packed, down scales.
+pub trait ExpertLoader: Send {
+    /// What serves the experts, for logs and statistics (e.g. `file:/m/experts.picchioflat`).
+    fn describe(&self) -> String;
+
+    /// Loads `requests` (expert id, slot) of `layer`; see the trait documentation.
+    fn load(&mut self, layer: u32, requests: Vec<(u32, AlignedBuf)>, ready: &mut dyn FnMut(Loaded));
+}
+
+impl<L: ExpertLoader + ?Sized> ExpertLoader for Box<L> {
+    fn describe(&self) -> String {
+        (**self).describe()
+    }
+    fn load(&mut self, layer: u32, requests: Vec<(u32, AlignedBuf)>, ready: &mut dyn FnMut(Loaded)) {
+        (**self).load(layer, requests, ready)
+    }
+}
+
+/// The model dimensions a store's superblock records.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoreDims {
+    /// Hidden size.
+    pub hidden: u32,
+    /// Decoder layers of the model.
+    pub n_layers: u32,
+    /// Routed experts per layer.
+    pub n_experts: u32,
+    /// Experts per token.
+    pub topk: u32,
+    /// 2 × moe_intermediate_size (fused gate_up rows).
+    pub moe_inter: u32,
+}
+
+/// What the model using a store requires of it, checked at open.
+#[derive(Clone, Copy, Debug)]
+pub struct StoreExpect {
+    /// Dimensions that must equal the superblock's.
+    pub dims: StoreDims,
+    /// Exact payload bytes of one expert under the model's quantization; entries with another `len`
+    /// are rejected (and fall back).
+    pub payload_len: u32,
+}
+
+/// Options for [`FlatStore::open`].
+#[derive(Clone, Debug, Default)]
+pub struct FlatStoreOptions {
+    /// Byte offset of the image on the target (0 for a file; `raw:/dev/X@N`).
+    pub base_offset: u64,
+    /// Bytes of the target from `base_offset` to its end.
+    pub image_len: u64,
+    /// Check every payload's hash after reading it (`--verify`).
+    pub verify: bool,
+    /// Checks against the model, when a model uses the store.
+    pub expect: Option<StoreExpect>,
+}
+
+/// A `.picchioflat` image served through an [`IoQueue`]: one aligned read of `padded_len` bytes per
+/// expert, with the superblock and every index entry checked once at open.
+pub struct FlatStore<Q: IoQueue> {
+    queue: Q,
+    source_name: String,
+    sb: Superblock,
+    entries: Vec<std::result::Result<ExpertLoc, String>>,
+    opts: FlatStoreOptions,
+    stats: Arc<IoStats>,
+    completions: Vec<Completion>,
+}
+
+impl<Q: IoQueue> FlatStore<Q> {
+    /// Reads and checks the superblock and index of the image that `queue` reads, named
+    /// `source_name` in messages.
+    ///
+    /// Whole-store faults (bad magic, version, dimensions, index hash, truncated index) are errors.
+    /// Per-entry faults (misaligned, past the end, wrong length for the model) only reject that entry:
+    /// loading it reports [`LoadError::Rejected`] so the caller can fall back.
+    ///
+    /// # Errors
+    /// [`Error::Read`], [`Error::BadMagic`], [`Error::BadField`], [`Error::Truncated`],
+    /// [`Error::IndexHash`], [`Error::DimensionMismatch`].
+    pub fn open(mut queue: Q, source_name: impl Into<String>, opts: FlatStoreOptions) -> Result<Self> {
+        let source_name = source_name.into();
+        let bs = BLOCK_SIZE.max(queue.block_size());
+        if opts.image_len < u64::from(bs) {
+            return Err(Error::Truncated {
+                source_name,
+                what: "superblock",
+                offset: 0,
+                end: u64::from(bs),
+                len: opts.image_len,
+            });
+        }
+        let rd = |queue: &mut Q, what: &'static str, offset: u64, len: u32| {
+            read_blocking(queue, opts.base_offset + offset, len).map_err(|cause| Error::Read {
+                source_name: source_name.clone(),
+                what,
+                offset,
+                cause,
+            })
+        };
+        let sb_buf = rd(&mut queue, "superblock", 0, bs)?;
+        let sb = Superblock::decode(sb_buf.as_slice(), &source_name, opts.image_len)?;
+        let index_read = round_up(sb.index_len.max(1), u64::from(bs));
+        let index_buf = rd(&mut queue, "index", sb.index_offset, index_read as u32)?;
+        let index_bytes = &index_buf.as_slice()[..sb.index_len as usize];
+        let digest = index_sha256(index_bytes);
+        if digest != sb.index_sha256 {
+            return Err(Error::IndexHash {
+                source_name,
+                offset: sb.index_offset,
+                len: sb.index_len,
+                expected: hex(&sb.index_sha256),
+                found: hex(&digest),
+            });
+        }
+        if let Some(expect) = &opts.expect {
+            let d = expect.dims;
+            for (field, want, got) in [
+                ("hidden", d.hidden, sb.hidden),
+                ("n_layers", d.n_layers, sb.n_layers),
+                ("n_experts", d.n_experts, sb.n_experts),
+                ("topk", d.topk, sb.topk),
+                ("moe_inter", d.moe_inter, sb.moe_inter),
+            ] {
+                if want != got {
+                    return Err(Error::DimensionMismatch {
+                        source_name,
+                        field,
+                        expected: want.into(),
+                        found: got.into(),
+                    });
+                }
+            }
+        }
+        let entries = decode_index(index_bytes)
+            .into_iter()
+            .map(|loc| {
+                loc.check(sb.block_size, sb.data_offset, opts.image_len)?;
+                if let Some(expect) = &opts.expect {
+                    if loc.len != expect.payload_len {
+                        return Err(format!(
+                            "len {} differs from the model's expert payload of {} bytes",
+                            loc.len, expect.payload_len
+                        ));
+                    }
+                }
+                Ok(loc)
+            })
+            .collect::<Vec<_>>();
+        for (i, e) in entries.iter().enumerate() {
+            if let Err(reason) = e {
+                let key = ExpertKey { layer: i as u32 / sb.n_experts, expert: i as u32 % sb.n_experts };
+                tracing::warn!(
+                    "{source_name}: index entry {i} {key} rejected: {reason}; it will be served by the fallback"
+                );
+            }
+        }
+        Ok(FlatStore { queue, source_name, sb, entries, opts, stats: Arc::default(), completions: Vec::new() })
+    }
+
+    /// Shares statistics with another owner (e.g. the runtime's report).
+    pub fn with_stats(mut self, stats: Arc<IoStats>) -> Self {
+        self.stats = stats;
+        self
+    }
+
+    /// The checked superblock.
+    pub fn superblock(&self) -> &Superblock {
+        &self.sb
+    }
+
+    /// The index entry of `key`, or why it is unusable.
+    pub fn entry(&self, key: ExpertKey) -> std::result::Result<ExpertLoc, LoadError> {
+        if key.expert >= self.sb.n_experts {
+            return Err(self.missing(key));
+        }
+        let i = key.layer as usize * self.sb.n_experts as usize + key.expert as usize;
+        match self.entries.get(i) {
+            None => Err(self.missing(key)),
+            Some(Ok(loc)) => Ok(*loc),
+            Some(Err(reason)) => {
+                Err(LoadError::Rejected { source_name: self.source_name.clone(), key, reason: reason.clone() })
+            }
+        }
+    }
+
+    fn missing(&self, key: ExpertKey) -> LoadError {
+        LoadError::Missing { source_name: self.source_name.clone(), key, n_entries: self.sb.n_entries }
+    }
+
+    /// Statistics of this store.
+    pub fn stats(&self) -> &Arc<IoStats> {
+        &self.stats
+    }
+
+    /// The store's name in messages.
+    pub fn source_name(&self) -> &str {
+        &self.source_name
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+impl<Q: IoQueue> ExpertLoader for FlatStore<Q> {
+    fn describe(&self) -> String {
+        format!("{} via {}", self.source_name, self.queue.describe())
+    }
+
+    fn load(&mut self, layer: u32, requests: Vec<(u32, AlignedBuf)>, ready: &mut dyn FnMut(Loaded)) {
+        let t0 = Instant::now();
+        // Tag = position in `pending`; the payload's (key, loc) travel beside it.
+        let mut pending: Vec<(ExpertKey, ExpertLoc)> = Vec::with_capacity(requests.len());
+        for (expert, buf) in requests {
+            let key = ExpertKey { layer, expert };
+            let loc = match self.entry(key) {
+                Ok(loc) => loc,
+                Err(e) => {
+                    self.stats.record_error();
+                    ready(Loaded { key, buf, result: Err(e) });
+                    continue;
+                }
+            };
+            if buf.len() < loc.padded_len as usize {
+                self.stats.record_error();
+                let e = LoadError::SlotTooSmall {
+                    source_name: self.source_name.clone(),
+                    key,
+                    slot: buf.len(),
+                    need: loc.padded_len as usize,
+                };
+                ready(Loaded { key, buf, result: Err(e) });
+                continue;
+            }
+            let tag = Tag(pending.len() as u64);
+            pending.push((key, loc));
+            self.queue.submit(ReadReq {
+                offset: ByteOffset(self.opts.base_offset + loc.offset),
+                len: loc.padded_len,
+                buf,
+                tag,
+            });
+        }
+        let mut left = pending.len();
+        while left > 0 {
+            self.completions.clear();
+            self.queue.reap(1, &mut self.completions);
+            for c in self.completions.drain(..) {
+                left -= 1;
+                let (key, loc) = pending[c.tag.0 as usize];
+                let result = match c.result {
+                    Err(cause) => {
+                        Err(LoadError::Io { source_name: self.source_name.clone(), key, offset: loc.offset, cause })
+                    }
+                    Ok(n) if n != loc.padded_len => Err(LoadError::Short {
+                        source_name: self.source_name.clone(),
+                        key,
+                        offset: loc.offset,
+                        got: n,
+                        want: loc.padded_len,
+                    }),
+                    Ok(_) => {
+                        self.stats.record_read(u64::from(loc.padded_len), c.latency_ns);
+                        let found = if self.opts.verify {
+                            payload_hash(&c.buf.as_slice()[..loc.len as usize])
+                        } else {
+                            loc.hash
+                        };
+                        if found == loc.hash {
+                            Ok(())
+                        } else {
+                            Err(LoadError::Hash {
+                                source_name: self.source_name.clone(),
+                                key,
+                                offset: loc.offset,
+                                expected: loc.hash,
+                                found,
+                            })
+                        }
+                    }
+                };
+                if result.is_err() {
+                    self.stats.record_error();
+                }
+                ready(Loaded { key, buf: c.buf, result });
+            }
+        }
+        self.stats.add_wall(t0.elapsed().as_nanos() as u64);
+    }
+}
+
+/// Serves every expert from `primary`, and each one `primary` fails on from `fallback` (logged and
+/// counted in `stats`): a corrupt or partial store costs speed, never correctness.
+pub struct FallbackLoader<P, F> {
+    primary: P,
+    fallback: F,
+    stats: Arc<IoStats>,
+}
+
+impl<P: ExpertLoader, F: ExpertLoader> FallbackLoader<P, F> {
+    /// Wraps `primary` with `fallback`; fallbacks are counted in `stats`.
+    pub fn new(primary: P, fallback: F, stats: Arc<IoStats>) -> Self {
+        FallbackLoader { primary, fallback, stats }
+    }
+}
+
+impl<P: ExpertLoader, F: ExpertLoader> ExpertLoader for FallbackLoader<P, F> {
+    fn describe(&self) -> String {
+        format!("{} (fallback: {})", self.primary.describe(), self.fallback.describe())
+    }
+
+    fn load(&mut self, layer: u32, requests: Vec<(u32, AlignedBuf)>, ready: &mut dyn FnMut(Loaded)) {
+        let mut retry = Vec::new();
+        self.primary.load(layer, requests, &mut |l: Loaded| match l.result {
+            Ok(()) => ready(l),
+            Err(e) => {
+                tracing::warn!("{e}; serving {} from the fallback", l.key);
+                retry.push((l.key.expert, l.buf));
+            }
+        });
+        if !retry.is_empty() {
+            let stats = &self.stats;
+            self.fallback.load(layer, retry, &mut |l: Loaded| {
+                stats.record_fallback();
+                ready(l)
+            });
+        }
+    }
+}

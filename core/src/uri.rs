@@ -1,0 +1,137 @@
+//! Store URIs: where the runtime gets its routed experts from.
+
+use std::path::PathBuf;
+
+use crate::error::{Error, Result};
+
+/// A parsed `--store` value.
+///
+/// | text | meaning |
+/// | --- | --- |
+/// | `auto` | `<model>/experts.picchioflat` when present and valid, else `safetensors` |
+/// | `safetensors` | the converted model's own expert tensors (always correct, never fast) |
+/// | `file:PATH` or a bare path | a `.picchioflat` image in a file |
+/// | `raw:/dev/X[@BYTES]` | an image on a block device, starting at byte offset `BYTES` (default 0) |
+/// | `nvme:DDDD:BB:DD.F[/NSID]` | an image on an NVMe namespace (default 1) through the user-space driver |
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StoreUri {
+    /// Choose the flat store when it is there and valid, else safetensors.
+    Auto,
+    /// The converted safetensors experts.
+    Safetensors,
+    /// A `.picchioflat` file.
+    File(PathBuf),
+    /// A block device and the byte offset of the image on it.
+    Raw {
+        /// The device node.
+        device: PathBuf,
+        /// Byte offset of the superblock (a multiple of the logical block size).
+        offset: u64,
+    },
+    /// An NVMe controller by PCI address and a namespace id.
+    Nvme {
+        /// PCI bus/device/function, `DDDD:BB:DD.F`.
+        bdf: String,
+        /// Namespace id (1-based).
+        nsid: u32,
+    },
+}
+
+impl std::str::FromStr for StoreUri {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = |message: String| Error::BadUri { uri: s.into(), message };
+        if s == "auto" {
+            return Ok(StoreUri::Auto);
+        }
+        if s == "safetensors" {
+            return Ok(StoreUri::Safetensors);
+        }
+        if let Some(p) = s.strip_prefix("file:") {
+            if p.is_empty() {
+                return Err(bad("file: needs a path, e.g. file:model/experts.picchioflat".into()));
+            }
+            return Ok(StoreUri::File(p.into()));
+        }
+        if let Some(rest) = s.strip_prefix("raw:") {
+            let (dev, offset) = match rest.rsplit_once('@') {
+                Some((d, o)) => {
+                    (d, o.parse::<u64>().map_err(|_| bad(format!("offset {o:?} after '@' is not a byte count")))?)
+                }
+                None => (rest, 0),
+            };
+            if dev.is_empty() {
+                return Err(bad("raw: needs a device, e.g. raw:/dev/nvme1n1p2".into()));
+            }
+            return Ok(StoreUri::Raw { device: dev.into(), offset });
+        }
+        if let Some(rest) = s.strip_prefix("nvme:") {
+            let (bdf, nsid) = match rest.split_once('/') {
+                Some((b, n)) => (
+                    b,
+                    n.parse::<u32>()
+                        .ok()
+                        .filter(|&n| n >= 1)
+                        .ok_or_else(|| bad(format!("namespace id {n:?} is not a number >= 1")))?,
+                ),
+                None => (rest, 1),
+            };
+            if !is_bdf(bdf) {
+                return Err(bad(format!("{bdf:?} is not a PCI address DDDD:BB:DD.F, e.g. 0000:03:00.0")));
+            }
+            return Ok(StoreUri::Nvme { bdf: bdf.into(), nsid });
+        }
+        if s.contains(':') && !s.starts_with('/') && !s.starts_with('.') {
+            return Err(bad("unknown scheme: use auto, safetensors, file:PATH, raw:/dev/X or nvme:BDF[/NSID]".into()));
+        }
+        if s.is_empty() {
+            return Err(bad("empty store".into()));
+        }
+        Ok(StoreUri::File(s.into()))
+    }
+}
+
+fn is_bdf(s: &str) -> bool {
+    let parts: Vec<&str> = s.split([':', '.']).collect();
+    let hex = |p: &str, n: usize| p.len() == n && p.chars().all(|c| c.is_ascii_hexdigit());
+    parts.len() == 4 && hex(parts[0], 4) && hex(parts[1], 2) && hex(parts[2], 2) && hex(parts[3], 1)
+}
+
+impl std::fmt::Display for StoreUri {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StoreUri::Auto => write!(f, "auto"),
+            StoreUri::Safetensors => write!(f, "safetensors"),
+            StoreUri::File(p) => write!(f, "file:{}", p.display()),
+            StoreUri::Raw { device, offset: 0 } => write!(f, "raw:{}", device.display()),
+            StoreUri::Raw { device, offset } => write!(f, "raw:{}@{offset}", device.display()),
+            StoreUri::Nvme { bdf, nsid } => write!(f, "nvme:{bdf}/{nsid}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_form() {
+        let p = |s: &str| s.parse::<StoreUri>();
+        assert_eq!(p("auto").unwrap(), StoreUri::Auto);
+        assert_eq!(p("safetensors").unwrap(), StoreUri::Safetensors);
+        assert_eq!(p("file:/a/b").unwrap(), StoreUri::File("/a/b".into()));
+        assert_eq!(p("./x.picchioflat").unwrap(), StoreUri::File("./x.picchioflat".into()));
+        assert_eq!(p("raw:/dev/sdb").unwrap(), StoreUri::Raw { device: "/dev/sdb".into(), offset: 0 });
+        assert_eq!(p("raw:/dev/sdb@1048576").unwrap(), StoreUri::Raw { device: "/dev/sdb".into(), offset: 1 << 20 });
+        assert_eq!(p("nvme:0000:03:00.0").unwrap(), StoreUri::Nvme { bdf: "0000:03:00.0".into(), nsid: 1 });
+        assert_eq!(p("nvme:0000:03:00.0/2").unwrap(), StoreUri::Nvme { bdf: "0000:03:00.0".into(), nsid: 2 });
+        for s in ["raw:", "raw:/dev/x@abc", "nvme:03:00.0", "nvme:0000:03:00.0/0", "s3:bucket", "file:", ""] {
+            let e = p(s).unwrap_err().to_string();
+            assert!(e.contains("bad store URI"), "{s}: {e}");
+        }
+        for s in ["auto", "safetensors", "file:/a", "raw:/dev/sdb@4096", "nvme:0000:03:00.0/2"] {
+            assert_eq!(p(s).unwrap().to_string(), s);
+        }
+    }
+}

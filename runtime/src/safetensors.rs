@@ -1,0 +1,270 @@
+//! Reading tensors by Hugging Face name from a directory of safetensors files.
+//!
+//! Which files: `model.safetensors.index.json` when present (its `weight_map` is followed exactly:
+//! no layer or file-name order is assumed), else `model.safetensors`, else every
+//! `model-*.safetensors` (how Picchio (C) writes converted directories, without an index).
+
+use std::collections::{BTreeSet, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::tensor::{Dtype, SafeTensors, TensorInfo};
+
+use crate::error::{Error, Result};
+
+/// The tensors of one model directory, memory-mapped, looked up by name.
+pub struct TensorStore {
+    dir: PathBuf,
+    files: Vec<(PathBuf, Mmap, usize)>,
+    tensors: HashMap<String, (usize, TensorInfo)>,
+}
+
+/// One tensor: where it lives, its dtype and shape, and its raw little-endian bytes.
+#[derive(Clone, Copy, Debug)]
+pub struct TensorRef<'a> {
+    /// The checkpoint tensor name.
+    pub name: &'a str,
+    /// The file holding it.
+    pub path: &'a Path,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape, outermost first.
+    pub shape: &'a [usize],
+    /// The raw bytes.
+    pub bytes: &'a [u8],
+}
+
+impl TensorStore {
+    /// Opens every weight file of `dir` (see the module docs) and indexes its tensors.
+    ///
+    /// # Errors
+    /// [`Error::NoWeights`], [`Error::ShardIndex`] (bad JSON, or a `weight_map` naming a file that is
+    /// missing or a tensor that the file lacks), [`Error::Safetensors`] (bad header, truncated file),
+    /// [`Error::DuplicateTensor`], [`Error::Io`].
+    pub fn open(dir: &Path) -> Result<Self> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let (names, weight_map) = if index_path.exists() {
+            let text = std::fs::read_to_string(&index_path).map_err(Error::io(&index_path, "read"))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| Error::ShardIndex { path: index_path.clone(), message: e.to_string() })?;
+            let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| Error::ShardIndex {
+                path: index_path.clone(),
+                message: "no `weight_map` object".into(),
+            })?;
+            let mut wm = HashMap::new();
+            for (k, f) in map {
+                let f =
+                    f.as_str().filter(|f| !f.contains('/') && !f.contains('\\')).ok_or_else(|| Error::ShardIndex {
+                        path: index_path.clone(),
+                        message: format!("weight_map[{k:?}] is not a file name"),
+                    })?;
+                wm.insert(k.clone(), f.to_string());
+            }
+            let files: BTreeSet<String> = wm.values().cloned().collect();
+            (files.into_iter().collect::<Vec<_>>(), Some(wm))
+        } else if dir.join("model.safetensors").exists() {
+            (vec!["model.safetensors".to_string()], None)
+        } else {
+            let rd = std::fs::read_dir(dir).map_err(Error::io(dir, "list directory"))?;
+            let mut v: Vec<String> = rd
+                .filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("model-") && n.ends_with(".safetensors"))
+                .collect();
+            v.sort();
+            (v, None)
+        };
+        if names.is_empty() {
+            return Err(Error::NoWeights { dir: dir.into() });
+        }
+        let mut files = Vec::with_capacity(names.len());
+        let mut tensors: HashMap<String, (usize, TensorInfo)> = HashMap::new();
+        for name in &names {
+            let path = dir.join(name);
+            let file = File::open(&path).map_err(Error::io(&path, "open"))?;
+            // SAFETY: the map is read-only and private to this process; checkpoints are not modified
+            // while a model is loaded (the same contract as every mmap-based model loader).
+            let map = unsafe { Mmap::map(&file) }.map_err(Error::io(&path, "mmap"))?;
+            let (header_len, meta) =
+                SafeTensors::read_metadata(&map).map_err(|cause| Error::Safetensors { path: path.clone(), cause })?;
+            let fi = files.len();
+            for (tname, info) in meta.tensors() {
+                if let Some(wm) = &weight_map {
+                    if wm.get(&tname).map(String::as_str) != Some(name.as_str()) {
+                        continue; // the index assigns this tensor to another file (or to none)
+                    }
+                }
+                if let Some((other, _)) = tensors.get(&tname) {
+                    return Err(Error::DuplicateTensor {
+                        name: tname,
+                        first: files_path(&files, *other, dir, &names),
+                        second: path.clone(),
+                    });
+                }
+                tensors.insert(tname, (fi, info.clone()));
+            }
+            files.push((path, map, 8 + header_len));
+        }
+        if let Some(wm) = &weight_map {
+            for (tname, f) in wm {
+                if !tensors.contains_key(tname) {
+                    return Err(Error::ShardIndex {
+                        path: index_path.clone(),
+                        message: format!("weight_map puts `{tname}` in {f}, which does not contain it"),
+                    });
+                }
+            }
+        }
+        Ok(TensorStore { dir: dir.into(), files, tensors })
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Whether a tensor named `name` exists.
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// All tensor names (unordered).
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
+    /// The weight files, in the order opened.
+    pub fn files(&self) -> impl Iterator<Item = &Path> {
+        self.files.iter().map(|(p, _, _)| p.as_path())
+    }
+
+    /// Looks up `name`.
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`] naming the directory and the files searched.
+    pub fn get(&self, name: &str) -> Result<TensorRef<'_>> {
+        let Some((key, (fi, info))) = self.tensors.get_key_value(name) else {
+            return Err(Error::MissingTensor {
+                dir: self.dir.clone(),
+                name: name.into(),
+                files: self
+                    .files
+                    .iter()
+                    .map(|(p, _, _)| p.file_name().unwrap_or_default().to_string_lossy().into_owned())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            });
+        };
+        let (path, map, data_start) = &self.files[*fi];
+        let (a, b) = info.data_offsets;
+        Ok(TensorRef {
+            name: key,
+            path,
+            dtype: info.dtype,
+            shape: &info.shape,
+            bytes: &map[data_start + a..data_start + b],
+        })
+    }
+}
+
+fn files_path(files: &[(PathBuf, Mmap, usize)], i: usize, dir: &Path, names: &[String]) -> PathBuf {
+    files.get(i).map(|f| f.0.clone()).unwrap_or_else(|| dir.join(&names[i]))
+}
+
+impl TensorRef<'_> {
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Fails unless the shape is exactly `expected`.
+    ///
+    /// # Errors
+    /// [`Error::TensorShape`] naming the file and tensor.
+    pub fn expect_shape(&self, expected: &[usize]) -> Result<&Self> {
+        if self.shape != expected {
+            return Err(Error::TensorShape {
+                path: self.path.into(),
+                name: self.name.into(),
+                expected: expected.into(),
+                found: self.shape.into(),
+            });
+        }
+        Ok(self)
+    }
+
+    /// A dtype error naming this tensor, for callers that accept other dtypes than [`TensorRef::to_f32`].
+    pub fn dtype_error(&self, expected: &str) -> Error {
+        Error::TensorDtype {
+            path: self.path.into(),
+            name: self.name.into(),
+            expected: expected.into(),
+            found: format!("{:?}", self.dtype),
+        }
+    }
+
+    /// The values widened to f32 (from F32, BF16 or F16; exact).
+    ///
+    /// # Errors
+    /// [`Error::TensorDtype`] for any other dtype.
+    pub fn to_f32(&self) -> Result<Vec<f32>> {
+        let b = self.bytes;
+        Ok(match self.dtype {
+            Dtype::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            Dtype::BF16 => b.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            Dtype::F16 => b.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            _ => return Err(self.dtype_error("F32, BF16 or F16")),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture(name: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(name)
+    }
+
+    #[test]
+    fn follows_weight_map_across_shards() {
+        let s = TensorStore::open(&fixture("qwen3_moe")).unwrap();
+        let t = s.get("model.layers.0.mlp.experts.3.down_proj.weight").unwrap();
+        assert_eq!(t.shape, &[64, 64]);
+        assert_eq!(t.to_f32().unwrap().len(), 64 * 64);
+        let e = s.get("model.layers.9.mlp.gate.weight").unwrap_err().to_string();
+        assert!(e.contains("model.layers.9.mlp.gate.weight") && e.contains("model-00001-of-00002.safetensors"), "{e}");
+        let e = t.expect_shape(&[64, 32]).unwrap_err().to_string();
+        assert!(e.contains("expected [64, 32]"), "{e}");
+    }
+
+    #[test]
+    fn scans_picchio_c_directory_and_single_file() {
+        let s = TensorStore::open(&fixture("picchio_c/qwen3_moe")).unwrap();
+        assert_eq!(s.get("lm_head.weight").unwrap().dtype, Dtype::I8);
+        assert_eq!(s.files().count(), 2);
+        let s = TensorStore::open(&fixture("qwen3_moe_wide")).unwrap();
+        assert!(s.contains("model.layers.1.mlp.gate_proj.weight"));
+        assert!(!s.contains("logits"), "reference.safetensors must not be read as weights");
+    }
+
+    #[test]
+    fn truncated_and_missing_files_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = std::fs::read(fixture("qwen3_moe_wide/model.safetensors")).unwrap();
+        std::fs::write(dir.path().join("model.safetensors"), &src[..src.len() / 2]).unwrap();
+        let e = TensorStore::open(dir.path()).err().unwrap().to_string();
+        assert!(e.contains("model.safetensors: not a valid safetensors file"), "{e}");
+        std::fs::remove_file(dir.path().join("model.safetensors")).unwrap();
+        let e = TensorStore::open(dir.path()).err().unwrap().to_string();
+        assert!(e.contains("no model.safetensors.index.json"), "{e}");
+        std::fs::write(
+            dir.path().join("model.safetensors.index.json"),
+            r#"{"weight_map": {"a": "model-00001-of-00002.safetensors"}}"#,
+        )
+        .unwrap();
+        let e = TensorStore::open(dir.path()).err().unwrap().to_string();
+        assert!(e.contains("model-00001-of-00002.safetensors: open"), "{e}");
+    }
+}

@@ -319,9 +319,24 @@ impl<Q: IoQueue> FlatStore<Q> {
         &self.stats
     }
 
+    /// The engine serving the reads.
+    pub fn queue(&self) -> &Q {
+        &self.queue
+    }
+
     /// The store's name in messages.
     pub fn source_name(&self) -> &str {
         &self.source_name
+    }
+}
+
+impl<Q: IoQueue> std::fmt::Debug for FlatStore<Q> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FlatStore")
+            .field("source", &self.source_name)
+            .field("engine", &self.queue.describe())
+            .field("superblock", &self.sb)
+            .finish_non_exhaustive()
     }
 }
 
@@ -369,11 +384,21 @@ impl<Q: IoQueue> ExpertLoader for FlatStore<Q> {
             });
         }
         let mut left = pending.len();
+        let mut done = vec![false; pending.len()];
         while left > 0 {
             self.completions.clear();
-            self.queue.reap(1, &mut self.completions);
+            if self.queue.reap(1, &mut self.completions) == 0 && self.queue.in_flight() == 0 {
+                // The engine lost requests: fail them rather than wait forever. Their slots are gone
+                // with the engine's bookkeeping, so only the error can be reported.
+                for (i, (key, _)) in pending.iter().enumerate().filter(|(i, _)| !done[*i]) {
+                    tracing::error!("{}: the engine reported nothing in flight while {key} (request {i}) was pending", self.source_name);
+                    self.stats.record_error();
+                }
+                break;
+            }
             for c in self.completions.drain(..) {
                 left -= 1;
+                done[c.tag.0 as usize] = true;
                 let (key, loc) = pending[c.tag.0 as usize];
                 let result = match c.result {
                     Err(cause) => {

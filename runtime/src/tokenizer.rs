@@ -1,0 +1,71 @@
+//! Text ↔ token ids through Hugging Face's `tokenizers` crate, from a model directory's
+//! `tokenizer.json`.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+
+/// A loaded `tokenizer.json`.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    path: PathBuf,
+}
+
+impl Tokenizer {
+    /// Loads `<dir>/tokenizer.json`, or returns `Ok(None)` when the directory has none (then prompts
+    /// must be given as ids).
+    ///
+    /// # Errors
+    /// [`Error::Tokenizer`] when the file exists but cannot be parsed.
+    pub fn from_dir(dir: &Path) -> Result<Option<Self>> {
+        let path = dir.join("tokenizer.json");
+        if !path.exists() {
+            return Ok(None);
+        }
+        let inner = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| Error::Tokenizer { path: path.clone(), message: e.to_string() })?;
+        Ok(Some(Tokenizer { inner, path }))
+    }
+
+    /// Encodes `text` without adding special tokens (as transformers' `add_special_tokens=False`).
+    ///
+    /// # Errors
+    /// [`Error::Tokenizer`].
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| Error::Tokenizer { path: self.path.clone(), message: e.to_string() })?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Decodes ids to text, keeping special tokens (`skip_special_tokens=False`).
+    ///
+    /// # Errors
+    /// [`Error::Tokenizer`] (e.g. an id beyond the vocabulary).
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, false).map_err(|e| Error::Tokenizer { path: self.path.clone(), message: e.to_string() })
+    }
+
+    /// Vocabulary size including added tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_the_fixture_prompt_like_transformers() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/qwen3_moe_text");
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+        let ids = |k: &str| r[k].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect::<Vec<_>>();
+        let t = Tokenizer::from_dir(&dir).unwrap().unwrap();
+        assert_eq!(t.encode(r["prompt_text"].as_str().unwrap()).unwrap(), ids("prompt_ids"));
+        assert_eq!(t.decode(&ids("greedy_ids")).unwrap(), r["greedy_text"].as_str().unwrap());
+        assert!(Tokenizer::from_dir(&dir.join("../qwen3_moe")).unwrap().is_none());
+    }
+}

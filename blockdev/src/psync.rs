@@ -361,7 +361,7 @@ fn read_full(shared: &Shared, offset: u64, len: u32, buf: &mut AlignedBuf) -> st
                 done += n;
                 // An unbuffered read only stops short of an aligned count at end of file; asking
                 // again from the unaligned position would fail with EINVAL instead of returning 0.
-                if shared.direct && done % shared.align.offset as usize != 0 {
+                if shared.direct && !done.is_multiple_of(shared.align.offset as usize) {
                     break;
                 }
             }

@@ -34,7 +34,7 @@ fn random_reads(dir: &Path, direct: bool, threads: usize, seed: u64) {
     let mut q = PsyncQueue::open(&path, PsyncOptions { threads, direct }).unwrap();
     assert_eq!(q.len(), FILE_LEN as u64);
     let step = u64::from(q.alignment().offset);
-    assert!(q.block_size() >= MIN_REPORTED_BLOCK_SIZE && q.block_size() % q.alignment().mem == 0);
+    assert!(q.block_size() >= MIN_REPORTED_BLOCK_SIZE && q.block_size().is_multiple_of(q.alignment().mem));
     let mut rng = Rng::new(seed ^ 0x9e37);
     let mut expect = Vec::new();
     for i in 0..300u64 {

@@ -391,7 +391,10 @@ impl<Q: IoQueue> ExpertLoader for FlatStore<Q> {
                 // The engine lost requests: fail them rather than wait forever. Their slots are gone
                 // with the engine's bookkeeping, so only the error can be reported.
                 for (i, (key, _)) in pending.iter().enumerate().filter(|(i, _)| !done[*i]) {
-                    tracing::error!("{}: the engine reported nothing in flight while {key} (request {i}) was pending", self.source_name);
+                    tracing::error!(
+                        "{}: the engine reported nothing in flight while {key} (request {i}) was pending",
+                        self.source_name
+                    );
                     self.stats.record_error();
                 }
                 break;

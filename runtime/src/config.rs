@@ -131,7 +131,7 @@ impl Config {
                 return Err(bad(key, "must be > 0".into()));
             }
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             return Err(bad(
                 "num_key_value_heads",
                 format!(
@@ -146,7 +146,7 @@ impl Config {
                 format!("{} exceeds num_experts {}", self.num_experts_per_tok, self.num_experts),
             ));
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             return Err(bad("head_dim", format!("{} must be even for RoPE", self.head_dim())));
         }
         if let Some(s) = &self.rope_scaling {
@@ -179,7 +179,7 @@ impl Config {
     /// Whether layer `l` routes to experts (else it has a dense MLP). transformers:
     /// `(l not in mlp_only_layers) and num_experts > 0 and (l + 1) % decoder_sparse_step == 0`.
     pub fn is_moe_layer(&self, l: usize) -> bool {
-        !self.mlp_only_layers.contains(&l) && self.num_experts > 0 && (l + 1) % self.decoder_sparse_step == 0
+        !self.mlp_only_layers.contains(&l) && self.num_experts > 0 && (l + 1).is_multiple_of(self.decoder_sparse_step)
     }
 
     /// Indices of the MoE layers.

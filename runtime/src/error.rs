@@ -114,6 +114,15 @@ pub enum Error {
         /// The dtype in the file.
         found: String,
     },
+    /// An expert could not be loaded (by the store nor its fallback) during a forward pass.
+    #[error("loading expert {key}: {cause}")]
+    ExpertLoad {
+        /// The expert.
+        key: picchio_core::ExpertKey,
+        /// The loader's error.
+        #[source]
+        cause: picchio_core::LoadError,
+    },
     /// The expert store failed as a whole (bad header, index hash, dimensions).
     #[error(transparent)]
     Store(#[from] picchio_core::Error),

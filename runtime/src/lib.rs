@@ -2,5 +2,25 @@
 //! `.picchioflat` image, and runs the model with the experts streamed through an LRU expert cache.
 #![deny(missing_docs)]
 
+pub mod cache;
+pub mod config;
+pub mod convert;
+pub mod error;
+pub mod expert;
 pub mod kernels;
+pub mod model;
+pub mod moe;
+pub mod pack;
+pub mod progress;
 pub mod quant;
+pub mod rope;
+pub mod run;
+pub mod safetensors;
+pub mod sampler;
+pub mod store;
+pub mod synthetic;
+pub mod tokenizer;
+pub mod verify;
+
+pub use config::Config;
+pub use error::{Error, Result};

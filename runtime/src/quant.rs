@@ -116,7 +116,7 @@ impl QuantKind {
 
     /// Number of `rows * cols`, checking that a quantized format gets whole groups.
     fn elements(self, rows: usize, cols: usize) -> Result<usize, QuantError> {
-        if self != QuantKind::F32 && cols % GROUP_SIZE != 0 {
+        if self != QuantKind::F32 && !cols.is_multiple_of(GROUP_SIZE) {
             return Err(QuantError::ColsNotMultipleOfGroup { kind: self, rows, cols });
         }
         rows.checked_mul(cols).ok_or(QuantError::TooLarge { kind: self, rows, cols })
@@ -203,8 +203,11 @@ fn check_into(
     group_bytes: usize,
     scales_len: usize,
 ) -> usize {
-    assert!(cols > 0 && cols % GROUP_SIZE == 0, "{name}: cols = {cols} must be a positive multiple of {GROUP_SIZE}");
-    assert!(w_len % cols == 0, "{name}: {w_len} weights are not a whole number of rows of {cols}");
+    assert!(
+        cols > 0 && cols.is_multiple_of(GROUP_SIZE),
+        "{name}: cols = {cols} must be a positive multiple of {GROUP_SIZE}"
+    );
+    assert!(w_len.is_multiple_of(cols), "{name}: {w_len} weights are not a whole number of rows of {cols}");
     let groups = w_len / GROUP_SIZE;
     assert_eq!(packed_len, groups * group_bytes, "{name}: packed buffer length for {w_len} weights");
     assert_eq!(scales_len, groups, "{name}: scales buffer length for {w_len} weights");

@@ -45,7 +45,7 @@ impl Sampler {
         Sampler { opts, rng: StdRng::seed_from_u64(opts.seed), probs: Vec::new() }
     }
 
-    /// Picks the next token id from `logits` [vocab].
+    /// Picks the next token id from `logits` (one per vocabulary id).
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         if self.opts.temperature <= 0.0 {
             return argmax(logits);

@@ -58,7 +58,12 @@ pub fn store_dims(cfg: &Config) -> StoreDims {
 /// # Errors
 /// [`Error::Invalid`] when the file cannot be opened by the engine; [`Error::Store`] for a rejected
 /// superblock, index hash or dimensions.
-pub fn open_flat_file(path: &Path, cfg: &Config, layout: &ExpertLayout, io: IoOptions) -> Result<FlatStore<PsyncQueue>> {
+pub fn open_flat_file(
+    path: &Path,
+    cfg: &Config,
+    layout: &ExpertLayout,
+    io: IoOptions,
+) -> Result<FlatStore<PsyncQueue>> {
     let queue = PsyncQueue::open(path, PsyncOptions { threads: io.threads.max(1), direct: io.direct })
         .map_err(|e| Error::Invalid(format!("{e:#}")))?;
     let image_len = queue.len();
@@ -132,7 +137,8 @@ fn wrap(
     fallback: SafetensorsExperts,
     stats: Arc<IoStats>,
 ) -> (Box<dyn ExpertLoader>, StoreInfo, Arc<IoStats>) {
-    let info = StoreInfo { store: flat.source_name().to_string(), engine: picchio_core::IoQueue::describe(flat.queue()) };
+    let info =
+        StoreInfo { store: flat.source_name().to_string(), engine: picchio_core::IoQueue::describe(flat.queue()) };
     let flat = flat.with_stats(stats.clone());
     (Box::new(FallbackLoader::new(flat, fallback, stats.clone())), info, stats)
 }

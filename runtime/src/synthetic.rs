@@ -139,8 +139,8 @@ fn random_q4(rng: &mut Rng, rows: usize, cols: usize, std: f32, packed: &mut [u8
     for b in packed.iter_mut() {
         let r = rng.next();
         // Two nibbles, each uniform on 1..=15 (value nibble - 8 in -7..=7).
-        let lo = 1 + ((r & 0xffff) * 15 >> 16) as u8;
-        let hi = 1 + (((r >> 16) & 0xffff) * 15 >> 16) as u8;
+        let lo = 1 + (((r & 0xffff) * 15) >> 16) as u8;
+        let hi = 1 + ((((r >> 16) & 0xffff) * 15) >> 16) as u8;
         *b = lo | (hi << 4);
     }
     let s = (std / CODE_STD).to_le_bytes();
@@ -157,7 +157,10 @@ fn ones_bf16(n: usize) -> Vec<u8> {
     (0..n).flat_map(|_| half::bf16::from_f32(1.0).to_le_bytes()).collect()
 }
 
-fn write_shard(path: &Path, tensors: &[(String, Dtype, Vec<usize>, Vec<u8>)]) -> Result<()> {
+/// One tensor to write: name, dtype, shape, little-endian bytes.
+type OwnedTensor = (String, Dtype, Vec<usize>, Vec<u8>);
+
+fn write_shard(path: &Path, tensors: &[OwnedTensor]) -> Result<()> {
     let views = tensors
         .iter()
         .map(|(n, d, s, b)| {
@@ -181,9 +184,8 @@ pub fn write_synthetic(dir: &Path, spec: &SyntheticSpec, progress: &mut dyn FnMu
     let tmp = dir.with_extension(format!("tmp-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(Error::io(&tmp, "create directory"))?;
-    let result = write_into(&tmp, spec, progress).and_then(|_| {
-        std::fs::rename(&tmp, dir).map_err(Error::io(dir, "rename synthetic model into place"))
-    });
+    let result = write_into(&tmp, spec, progress)
+        .and_then(|_| std::fs::rename(&tmp, dir).map_err(Error::io(dir, "rename synthetic model into place")));
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&tmp);
     }
@@ -202,7 +204,12 @@ fn write_into(dir: &Path, s: &SyntheticSpec, progress: &mut dyn FnMut(usize, usi
     // Dense shard: embeddings, lm_head, norms, attention, routers.
     let mut dense = Vec::new();
     let mut rng = Rng::new(s.seed, 1, 0);
-    dense.push(("model.embed_tokens.weight".into(), Dtype::BF16, vec![s.vocab, h], bf16_tensor(&mut rng, s.vocab * h, 1.0)));
+    dense.push((
+        "model.embed_tokens.weight".into(),
+        Dtype::BF16,
+        vec![s.vocab, h],
+        bf16_tensor(&mut rng, s.vocab * h, 1.0),
+    ));
     let lm_std = 1.0 / (h as f32).sqrt();
     dense.push(("lm_head.weight".into(), Dtype::BF16, vec![s.vocab, h], bf16_tensor(&mut rng, s.vocab * h, lm_std)));
     dense.push(("model.norm.weight".into(), Dtype::BF16, vec![h], ones_bf16(h)));
@@ -213,9 +220,24 @@ fn write_into(dir: &Path, s: &SyntheticSpec, progress: &mut dyn FnMut(usize, usi
         let std_q = 1.0 / (q as f32).sqrt();
         dense.push((format!("{p}.input_layernorm.weight"), Dtype::BF16, vec![h], ones_bf16(h)));
         dense.push((format!("{p}.post_attention_layernorm.weight"), Dtype::BF16, vec![h], ones_bf16(h)));
-        dense.push((format!("{p}.self_attn.q_proj.weight"), Dtype::BF16, vec![q, h], bf16_tensor(&mut rng, q * h, std_h)));
-        dense.push((format!("{p}.self_attn.k_proj.weight"), Dtype::BF16, vec![kv, h], bf16_tensor(&mut rng, kv * h, std_h)));
-        dense.push((format!("{p}.self_attn.v_proj.weight"), Dtype::BF16, vec![kv, h], bf16_tensor(&mut rng, kv * h, std_h)));
+        dense.push((
+            format!("{p}.self_attn.q_proj.weight"),
+            Dtype::BF16,
+            vec![q, h],
+            bf16_tensor(&mut rng, q * h, std_h),
+        ));
+        dense.push((
+            format!("{p}.self_attn.k_proj.weight"),
+            Dtype::BF16,
+            vec![kv, h],
+            bf16_tensor(&mut rng, kv * h, std_h),
+        ));
+        dense.push((
+            format!("{p}.self_attn.v_proj.weight"),
+            Dtype::BF16,
+            vec![kv, h],
+            bf16_tensor(&mut rng, kv * h, std_h),
+        ));
         let o = bf16_tensor(&mut rng, h * q, std_q * resid);
         dense.push((format!("{p}.self_attn.o_proj.weight"), Dtype::BF16, vec![h, q], o));
         dense.push((format!("{p}.self_attn.q_norm.weight"), Dtype::BF16, vec![s.head_dim], ones_bf16(s.head_dim)));
@@ -235,7 +257,7 @@ fn write_into(dir: &Path, s: &SyntheticSpec, progress: &mut dyn FnMut(usize, usi
     // One shard per layer of Q4 experts, generated in parallel, each expert from its own stream.
     let layout = s.expert_layout();
     for l in 0..s.layers {
-        let experts: Vec<Vec<(String, Dtype, Vec<usize>, Vec<u8>)>> = (0..s.experts)
+        let experts: Vec<Vec<OwnedTensor>> = (0..s.experts)
             .into_par_iter()
             .map(|e| {
                 let mut rng = Rng::new(s.seed, 3 + l as u64, e as u64);

@@ -1,1 +1,65 @@
-//! integration test helpers
+//! Helpers shared by the cross-crate integration tests: fixture paths, reference files, and running a
+//! model through a chosen store.
+
+use std::path::{Path, PathBuf};
+
+use picchio_core::StoreUri;
+use picchio_runtime::run::{GenerateOptions, Generation, Session, SessionOptions};
+use picchio_runtime::store::IoOptions;
+use picchio_runtime::tokenizer::Tokenizer;
+
+/// `tests/fixtures/<name>`.
+pub fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name)
+}
+
+/// A fixture's `reference.json` or `reference_q4.json`.
+pub fn reference_json(dir: &Path, file: &str) -> serde_json::Value {
+    let p = dir.join(file);
+    serde_json::from_str(&std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display())))
+        .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// An id array of a reference JSON (`prompt_ids`, `greedy_ids`).
+pub fn ids(v: &serde_json::Value, key: &str) -> Vec<u32> {
+    v[key].as_array().unwrap_or_else(|| panic!("no {key}")).iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+/// The greedy tokens Picchio (C) v0.8.0 printed for `fixtures/picchio_c/qwen3_moe` on the 12
+/// `qwen3_moe/reference.json` prompt ids (fixtures/picchio_c/README.md).
+pub const PICCHIO_C_TOKENS: [u32; 16] =
+    [731, 1930, 347, 2860, 3377, 3184, 3525, 2504, 41, 2411, 547, 193, 3590, 3840, 3815, 1426];
+
+/// Generates `n` greedy tokens after `prompt` from `model_dir` with experts from `store`.
+pub fn greedy(
+    model_dir: &Path,
+    store: StoreUri,
+    io: IoOptions,
+    ecap: Option<usize>,
+    prompt: &[u32],
+    n: usize,
+) -> picchio_runtime::Result<(Generation, Session)> {
+    let opts = SessionOptions { model_dir: model_dir.into(), store, io, ecap, max_seq: prompt.len() + n };
+    let mut s = Session::open(&opts, Tokenizer::from_dir(model_dir)?)?;
+    let g = s.generate(prompt, &GenerateOptions { max_new: n, keep_logits: true, ..Default::default() })?;
+    Ok((g, s))
+}
+
+/// Copies every regular file of `src` into a new directory `dst`.
+pub fn copy_dir(src: &Path, dst: &Path) {
+    std::fs::create_dir_all(dst).unwrap();
+    for e in std::fs::read_dir(src).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_file() {
+            std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
+        }
+    }
+}
+
+/// A scratch directory on a file system that supports O_DIRECT (under the target directory, not
+/// /tmp, which may be tmpfs).
+pub fn scratch() -> tempfile::TempDir {
+    let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/test-scratch");
+    std::fs::create_dir_all(&base).unwrap();
+    tempfile::tempdir_in(base).unwrap()
+}

@@ -53,7 +53,7 @@ impl ExpertLoc {
     /// payload ends inside the image (`image_len` bytes).
     pub fn check(&self, block_size: u32, data_offset: u64, image_len: u64) -> Result<(), String> {
         let bs = u64::from(block_size);
-        if self.offset % bs != 0 {
+        if !self.offset.is_multiple_of(bs) {
             return Err(format!("offset {:#x} is not a multiple of the block size {bs}", self.offset));
         }
         if self.offset < data_offset {

@@ -176,7 +176,7 @@ impl Superblock {
             ));
         }
         let bs = u64::from(sb.block_size);
-        if sb.index_offset < bs || sb.index_offset % bs != 0 {
+        if sb.index_offset < bs || !sb.index_offset.is_multiple_of(bs) {
             return Err(bad(
                 "index_offset",
                 off::INDEX_OFFSET,
@@ -184,7 +184,7 @@ impl Superblock {
                 sb.index_offset,
             ));
         }
-        if sb.data_offset % bs != 0 || sb.data_offset < sb.index_offset + sb.index_len {
+        if !sb.data_offset.is_multiple_of(bs) || sb.data_offset < sb.index_offset + sb.index_len {
             return Err(bad(
                 "data_offset",
                 off::DATA_OFFSET,

@@ -192,7 +192,7 @@ fn check_len(kernel: &str, what: &str, found: usize, expected: usize, rows: usiz
 #[inline]
 #[track_caller]
 fn check_groups(kernel: &str, cols: usize) {
-    assert!(cols % GROUP_SIZE == 0, "{kernel}: cols = {cols} is not a multiple of {GROUP_SIZE}");
+    assert!(cols.is_multiple_of(GROUP_SIZE), "{kernel}: cols = {cols} is not a multiple of {GROUP_SIZE}");
 }
 
 impl<'a> MatRef<'a> {

@@ -1,1 +1,43 @@
-fn main() {}
+//! `picchio`: convert, pack, verify and run Mixture-of-Experts models whose routed experts stream from
+//! storage. Library errors are typed; here they become `anyhow` chains printed as `Error: …`.
+
+mod commands;
+
+use clap::Parser;
+
+fn main() {
+    let cli = commands::Cli::parse();
+    init_logging(cli.verbose, cli.quiet);
+    if let Err(e) = commands::exec(cli) {
+        eprintln!("Error: {}", chain(&e));
+        std::process::exit(1);
+    }
+}
+
+/// The error and its causes joined by ": " (as `{:#}`), skipping a cause whose text the message
+/// already quotes: library errors name their cause in `Display` and also keep it as `source()`.
+fn chain(e: &anyhow::Error) -> String {
+    let mut msg = e.to_string();
+    for cause in e.chain().skip(1) {
+        let s = cause.to_string();
+        if !msg.contains(&s) {
+            msg.push_str(": ");
+            msg.push_str(&s);
+        }
+    }
+    msg
+}
+
+/// Logs go to stderr; `RUST_LOG` overrides the level chosen by `-v` / `-q`.
+fn init_logging(verbose: u8, quiet: bool) {
+    let level = match (quiet, verbose) {
+        (true, _) => "error",
+        (false, 0) => "warn",
+        (false, 1) => "info",
+        (false, 2) => "debug",
+        _ => "trace",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
+}

@@ -1,0 +1,33 @@
+//! `picchio convert`.
+
+use std::path::PathBuf;
+
+use picchio_runtime::convert::{convert, ConvertOptions};
+use picchio_runtime::quant::QuantKind;
+
+/// Options of `picchio convert`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Hugging Face checkpoint directory (config.json + safetensors, sharded or not). Never modified.
+    #[arg(value_name = "HF_DIR")]
+    pub src: PathBuf,
+    /// Output directory (must not exist; written to a temporary sibling and renamed).
+    #[arg(value_name = "OUT_DIR")]
+    pub dst: PathBuf,
+    /// Routed-expert quantization: q4 (default), q3, or none (f32, for oracle tests).
+    #[arg(long, value_name = "KIND", default_value = "q4")]
+    pub experts: QuantKind,
+    /// Hide the progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+pub fn exec(a: Args) -> anyhow::Result<()> {
+    let report = convert(
+        &a.src,
+        &a.dst,
+        &ConvertOptions { experts: a.experts, progress: !a.no_progress, ..Default::default() },
+    )?;
+    eprintln!("{report}");
+    Ok(())
+}

@@ -1,0 +1,133 @@
+//! `picchio run`.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use picchio_core::StoreUri;
+use picchio_runtime::run::{dump_logits, GenerateOptions, Session, SessionOptions};
+use picchio_runtime::sampler::SamplerOptions;
+use picchio_runtime::store::IoOptions;
+use picchio_runtime::tokenizer::Tokenizer;
+
+/// Options of `picchio run`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Converted model directory (from `picchio convert`).
+    #[arg(long, value_name = "DIR")]
+    pub model: PathBuf,
+    /// Where routed experts come from: `auto` (DIR/experts.picchioflat when present and valid, else
+    /// safetensors), `safetensors`, or `file:PATH` (a .picchioflat image).
+    #[arg(long, value_name = "URI", default_value = "auto")]
+    pub store: StoreUri,
+    /// Read flat stores with O_DIRECT, bypassing the page cache (the default).
+    #[arg(long, conflicts_with = "buffered")]
+    pub direct: bool,
+    /// Read flat stores through the page cache (for file systems without O_DIRECT, or warm-cache runs).
+    #[arg(long)]
+    pub buffered: bool,
+    /// Reader threads of the psync engine.
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    pub io_threads: usize,
+    /// Expert-cache capacity in experts [default: all experts that fit in half the available memory].
+    #[arg(long, value_name = "N")]
+    pub ecap: Option<usize>,
+    /// Check every expert payload's hash after reading it; mismatches fall back to safetensors.
+    #[arg(long)]
+    pub verify: bool,
+    /// Prompt text (needs DIR/tokenizer.json).
+    #[arg(long, value_name = "TEXT", conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
+    pub prompt: Option<String>,
+    /// Prompt as comma-separated token ids, e.g. 1,2,3.
+    #[arg(long, value_name = "IDS", value_delimiter = ',')]
+    pub prompt_ids: Option<Vec<u32>>,
+    /// Tokens to generate.
+    #[arg(short = 'n', long = "max-new-tokens", value_name = "N", default_value_t = 32)]
+    pub n: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, value_name = "T", default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus sampling mass in (0, 1].
+    #[arg(long, value_name = "P", default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Sampling seed.
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    pub seed: u64,
+    /// Stop at the config's end-of-sequence token.
+    #[arg(long)]
+    pub stop_at_eos: bool,
+    /// Print one JSON object on stdout: prompt_ids, tokens, text, stats.
+    #[arg(long)]
+    pub json: bool,
+    /// Write the logits each generated token was chosen from to a safetensors file
+    /// (tensor `logits`, f32 [n_generated, vocab]).
+    #[arg(long, value_name = "PATH")]
+    pub dump_logits: Option<PathBuf>,
+}
+
+pub fn exec(a: Args) -> anyhow::Result<()> {
+    if !(a.top_p > 0.0 && a.top_p <= 1.0) {
+        bail!("--top-p must be in (0, 1], got {}", a.top_p);
+    }
+    if a.temperature < 0.0 {
+        bail!("--temperature must be >= 0, got {}", a.temperature);
+    }
+    let tokenizer = Tokenizer::from_dir(&a.model)?;
+    let prompt_ids = match (&a.prompt, &a.prompt_ids, &tokenizer) {
+        (_, Some(ids), _) => ids.clone(),
+        (Some(text), None, Some(t)) => t.encode(text)?,
+        (Some(_), None, None) => {
+            bail!("{} has no tokenizer.json: give the prompt as token ids with --prompt-ids 1,2,3", a.model.display())
+        }
+        (None, None, _) => unreachable!("clap requires --prompt or --prompt-ids"),
+    };
+    let opts = SessionOptions {
+        model_dir: a.model.clone(),
+        store: a.store.clone(),
+        io: IoOptions { direct: !a.buffered, threads: a.io_threads, verify: a.verify },
+        ecap: a.ecap,
+        max_seq: prompt_ids.len() + a.n,
+    };
+    let mut s = Session::open(&opts, tokenizer).with_context(|| format!("opening model {}", a.model.display()))?;
+    let gen = GenerateOptions {
+        max_new: a.n,
+        sampler: SamplerOptions { temperature: a.temperature, top_p: a.top_p, seed: a.seed },
+        stop_at_eos: a.stop_at_eos,
+        keep_logits: a.dump_logits.is_some(),
+    };
+    let g = s.generate(&prompt_ids, &gen)?;
+    if let Some(p) = &a.dump_logits {
+        dump_logits(p, &g.logits, s.model.config().vocab_size)?;
+    }
+    let text = s.decode(&g.tokens)?;
+    if a.json {
+        let out = serde_json::json!({
+            "prompt_ids": g.prompt_ids,
+            "tokens": g.tokens,
+            "text": text,
+            "stats": g.stats,
+        });
+        println!("{out}");
+    } else {
+        match &text {
+            Some(t) => println!("{t}"),
+            None => println!("{}", g.tokens.iter().map(u32::to_string).collect::<Vec<_>>().join(" ")),
+        }
+        let st = &g.stats;
+        eprintln!(
+            "{} tokens, {:.2} tok/s decode (prefill {:.0} ms); cache {} hits / {} misses (capacity {}); \
+             {:.1} MB read in {:.0} ms from {} via {}; {} fallbacks",
+            st.generated_tokens,
+            st.decode_tok_s,
+            st.prefill_ms,
+            st.cache_hits,
+            st.cache_misses,
+            st.cache_capacity,
+            st.bytes_read as f64 / 1e6,
+            st.read_wall_ms,
+            st.store,
+            st.engine,
+            st.fallbacks
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,7 @@
+//! Model architectures. Each is declared like llama2.c `run.c`: `Config`, resident `Weights`, a
+//! `RunState` allocated once, and a `forward` that streams routed experts through an
+//! [`ExpertCache`](crate::cache::ExpertCache) from an [`ExpertLoader`](picchio_core::ExpertLoader).
+
+pub mod qwen3_moe;
+
+pub use qwen3_moe::{LayerWeights, Matrix, Mlp, Model, RunState, Trace, Weights};

@@ -1,0 +1,257 @@
+//! `picchio run`: open a converted model and its expert store, then generate.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use picchio_core::{ExpertLoader, IoStats, StoreUri};
+use serde::Serialize;
+
+use crate::cache::ExpertCache;
+use crate::error::{Error, Result};
+use crate::model::Model;
+use crate::sampler::{Sampler, SamplerOptions};
+use crate::store::{open_store, IoOptions, StoreInfo};
+use crate::tokenizer::Tokenizer;
+
+/// How to open a model for generation.
+#[derive(Clone, Debug)]
+pub struct SessionOptions {
+    /// Converted model directory.
+    pub model_dir: PathBuf,
+    /// Where routed experts come from.
+    pub store: StoreUri,
+    /// Flat-store I/O settings.
+    pub io: IoOptions,
+    /// Expert-cache capacity in experts; `None` chooses [`default_ecap`].
+    pub ecap: Option<usize>,
+    /// Longest sequence (prompt + generated) to size the KV cache for.
+    pub max_seq: usize,
+}
+
+/// A model, its expert cache and store, ready to generate.
+pub struct Session {
+    /// The resident model.
+    pub model: Model,
+    /// The LRU expert cache.
+    pub cache: ExpertCache,
+    /// The expert loader (store + fallback).
+    pub loader: Box<dyn ExpertLoader>,
+    /// What store and engine serve the experts.
+    pub info: StoreInfo,
+    /// I/O statistics of the store.
+    pub io_stats: Arc<IoStats>,
+    /// The tokenizer, when the directory has one.
+    pub tokenizer: Option<Tokenizer>,
+}
+
+/// Generation settings.
+#[derive(Clone, Debug, Default)]
+pub struct GenerateOptions {
+    /// Tokens to generate.
+    pub max_new: usize,
+    /// Sampling.
+    pub sampler: SamplerOptions,
+    /// Stop at the config's end-of-sequence ids.
+    pub stop_at_eos: bool,
+    /// Keep the logits each generated token was chosen from.
+    pub keep_logits: bool,
+}
+
+/// Timing and cache figures of one generation.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct RunStats {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub generated_tokens: usize,
+    /// Wall time of the prompt's forward passes, milliseconds.
+    pub prefill_ms: f64,
+    /// Wall time of the forward passes after the prompt, milliseconds.
+    pub decode_ms: f64,
+    /// Decode forward passes per second (generated tokens after the first / decode time).
+    pub decode_tok_s: f64,
+    /// Expert-cache hits.
+    pub cache_hits: u64,
+    /// Expert-cache misses (each one a load).
+    pub cache_misses: u64,
+    /// Expert-cache capacity in experts.
+    pub cache_capacity: usize,
+    /// Expert reads served by the store.
+    pub reads: u64,
+    /// Bytes read from the store.
+    pub bytes_read: u64,
+    /// Wall time spent waiting for expert loads, milliseconds.
+    pub read_wall_ms: f64,
+    /// Expert-read throughput while waiting, MB/s (bytes_read / read wall time).
+    pub read_mb_s: f64,
+    /// Experts served by the safetensors fallback after the store failed.
+    pub fallbacks: u64,
+    /// Store failures (each then served by the fallback).
+    pub store_errors: u64,
+    /// The store (`safetensors`, `file:PATH`).
+    pub store: String,
+    /// The engine (`psync(direct, 2 threads)`, ...).
+    pub engine: String,
+}
+
+/// The result of one generation.
+#[derive(Clone, Debug)]
+pub struct Generation {
+    /// The prompt ids.
+    pub prompt_ids: Vec<u32>,
+    /// The generated ids.
+    pub tokens: Vec<u32>,
+    /// The logits each generated token was chosen from, `[tokens.len(), vocab]` row-major, when kept.
+    pub logits: Vec<f32>,
+    /// Figures.
+    pub stats: RunStats,
+}
+
+/// Default expert-cache capacity: every expert of the model if they fit in half of the available
+/// memory (`MemAvailable` of /proc/meminfo, or 4 GiB when unknown), else as many as fit (at least top-k).
+pub fn default_ecap(total_experts: usize, slot_bytes: usize, topk: usize) -> usize {
+    let avail = mem_available().unwrap_or(4 << 30);
+    let fit = (avail / 2) / slot_bytes.max(1) as u64;
+    (fit as usize).clamp(topk.max(1), total_experts.max(1))
+}
+
+fn mem_available() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+impl Session {
+    /// Loads the model, opens the store and allocates the cache; `tokenizer` is the directory's
+    /// (from [`Tokenizer::from_dir`], loaded by the caller to size `max_seq` from the prompt).
+    ///
+    /// # Errors
+    /// Model loading errors (config, tensors), store errors (see [`open_store`]), allocation.
+    pub fn open(opts: &SessionOptions, tokenizer: Option<Tokenizer>) -> Result<Self> {
+        let model = Model::load(&opts.model_dir, opts.max_seq)?;
+        let cfg = model.config().clone();
+        let layout = model.layout().clone();
+        let (loader, info, io_stats) =
+            open_store(&opts.store, &opts.model_dir, &cfg, model.tensors().clone(), &layout, opts.io)?;
+        let total = cfg.moe_layers().len() * cfg.num_experts;
+        let ecap = match opts.ecap {
+            Some(0) => return Err(Error::Invalid("--ecap must be at least 1".into())),
+            Some(n) => n.min(total.max(1)),
+            None => default_ecap(total, layout.len(), cfg.num_experts_per_tok),
+        };
+        let cache = ExpertCache::new(ecap, layout.len())?;
+        tracing::info!("experts from {} via {}, cache {ecap} experts", info.store, info.engine);
+        Ok(Session { model, cache, loader, info, io_stats, tokenizer })
+    }
+
+    /// Encodes `text` with the model's tokenizer.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when the model directory has no tokenizer.json.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        match &self.tokenizer {
+            Some(t) => t.encode(text),
+            None => Err(Error::Invalid(format!(
+                "{} has no tokenizer.json: give the prompt as ids with --prompt-ids",
+                self.model.dir().display()
+            ))),
+        }
+    }
+
+    /// Generates up to `opts.max_new` tokens after `prompt_ids` (positions from 0: a fresh sequence).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for an empty prompt, an id outside the vocabulary or a sequence longer than
+    /// the KV cache; forward-pass errors.
+    pub fn generate(&mut self, prompt_ids: &[u32], opts: &GenerateOptions) -> Result<Generation> {
+        let vocab = self.model.config().vocab_size;
+        if prompt_ids.is_empty() {
+            return Err(Error::Invalid("the prompt is empty".into()));
+        }
+        if let Some(&bad) = prompt_ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::Invalid(format!("prompt id {bad} is outside the vocabulary (size {vocab})")));
+        }
+        let needed = prompt_ids.len() + opts.max_new;
+        if needed > self.model.max_seq() {
+            return Err(Error::Invalid(format!(
+                "prompt + generated = {needed} tokens exceeds the context of {} positions",
+                self.model.max_seq()
+            )));
+        }
+        let eos = if opts.stop_at_eos { self.model.config().eos_ids() } else { Vec::new() };
+        let (h0, m0, io0) = (self.cache.hits(), self.cache.misses(), self.io_stats.snapshot());
+        let mut sampler = Sampler::new(opts.sampler);
+        let mut tokens = Vec::with_capacity(opts.max_new);
+        let mut kept = Vec::new();
+
+        let t0 = Instant::now();
+        let mut pos = 0;
+        for &t in prompt_ids {
+            self.model.forward(t, pos, &mut self.cache, &mut *self.loader)?;
+            pos += 1;
+        }
+        let prefill = t0.elapsed();
+        let t1 = Instant::now();
+        let mut decode_steps = 0usize;
+        while tokens.len() < opts.max_new {
+            let logits = self.model.logits();
+            let next = sampler.sample(logits);
+            if opts.keep_logits {
+                kept.extend_from_slice(logits);
+            }
+            tokens.push(next);
+            if eos.contains(&next) || tokens.len() == opts.max_new {
+                break;
+            }
+            self.model.forward(next, pos, &mut self.cache, &mut *self.loader)?;
+            pos += 1;
+            decode_steps += 1;
+        }
+        let decode = t1.elapsed();
+        let io = self.io_stats.snapshot();
+        let read_wall_ms = (io.read_wall_ns - io0.read_wall_ns) as f64 / 1e6;
+        let bytes_read = io.bytes - io0.bytes;
+        let stats = RunStats {
+            prompt_tokens: prompt_ids.len(),
+            generated_tokens: tokens.len(),
+            prefill_ms: prefill.as_secs_f64() * 1e3,
+            decode_ms: decode.as_secs_f64() * 1e3,
+            decode_tok_s: if decode_steps > 0 { decode_steps as f64 / decode.as_secs_f64() } else { 0.0 },
+            cache_hits: self.cache.hits() - h0,
+            cache_misses: self.cache.misses() - m0,
+            cache_capacity: self.cache.capacity(),
+            reads: io.reads - io0.reads,
+            bytes_read,
+            read_wall_ms,
+            read_mb_s: if read_wall_ms > 0.0 { bytes_read as f64 / 1e6 / (read_wall_ms / 1e3) } else { 0.0 },
+            fallbacks: io.fallbacks - io0.fallbacks,
+            store_errors: io.errors - io0.errors,
+            store: self.info.store.clone(),
+            engine: self.info.engine.clone(),
+        };
+        Ok(Generation { prompt_ids: prompt_ids.to_vec(), tokens, logits: kept, stats })
+    }
+
+    /// Decodes ids to text when a tokenizer is present.
+    ///
+    /// # Errors
+    /// Tokenizer errors.
+    pub fn decode(&self, ids: &[u32]) -> Result<Option<String>> {
+        self.tokenizer.as_ref().map(|t| t.decode(ids)).transpose()
+    }
+}
+
+/// Writes `logits` `[rows, vocab]` as a safetensors file with one F32 tensor `logits`.
+///
+/// # Errors
+/// [`Error::Io`] naming the path.
+pub fn dump_logits(path: &Path, logits: &[f32], vocab: usize) -> Result<()> {
+    let rows = logits.len() / vocab.max(1);
+    let bytes: &[u8] = bytemuck::cast_slice(logits);
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![rows, vocab], bytes)
+        .map_err(|e| Error::Invalid(format!("{}: {e}", path.display())))?;
+    safetensors::serialize_to_file([("logits", view)], None, path)
+        .map_err(|e| Error::io(path, "write logits")(std::io::Error::other(e.to_string())))
+}

@@ -24,8 +24,7 @@ pub struct Args {
 
 pub fn exec(a: Args) -> anyhow::Result<()> {
     let out = a.out.clone().unwrap_or_else(|| a.model.join(DEFAULT_IMAGE));
-    let report =
-        pack(&a.model, &out, &PackOptions { layers: a.layers, progress: !a.no_progress, ..Default::default() })?;
+    let report = pack(&a.model, &out, &PackOptions { layers: a.layers, progress: !a.no_progress })?;
     eprintln!("{report}");
     Ok(())
 }

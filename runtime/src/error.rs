@@ -123,6 +123,9 @@ pub enum Error {
         #[source]
         cause: picchio_core::LoadError,
     },
+    /// An I/O engine could not open its target.
+    #[error(transparent)]
+    Engine(#[from] picchio_blockdev::Error),
     /// The expert store failed as a whole (bad header, index hash, dimensions).
     #[error(transparent)]
     Store(#[from] picchio_core::Error),

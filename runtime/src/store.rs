@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use picchio_blockdev::{PsyncOptions, PsyncQueue};
 use picchio_core::loader::StoreDims;
-use picchio_core::{ExpertLoader, FallbackLoader, FlatStore, FlatStoreOptions, IoStats, StoreExpect, StoreUri};
+use picchio_core::{
+    ExpertLoader, FallbackLoader, FlatStore, FlatStoreOptions, IoQueue, IoStats, StoreExpect, StoreUri,
+};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -16,9 +18,19 @@ use crate::safetensors::TensorStore;
 /// The default image name inside a converted model directory.
 pub const DEFAULT_IMAGE: &str = "experts.picchioflat";
 
+/// The kernel-path engine that reads a file or block device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum IoEngine {
+    /// A pool of `threads` reader threads doing positional reads.
+    #[default]
+    Psync,
+}
+
 /// How flat stores are read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IoOptions {
+    /// The engine.
+    pub engine: IoEngine,
     /// O_DIRECT (no page cache): the default for flat stores.
     pub direct: bool,
     /// Reader threads of the psync engine.
@@ -29,7 +41,22 @@ pub struct IoOptions {
 
 impl Default for IoOptions {
     fn default() -> Self {
-        IoOptions { direct: true, threads: 2, verify: false }
+        IoOptions { engine: IoEngine::Psync, direct: true, threads: 2, verify: false }
+    }
+}
+
+/// Opens `path` (a file or a block device) with the engine `io` asks for and returns the queue and
+/// the target's length in bytes.
+///
+/// # Errors
+/// [`Error::Engine`] naming the path when the engine cannot open it (e.g. O_DIRECT refused).
+pub fn open_queue(path: &Path, io: IoOptions) -> Result<(Box<dyn IoQueue>, u64)> {
+    match io.engine {
+        IoEngine::Psync => {
+            let q = PsyncQueue::open(path, PsyncOptions { threads: io.threads.max(1), direct: io.direct })?;
+            let len = q.len();
+            Ok((Box::new(q), len))
+        }
     }
 }
 
@@ -53,27 +80,47 @@ pub fn store_dims(cfg: &Config) -> StoreDims {
     }
 }
 
-/// Opens a `.picchioflat` file with the psync engine, checked against the model.
+/// Opens a `.picchioflat` image in a file (`offset` 0) or on a block device at byte `offset`, checked
+/// against the model; `name` is how messages call it (`file:PATH`, `raw:/dev/X@N`).
 ///
 /// # Errors
-/// [`Error::Invalid`] when the file cannot be opened by the engine; [`Error::Store`] for a rejected
-/// superblock, index hash or dimensions.
+/// [`Error::Engine`] when the target cannot be opened; [`Error::Invalid`] when `offset` lies at or
+/// past the end of the target; [`Error::Store`] for a rejected superblock, index hash or dimensions.
+pub fn open_flat(
+    name: String,
+    path: &Path,
+    offset: u64,
+    cfg: &Config,
+    layout: &ExpertLayout,
+    io: IoOptions,
+) -> Result<FlatStore<Box<dyn IoQueue>>> {
+    let (queue, len) = open_queue(path, io)?;
+    if offset >= len {
+        return Err(Error::Invalid(format!(
+            "{name}: offset {offset} is at or past the end of {} ({len} bytes)",
+            path.display()
+        )));
+    }
+    let opts = FlatStoreOptions {
+        base_offset: offset,
+        image_len: len - offset,
+        verify: io.verify,
+        expect: Some(StoreExpect { dims: store_dims(cfg), payload_len: layout.len() as u32 }),
+    };
+    Ok(FlatStore::open(queue, name, opts)?)
+}
+
+/// Opens a `.picchioflat` file; see [`open_flat`].
+///
+/// # Errors
+/// As [`open_flat`].
 pub fn open_flat_file(
     path: &Path,
     cfg: &Config,
     layout: &ExpertLayout,
     io: IoOptions,
-) -> Result<FlatStore<PsyncQueue>> {
-    let queue = PsyncQueue::open(path, PsyncOptions { threads: io.threads.max(1), direct: io.direct })
-        .map_err(|e| Error::Invalid(format!("{e:#}")))?;
-    let image_len = queue.len();
-    let opts = FlatStoreOptions {
-        base_offset: 0,
-        image_len,
-        verify: io.verify,
-        expect: Some(StoreExpect { dims: store_dims(cfg), payload_len: layout.len() as u32 }),
-    };
-    Ok(FlatStore::open(queue, format!("file:{}", path.display()), opts)?)
+) -> Result<FlatStore<Box<dyn IoQueue>>> {
+    open_flat(format!("file:{}", path.display()), path, 0, cfg, layout, io)
 }
 
 /// Opens `uri` for the model in `model_dir` and returns the loader (flat store with the safetensors
@@ -84,7 +131,7 @@ pub fn open_flat_file(
 /// `file:` store that fails to open is an error.
 ///
 /// # Errors
-/// As [`open_flat_file`]; [`Error::Invalid`] for `raw:` and `nvme:` (not in this build yet).
+/// As [`open_flat`]; [`Error::Invalid`] for `nvme:` (not in this build yet).
 pub fn open_store(
     uri: &StoreUri,
     model_dir: &Path,
@@ -124,8 +171,12 @@ pub fn open_store(
             }
         }
         StoreUri::File(p) => p.clone(),
-        StoreUri::Raw { .. } | StoreUri::Nvme { .. } => {
-            return Err(Error::Invalid(format!("--store {uri}: raw block devices and NVMe are not in this build yet")))
+        StoreUri::Raw { device, offset } => {
+            let flat = open_flat(uri.to_string(), device, *offset, cfg, layout, io)?;
+            return Ok(wrap(flat, fallback, stats));
+        }
+        StoreUri::Nvme { .. } => {
+            return Err(Error::Invalid(format!("--store {uri}: the user-space NVMe driver is not in this build yet")))
         }
     };
     let flat = open_flat_file(&path, cfg, layout, io)?;
@@ -133,12 +184,11 @@ pub fn open_store(
 }
 
 fn wrap(
-    flat: FlatStore<PsyncQueue>,
+    flat: FlatStore<Box<dyn IoQueue>>,
     fallback: SafetensorsExperts,
     stats: Arc<IoStats>,
 ) -> (Box<dyn ExpertLoader>, StoreInfo, Arc<IoStats>) {
-    let info =
-        StoreInfo { store: flat.source_name().to_string(), engine: picchio_core::IoQueue::describe(flat.queue()) };
+    let info = StoreInfo { store: flat.source_name().to_string(), engine: flat.queue().describe() };
     let flat = flat.with_stats(stats.clone());
     (Box::new(FallbackLoader::new(flat, fallback, stats.clone())), info, stats)
 }

@@ -26,7 +26,7 @@ fn picchio_c_directory_gives_picchio_c_tokens_through_every_store() {
         assert_eq!(g.tokens, PICCHIO_C_TOKENS, "safetensors ecap {ecap}");
         for direct in [false, true] {
             for threads in [1, 2, 4] {
-                let io = IoOptions { direct, threads, verify: false };
+                let io = IoOptions { direct, threads, ..IoOptions::default() };
                 let (g, s) = greedy(&dir, StoreUri::File(image.clone()), io, Some(ecap), &prompt, N).unwrap();
                 assert_eq!(g.tokens, PICCHIO_C_TOKENS, "file direct={direct} threads={threads} ecap={ecap}");
                 assert_eq!(g.stats.fallbacks, 0);

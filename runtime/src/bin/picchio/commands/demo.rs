@@ -93,7 +93,7 @@ fn fixture(a: &Args) -> anyhow::Result<()> {
     let opts = SessionOptions {
         model_dir: model.clone(),
         store: StoreUri::File(model.join(DEFAULT_IMAGE)),
-        io: IoOptions { direct: !a.buffered, threads: a.io_threads, verify: false },
+        io: IoOptions { direct: !a.buffered, threads: a.io_threads, ..IoOptions::default() },
         ecap: Some(ecap),
         max_seq: prompt.len() + n,
     };
@@ -172,7 +172,7 @@ fn synthetic(a: &Args, gb: f64) -> anyhow::Result<()> {
     let opts = SessionOptions {
         model_dir: model.clone(),
         store: StoreUri::File(image),
-        io: IoOptions { direct: !a.buffered, threads: a.io_threads, verify: false },
+        io: IoOptions { direct: !a.buffered, threads: a.io_threads, ..IoOptions::default() },
         ecap: Some(ecap),
         max_seq: prompt.len() + n,
     };

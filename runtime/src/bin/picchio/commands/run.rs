@@ -83,7 +83,7 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
     let opts = SessionOptions {
         model_dir: a.model.clone(),
         store: a.store.clone(),
-        io: IoOptions { direct: !a.buffered, threads: a.io_threads, verify: a.verify },
+        io: IoOptions { direct: !a.buffered, threads: a.io_threads, verify: a.verify, ..IoOptions::default() },
         ecap: a.ecap,
         max_seq: prompt_ids.len() + a.n,
     };

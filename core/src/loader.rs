@@ -273,13 +273,15 @@ impl<Q: IoQueue> FlatStore<Q> {
                 Ok(loc)
             })
             .collect::<Vec<_>>();
-        for (i, e) in entries.iter().enumerate() {
-            if let Err(reason) = e {
-                let key = ExpertKey { layer: i as u32 / sb.n_experts, expert: i as u32 % sb.n_experts };
-                tracing::warn!(
-                    "{source_name}: index entry {i} {key} rejected: {reason}; it will be served by the fallback"
-                );
-            }
+        // One line per open, not one per entry (a model with dense-MLP layers has n_experts
+        // placeholder entries per such layer, rejected by the length check and never requested).
+        let mut rejected = entries.iter().enumerate().filter_map(|(i, e)| e.as_ref().err().map(|r| (i, r)));
+        if let Some((i, reason)) = rejected.next() {
+            let key = ExpertKey { layer: i as u32 / sb.n_experts, expert: i as u32 % sb.n_experts };
+            tracing::warn!(
+                "{source_name}: {} index entries rejected (first: {key}: {reason}); requests for them go to the fallback",
+                1 + rejected.count()
+            );
         }
         Ok(FlatStore { queue, source_name, sb, entries, opts, stats: Arc::default(), completions: Vec::new() })
     }

@@ -74,6 +74,9 @@ pub struct Config {
     /// Maximum context (positions).
     #[serde(default = "default_max_pos")]
     pub max_position_embeddings: usize,
+    /// Must be false: Qwen3-MoE checkpoints have no attention biases, and the forward pass has none.
+    #[serde(default)]
+    pub attention_bias: bool,
     /// End-of-sequence token id(s), when the config names them.
     #[serde(default)]
     pub eos_token_id: Option<serde_json::Value>,
@@ -159,6 +162,9 @@ impl Config {
             if t != "default" {
                 return Err(bad("rope_parameters", format!("rope_type {t:?} is not supported (only default)")));
             }
+        }
+        if self.attention_bias {
+            return Err(bad("attention_bias", "true is not supported (Qwen3-MoE has no attention biases)".into()));
         }
         if let Some(&l) = self.mlp_only_layers.iter().find(|&&l| l >= self.num_hidden_layers) {
             return Err(bad("mlp_only_layers", format!("layer {l} >= num_hidden_layers {}", self.num_hidden_layers)));

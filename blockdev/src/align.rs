@@ -24,7 +24,7 @@ impl DioAlign {
 
 /// The `STATX_DIOALIGN` answer for a file: `stx_dio_mem_align`, `stx_dio_offset_align`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[cfg_attr(not(all(target_os = "linux", target_env = "gnu")), allow(dead_code))] // only statx builds one
+#[cfg_attr(not(any(all(target_os = "linux", target_env = "gnu"), windows)), allow(dead_code))] // statx, FileStorageInfo
 pub(crate) struct StatxDio {
     /// `stx_dio_mem_align`.
     pub mem: u32,

@@ -149,13 +149,235 @@ pub enum Error {
     /// Opening the `.picchioflat` image on the target failed (the core error names the image).
     #[error(transparent)]
     Store(#[from] picchio_core::Error),
+
+    // ---- io_uring engine (uring.rs) ----
+    /// io_uring cannot be used on this system: no kernel support, disabled by the
+    /// `kernel.io_uring_disabled` sysctl, blocked by a seccomp filter, or without `IORING_OP_READ`.
+    #[error("io_uring is unavailable: {reason}; use --io psync")]
+    UringUnavailable {
+        /// What the probe found, and the likely cause.
+        reason: String,
+        /// The OS error of the failing call, when there is one.
+        #[source]
+        cause: Option<io::Error>,
+    },
+    /// An io_uring option (`--sqpoll`, `--iopoll`, registered files) is refused by the kernel or the
+    /// device.
+    #[error("{}: io_uring {flag}: {reason}", path.display())]
+    UringOption {
+        /// The file or device.
+        path: PathBuf,
+        /// The option, spelled as on the command line (`--sqpoll`, `--iopoll`, `register_files`).
+        flag: &'static str,
+        /// What failed and what to do instead.
+        reason: String,
+        /// The OS error (or the failed probe read's error).
+        #[source]
+        cause: Option<io::Error>,
+    },
+
+    // ---- IOCP engine (iocp.rs, Windows) ----
+    /// `CreateIoCompletionPort` failed for the target's handle.
+    #[error("{}: creating an I/O completion port: {cause}", path.display())]
+    CompletionPort {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        cause: io::Error,
+    },
+
+    // ---- raw block devices (raw.rs) ----
+    /// A `raw:` path that is not a block device (a regular file is never written as a device).
+    #[error(
+        "{}: is a {kind}, not a block device: raw: takes a disk, a partition or a loop device; for an image in a \
+         file, use file:PATH",
+        path.display()
+    )]
+    NotBlockDevice {
+        /// The path.
+        path: PathBuf,
+        /// What it is instead (`regular file`, `directory`, ...).
+        kind: &'static str,
+    },
+    /// The image offset of `raw:/dev/X@BYTES` is not a whole number of logical blocks.
+    #[error(
+        "{}: image offset {offset} is not a multiple of the device's logical block size ({logical_block} bytes): \
+         the image must start at a whole LBA, e.g. @{} or @{}",
+        path.display(),
+        offset / u64::from(*logical_block) * u64::from(*logical_block),
+        (offset / u64::from(*logical_block) + 1) * u64::from(*logical_block)
+    )]
+    RawOffset {
+        /// The device.
+        path: PathBuf,
+        /// The byte offset given.
+        offset: u64,
+        /// The logical block size (`BLKSSZGET`).
+        logical_block: u32,
+    },
+    /// The image offset lies at or past the end of the device.
+    #[error("{}: image offset {offset} is at or past the end of the device ({size} bytes)", path.display())]
+    RawOffsetPastEnd {
+        /// The device.
+        path: PathBuf,
+        /// The byte offset given.
+        offset: u64,
+        /// Device size in bytes.
+        size: u64,
+    },
+    /// A logical block size that does not divide the image's 4096-byte blocks.
+    #[error(
+        "{}: logical block size {logical_block} bytes is not supported: the image's 4096-byte blocks must be whole \
+         LBAs (512, 1024, 2048 or 4096-byte logical blocks)",
+        path.display()
+    )]
+    UnsupportedBlockSize {
+        /// The device.
+        path: PathBuf,
+        /// The logical block size (`BLKSSZGET`).
+        logical_block: u32,
+    },
+    /// The image does not fit between its offset and the end of the device.
+    #[error(
+        "{}: the image needs {image_len} bytes but the device has {capacity} bytes from offset {offset} \
+         ({size} bytes in all): use a larger device, a smaller offset, or pack fewer layers (--layers)",
+        path.display()
+    )]
+    ImageTooLarge {
+        /// The device.
+        path: PathBuf,
+        /// The image's byte offset on the device.
+        offset: u64,
+        /// Bytes the image needs.
+        image_len: u64,
+        /// Bytes from the offset to the end of the device.
+        capacity: u64,
+        /// Device size in bytes.
+        size: u64,
+    },
+    /// Writing the device is refused: it is in use, carries data, or backs `/`.
+    #[error("{}: refusing to write the image: {reasons}. Nothing was written; {hint}", path.display())]
+    Refused {
+        /// The device.
+        path: PathBuf,
+        /// Every reason, joined by "; ".
+        reasons: String,
+        /// What the user can do.
+        hint: &'static str,
+    },
+    /// Reading what the system says about a device (mount table, sysfs) or its first blocks failed.
+    #[error("{}: {what}: {cause}", path.display())]
+    Inspect {
+        /// The file read.
+        path: PathBuf,
+        /// What was being read.
+        what: &'static str,
+        /// The OS error.
+        #[source]
+        cause: io::Error,
+    },
+    /// Opening a block device for writing (`O_WRONLY | O_DIRECT | O_EXCL`) failed.
+    #[error(
+        "{}: opening for exclusive O_DIRECT writes: {cause}{}",
+        path.display(),
+        write_open_hint(cause)
+    )]
+    WriteOpen {
+        /// The device.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        cause: io::Error,
+    },
+    /// The path names another device than the one inspected (it changed in between).
+    #[error(
+        "{}: is no longer the device that was inspected (expected {expected}, found {found}); nothing was written",
+        path.display()
+    )]
+    DeviceChanged {
+        /// The path.
+        path: PathBuf,
+        /// The inspected device number.
+        expected: String,
+        /// What the opened path is now.
+        found: String,
+    },
+    /// A positional write to a block device failed in the kernel.
+    #[error("{}: write of {len} bytes at offset {offset:#x}: {cause}", path.display())]
+    Write {
+        /// The device.
+        path: PathBuf,
+        /// Device byte offset of the write.
+        offset: u64,
+        /// Bytes to write.
+        len: u64,
+        /// The OS error.
+        #[source]
+        cause: io::Error,
+    },
+    /// `fsync` of a block device failed: the written data may not be on stable storage.
+    #[error("{}: fsync: {cause}", path.display())]
+    Sync {
+        /// The device.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        cause: io::Error,
+    },
+    /// An unbuffered write whose offset or length is not a multiple of the logical block size.
+    #[error(
+        "{}: O_DIRECT write of {len} bytes at offset {offset:#x}: not a multiple of {align} bytes (the logical \
+         block size)",
+        path.display()
+    )]
+    UnalignedWrite {
+        /// The device.
+        path: PathBuf,
+        /// Device byte offset.
+        offset: u64,
+        /// Bytes.
+        len: u64,
+        /// The alignment required.
+        align: u32,
+    },
+    /// A write that would leave the region the image was permitted (refused, not performed).
+    #[error(
+        "{}: write of {len} bytes at device offset {offset:#x} runs past the end of the image ({limit} bytes from \
+         its start): refused",
+        path.display()
+    )]
+    WritePastImage {
+        /// The device.
+        path: PathBuf,
+        /// Device byte offset of the write.
+        offset: u64,
+        /// Bytes.
+        len: u64,
+        /// Bytes the image may take.
+        limit: u64,
+    },
+}
+
+/// The next step after a failed exclusive open for writing, by OS error.
+fn write_open_hint(cause: &io::Error) -> &'static str {
+    match cause.raw_os_error() {
+        Some(libc::EBUSY) => {
+            " (the kernel holds the device: a mounted file system, an active swap area, or device-mapper/md; \
+             unmount or release it first — --force cannot override this)"
+        }
+        Some(libc::EROFS) => " (the device is read-only)",
+        Some(libc::EACCES) | Some(libc::EPERM) => " (writing a block device needs root or the disk group)",
+        _ => "",
+    }
 }
 
 impl Error {
     /// Wraps a read error for a [`picchio_core::Completion`], keeping the OS error kind.
     pub(crate) fn into_io(self) -> io::Error {
         let kind = match &self {
-            Error::Read { cause, .. } => cause.kind(),
+            Error::Read { cause, .. } | Error::Write { cause, .. } | Error::Sync { cause, .. } => cause.kind(),
+            Error::UnalignedWrite { .. } | Error::WritePastImage { .. } => io::ErrorKind::InvalidInput,
             Error::Misaligned { .. } | Error::BufferTooSmall { .. } | Error::InvalidOptions { .. } => {
                 io::ErrorKind::InvalidInput
             }
@@ -238,5 +460,12 @@ mod tests {
         let want = core.to_string();
         let e = Error::from(core);
         assert_eq!(e.to_string(), want);
+    }
+
+    #[test]
+    fn completion_port_error_names_the_path_and_keeps_cause() {
+        let e = Error::CompletionPort { path: "C:/m/e.picchioflat".into(), cause: io::Error::from_raw_os_error(8) };
+        assert!(e.to_string().starts_with("C:/m/e.picchioflat: creating an I/O completion port: "), "{e}");
+        assert_eq!(e.source().and_then(|s| s.downcast_ref::<io::Error>()).and_then(io::Error::raw_os_error), Some(8));
     }
 }

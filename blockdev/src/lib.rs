@@ -4,7 +4,14 @@
 //! * [`PsyncQueue`] (tiers S1/S2): a pool of worker threads doing positional reads (`pread`) on one
 //!   file or block device, through the page cache (`--buffered`) or around it (`O_DIRECT`, `--direct`),
 //!   straight into the caller's block-aligned buffers.
+//! * `UringQueue` (tier S3, Linux only): one io_uring instance reading at up to `qd` reads in flight
+//!   (`--io uring --qd N`), buffered or `O_DIRECT`, with optional SQPOLL, IOPOLL and a registered file.
+//! * `IocpQueue` (Windows only): overlapped, unbuffered `ReadFile`s on one handle completed through
+//!   an I/O completion port, up to `qd` in flight (`PsyncQueue` works on Windows too, with
+//!   `FILE_FLAG_NO_BUFFERING` for `--direct`).
 //! * [`open_store`]: a [`picchio_core::FlatStore`] served by a `PsyncQueue`, in one call.
+//! * `raw` (tier S4, Linux only): block devices addressed by LBA — measuring and inspecting them,
+//!   the refusals before writing one, the `O_DIRECT` device writer, and reads offset to the image.
 //!
 //! Engines know nothing of models: they read `(offset, len)` into a buffer and report completions.
 //! Every system call lives in the private `sys` module (one file per OS); opening errors are
@@ -14,11 +21,21 @@
 
 mod align;
 mod error;
+#[cfg(windows)]
+mod iocp;
 mod psync;
+#[cfg(target_os = "linux")]
+pub mod raw;
 mod store;
 mod sys;
+#[cfg(target_os = "linux")]
+mod uring;
 
 pub use align::DioAlign;
 pub use error::{Error, Result};
+#[cfg(windows)]
+pub use iocp::{IocpOptions, IocpQueue};
 pub use psync::{PsyncOptions, PsyncQueue, DEFAULT_THREADS, MIN_REPORTED_BLOCK_SIZE};
 pub use store::open_store;
+#[cfg(target_os = "linux")]
+pub use uring::{UringOptions, UringQueue, DEFAULT_QD, MAX_QD};

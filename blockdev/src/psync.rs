@@ -440,6 +440,25 @@ mod tests {
         sys::fault::clear(&path);
     }
 
+    #[cfg(windows)]
+    #[test]
+    fn kernel_error_completes_with_path_offset_and_win32_error() {
+        const ERROR_CRC: i32 = 23;
+        let (_d, path, bytes) = file_with(3 * 4096);
+        let mut q = PsyncQueue::open(&path, PsyncOptions::buffered(2)).unwrap();
+        sys::fault::fail_read(&path, 4096, ERROR_CRC);
+        let c = read(&mut q, 4096, 4096);
+        sys::fault::clear(&path);
+        let e = c.result.unwrap_err();
+        assert!(e.to_string().contains("read of 4096 bytes at offset 0x1000"), "{e}");
+        let typed = e.get_ref().and_then(|e| e.downcast_ref::<Error>()).expect("typed error");
+        let Error::Read { cause, .. } = typed else { panic!("{typed:?}") };
+        assert_eq!(cause.raw_os_error(), Some(ERROR_CRC));
+        let c = read(&mut q, 0, 4096);
+        assert_eq!(c.result.unwrap(), 4096);
+        assert_eq!(&c.buf.as_slice()[..4096], &bytes[..4096]);
+    }
+
     #[cfg(unix)]
     #[test]
     fn interrupted_reads_are_retried() {

@@ -18,7 +18,7 @@ mod unix;
 use unix as imp;
 
 #[cfg(windows)]
-mod windows;
+pub(crate) mod windows;
 #[cfg(windows)]
 use windows as imp;
 
@@ -42,9 +42,11 @@ pub(crate) struct Probe {
     pub kind: TargetKind,
     /// Size in bytes (`st_size`, or `BLKGETSIZE64` for a block device).
     pub size: u64,
-    /// The `STATX_DIOALIGN` answer, when asked for (direct mode) and given.
+    /// The `STATX_DIOALIGN` answer, when asked for (direct mode) and given. On Windows: the
+    /// `FileStorageInfo` sector sizes (logical for offsets, physical for buffer addresses).
     pub statx_dio: Option<StatxDio>,
-    /// The logical block size of a block device (`BLKSSZGET`).
+    /// The logical block size of a block device (`BLKSSZGET`). On Windows: the volume's bytes per
+    /// sector (`GetDiskFreeSpaceW`), when `FileStorageInfo` gave nothing.
     pub logical_block: Option<u32>,
 }
 
@@ -113,10 +115,42 @@ pub(crate) mod fault {
     }
 }
 
-#[cfg(all(test, not(unix)))]
-mod fault {
-    pub(super) fn check(_: &std::fs::File, _: u64) -> Option<std::io::Error> {
-        None
+/// Test-only fault injection on Windows, as on unix but keyed by (volume serial number, file
+/// index); checked by [`read_at`] and by the IOCP engine's `windows::start_read`.
+#[cfg(all(test, windows))]
+pub(crate) mod fault {
+    use std::fs::File;
+    use std::io;
+    use std::sync::Mutex;
+
+    /// (volume serial, file index, offset, Win32 error code) of reads that must fail.
+    static FAULTS: Mutex<Vec<(u32, u64, u64, i32)>> = Mutex::new(Vec::new());
+
+    fn id_of(path: &std::path::Path) -> (u32, u64) {
+        let file = File::open(path).expect("open fault target");
+        super::windows::file_id(&file).expect("identify fault target")
+    }
+
+    /// Makes every read of the file at `path` starting at `offset` fail with the Win32 error
+    /// `code` until [`clear`] is called for that file.
+    pub(crate) fn fail_read(path: &std::path::Path, offset: u64, code: i32) {
+        let (vol, index) = id_of(path);
+        FAULTS.lock().unwrap_or_else(|e| e.into_inner()).push((vol, index, offset, code));
+    }
+
+    /// Removes the faults registered for the file at `path`.
+    pub(crate) fn clear(path: &std::path::Path) {
+        let (vol, index) = id_of(path);
+        FAULTS.lock().unwrap_or_else(|e| e.into_inner()).retain(|f| (f.0, f.1) != (vol, index));
+    }
+
+    pub(super) fn check(file: &File, offset: u64) -> Option<io::Error> {
+        let faults = FAULTS.lock().unwrap_or_else(|e| e.into_inner());
+        if faults.is_empty() {
+            return None;
+        }
+        let (vol, index) = super::windows::file_id(file).ok()?;
+        faults.iter().find(|f| (f.0, f.1, f.2) == (vol, index, offset)).map(|f| io::Error::from_raw_os_error(f.3))
     }
 }
 
@@ -196,5 +230,188 @@ mod tests {
         assert_eq!(super::read_at(&f, &mut b, 0).unwrap(), 16);
         super::fault::clear(&path);
         assert_eq!(super::read_at(&f, &mut b, 4096).unwrap(), 16);
+    }
+}
+
+// ============================================================================================ raw
+// Raw block devices (tier S4, `raw.rs`): device numbers, the two extra block-device ioctls, and the
+// write side (`O_DIRECT | O_EXCL` open, positional write, fsync). Linux only: everything `raw.rs`
+// inspects (sysfs, mountinfo) is Linux's.
+
+/// The system calls of `raw.rs`, one small function each.
+///
+/// Under `cfg(test)`, [`rawdev::write_at`] has a twin behaviour like [`read_at`]'s: writes registered
+/// with [`rawdev::fail_write`] fail with a chosen OS error before reaching the kernel.
+#[cfg(target_os = "linux")]
+pub(crate) mod rawdev {
+    use std::fs::{File, Metadata, OpenOptions};
+    use std::io;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
+    use std::path::Path;
+
+    use crate::raw::DevNum;
+
+    /// `BLKROGET`: whether the device is read-only, as an `int` (`_IO(0x12, 94)`, include/uapi/linux/fs.h).
+    pub(crate) const BLKROGET: libc::Ioctl = 0x125e as libc::Ioctl;
+    /// `BLKPBSZGET`: the physical block size, as an `unsigned int` (`_IO(0x12, 123)`).
+    pub(crate) const BLKPBSZGET: libc::Ioctl = libc::BLKPBSZGET;
+
+    /// The device number of a block device's metadata (`st_rdev`), or what the file is instead.
+    pub(crate) fn block_device_number(md: &Metadata) -> Result<DevNum, &'static str> {
+        let ft = md.file_type();
+        if ft.is_block_device() {
+            Ok(devnum(md.rdev()))
+        } else if ft.is_file() {
+            Err("regular file")
+        } else if ft.is_dir() {
+            Err("directory")
+        } else if ft.is_char_device() {
+            Err("character device")
+        } else if ft.is_fifo() {
+            Err("FIFO")
+        } else if ft.is_socket() {
+            Err("socket")
+        } else {
+            Err("special file")
+        }
+    }
+
+    /// `stat(2)` of `path` (following symlinks, so `/dev/disk/by-id/...` works) as a block device
+    /// number, or what the file is instead. Nothing is opened (opening a FIFO would block).
+    pub(crate) fn stat_block_device(path: &Path) -> io::Result<Result<DevNum, &'static str>> {
+        std::fs::metadata(path).map(|md| block_device_number(&md))
+    }
+
+    /// `fstat(2)` of an open file as a block device number, or what the file is instead.
+    pub(crate) fn fstat_block(file: &File) -> io::Result<Result<DevNum, &'static str>> {
+        file.metadata().map(|md| block_device_number(&md))
+    }
+
+    /// The device number of the file system holding `path` (`st_dev`), e.g. the device of `/`.
+    pub(crate) fn device_of(path: &Path) -> io::Result<DevNum> {
+        std::fs::metadata(path).map(|md| devnum(md.dev()))
+    }
+
+    fn devnum(dev: u64) -> DevNum {
+        DevNum { major: libc::major(dev), minor: libc::minor(dev) }
+    }
+
+    /// `ioctl(fd, BLKROGET)`: whether the kernel marks the device read-only.
+    pub(crate) fn read_only(file: &File) -> io::Result<bool> {
+        let mut ro: libc::c_int = 0;
+        // SAFETY: BLKROGET writes exactly one `int` through its argument, which points at `ro`, a live
+        // local that nothing else aliases; the descriptor is owned by `file` and open for the call.
+        let rc = unsafe { libc::ioctl(file.as_raw_fd(), BLKROGET, &mut ro as *mut libc::c_int) };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(ro != 0)
+    }
+
+    /// `ioctl(fd, BLKPBSZGET)`: the physical block size (larger than the logical one on 512e disks).
+    pub(crate) fn physical_block_size(file: &File) -> io::Result<u32> {
+        let mut pbs: libc::c_uint = 0;
+        // SAFETY: BLKPBSZGET writes exactly one `unsigned int` through its argument, which points at
+        // `pbs`, a live local that nothing else aliases; the descriptor is open for the call.
+        let rc = unsafe { libc::ioctl(file.as_raw_fd(), BLKPBSZGET, &mut pbs as *mut libc::c_uint) };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(pbs)
+    }
+
+    /// Opens `path` for unbuffered writes: `O_WRONLY | O_DIRECT | O_EXCL` (never `O_CREAT`, so no
+    /// file is ever created). On a block device `O_EXCL` claims it exclusively: the kernel refuses
+    /// (`EBUSY`) a device that a mounted file system, an active swap area, device-mapper or md holds,
+    /// and keeps anyone from mounting it while we write.
+    pub(crate) fn open_write_exclusive(path: &Path) -> io::Result<File> {
+        OpenOptions::new().write(true).custom_flags(libc::O_DIRECT | libc::O_EXCL).open(path)
+    }
+
+    /// One positional write of up to `buf.len()` bytes at `offset` (`pwrite(2)`); returns the count.
+    pub(crate) fn write_at(file: &File, buf: &[u8], offset: u64) -> io::Result<usize> {
+        #[cfg(test)]
+        if let Some(e) = check_write(file, offset) {
+            return Err(e);
+        }
+        // pwrite(2) through std: safe, the buffer is a plain `&[u8]` borrowed for the call.
+        file.write_at(buf, offset)
+    }
+
+    /// `fsync(2)`: on a block device, also flushes the device's volatile write cache.
+    pub(crate) fn sync(file: &File) -> io::Result<()> {
+        file.sync_all()
+    }
+
+    /// (device, inode, offset, errno) of writes that must fail.
+    #[cfg(test)]
+    static WRITE_FAULTS: std::sync::Mutex<Vec<(u64, u64, u64, i32)>> = std::sync::Mutex::new(Vec::new());
+
+    /// Makes every write of the file at `path` starting at `offset` fail with `errno`.
+    #[cfg(test)]
+    pub(crate) fn fail_write(path: &Path, offset: u64, errno: i32) {
+        let md = std::fs::metadata(path).expect("stat fault target");
+        WRITE_FAULTS.lock().unwrap_or_else(|e| e.into_inner()).push((md.dev(), md.ino(), offset, errno));
+    }
+
+    #[cfg(test)]
+    fn check_write(file: &File, offset: u64) -> Option<io::Error> {
+        let faults = WRITE_FAULTS.lock().unwrap_or_else(|e| e.into_inner());
+        if faults.is_empty() {
+            return None;
+        }
+        let md = file.metadata().ok()?;
+        let hit = faults.iter().find(|f| (f.0, f.1, f.2) == (md.dev(), md.ino(), offset));
+        hit.map(|f| io::Error::from_raw_os_error(f.3))
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+        #[test]
+        fn raw_ioctl_numbers_match_linux_uapi() {
+            // include/uapi/linux/fs.h: BLKROGET _IO(0x12,94), BLKPBSZGET _IO(0x12,123).
+            assert_eq!(super::BLKROGET, 0x125e as libc::Ioctl);
+            assert_eq!(super::BLKPBSZGET, 0x127b as libc::Ioctl);
+        }
+
+        #[test]
+        fn device_numbers_and_file_kinds() {
+            let dir = tempfile::tempdir().unwrap();
+            let f = dir.path().join("f");
+            std::fs::write(&f, b"x").unwrap();
+            assert_eq!(super::stat_block_device(&f).unwrap(), Err("regular file"));
+            assert_eq!(super::stat_block_device(dir.path()).unwrap(), Err("directory"));
+            let null = std::path::Path::new("/dev/null");
+            assert_eq!(super::stat_block_device(null).unwrap(), Err("character device"));
+            assert_eq!(super::fstat_block(&std::fs::File::open(&f).unwrap()).unwrap(), Err("regular file"));
+            assert!(super::stat_block_device(&dir.path().join("missing")).is_err());
+            let root = super::device_of(std::path::Path::new("/")).unwrap();
+            assert_eq!(root, super::device_of(std::path::Path::new("/.")).unwrap());
+            // Not a block device: BLKROGET fails (ENOTTY) instead of answering.
+            assert!(super::read_only(&std::fs::File::open(&f).unwrap()).is_err());
+        }
+
+        #[test]
+        fn open_write_exclusive_never_creates() {
+            let dir = tempfile::tempdir().unwrap();
+            let p = dir.path().join("absent");
+            let e = super::open_write_exclusive(&p).unwrap_err();
+            assert_eq!(e.kind(), std::io::ErrorKind::NotFound);
+            assert!(!p.exists());
+        }
+
+        #[test]
+        fn write_fault_twin() {
+            let dir = tempfile::tempdir().unwrap();
+            let p = dir.path().join("w");
+            std::fs::write(&p, [0u8; 8192]).unwrap();
+            let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+            super::fail_write(&p, 4096, libc::EIO);
+            assert_eq!(super::write_at(&f, &[1; 16], 4096).unwrap_err().raw_os_error(), Some(libc::EIO));
+            assert_eq!(super::write_at(&f, &[1; 16], 0).unwrap(), 16);
+            super::sync(&f).unwrap();
+        }
     }
 }

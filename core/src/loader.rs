@@ -273,6 +273,19 @@ impl<Q: IoQueue> FlatStore<Q> {
                 Ok(loc)
             })
             .collect::<Vec<_>>();
+        if let Some(expect) = &opts.expect {
+            // No entry of the model's payload size at all: the image holds another quantization (or
+            // another model), which is a whole-store mismatch, not n_entries separate faults.
+            let lens = decode_index(index_bytes);
+            if !lens.is_empty() && lens.iter().all(|l| l.len != expect.payload_len) {
+                return Err(Error::DimensionMismatch {
+                    source_name,
+                    field: "expert payload length (quantization)",
+                    expected: expect.payload_len.into(),
+                    found: lens[0].len.into(),
+                });
+            }
+        }
         // One line per open, not one per entry (a model with dense-MLP layers has n_experts
         // placeholder entries per such layer, rejected by the length check and never requested).
         let mut rejected = entries.iter().enumerate().filter_map(|(i, e)| e.as_ref().err().map(|r| (i, r)));
@@ -471,7 +484,12 @@ impl<P: ExpertLoader, F: ExpertLoader> ExpertLoader for FallbackLoader<P, F> {
         self.primary.load(layer, requests, &mut |l: Loaded| match l.result {
             Ok(()) => ready(l),
             Err(e) => {
-                tracing::warn!("{e}; serving {} from the fallback", l.key);
+                // A prefix store misses whole layers by design: that is not worth a warning per expert.
+                if matches!(e, LoadError::Missing { .. }) {
+                    tracing::debug!("{e}; serving {} from the fallback", l.key);
+                } else {
+                    tracing::warn!("{e}; serving {} from the fallback", l.key);
+                }
                 retry.push((l.key.expert, l.buf));
             }
         });

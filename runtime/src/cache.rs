@@ -7,11 +7,28 @@
 //!   (4096 B), so the same slot is a valid O_DIRECT / io_uring / NVMe DMA target.
 //! - The only way an expert gets in is an [`ExpertLoader`]: the cache moves the slot into
 //!   [`ExpertLoader::load`] and the slot is out of the cache until the loader hands it back through
-//!   `ready`. An expert is computed from inside `ready` (so compute overlaps the reads still in flight)
-//!   or, for a hit, straight from its resident slot; eviction only happens before a load is issued, so
-//!   a slot being computed from is never evicted.
+//!   `ready`. A hit is computed straight from its resident slot.
 //! - A layer's experts are fetched in batches of at most `capacity`, so a cache smaller than top-k
 //!   still serves every expert (hits first, then the misses batch by batch).
+//!
+//! # Async MoE (`--async-moe`, the default; `--no-async-moe`)
+//! On: each missed expert is computed inside the loader's `ready`, as soon as its read completes and
+//! while the batch's other reads are still in flight, so the order of the computations is the
+//! completion order. Off ([`ExpertCache::set_async_moe`]): the whole batch is loaded first, then its
+//! experts are computed in the order they were requested (canonical router order). Either way each
+//! result lands in a place chosen by its index and the model sums them in canonical order, so the
+//! output is bit-identical (tests/tests/async_moe.rs).
+//!
+//! # Slot lifetime: a slot being read into or computed from is never evicted
+//! A slot is in exactly one state: *free* (in `free`), *lent* (its buffer moved into the loader:
+//! `buf` is `None`, and it is neither in `map` nor in the LRU list), or *resident* (in `map` and the
+//! LRU list, `buf` present). Only `take_slot` evicts, and it picks a free slot, a new
+//! one, or the LRU *resident* head, never a lent slot, which is not in the list. `take_slot` runs
+//! only at the start of a batch, before [`ExpertLoader::load`] is called, and never while `compute`
+//! runs: hits are computed before the first batch takes slots; with async MoE a miss is computed
+//! inside `ready` (no slot is taken during `load`); without, the batch's experts are computed after
+//! `load` returns and before the next batch takes slots. So a slot the kernel or device is writing
+//! (lent) or one `compute` reads (borrowed from `slots` for the call) cannot be handed out again.
 //! - A failed load is a hard error of the forward pass: the store in front is expected to wrap a
 //!   fallback ([`picchio_core::FallbackLoader`]).
 
@@ -47,6 +64,8 @@ struct Lent {
     slot: usize,
     /// Whether the loader has handed the slot back.
     returned: bool,
+    /// Whether it came back holding the payload (and is now resident).
+    loaded: bool,
 }
 
 /// LRU cache of routed-expert payloads in block-aligned slots; see the module documentation.
@@ -67,6 +86,8 @@ pub struct ExpertCache {
     /// Scratch reused by every fetch: the misses of the current call, then the batch being loaded.
     missed: Vec<(usize, u32)>,
     lent: Vec<Lent>,
+    /// Compute each miss as its read completes (`true`) or after the whole batch (`false`).
+    async_moe: bool,
 }
 
 impl ExpertCache {
@@ -97,7 +118,19 @@ impl ExpertCache {
             misses: 0,
             missed: Vec::new(),
             lent: Vec::new(),
+            async_moe: true,
         })
+    }
+
+    /// Async MoE on (the default: compute each miss as its read completes) or off (load the whole
+    /// batch, then compute its experts in request order); see the module documentation.
+    pub fn set_async_moe(&mut self, on: bool) {
+        self.async_moe = on;
+    }
+
+    /// Whether misses are computed as their reads complete.
+    pub fn async_moe(&self) -> bool {
+        self.async_moe
     }
 
     /// Capacity in experts.
@@ -170,9 +203,10 @@ impl ExpertCache {
     ///
     /// Resident experts are computed first (each a hit, moved to most recently used); the others are
     /// misses, loaded through `loader` in batches of at most [`ExpertCache::capacity`], each computed
-    /// inside the loader's `ready` as soon as its bytes are in place, so **the order of the calls is
-    /// unspecified**: write each result to a place chosen by `i` and combine them afterwards in a
-    /// fixed order. Slots for a batch come from free slots, then new allocations up to the capacity,
+    /// inside the loader's `ready` as soon as its bytes are in place (async MoE), or after its whole
+    /// batch is loaded, in request order ([`ExpertCache::set_async_moe`]`(false)`). **The order of
+    /// the calls is unspecified**: write each result to a place chosen by `i` and combine them
+    /// afterwards in a fixed order. Slots for a batch come from free slots, then new allocations up to the capacity,
     /// then the least recently used resident experts.
     ///
     /// # Errors
@@ -252,11 +286,11 @@ impl ExpertCache {
         for &(index, expert) in batch {
             let slot = self.take_slot()?;
             let buf = self.slots[slot].buf.take().expect("a slot not in flight holds its buffer");
-            lent.push(Lent { index, expert, slot, returned: false });
+            lent.push(Lent { index, expert, slot, returned: false, loaded: false });
             requests.push((expert, buf));
         }
         self.misses += batch.len() as u64;
-        let (plen, slot_len) = (self.payload_len, self.slot_len);
+        let (plen, slot_len, async_moe) = (self.payload_len, self.slot_len, self.async_moe);
         // Contract violations by the loader, described once the loader can be asked its name.
         let mut violation: Option<String> = None;
         loader.load(layer, requests, &mut |l: Loaded| {
@@ -272,9 +306,12 @@ impl ExpertCache {
             let slot = lent[j].slot;
             match result {
                 Ok(()) if buf.len() >= slot_len => {
-                    if let Err(e) = compute(lent[j].index, &buf.as_slice()[..plen]) {
-                        first_err.get_or_insert(e);
+                    if async_moe {
+                        if let Err(e) = compute(lent[j].index, &buf.as_slice()[..plen]) {
+                            first_err.get_or_insert(e);
+                        }
                     }
+                    lent[j].loaded = true;
                     self.slots[slot].buf = Some(buf);
                     self.slots[slot].key = Some(key);
                     self.map.insert(key, slot);
@@ -308,6 +345,16 @@ impl ExpertCache {
         }
         if let Some(v) = violation {
             first_err.get_or_insert(Error::Invalid(format!("{}: {v} (ExpertLoader contract)", loader.describe())));
+        }
+        if !async_moe {
+            // The whole batch is in (and resident); `lent` is in request order. No slot is taken
+            // until this loop ends (see "Slot lifetime").
+            for x in lent.iter().filter(|x| x.loaded) {
+                let buf = self.slots[x.slot].buf.as_ref().expect("a loaded slot holds its buffer");
+                if let Err(e) = compute(x.index, &buf.as_slice()[..plen]) {
+                    first_err.get_or_insert(e);
+                }
+            }
         }
         Ok(())
     }
@@ -518,6 +565,33 @@ mod tests {
         l.fail.clear();
         fetch(&mut c, &mut l, 2, &[1, 6, 3]).unwrap();
         assert_eq!((c.hits(), c.misses(), c.allocated()), (2, 4, 3));
+    }
+
+    #[test]
+    fn async_off_computes_a_batch_in_request_order_after_it_is_loaded() {
+        let mut c = ExpertCache::new(8, 5000).unwrap();
+        assert!(c.async_moe());
+        let mut l = FakeLoader::new();
+        // On: the fake delivers in reverse, and each expert is computed as it is delivered.
+        assert_eq!(fetch(&mut c, &mut l, 0, &[3, 9, 4]).unwrap(), [2, 1, 0]);
+        c.set_async_moe(false);
+        c.clear();
+        assert_eq!(fetch(&mut c, &mut l, 0, &[3, 9, 4]).unwrap(), [0, 1, 2]);
+        // Hits first, then the misses of each batch in request order; nothing computed twice.
+        let mut c2 = ExpertCache::new(2, 5000).unwrap();
+        c2.set_async_moe(false);
+        fetch(&mut c2, &mut l, 1, &[5]).unwrap();
+        assert_eq!(fetch(&mut c2, &mut l, 1, &[7, 5, 8, 6]).unwrap(), [1, 0, 2, 3]);
+        // A failed load in a batch: the others are still computed, the error is returned.
+        l.fail = vec![9];
+        c.clear();
+        let mut seen = Vec::new();
+        let e = c.fetch(2, &[1, 9, 3], &mut l, &mut |i, _| {
+            seen.push(i);
+            Ok(())
+        });
+        assert!(e.unwrap_err().to_string().contains("expert 9"));
+        assert_eq!(seen, [0, 2]);
     }
 
     #[test]

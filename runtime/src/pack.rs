@@ -11,11 +11,18 @@
 //! block, correct hash) whose length can never equal an expert payload, so a store opened for the
 //! model (with [`picchio_core::StoreExpect`]) rejects it and anything requesting such an expert falls back and fails
 //! loudly instead of computing with made-up weights. Nothing requests them: dense layers never route.
+//!
+//! [`pack_raw`] writes the same image onto a block device (`--out raw:/dev/X[@BYTES]`): it inspects
+//! the device first and refuses one that is mounted, in use or carries data (unless `--force`; the
+//! device backing `/` always), reports what it will overwrite, writes with `O_DIRECT` in aligned
+//! chunks (superblock last), syncs, and reads the whole image back through `O_DIRECT` to check the
+//! index and every payload hash ([`crate::verify::verify_queue`]).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use picchio_core::{FlatWriter, Superblock};
+use picchio_core::format::{data_offset, round_up, ImageSink};
+use picchio_core::{FlatWriter, Superblock, BLOCK_SIZE};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -57,8 +64,10 @@ impl Default for PackOptions {
 pub struct PackReport {
     /// The converted directory.
     pub model_dir: PathBuf,
-    /// The image.
+    /// The image file, or the block device.
     pub path: PathBuf,
+    /// Where the image went, as messages name it: the file path, or `raw:/dev/X[@BYTES]`.
+    pub dest: String,
     /// Its superblock.
     pub superblock: Superblock,
     /// Expert quantization detected in the converted directory.
@@ -79,7 +88,7 @@ impl std::fmt::Display for PackReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let sb = &self.superblock;
         let layers = sb.n_entries / sb.n_experts.max(1);
-        writeln!(f, "packed {} -> {}", self.model_dir.display(), self.path.display())?;
+        writeln!(f, "packed {} -> {}", self.model_dir.display(), self.dest)?;
         write!(
             f,
             "  {} experts ({}, {} bytes each) from {layers} of {} layers",
@@ -95,6 +104,81 @@ impl std::fmt::Display for PackReport {
     }
 }
 
+/// A converted directory opened for packing, with the image's geometry known before any byte is
+/// written.
+struct Source {
+    cfg: Config,
+    store: TensorStore,
+    layout: ExpertLayout,
+    layers: usize,
+    n_entries: u32,
+}
+
+impl Source {
+    fn open(model_dir: &Path, opts: &PackOptions) -> Result<Source> {
+        let cfg = Config::from_dir(model_dir)?;
+        let store = TensorStore::open(model_dir)?;
+        if let Some(&l) = cfg.moe_layers().first() {
+            let hf = format!("model.layers.{l}.mlp.experts.0.gate_proj.weight");
+            let fused = format!("model.layers.{l}.mlp.experts.gate_up_proj");
+            if store.contains(&hf) || store.contains(&fused) {
+                return Err(Error::Invalid(format!(
+                    "{}: a Hugging Face checkpoint, not a converted directory: run `picchio convert` on it first \
+                     and pack the converted directory",
+                    model_dir.display()
+                )));
+            }
+        }
+        let layout = ExpertLayout::detect(&store, &cfg)?;
+        let n_layers = cfg.num_hidden_layers;
+        let layers = opts.layers.unwrap_or(n_layers);
+        if layers == 0 || layers > n_layers {
+            return Err(Error::Invalid(format!(
+                "--layers {layers}: the model has {n_layers} layers (use 1..={n_layers})"
+            )));
+        }
+        let n_entries = u32::try_from(layers * cfg.num_experts)
+            .map_err(|_| Error::Invalid(format!("{layers} layers × {} experts exceed u32 entries", cfg.num_experts)))?;
+        Ok(Source { cfg, store, layout, layers, n_entries })
+    }
+
+    /// The image size: superblock and index blocks, then one padded payload per entry (a dense
+    /// layer's slots one block each).
+    fn image_len(&self) -> u64 {
+        let bs = u64::from(BLOCK_SIZE);
+        let payload = round_up(self.layout.len() as u64, bs);
+        let moe = (0..self.layers).filter(|&l| self.cfg.is_moe_layer(l)).count() as u64;
+        let dense = self.layers as u64 - moe;
+        let experts = self.cfg.num_experts as u64;
+        data_offset(self.n_entries) + moe * experts * payload + dense * experts * round_up(32, bs)
+    }
+
+    /// Writes every payload through `w` and finishes the image; returns (superblock, experts,
+    /// placeholders).
+    fn write<S: ImageSink>(&self, mut w: FlatWriter<S>, progress: bool) -> Result<(Superblock, usize, usize)> {
+        let bar = progress::bar(u64::from(self.n_entries), "pack", !progress);
+        let mut payload = vec![0u8; self.layout.len()];
+        let (mut experts, mut placeholders) = (0, 0);
+        for l in 0..self.layers {
+            let moe = self.cfg.is_moe_layer(l);
+            for e in 0..self.cfg.num_experts {
+                if moe {
+                    self.layout.payload_from_store(&self.store, l, e, &mut payload)?;
+                    w.push(&payload)?;
+                    experts += 1;
+                } else {
+                    w.push(DENSE_LAYER_PLACEHOLDER)?;
+                    placeholders += 1;
+                }
+                bar.inc(1);
+            }
+        }
+        let superblock = w.finish()?;
+        bar.finish_and_clear();
+        Ok((superblock, experts, placeholders))
+    }
+}
+
 /// Packs the routed experts of the converted directory `model_dir` into the image `out`.
 ///
 /// # Errors
@@ -104,60 +188,130 @@ impl std::fmt::Display for PackReport {
 /// the image fails. On error no image (and no temporary file) is left at `out`.
 pub fn pack(model_dir: &Path, out: &Path, opts: &PackOptions) -> Result<PackReport> {
     let t0 = Instant::now();
-    let cfg = Config::from_dir(model_dir)?;
-    let store = TensorStore::open(model_dir)?;
-    if let Some(&l) = cfg.moe_layers().first() {
-        let hf = format!("model.layers.{l}.mlp.experts.0.gate_proj.weight");
-        let fused = format!("model.layers.{l}.mlp.experts.gate_up_proj");
-        if store.contains(&hf) || store.contains(&fused) {
-            return Err(Error::Invalid(format!(
-                "{}: a Hugging Face checkpoint, not a converted directory: run `picchio convert` on it first and \
-                 pack the converted directory",
-                model_dir.display()
-            )));
-        }
-    }
-    let layout = ExpertLayout::detect(&store, &cfg)?;
-    let dims = store_dims(&cfg);
-    let n_layers = cfg.num_hidden_layers;
-    let layers = opts.layers.unwrap_or(n_layers);
-    if layers == 0 || layers > n_layers {
-        return Err(Error::Invalid(format!("--layers {layers}: the model has {n_layers} layers (use 1..={n_layers})")));
-    }
-    let n_entries = u32::try_from(layers * cfg.num_experts)
-        .map_err(|_| Error::Invalid(format!("{layers} layers × {} experts exceed u32 entries", cfg.num_experts)))?;
-    let mut w = FlatWriter::create(out, dims, n_entries)?;
-    let bar = progress::bar(u64::from(n_entries), "pack", !opts.progress);
-    let mut payload = vec![0u8; layout.len()];
-    let (mut experts, mut placeholders) = (0, 0);
-    for l in 0..layers {
-        let moe = cfg.is_moe_layer(l);
-        for e in 0..cfg.num_experts {
-            if moe {
-                layout.payload_from_store(&store, l, e, &mut payload)?;
-                w.push(&payload)?;
-                experts += 1;
-            } else {
-                w.push(DENSE_LAYER_PLACEHOLDER)?;
-                placeholders += 1;
-            }
-            bar.inc(1);
-        }
-    }
-    let superblock = w.finish()?;
-    bar.finish_and_clear();
+    let src = Source::open(model_dir, opts)?;
+    let w = FlatWriter::create(out, store_dims(&src.cfg), src.n_entries)?;
+    let (superblock, experts, placeholders) = src.write(w, opts.progress)?;
     let bytes = std::fs::metadata(out).map_err(Error::io(out, "stat the packed image"))?.len();
+    debug_assert_eq!(bytes, src.image_len(), "the image size pack_raw plans for a device");
     Ok(PackReport {
         model_dir: model_dir.into(),
         path: out.into(),
+        dest: out.display().to_string(),
         superblock,
-        quant: layout.quant,
-        payload_len: layout.len(),
+        quant: src.layout.quant,
+        payload_len: src.layout.len(),
         experts,
         placeholders,
         bytes,
         elapsed: t0.elapsed(),
     })
+}
+
+/// Options of [`pack_raw`].
+#[derive(Clone, Debug, Default)]
+pub struct RawPackOptions {
+    /// As for a file.
+    pub pack: PackOptions,
+    /// Write even a device that is mounted, in use, or carries a partition table or a file-system
+    /// signature (`--force`). Never the device backing `/`; and the kernel still refuses, through
+    /// `O_EXCL`, a device a mounted file system, swap area or holder uses.
+    pub force: bool,
+    /// Reader threads of the read-back verification.
+    pub io_threads: usize,
+}
+
+/// What [`pack_raw`] did.
+#[cfg(target_os = "linux")]
+#[derive(Debug)]
+pub struct RawPackReport {
+    /// The image written (`path` is the device, `dest` the `raw:` URI).
+    pub pack: PackReport,
+    /// The inspection the write was cleared by.
+    pub inspection: picchio_blockdev::raw::Inspection,
+    /// The read-back verification (clean, or [`pack_raw`] fails).
+    pub verify: crate::verify::VerifyReport,
+}
+
+#[cfg(target_os = "linux")]
+impl std::fmt::Display for RawPackReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let t = self.inspection.target();
+        writeln!(f, "{}", self.pack)?;
+        write!(
+            f,
+            "  at {} × {} B (byte {}) of {}; read back with O_DIRECT via {}: index and {} payload hashes OK",
+            t.start(),
+            t.device().logical_block(),
+            t.base().0,
+            t.device().path().display(),
+            self.verify.engine,
+            self.verify.entries
+        )
+    }
+}
+
+/// Packs the routed experts of `model_dir` onto the block device `device`, the image starting at
+/// byte `offset` (a whole number of logical blocks): `picchio pack --out raw:/dev/X[@offset]`.
+///
+/// Steps: measure the image; inspect the device ([`picchio_blockdev::raw::RawTarget::inspect`], reads
+/// only) and hand the result to `announce` (the command prints it: device, size, model, signatures,
+/// bytes to be overwritten) — also when it is then refused; clear it
+/// ([`picchio_blockdev::raw::Inspection::permit`]: the image must fit; refusals unless `force`, the
+/// root device always); write through [`picchio_blockdev::raw::DeviceSink`] (`O_DIRECT | O_EXCL`,
+/// aligned chunks, the old superblock destroyed first and the new one written last after a sync);
+/// then read everything back through `O_DIRECT` with the psync engine and check the index hash and
+/// every payload hash. Only the named device is ever opened for writing, and a path that is not a
+/// block device never is.
+///
+/// # Errors
+/// As [`pack`] for the model; [`Error::Engine`] wrapping [`picchio_blockdev::Error::NotBlockDevice`],
+/// [`RawOffset`](picchio_blockdev::Error::RawOffset), [`ImageTooLarge`](picchio_blockdev::Error::ImageTooLarge),
+/// [`Refused`](picchio_blockdev::Error::Refused), [`WriteOpen`](picchio_blockdev::Error::WriteOpen), …;
+/// [`Error::Store`] when a write fails; [`Error::Invalid`] when the read-back finds a problem.
+#[cfg(target_os = "linux")]
+pub fn pack_raw(
+    model_dir: &Path,
+    device: &Path,
+    offset: u64,
+    opts: &RawPackOptions,
+    announce: &mut dyn FnMut(&picchio_blockdev::raw::Inspection),
+) -> Result<RawPackReport> {
+    use picchio_blockdev::raw::{DeviceSink, OffsetQueue, RawTarget};
+    use picchio_blockdev::{PsyncOptions, PsyncQueue};
+
+    let t0 = Instant::now();
+    let src = Source::open(model_dir, &opts.pack)?;
+    let image_len = src.image_len();
+    let target = RawTarget::open(device, picchio_core::ByteOffset(offset))?;
+    let inspection = target.inspect(image_len)?;
+    announce(&inspection);
+    let permit = inspection.clone().permit(opts.force)?;
+    let sink = DeviceSink::open(&permit)?;
+    let w = FlatWriter::with_sink(sink, store_dims(&src.cfg), src.n_entries)?;
+    let (superblock, experts, placeholders) = src.write(w, opts.pack.progress)?;
+    let name = target.uri();
+    // The writer (and its exclusive claim) is closed; read the device back, around the page cache.
+    let queue = PsyncQueue::open(device, PsyncOptions::direct(opts.io_threads.max(1)))?;
+    let mut queue = OffsetQueue::new(queue, target.base());
+    let vopts =
+        crate::verify::VerifyOptions { io_threads: opts.io_threads, direct: true, progress: opts.pack.progress };
+    let verify = crate::verify::verify_queue(&mut queue, &name, image_len, None, &vopts)?;
+    if !verify.is_clean() || verify.entries != src.n_entries as usize {
+        return Err(Error::Invalid(format!("{name}: the image was written but reading it back failed:\n{verify}")));
+    }
+    let pack = PackReport {
+        model_dir: model_dir.into(),
+        path: device.into(),
+        dest: name,
+        superblock,
+        quant: src.layout.quant,
+        payload_len: src.layout.len(),
+        experts,
+        placeholders,
+        bytes: image_len,
+        elapsed: t0.elapsed(),
+    };
+    Ok(RawPackReport { pack, inspection, verify })
 }
 
 #[cfg(test)]

@@ -91,8 +91,10 @@ pub struct RunStats {
     pub store_errors: u64,
     /// The store (`safetensors`, `file:PATH`).
     pub store: String,
-    /// The engine (`psync(direct, 2 threads)`, ...).
+    /// The engine (`psync(direct, 2 threads)`, `uring(direct, qd 32)`, ...).
     pub engine: String,
+    /// Whether misses were computed as their reads completed (`--async-moe`).
+    pub async_moe: bool,
 }
 
 /// The result of one generation.
@@ -141,7 +143,8 @@ impl Session {
             Some(n) => n.min(total.max(1)),
             None => default_ecap(total, layout.len(), cfg.num_experts_per_tok),
         };
-        let cache = ExpertCache::new(ecap, layout.len())?;
+        let mut cache = ExpertCache::new(ecap, layout.len())?;
+        cache.set_async_moe(opts.io.async_moe);
         tracing::info!("experts from {} via {}, cache {ecap} experts", info.store, info.engine);
         Ok(Session { model, cache, loader, info, io_stats, tokenizer })
     }
@@ -230,6 +233,7 @@ impl Session {
             store_errors: io.errors - io0.errors,
             store: self.info.store.clone(),
             engine: self.info.engine.clone(),
+            async_moe: self.cache.async_moe(),
         };
         Ok(Generation { prompt_ids: prompt_ids.to_vec(), tokens, logits: kept, stats })
     }

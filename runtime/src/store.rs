@@ -5,6 +5,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use picchio_blockdev::{PsyncOptions, PsyncQueue};
+#[cfg(target_os = "linux")]
+use picchio_blockdev::{UringOptions, UringQueue};
 use picchio_core::loader::StoreDims;
 use picchio_core::{
     ExpertLoader, FallbackLoader, FlatStore, FlatStoreOptions, IoQueue, IoStats, StoreExpect, StoreUri,
@@ -18,12 +20,48 @@ use crate::safetensors::TensorStore;
 /// The default image name inside a converted model directory.
 pub const DEFAULT_IMAGE: &str = "experts.picchioflat";
 
-/// The kernel-path engine that reads a file or block device.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+/// The kernel-path engine that reads a file or block device (`--io`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IoEngine {
-    /// A pool of `threads` reader threads doing positional reads.
-    #[default]
+    /// A pool of `threads` reader threads doing positional reads (`--io psync`).
     Psync,
+    /// One io_uring instance with up to `qd` reads in flight (`--io uring`, Linux). Where io_uring
+    /// is unavailable (old kernel, seccomp, `kernel.io_uring_disabled`) the queue falls back to
+    /// [`IoEngine::Psync`] with one warning.
+    Uring,
+}
+
+impl Default for IoEngine {
+    /// [`IoEngine::Uring`] on Linux, [`IoEngine::Psync`] elsewhere.
+    fn default() -> Self {
+        if cfg!(target_os = "linux") {
+            IoEngine::Uring
+        } else {
+            IoEngine::Psync
+        }
+    }
+}
+
+impl std::fmt::Display for IoEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            IoEngine::Psync => "psync",
+            IoEngine::Uring => "uring",
+        })
+    }
+}
+
+impl std::str::FromStr for IoEngine {
+    type Err = String;
+
+    /// `psync` or `uring`.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "psync" => Ok(IoEngine::Psync),
+            "uring" | "io_uring" => Ok(IoEngine::Uring),
+            _ => Err(format!("unknown I/O engine {s:?}: expected psync or uring")),
+        }
+    }
 }
 
 /// How flat stores are read.
@@ -37,11 +75,32 @@ pub struct IoOptions {
     pub threads: usize,
     /// Check every payload's SHA-256 prefix against the index after reading it.
     pub verify: bool,
+    /// Reads in flight of the uring engine (`--qd`, 1..=256).
+    pub qd: u32,
+    /// uring: a kernel thread polls the submission queue (`--sqpoll`).
+    pub sqpoll: bool,
+    /// uring: completions are polled from the device (`--iopoll`; needs O_DIRECT and polled queues).
+    pub iopoll: bool,
+    /// uring: register the file with the ring.
+    pub register_files: bool,
+    /// Compute each missed expert as soon as its read completes (`--async-moe`, the default), rather
+    /// than after the whole batch is loaded (`--no-async-moe`); see [`crate::cache`].
+    pub async_moe: bool,
 }
 
 impl Default for IoOptions {
     fn default() -> Self {
-        IoOptions { engine: IoEngine::Psync, direct: true, threads: 2, verify: false }
+        IoOptions {
+            engine: IoEngine::default(),
+            direct: true,
+            threads: 2,
+            verify: false,
+            qd: 32,
+            sqpoll: false,
+            iopoll: false,
+            register_files: false,
+            async_moe: true,
+        }
     }
 }
 
@@ -49,15 +108,56 @@ impl Default for IoOptions {
 /// the target's length in bytes.
 ///
 /// # Errors
-/// [`Error::Engine`] naming the path when the engine cannot open it (e.g. O_DIRECT refused).
+/// [`Error::Engine`] naming the path when the engine cannot open it (e.g. O_DIRECT refused, or an
+/// io_uring flag such as `--sqpoll` refused). An unavailable io_uring is not an error: psync serves.
 pub fn open_queue(path: &Path, io: IoOptions) -> Result<(Box<dyn IoQueue>, u64)> {
     match io.engine {
-        IoEngine::Psync => {
-            let q = PsyncQueue::open(path, PsyncOptions { threads: io.threads.max(1), direct: io.direct })?;
-            let len = q.len();
-            Ok((Box::new(q), len))
-        }
+        IoEngine::Psync => open_psync(path, io),
+        IoEngine::Uring => match open_uring(path, io)? {
+            Some(opened) => Ok(opened),
+            None => open_psync(path, io),
+        },
     }
+}
+
+fn open_psync(path: &Path, io: IoOptions) -> Result<(Box<dyn IoQueue>, u64)> {
+    let q = PsyncQueue::open(path, PsyncOptions { threads: io.threads.max(1), direct: io.direct })?;
+    let len = q.len();
+    Ok((Box::new(q), len))
+}
+
+/// The uring queue, or `None` (warned about once per process) when io_uring is unavailable here.
+#[cfg(target_os = "linux")]
+fn open_uring(path: &Path, io: IoOptions) -> Result<Option<(Box<dyn IoQueue>, u64)>> {
+    let opts = UringOptions {
+        qd: io.qd,
+        direct: io.direct,
+        sqpoll: io.sqpoll,
+        iopoll: io.iopoll,
+        register_files: io.register_files,
+    };
+    match UringQueue::open(path, opts) {
+        Ok(q) => {
+            let len = q.len();
+            Ok(Some((Box::new(q), len)))
+        }
+        Err(picchio_blockdev::Error::UringUnavailable { reason, .. }) => {
+            warn_uring_fallback(&reason);
+            Ok(None)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn open_uring(_path: &Path, _io: IoOptions) -> Result<Option<(Box<dyn IoQueue>, u64)>> {
+    warn_uring_fallback("it is Linux-only");
+    Ok(None)
+}
+
+fn warn_uring_fallback(why: &str) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| tracing::warn!("io_uring is unavailable ({why}): reading with the psync engine (--io psync)"));
 }
 
 /// What was opened, for reports.
@@ -108,6 +208,35 @@ pub fn open_flat(
         expect: Some(StoreExpect { dims: store_dims(cfg), payload_len: layout.len() as u32 }),
     };
     Ok(FlatStore::open(queue, name, opts)?)
+}
+
+/// Opens a `.picchioflat` image on a block device (`raw:/dev/X[@offset]`); see [`open_flat`].
+///
+/// The device is measured first (size from `BLKGETSIZE64`, logical block size from `BLKSSZGET`):
+/// `offset` must be a whole number of logical blocks, the image starts at LBA `offset / LBA size`,
+/// and each expert is one read at `LBA × LBA size + its offset in the image`, through whichever engine
+/// `io` asks for. Reading never writes. A path that is not a block device is refused (use `file:`).
+///
+/// # Errors
+/// [`Error::Engine`] for a path that is not a block device, an offset that is not a whole LBA or lies
+/// past the end, or an engine that cannot open the device; as [`open_flat`] otherwise.
+pub fn open_raw(
+    device: &Path,
+    offset: u64,
+    cfg: &Config,
+    layout: &ExpertLayout,
+    io: IoOptions,
+) -> Result<FlatStore<Box<dyn IoQueue>>> {
+    #[cfg(target_os = "linux")]
+    {
+        let target = picchio_blockdev::raw::RawTarget::open(device, picchio_core::ByteOffset(offset))?;
+        open_flat(target.uri(), device, target.base().0, cfg, layout, io)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let name = StoreUri::Raw { device: device.into(), offset }.to_string();
+        open_flat(name, device, offset, cfg, layout, io)
+    }
 }
 
 /// Opens a `.picchioflat` file; see [`open_flat`].
@@ -172,7 +301,7 @@ pub fn open_store(
         }
         StoreUri::File(p) => p.clone(),
         StoreUri::Raw { device, offset } => {
-            let flat = open_flat(uri.to_string(), device, *offset, cfg, layout, io)?;
+            let flat = open_raw(device, *offset, cfg, layout, io)?;
             return Ok(wrap(flat, fallback, stats));
         }
         StoreUri::Nvme { .. } => {

@@ -8,7 +8,8 @@
 //!
 //! The image is read once through an [`IoQueue`]: [`verify`] opens a file or block device with the
 //! psync engine (O_DIRECT by default, so the bytes checked are the device's and not the page cache's;
-//! buffered when the file system refuses O_DIRECT), and [`verify_queue`] takes any engine.
+//! buffered when the file system refuses O_DIRECT), [`verify_raw`] an image at an LBA of a block
+//! device (`raw:/dev/X[@BYTES]`), and [`verify_queue`] takes any engine. Nothing is ever written.
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
@@ -208,6 +209,24 @@ pub fn verify(store: &Path, model: Option<&Path>, opts: &VerifyOptions) -> Resul
     };
     let image_len = queue.len();
     verify_queue(&mut queue, &store.display().to_string(), image_len, model, opts)
+}
+
+/// Verifies the image on the block device `device` starting at byte `offset`
+/// (`picchio verify raw:/dev/X[@offset]`), as [`verify`] does a file: the device is measured
+/// (`BLKGETSIZE64`, `BLKSSZGET`), `offset` must be a whole number of logical blocks, and the image —
+/// read with the psync engine, O_DIRECT unless `opts.direct` is false — runs from there to the end of
+/// the device. The device is opened read-only.
+///
+/// # Errors
+/// [`Error::Engine`] for a path that is not a block device, an offset that is not a whole LBA or lies
+/// past the end, or a device the engine cannot open; otherwise as [`verify_queue`].
+#[cfg(target_os = "linux")]
+pub fn verify_raw(device: &Path, offset: u64, model: Option<&Path>, opts: &VerifyOptions) -> Result<VerifyReport> {
+    use picchio_blockdev::raw::{OffsetQueue, RawTarget};
+    let target = RawTarget::open(device, ByteOffset(offset))?;
+    let queue = PsyncQueue::open(device, PsyncOptions { threads: opts.io_threads.max(1), direct: opts.direct })?;
+    let mut queue = OffsetQueue::new(queue, target.base());
+    verify_queue(&mut queue, &target.uri(), target.capacity(), model, opts)
 }
 
 /// Verifies the image of `image_len` bytes that `queue` reads (named `source_name` in messages); see

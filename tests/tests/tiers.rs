@@ -149,3 +149,25 @@ fn whole_store_faults_stop_an_explicit_store_and_auto_falls_back() {
         assert_eq!(g.stats.store, "safetensors");
     }
 }
+
+#[test]
+fn an_image_of_another_quantization_is_a_whole_store_mismatch() {
+    use picchio_runtime::convert::{convert, ConvertOptions};
+    use picchio_runtime::quant::QuantKind;
+    let tmp = scratch();
+    let q3 = tmp.path().join("q3");
+    convert(
+        &fixture("qwen3_moe"),
+        &q3,
+        &ConvertOptions { experts: QuantKind::Q3, progress: false, ..Default::default() },
+    )
+    .unwrap();
+    let img = tmp.path().join("q3.picchioflat");
+    pack(&q3, &img, &PackOptions { layers: None, progress: false }).unwrap();
+    // The Picchio (C) directory is the same model in Q4: same dimensions, other payload size.
+    let e = greedy(&fixture("picchio_c/qwen3_moe"), StoreUri::File(img), IoOptions::default(), Some(8), &c_prompt(), 2)
+        .err()
+        .expect("a Q3 image must not open for a Q4 model")
+        .to_string();
+    assert!(e.contains("quantization") && e.contains("q3.picchioflat"), "{e}");
+}

@@ -38,6 +38,8 @@ pub struct Args {
     /// Read through the page cache instead of O_DIRECT.
     #[arg(long)]
     pub buffered: bool,
+    #[command(flatten)]
+    pub engine: super::run::EngineArgs,
     /// Where converted and synthetic models are written.
     #[arg(long, value_name = "DIR", default_value = WORKDIR)]
     pub workdir: PathBuf,
@@ -93,7 +95,7 @@ fn fixture(a: &Args) -> anyhow::Result<()> {
     let opts = SessionOptions {
         model_dir: model.clone(),
         store: StoreUri::File(model.join(DEFAULT_IMAGE)),
-        io: IoOptions { direct: !a.buffered, threads: a.io_threads, ..IoOptions::default() },
+        io: a.engine.apply(IoOptions { direct: !a.buffered, threads: a.io_threads, ..IoOptions::default() }),
         ecap: Some(ecap),
         max_seq: prompt.len() + n,
     };
@@ -172,7 +174,7 @@ fn synthetic(a: &Args, gb: f64) -> anyhow::Result<()> {
     let opts = SessionOptions {
         model_dir: model.clone(),
         store: StoreUri::File(image),
-        io: IoOptions { direct: !a.buffered, threads: a.io_threads, ..IoOptions::default() },
+        io: a.engine.apply(IoOptions { direct: !a.buffered, threads: a.io_threads, ..IoOptions::default() }),
         ecap: Some(ecap),
         max_seq: prompt.len() + n,
     };
@@ -192,7 +194,7 @@ fn report(a: &Args, what: &str, text: &str, g: &picchio_runtime::run::Generation
     eprintln!(
         "{} tokens at {:.2} tok/s decode (prefill {:.0} ms, decode {:.0} ms)\n\
          expert cache: {} of {} experts; {} hits, {} misses ({:.1}% hit rate)\n\
-         read {:.1} MB in {} expert reads, {:.0} ms waiting ({:.0} MB/s) from {} via {}; {} fallbacks",
+         read {:.1} MB in {} expert reads, {:.0} ms waiting ({:.0} MB/s) from {} via {}{}; {} fallbacks",
         st.generated_tokens,
         st.decode_tok_s,
         st.prefill_ms,
@@ -208,6 +210,7 @@ fn report(a: &Args, what: &str, text: &str, g: &picchio_runtime::run::Generation
         st.read_mb_s,
         st.store,
         st.engine,
+        if st.async_moe { ", async MoE" } else { "" },
         st.fallbacks
     );
     Ok(())

@@ -2,6 +2,8 @@
 
 use std::path::PathBuf;
 
+use anyhow::bail;
+use picchio_core::StoreUri;
 use picchio_runtime::pack::{pack, PackOptions};
 use picchio_runtime::store::DEFAULT_IMAGE;
 
@@ -11,20 +13,59 @@ pub struct Args {
     /// Converted model directory (from `picchio convert`, or one written by Picchio (C)).
     #[arg(value_name = "MODEL_DIR")]
     pub model: PathBuf,
-    /// Image path [default: MODEL_DIR/experts.picchioflat]. Written atomically (temporary file + rename).
-    #[arg(long, value_name = "PATH")]
-    pub out: Option<PathBuf>,
+    /// Where to write the image [default: MODEL_DIR/experts.picchioflat]. A path (or file:PATH) is
+    /// written atomically (temporary file + rename). raw:/dev/X or raw:/dev/X@BYTES writes a block
+    /// device from byte BYTES on (a whole number of logical blocks; default 0): the device is
+    /// inspected first and refused if it is mounted, in use, or carries a partition table or
+    /// file-system signature; what will be overwritten is printed, and the image is read back and
+    /// checked after writing.
+    #[arg(long, value_name = "PATH|raw:/dev/X[@BYTES]")]
+    pub out: Option<String>,
+    /// With --out raw:, write the device although it carries a partition table or a file-system
+    /// signature, or is found mounted or in use; everything on it is lost. The kernel still refuses
+    /// a device that a mounted file system, swap area or device-mapper holds, and the device backing
+    /// / is never written.
+    #[arg(long, requires = "out")]
+    pub force: bool,
     /// Pack only the first N layers (a prefix store; later layers are served from safetensors).
     #[arg(long, value_name = "N")]
     pub layers: Option<usize>,
+    /// Reader threads for reading a raw: image back after writing it.
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    pub io_threads: usize,
     /// Hide the progress bar.
     #[arg(long)]
     pub no_progress: bool,
 }
 
 pub fn exec(a: Args) -> anyhow::Result<()> {
-    let out = a.out.clone().unwrap_or_else(|| a.model.join(DEFAULT_IMAGE));
-    let report = pack(&a.model, &out, &PackOptions { layers: a.layers, progress: !a.no_progress })?;
+    let opts = PackOptions { layers: a.layers, progress: !a.no_progress };
+    let out = match a.out.as_deref() {
+        None => a.model.join(DEFAULT_IMAGE),
+        Some(s) if s.starts_with("raw:") => {
+            let StoreUri::Raw { device, offset } = s.parse::<StoreUri>()? else { unreachable!("raw: parses as Raw") };
+            return pack_raw(&a, &device, offset, opts);
+        }
+        Some(s) => PathBuf::from(s.strip_prefix("file:").unwrap_or(s)),
+    };
+    if a.force {
+        bail!("--force only applies to --out raw:/dev/X (a file image is replaced atomically anyway)");
+    }
+    let report = pack(&a.model, &out, &opts)?;
     eprintln!("{report}");
     Ok(())
+}
+
+#[cfg(target_os = "linux")]
+fn pack_raw(a: &Args, device: &std::path::Path, offset: u64, pack: PackOptions) -> anyhow::Result<()> {
+    use picchio_runtime::pack::RawPackOptions;
+    let opts = RawPackOptions { pack, force: a.force, io_threads: a.io_threads };
+    let report = picchio_runtime::pack::pack_raw(&a.model, device, offset, &opts, &mut |plan| eprintln!("{plan}"))?;
+    eprintln!("{report}");
+    Ok(())
+}
+
+#[cfg(not(target_os = "linux"))]
+fn pack_raw(_: &Args, device: &std::path::Path, _: u64, _: PackOptions) -> anyhow::Result<()> {
+    bail!("--out raw:{}: writing block devices is supported on Linux only", device.display())
 }

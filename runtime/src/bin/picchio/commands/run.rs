@@ -6,7 +6,7 @@ use anyhow::{bail, Context};
 use picchio_core::StoreUri;
 use picchio_runtime::run::{dump_logits, GenerateOptions, Session, SessionOptions};
 use picchio_runtime::sampler::SamplerOptions;
-use picchio_runtime::store::IoOptions;
+use picchio_runtime::store::{IoEngine, IoOptions};
 use picchio_runtime::tokenizer::Tokenizer;
 
 /// Options of `picchio run`.
@@ -28,6 +28,8 @@ pub struct Args {
     /// Reader threads of the psync engine.
     #[arg(long, value_name = "N", default_value_t = 2)]
     pub io_threads: usize,
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// Expert-cache capacity in experts [default: all experts that fit in half the available memory].
     #[arg(long, value_name = "N")]
     pub ecap: Option<usize>,
@@ -64,6 +66,54 @@ pub struct Args {
     pub dump_logits: Option<PathBuf>,
 }
 
+/// Engine and MoE scheduling options shared by `run` and `demo`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct EngineArgs {
+    /// I/O engine for flat stores: `uring` (io_uring, Linux; the default there, falling back to psync
+    /// with a warning where io_uring is unavailable) or `psync` (a pool of --io-threads pread threads).
+    #[arg(long = "io", value_name = "ENGINE", default_value_t = IoEngine::default())]
+    pub io: IoEngine,
+    /// uring: reads in flight at once (1-256). 1 is one read at a time; deeper queues let the device
+    /// work on several experts together.
+    #[arg(long, value_name = "N", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub qd: u32,
+    /// uring: a kernel thread polls for new reads, so none needs a syscall (costs a busy CPU; may need
+    /// root on kernels before 5.11).
+    #[arg(long)]
+    pub sqpoll: bool,
+    /// uring: poll the device for completions instead of waiting for interrupts (needs O_DIRECT and a
+    /// device with polled queues, e.g. NVMe with nvme.poll_queues=N).
+    #[arg(long, conflicts_with = "buffered")]
+    pub iopoll: bool,
+    /// uring: register the file with the ring (measurement switch).
+    #[arg(long, hide = true, value_name = "BOOL", action = clap::ArgAction::Set,
+          default_value_t = IoOptions::default().register_files)]
+    pub register_files: bool,
+    /// Compute each routed expert as soon as its read completes, while the layer's other reads are in
+    /// flight (the default).
+    #[arg(long, overrides_with = "no_async_moe")]
+    pub async_moe: bool,
+    /// Wait for all of a layer's expert reads, then compute the experts in router order (for
+    /// measurement: tokens are identical either way).
+    #[arg(long, overrides_with = "async_moe")]
+    pub no_async_moe: bool,
+}
+
+impl EngineArgs {
+    /// `io` with the engine, queue and MoE settings of these flags.
+    pub fn apply(&self, io: IoOptions) -> IoOptions {
+        IoOptions {
+            engine: self.io,
+            qd: self.qd,
+            sqpoll: self.sqpoll,
+            iopoll: self.iopoll,
+            register_files: self.register_files,
+            async_moe: !self.no_async_moe,
+            ..io
+        }
+    }
+}
+
 pub fn exec(a: Args) -> anyhow::Result<()> {
     if !(a.top_p > 0.0 && a.top_p <= 1.0) {
         bail!("--top-p must be in (0, 1], got {}", a.top_p);
@@ -83,7 +133,12 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
     let opts = SessionOptions {
         model_dir: a.model.clone(),
         store: a.store.clone(),
-        io: IoOptions { direct: !a.buffered, threads: a.io_threads, verify: a.verify, ..IoOptions::default() },
+        io: a.engine.apply(IoOptions {
+            direct: !a.buffered,
+            threads: a.io_threads,
+            verify: a.verify,
+            ..IoOptions::default()
+        }),
         ecap: a.ecap,
         max_seq: prompt_ids.len() + a.n,
     };
@@ -115,7 +170,7 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
         let st = &g.stats;
         eprintln!(
             "{} tokens, {:.2} tok/s decode (prefill {:.0} ms); cache {} hits / {} misses (capacity {}); \
-             {:.1} MB read in {:.0} ms from {} via {}; {} fallbacks",
+             {:.1} MB read in {:.0} ms from {} via {}{}; {} fallbacks",
             st.generated_tokens,
             st.decode_tok_s,
             st.prefill_ms,
@@ -126,6 +181,7 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
             st.read_wall_ms,
             st.store,
             st.engine,
+            if st.async_moe { ", async MoE" } else { "" },
             st.fallbacks
         );
     }

@@ -3,12 +3,14 @@
 use std::path::PathBuf;
 
 use anyhow::bail;
-use picchio_runtime::verify::{verify, VerifyOptions};
+use picchio_core::StoreUri;
+use picchio_runtime::verify::{verify, VerifyOptions, VerifyReport};
 
 /// Options of `picchio verify`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// The .picchioflat image (a path or file:PATH).
+    /// The .picchioflat image: a path, file:PATH, or raw:/dev/X or raw:/dev/X@BYTES for an image on
+    /// a block device starting at byte BYTES (default 0). The image is only read.
     #[arg(value_name = "STORE")]
     pub store: String,
     /// Also compare every payload byte for byte with this converted model's safetensors experts.
@@ -26,12 +28,32 @@ pub struct Args {
 }
 
 pub fn exec(a: Args) -> anyhow::Result<()> {
-    let path = PathBuf::from(a.store.strip_prefix("file:").unwrap_or(&a.store));
     let opts = VerifyOptions { io_threads: a.io_threads, direct: !a.buffered, progress: !a.no_progress };
-    let report = verify(&path, a.model.as_deref(), &opts)?;
+    let (name, report) = match a.store.strip_prefix("raw:") {
+        Some(_) => {
+            let StoreUri::Raw { device, offset } = a.store.parse::<StoreUri>()? else {
+                unreachable!("raw: parses as Raw")
+            };
+            (a.store.clone(), verify_raw(&device, offset, &a, &opts)?)
+        }
+        None => {
+            let path = PathBuf::from(a.store.strip_prefix("file:").unwrap_or(&a.store));
+            (path.display().to_string(), verify(&path, a.model.as_deref(), &opts)?)
+        }
+    };
     println!("{report}");
     if !report.is_clean() {
-        bail!("{}: {} expert(s) failed verification", path.display(), report.failures.len());
+        bail!("{name}: {} expert(s) failed verification", report.failures.len());
     }
     Ok(())
+}
+
+#[cfg(target_os = "linux")]
+fn verify_raw(device: &std::path::Path, offset: u64, a: &Args, opts: &VerifyOptions) -> anyhow::Result<VerifyReport> {
+    Ok(picchio_runtime::verify::verify_raw(device, offset, a.model.as_deref(), opts)?)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn verify_raw(device: &std::path::Path, _: u64, _: &Args, _: &VerifyOptions) -> anyhow::Result<VerifyReport> {
+    bail!("raw:{}: block devices are supported on Linux only", device.display())
 }

@@ -1,0 +1,224 @@
+//! Kernel fixtures for tests on real block devices: loop devices and mounts that undo themselves when
+//! dropped — also when the test panics, since `Drop` runs while unwinding — and a visible skip when
+//! the test cannot have them (not root, no loop support).
+//!
+//! Shared by `blockdev/tests/raw.rs`, `runtime/tests/cli_raw.rs` and `tests/tests/raw_tiers.rs`
+//! (included with `#[path]`), so it uses nothing but std. It generalizes the read-only `Loop` of
+//! `blockdev/tests/blockdev.rs` (sector size, direct I/O, partition scan, read-write).
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// Whether the effective user is root (`Uid:` in `/proc/self/status`); otherwise prints
+/// `SKIPPED <test>: ...` on stderr so that the test never passes silently.
+pub fn require_root(test: &str) -> bool {
+    let euid = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("Uid:")).map(str::to_string))
+        .and_then(|l| l.split_whitespace().nth(2).map(str::to_string));
+    if euid.as_deref() == Some("0") {
+        return true;
+    }
+    eprintln!("SKIPPED {test}: needs root for losetup, mkfs and mount (euid {euid:?}); CI runs it as root");
+    false
+}
+
+/// Runs `cmd args...`, returning its output or a message naming the command and its stderr.
+pub fn run(cmd: &str, args: &[&str]) -> Result<Output, String> {
+    let out = Command::new(cmd).args(args).output().map_err(|e| format!("cannot run {cmd}: {e}"))?;
+    if out.status.success() {
+        Ok(out)
+    } else {
+        Err(format!("{cmd} {}: {}: {}", args.join(" "), out.status, String::from_utf8_lossy(&out.stderr).trim()))
+    }
+}
+
+/// Whether `cmd` can be run (e.g. `dmsetup`, `mkfs.ext4`).
+pub fn have(cmd: &str, probe_args: &[&str]) -> bool {
+    run(cmd, probe_args).is_ok()
+}
+
+/// How to attach a loop device.
+#[derive(Clone, Copy, Debug)]
+pub struct LoopOptions {
+    /// Logical block size (`--sector-size`): 512 or 4096.
+    pub sector_size: u32,
+    /// `--direct-io=on`: the loop driver reads its backing file with O_DIRECT (and then reports
+    /// reads past the backing file's end as I/O errors instead of zeros).
+    pub direct_io: bool,
+    /// `--read-only`.
+    pub read_only: bool,
+    /// `--partscan`: the kernel creates `loopNpM` for a partition table.
+    pub partscan: bool,
+}
+
+impl Default for LoopOptions {
+    fn default() -> Self {
+        LoopOptions { sector_size: 512, direct_io: true, read_only: false, partscan: false }
+    }
+}
+
+/// A loop device over a file (`losetup --find --show ...`), detached on drop.
+#[derive(Debug)]
+pub struct LoopDevice {
+    /// `/dev/loopN`.
+    pub dev: PathBuf,
+    /// The backing file.
+    pub backing: PathBuf,
+}
+
+impl LoopDevice {
+    /// Attaches a free loop device to `file`.
+    pub fn attach(file: &Path, opts: LoopOptions) -> Result<LoopDevice, String> {
+        let sector = opts.sector_size.to_string();
+        let file_s = file.to_string_lossy().into_owned();
+        let mut args = vec!["--find", "--show", "--sector-size", &sector];
+        args.push(if opts.direct_io { "--direct-io=on" } else { "--direct-io=off" });
+        if opts.read_only {
+            args.push("--read-only");
+        }
+        if opts.partscan {
+            args.push("--partscan");
+        }
+        args.push(&file_s);
+        let out = run("losetup", &args)?;
+        let dev = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        Ok(LoopDevice { dev, backing: file.into() })
+    }
+
+    /// Attaches, or prints `SKIPPED <test>: ...` and returns `None` (not root, or no loop device).
+    pub fn attach_or_skip(test: &str, file: &Path, opts: LoopOptions) -> Option<LoopDevice> {
+        if !require_root(test) {
+            return None;
+        }
+        match LoopDevice::attach(file, opts) {
+            Ok(l) => Some(l),
+            Err(why) => {
+                eprintln!("SKIPPED {test}: no loop device: {why}");
+                None
+            }
+        }
+    }
+
+    /// `loopN`.
+    pub fn name(&self) -> String {
+        self.dev.file_name().unwrap().to_string_lossy().into_owned()
+    }
+
+    /// Whether the loop driver really reads the backing file with O_DIRECT
+    /// (`/sys/block/loopN/loop/dio`; it silently falls back when the backing file system refuses).
+    pub fn direct_io_active(&self) -> bool {
+        std::fs::read_to_string(format!("/sys/block/{}/loop/dio", self.name())).is_ok_and(|s| s.trim() == "1")
+    }
+
+    /// Partition `n` (`/dev/loopNpN`) of the partition table on the device, from 512-byte sector
+    /// `start` for `sectors` sectors (needs `partscan`). When the kernel parsed the table itself the
+    /// node is already there; a kernel built without partition-table parsers (no
+    /// `CONFIG_MSDOS_PARTITION`) is told about it with `addpart` (the `BLKPG` ioctl) instead.
+    pub fn partition(&self, n: u32, start: u64, sectors: u64) -> Result<PathBuf, String> {
+        let p = PathBuf::from(format!("{}p{n}", self.dev.display()));
+        let appear = || {
+            for _ in 0..100 {
+                if p.exists() {
+                    return true;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            false
+        };
+        if appear() {
+            return Ok(p);
+        }
+        run("addpart", &[&self.dev.to_string_lossy(), &n.to_string(), &start.to_string(), &sectors.to_string()])?;
+        if appear() {
+            Ok(p)
+        } else {
+            Err(format!("{} did not appear after addpart", p.display()))
+        }
+    }
+}
+
+impl Drop for LoopDevice {
+    fn drop(&mut self) {
+        if let Err(e) = run("losetup", &["-d", &self.dev.to_string_lossy()]) {
+            eprintln!("warning: detaching {}: {e}", self.dev.display());
+        }
+    }
+}
+
+/// A file system mounted on a temporary directory, unmounted on drop (lazily if busy).
+#[derive(Debug)]
+pub struct Mounted {
+    /// The mount point.
+    pub dir: PathBuf,
+}
+
+impl Mounted {
+    /// Mounts `dev` on a new directory `dir` (created; kept canonical, as the mount table shows it).
+    pub fn mount(dev: &Path, dir: &Path) -> Result<Mounted, String> {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let dir = dir.canonicalize().map_err(|e| format!("{}: {e}", dir.display()))?;
+        run("mount", &[&dev.to_string_lossy(), &dir.to_string_lossy()])?;
+        Ok(Mounted { dir })
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let d = self.dir.to_string_lossy().into_owned();
+        if run("umount", &[&d]).is_err() {
+            let _ = run("umount", &["-l", &d]);
+        }
+    }
+}
+
+/// `mkfs.ext4 -q -F` on `dev` (4096-byte blocks, so it also works on 4 KiB-sector devices).
+pub fn mkfs_ext4(dev: &Path) -> Result<(), String> {
+    run("mkfs.ext4", &["-q", "-F", "-b", "4096", &dev.to_string_lossy()]).map(drop)
+}
+
+/// A sparse file of `len` bytes.
+pub fn sparse_file(path: &Path, len: u64) -> PathBuf {
+    let f = std::fs::File::create(path).expect("create backing file");
+    f.set_len(len).expect("size backing file");
+    path.into()
+}
+
+/// Writes `bytes` at `offset` of the file `path` (no truncation).
+pub fn poke(path: &Path, offset: u64, bytes: &[u8]) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new().write(true).open(path).expect("open for poke");
+    f.write_all_at(bytes, offset).expect("poke");
+    f.sync_all().expect("sync poke");
+}
+
+/// A protective MBR (one entry of type 0xEE) and a GPT header signature (`"EFI PART"` at LBA 1 of
+/// `sector` bytes): what `blkid`/`wipefs` would call a GPT disk, written without sfdisk.
+pub fn write_gpt_signature(path: &Path, sector: u64) {
+    let mut mbr = [0u8; 512];
+    mbr[446 + 4] = 0xEE; // partition type: GPT protective
+    mbr[446 + 8..446 + 12].copy_from_slice(&1u32.to_le_bytes()); // first LBA
+    mbr[446 + 12..446 + 16].copy_from_slice(&u32::MAX.to_le_bytes()); // size (whole disk)
+    mbr[510] = 0x55;
+    mbr[511] = 0xAA;
+    poke(path, 0, &mbr);
+    let mut hdr = [0u8; 92];
+    hdr[..8].copy_from_slice(b"EFI PART");
+    hdr[8..12].copy_from_slice(&0x0001_0000u32.to_le_bytes()); // revision 1.0
+    hdr[12..16].copy_from_slice(&92u32.to_le_bytes()); // header size
+    hdr[24..32].copy_from_slice(&1u64.to_le_bytes()); // my LBA
+    poke(path, sector, &hdr);
+}
+
+/// An MBR partition table with one Linux partition (type 0x83) from LBA `start` for `count` sectors:
+/// the kernel parses it (no checksums), so `--partscan` creates `loopNp1`.
+pub fn write_mbr_partition(path: &Path, start: u32, count: u32) {
+    let mut mbr = [0u8; 512];
+    mbr[446 + 4] = 0x83;
+    mbr[446 + 8..446 + 12].copy_from_slice(&start.to_le_bytes());
+    mbr[446 + 12..446 + 16].copy_from_slice(&count.to_le_bytes());
+    mbr[510] = 0x55;
+    mbr[511] = 0xAA;
+    poke(path, 0, &mbr);
+}

@@ -1,0 +1,107 @@
+//! Cross-tier identity for the io_uring engine (tier S3), end to end through `Session`: the Picchio (C)
+//! directory's image read by `--io uring` at queue depths 1, 4 and 32, direct and buffered, with async
+//! MoE on and off, for cache capacities 1, 4 and all, gives Picchio (C)'s tokens; so do the psync
+//! engine's thread counts (pinned to `--io psync`, now that uring is the default) and the SQPOLL and
+//! registered-file variants. Skipped visibly where io_uring is unavailable.
+
+use picchio_core::StoreUri;
+use picchio_runtime::store::{IoEngine, IoOptions};
+use picchio_tests::*;
+
+const N: usize = 16;
+
+fn c_prompt() -> Vec<u32> {
+    ids(&reference_json(&fixture("qwen3_moe"), "reference.json"), "prompt_ids")
+}
+
+#[cfg(target_os = "linux")]
+fn uring_unavailable() -> Option<String> {
+    picchio_blockdev::UringQueue::probe().err().map(|e| e.to_string())
+}
+
+#[cfg(not(target_os = "linux"))]
+fn uring_unavailable() -> Option<String> {
+    Some("io_uring is Linux-only".into())
+}
+
+fn check(io: IoOptions, ecap: usize, want_engine: &str) {
+    let dir = fixture("picchio_c/qwen3_moe");
+    let image = StoreUri::File(dir.join("experts.picchioflat"));
+    let what = format!("{io:?} ecap {ecap}");
+    let (g, s) = greedy(&dir, image, io, Some(ecap), &c_prompt(), N).unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert_eq!(g.tokens, PICCHIO_C_TOKENS, "{what}");
+    assert_eq!(g.stats.fallbacks, 0, "{what}");
+    assert_eq!(g.stats.reads, g.stats.cache_misses, "{what}: every miss is one store read");
+    assert_eq!(g.stats.async_moe, io.async_moe);
+    assert_eq!(s.info.engine, want_engine, "{what}");
+}
+
+#[test]
+fn uring_at_every_depth_and_async_setting_gives_picchio_c_tokens() {
+    if let Some(why) = uring_unavailable() {
+        return eprintln!("SKIPPED: io_uring unavailable: {why}");
+    }
+    let mut runs = 0;
+    for ecap in [1, 4, 3 * 16] {
+        for direct in [true, false] {
+            for qd in [1, 4, 32] {
+                for async_moe in [true, false] {
+                    let io = IoOptions { engine: IoEngine::Uring, direct, qd, async_moe, ..IoOptions::default() };
+                    let mode = if direct { "direct" } else { "buffered" };
+                    check(io, ecap, &format!("uring({mode}, qd {qd})"));
+                    runs += 1;
+                }
+            }
+        }
+    }
+    eprintln!("{runs} uring runs gave Picchio (C)'s tokens");
+}
+
+#[test]
+fn uring_flags_give_picchio_c_tokens() {
+    if let Some(why) = uring_unavailable() {
+        return eprintln!("SKIPPED: io_uring unavailable: {why}");
+    }
+    let base = IoOptions { engine: IoEngine::Uring, qd: 8, ..IoOptions::default() };
+    check(IoOptions { register_files: true, ..base }, 4, "uring(direct, qd 8, fixed file)");
+    let dir = fixture("picchio_c/qwen3_moe");
+    let sqpoll = IoOptions { sqpoll: true, ..base };
+    match greedy(&dir, StoreUri::File(dir.join("experts.picchioflat")), sqpoll, Some(4), &c_prompt(), N) {
+        Ok((g, s)) => {
+            assert_eq!(g.tokens, PICCHIO_C_TOKENS);
+            assert!(s.info.engine.starts_with("uring(direct, qd 8, sqpoll"), "{}", s.info.engine);
+        }
+        // Older kernels need privileges for SQPOLL: the error names the flag.
+        Err(e) => {
+            assert!(e.to_string().contains("--sqpoll"), "{e}");
+            eprintln!("SKIPPED (sqpoll): {e}");
+        }
+    }
+    // --iopoll either works or is refused naming the flag (a file on a disk without polled queues).
+    let iopoll = IoOptions { iopoll: true, ..base };
+    match greedy(&dir, StoreUri::File(dir.join("experts.picchioflat")), iopoll, Some(4), &c_prompt(), N) {
+        Ok((g, _)) => assert_eq!(g.tokens, PICCHIO_C_TOKENS),
+        Err(e) => assert!(e.to_string().contains("--iopoll"), "{e}"),
+    }
+}
+
+#[test]
+fn psync_threads_still_give_picchio_c_tokens_and_uring_is_the_default() {
+    for ecap in [1, 4] {
+        for threads in [1, 2, 4] {
+            let io = IoOptions { engine: IoEngine::Psync, threads, ..IoOptions::default() };
+            check(io, ecap, &format!("psync(direct, {threads} thread{})", if threads == 1 { "" } else { "s" }));
+        }
+    }
+    let dir = fixture("picchio_c/qwen3_moe");
+    let (g, s) = greedy(&dir, StoreUri::Auto, IoOptions::default(), Some(4), &c_prompt(), N).unwrap();
+    assert_eq!(g.tokens, PICCHIO_C_TOKENS);
+    match uring_unavailable() {
+        None => assert_eq!(s.info.engine, "uring(direct, qd 32)"),
+        // The default falls back to psync with a warning.
+        Some(why) => {
+            assert!(s.info.engine.starts_with("psync("), "{}", s.info.engine);
+            eprintln!("SKIPPED (default is uring): io_uring unavailable: {why}");
+        }
+    }
+}

@@ -50,9 +50,12 @@ pub(crate) struct Probe {
     pub logical_block: Option<u32>,
 }
 
-/// Opens `path` read-only, with `O_DIRECT` when `direct`.
+/// Opens `path` read-only, with `O_DIRECT` when `direct`. On unix the path is stat'ed first and
+/// anything but a regular file or a block device is refused without being opened (opening a FIFO
+/// would block; a directory or a character device would fail as if O_DIRECT were unsupported).
 ///
 /// # Errors
+/// [`crate::Error::UnsupportedTarget`] for a directory, FIFO, socket or character device (unix);
 /// [`crate::Error::DirectUnsupported`] when the file system or platform refuses unbuffered reads
 /// (`EINVAL` from `open`), else [`crate::Error::Open`].
 pub(crate) fn open(path: &Path, direct: bool) -> Result<File> {
@@ -183,13 +186,49 @@ mod tests {
     #[test]
     fn directory_is_rejected_and_missing_path_named() {
         let dir = tempfile::tempdir().unwrap();
-        let f = super::open(dir.path(), false).unwrap();
+        let f = std::fs::File::open(dir.path()).unwrap();
         let e = super::probe(&f, dir.path(), false).unwrap_err();
         assert!(matches!(e, crate::Error::UnsupportedTarget { kind: "directory", .. }), "{e}");
         let missing = dir.path().join("missing");
         let e = super::open(&missing, false).unwrap_err();
         assert!(matches!(e, crate::Error::Open { mode: "buffered", .. }), "{e}");
         assert!(e.to_string().contains("missing"), "{e}");
+    }
+
+    /// A directory, a FIFO and /dev/null are refused by a stat before any open, in both modes, with
+    /// what they are; a FIFO without a writer would otherwise block open(2) forever. The opens run on
+    /// a thread with a deadline so a regression fails instead of hanging.
+    #[cfg(unix)]
+    #[test]
+    fn non_file_targets_are_refused_before_open_without_blocking() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        let c = std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(fifo.as_os_str())).unwrap();
+        // SAFETY: `c` is a valid NUL-terminated path that outlives the call; mkfifo only reads it.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo: {}", std::io::Error::last_os_error());
+        let cases = [
+            (fifo, "FIFO"),
+            (dir.path().to_path_buf(), "directory"),
+            (std::path::PathBuf::from("/dev/null"), "character device"),
+        ];
+        for (path, want) in cases {
+            for direct in [false, true] {
+                let (tx, rx) = std::sync::mpsc::channel();
+                let p = path.clone();
+                std::thread::spawn(move || tx.send(super::open(&p, direct).map(drop)).unwrap());
+                let r = rx
+                    .recv_timeout(std::time::Duration::from_secs(10))
+                    .unwrap_or_else(|_| panic!("opening {} (direct {direct}) blocked", path.display()));
+                let e = r.unwrap_err();
+                assert!(matches!(e, crate::Error::UnsupportedTarget { kind, .. } if kind == want), "{e}");
+                let s = e.to_string();
+                assert!(
+                    s.contains(&path.display().to_string())
+                        && s.contains(&format!("is a {want}; expected a regular file or a block device")),
+                    "{s}"
+                );
+            }
+        }
     }
 
     /// Both ioctls on a real block device: a 4 KiB-sector loop device (root only; skipped visibly).

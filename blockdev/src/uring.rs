@@ -31,7 +31,8 @@
 //! the allocator's back). Keeping a registration table in step with slots that come and go would
 //! need the cache to hand its slots to the engine up front. The saving is also small for expert
 //! reads: pinning 648 pages costs a few microseconds against a 2.6 MB transfer of hundreds of
-//! microseconds or more. Registered *files* (`register_files`) are cheap and offered as an option.
+//! microseconds or more. Registered *files* (`register_files`) cost nothing per read and are used by
+//! default.
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -79,24 +80,26 @@ pub struct UringOptions {
     /// `--iopoll`). Needs `direct` and a device with polled queues (NVMe with `poll_queues`).
     pub iopoll: bool,
     /// Register the file with the ring (`IORING_REGISTER_FILES`) and address it by index, saving a
-    /// file-table lookup and reference count per read.
+    /// file-table lookup and reference count per read. On by default: never slower, and measurably
+    /// faster where per-read cost shows (4 KiB page-cache reads: +0-8% reads/s here, fio +22%); at
+    /// expert-sized reads the difference is below the device's noise.
     pub register_files: bool,
 }
 
 impl Default for UringOptions {
-    /// [`DEFAULT_QD`] reads in flight, direct, no polling, unregistered file.
+    /// [`DEFAULT_QD`] reads in flight, direct, no polling, registered file.
     fn default() -> Self {
-        UringOptions { qd: DEFAULT_QD, direct: true, sqpoll: false, iopoll: false, register_files: false }
+        UringOptions { qd: DEFAULT_QD, direct: true, sqpoll: false, iopoll: false, register_files: true }
     }
 }
 
 impl UringOptions {
-    /// Unbuffered (`O_DIRECT`) reads, `qd` in flight, no polling.
+    /// Unbuffered (`O_DIRECT`) reads, `qd` in flight, no polling, registered file.
     pub fn direct(qd: u32) -> Self {
         UringOptions { qd, direct: true, ..UringOptions::default() }
     }
 
-    /// Page-cache reads, `qd` in flight, no polling.
+    /// Page-cache reads, `qd` in flight, no polling, registered file.
     pub fn buffered(qd: u32) -> Self {
         UringOptions { qd, direct: false, ..UringOptions::default() }
     }
@@ -808,12 +811,12 @@ mod tests {
     #[test]
     fn describe_names_mode_depth_and_flags() {
         let Some((_d, q, _)) = queue(8192, UringOptions::buffered(4)) else { return };
-        assert_eq!(q.describe(), "uring(buffered, qd 4)");
+        assert_eq!(q.describe(), "uring(buffered, qd 4, fixed file)");
         assert_eq!(q.block_size(), MIN_REPORTED_BLOCK_SIZE);
-        let Some((_d, q, _)) = queue(8192, UringOptions { register_files: true, ..UringOptions::buffered(32) }) else {
+        let Some((_d, q, _)) = queue(8192, UringOptions { register_files: false, ..UringOptions::buffered(32) }) else {
             return;
         };
-        assert_eq!(q.describe(), "uring(buffered, qd 32, fixed file)");
+        assert_eq!(q.describe(), "uring(buffered, qd 32)");
     }
 
     #[test]

@@ -129,9 +129,9 @@ fn random_reads_match_the_file_at_qd_1_4_32_256() {
             random_reads(&path, &bytes, opts, 100 + u64::from(qd));
             eprintln!("ran {test}: {}", UringQueue::open(&path, opts).unwrap().describe());
         }
-        // Registered file and SQPOLL (root, or Linux 5.11+) read the same bytes.
+        // An unregistered file and SQPOLL (root, or Linux 5.11+) read the same bytes.
         for opts in [
-            UringOptions { register_files: true, ..UringOptions { qd: 8, direct, ..UringOptions::default() } },
+            UringOptions { register_files: false, ..UringOptions { qd: 8, direct, ..UringOptions::default() } },
             UringOptions { sqpoll: true, ..UringOptions { qd: 8, direct, ..UringOptions::default() } },
         ] {
             match UringQueue::open(&path, opts) {
@@ -156,13 +156,13 @@ fn describe_and_sizes() {
     let dir = scratch();
     let (path, _) = random_file(dir.path(), "f", 10_000, 1);
     let q = UringQueue::open(&path, UringOptions::buffered(4)).unwrap();
-    assert_eq!(q.describe(), "uring(buffered, qd 4)");
+    assert_eq!(q.describe(), "uring(buffered, qd 4, fixed file)");
     assert_eq!((q.len(), q.is_empty(), q.is_direct(), q.is_block_device()), (10_000, false, false, false));
     assert_eq!(q.block_size(), MIN_REPORTED_BLOCK_SIZE);
     if let Some(d) = direct_scratch("describe_and_sizes") {
         let (path, _) = random_file(d.path(), "f", 10_000, 1);
         let q = UringQueue::open(&path, UringOptions::default()).unwrap();
-        assert_eq!(q.describe(), "uring(direct, qd 32)");
+        assert_eq!(q.describe(), "uring(direct, qd 32, fixed file)");
         // The same alignment probe as psync.
         let p = PsyncQueue::open(&path, PsyncOptions::direct(1)).unwrap();
         assert_eq!((q.alignment(), q.block_size()), (p.alignment(), p.block_size()));
@@ -355,9 +355,9 @@ fn flat_store_over_uring_loads_byte_identical_experts() {
             let q = UringQueue::open(&path, UringOptions { qd, direct, ..UringOptions::default() }).unwrap();
             let opts = FlatStoreOptions { image_len: q.len(), verify: true, ..Default::default() };
             let mut store = FlatStore::open(q, path.display().to_string(), opts).unwrap();
-            assert!(store
-                .describe()
-                .contains(&format!("uring({}, qd {qd})", if direct { "direct" } else { "buffered" })));
+            let mode = if direct { "direct" } else { "buffered" };
+            let d = store.describe();
+            assert!(d.contains(&format!("uring({mode}, qd {qd}, fixed file)")), "{d}");
             for round in 0..2 {
                 for layer in 0..DIMS.n_layers {
                     // All six experts of a layer at once: more than qd 1 and 4 hold in the kernel.

@@ -77,7 +77,8 @@ pub enum Error {
     DimensionMismatch {
         /// The store.
         source_name: String,
-        /// Superblock field.
+        /// Superblock field, as messages name it (`moe_inter` with what it is:
+        /// `moe_inter (2 × moe_intermediate_size)`; see [`crate::loader::StoreDims::mismatches`]).
         field: &'static str,
         /// Value the model needs.
         expected: u64,

@@ -158,6 +158,31 @@ pub struct StoreDims {
     pub moe_inter: u32,
 }
 
+impl StoreDims {
+    /// The superblock fields of `sb` that differ from these dimensions, in superblock order, as
+    /// [`Error::DimensionMismatch`] (`expected` is ours, `found` the superblock's) naming the store
+    /// `source_name`. `moe_inter` is named with what it is, `2 × moe_intermediate_size`, so the numbers
+    /// are not mistaken for config.json's `moe_intermediate_size`.
+    pub fn mismatches(&self, sb: &Superblock, source_name: &str) -> Vec<Error> {
+        [
+            ("hidden", self.hidden, sb.hidden),
+            ("n_layers", self.n_layers, sb.n_layers),
+            ("n_experts", self.n_experts, sb.n_experts),
+            ("topk", self.topk, sb.topk),
+            ("moe_inter (2 × moe_intermediate_size)", self.moe_inter, sb.moe_inter),
+        ]
+        .into_iter()
+        .filter(|(_, want, got)| want != got)
+        .map(|(field, want, got)| Error::DimensionMismatch {
+            source_name: source_name.into(),
+            field,
+            expected: want.into(),
+            found: got.into(),
+        })
+        .collect()
+    }
+}
+
 /// What the model using a store requires of it, checked at open.
 #[derive(Clone, Copy, Debug)]
 pub struct StoreExpect {
@@ -240,22 +265,8 @@ impl<Q: IoQueue> FlatStore<Q> {
             });
         }
         if let Some(expect) = &opts.expect {
-            let d = expect.dims;
-            for (field, want, got) in [
-                ("hidden", d.hidden, sb.hidden),
-                ("n_layers", d.n_layers, sb.n_layers),
-                ("n_experts", d.n_experts, sb.n_experts),
-                ("topk", d.topk, sb.topk),
-                ("moe_inter", d.moe_inter, sb.moe_inter),
-            ] {
-                if want != got {
-                    return Err(Error::DimensionMismatch {
-                        source_name,
-                        field,
-                        expected: want.into(),
-                        found: got.into(),
-                    });
-                }
+            if let Some(e) = expect.dims.mismatches(&sb, &source_name).into_iter().next() {
+                return Err(e);
             }
         }
         let entries = decode_index(index_bytes)
@@ -365,7 +376,10 @@ impl<Q: IoQueue> ExpertLoader for FlatStore<Q> {
     }
 
     fn load(&mut self, layer: u32, requests: Vec<(u32, AlignedBuf)>, ready: &mut dyn FnMut(Loaded)) {
-        let t0 = Instant::now();
+        // Read wall time = time blocked in submit/reap, not the compute the caller does in `ready`
+        // (with async MoE, experts are computed inside `ready` while other reads are in flight).
+        let mut waited = std::time::Duration::ZERO;
+        let t_submit = Instant::now();
         // Tag = position in `pending`; the payload's (key, loc) travel beside it.
         let mut pending: Vec<(ExpertKey, ExpertLoc)> = Vec::with_capacity(requests.len());
         for (expert, buf) in requests {
@@ -398,11 +412,15 @@ impl<Q: IoQueue> ExpertLoader for FlatStore<Q> {
                 tag,
             });
         }
+        waited += t_submit.elapsed();
         let mut left = pending.len();
         let mut done = vec![false; pending.len()];
         while left > 0 {
             self.completions.clear();
-            if self.queue.reap(1, &mut self.completions) == 0 && self.queue.in_flight() == 0 {
+            let t_reap = Instant::now();
+            let reaped = self.queue.reap(1, &mut self.completions);
+            waited += t_reap.elapsed();
+            if reaped == 0 && self.queue.in_flight() == 0 {
                 // The engine lost requests: fail them rather than wait forever. Their slots are gone
                 // with the engine's bookkeeping, so only the error can be reported.
                 for (i, (key, _)) in pending.iter().enumerate().filter(|(i, _)| !done[*i]) {
@@ -455,7 +473,7 @@ impl<Q: IoQueue> ExpertLoader for FlatStore<Q> {
                 ready(Loaded { key, buf: c.buf, result });
             }
         }
-        self.stats.add_wall(t0.elapsed().as_nanos() as u64);
+        self.stats.add_wall(waited.as_nanos() as u64);
     }
 }
 
@@ -500,5 +518,34 @@ impl<P: ExpertLoader, F: ExpertLoader> ExpertLoader for FallbackLoader<P, F> {
                 ready(l)
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dimension_mismatches_name_every_differing_field_and_what_moe_inter_is() {
+        let dims = StoreDims { hidden: 64, n_layers: 3, n_experts: 16, topk: 4, moe_inter: 256 };
+        let sb = Superblock {
+            version: 2,
+            block_size: 4096,
+            hidden: 64,
+            n_layers: 3,
+            n_experts: 16,
+            topk: 2,
+            moe_inter: 128,
+            n_entries: 48,
+            index_offset: 4096,
+            index_len: 48 * 24,
+            data_offset: 8192,
+            index_sha256: [0; 32],
+        };
+        assert!(StoreDims { topk: 2, moe_inter: 128, ..dims }.mismatches(&sb, "img").is_empty());
+        let m: Vec<String> = dims.mismatches(&sb, "img").iter().map(ToString::to_string).collect();
+        assert_eq!(m.len(), 2, "{m:?}");
+        assert!(m[0].starts_with("img: ") && m[0].contains("topk is 2 in the store, 4 in the model"), "{m:?}");
+        assert!(m[1].contains("moe_inter (2 × moe_intermediate_size) is 128 in the store, 256 in the model"), "{m:?}");
     }
 }

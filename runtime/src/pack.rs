@@ -185,9 +185,12 @@ impl Source {
 /// [`Error::Io`], [`Error::Config`], … from opening the directory; [`Error::Invalid`] for a
 /// Hugging Face checkpoint that was not converted, or `layers` out of range; [`Error::MissingTensor`],
 /// [`Error::TensorDtype`], [`Error::TensorShape`] for an expert tensor; [`Error::Store`] when writing
-/// the image fails. On error no image (and no temporary file) is left at `out`.
+/// the image fails; [`Error::Invalid`] when `out` exists and is not a `.picchioflat` image (see
+/// [`check_replaceable`]). On error no image (and no temporary file) is left at `out`, and an existing
+/// file there is unchanged.
 pub fn pack(model_dir: &Path, out: &Path, opts: &PackOptions) -> Result<PackReport> {
     let t0 = Instant::now();
+    check_replaceable(out)?;
     let src = Source::open(model_dir, opts)?;
     let w = FlatWriter::create(out, store_dims(&src.cfg), src.n_entries)?;
     let (superblock, experts, placeholders) = src.write(w, opts.progress)?;
@@ -205,6 +208,45 @@ pub fn pack(model_dir: &Path, out: &Path, opts: &PackOptions) -> Result<PackRepo
         bytes,
         elapsed: t0.elapsed(),
     })
+}
+
+/// Refuses an `out` that [`pack`] must not replace: anything but a missing path, an empty regular
+/// file, or a regular file starting with the image magic `PCHIOFL1` (a previous image: re-packing
+/// replaces it). So `--out MODEL/model.safetensors` or `--out MODEL/config.json` fails before any
+/// work instead of destroying a model file.
+///
+/// # Errors
+/// [`Error::Invalid`] naming `out` and what it is; [`Error::Io`] when it exists but cannot be read.
+pub fn check_replaceable(out: &Path) -> Result<()> {
+    use std::io::Read;
+    let md = match std::fs::metadata(out) {
+        Ok(md) => md,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(Error::io(out, "stat the output path")(e)),
+    };
+    let refuse = |what: &str| {
+        Err(Error::Invalid(format!(
+            "{}: {what}; pack will not replace it: remove it or choose another --out",
+            out.display()
+        )))
+    };
+    if md.is_dir() {
+        return refuse("is a directory, not a .picchioflat image");
+    }
+    if !md.is_file() {
+        return refuse("is not a regular file (for an image on a block device use --out raw:/dev/X)");
+    }
+    if md.len() == 0 {
+        return Ok(());
+    }
+    let mut magic = [0u8; 8];
+    let n = std::fs::File::open(out)
+        .and_then(|f| f.take(8).read(&mut magic))
+        .map_err(Error::io(out, "read the existing output file"))?;
+    if n < magic.len() || magic != picchio_core::format::MAGIC {
+        return refuse("exists and is not a .picchioflat image (it does not start with PCHIOFL1)");
+    }
+    Ok(())
 }
 
 /// Options of [`pack_raw`].
@@ -329,5 +371,30 @@ mod tests {
         }
         // unquantized experts allow any width: 12·H·I is never 32
         assert!((1..=32).all(|h| (1..=32).all(|i| ExpertLayout::new(QuantKind::F32, h, i).unwrap().len() != 32)));
+    }
+
+    #[test]
+    fn only_a_missing_path_an_empty_file_or_an_image_may_be_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = |n: &str| dir.path().join(n);
+        assert!(check_replaceable(&p("missing")).is_ok());
+        std::fs::write(p("empty"), b"").unwrap();
+        assert!(check_replaceable(&p("empty")).is_ok());
+        let mut image = picchio_core::format::MAGIC.to_vec();
+        image.resize(4096, 0);
+        std::fs::write(p("old.picchioflat"), &image).unwrap();
+        assert!(check_replaceable(&p("old.picchioflat")).is_ok());
+        for (name, bytes) in [("config.json", &b"{\"model_type\": \"qwen3_moe\"}"[..]), ("short", b"PCHIO")] {
+            std::fs::write(p(name), bytes).unwrap();
+            let e = check_replaceable(&p(name)).unwrap_err().to_string();
+            assert!(
+                e.contains(&p(name).display().to_string())
+                    && e.contains("is not a .picchioflat image")
+                    && e.contains("remove it or choose another --out"),
+                "{e}"
+            );
+        }
+        let e = check_replaceable(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("is a directory"), "{e}");
     }
 }

@@ -132,6 +132,15 @@ impl Session {
     /// # Errors
     /// Model loading errors (config, tensors), store errors (see [`open_store`]), allocation.
     pub fn open(opts: &SessionOptions, tokenizer: Option<Tokenizer>) -> Result<Self> {
+        let cfg = crate::config::Config::from_dir(&opts.model_dir)?;
+        if opts.max_seq > cfg.max_position_embeddings {
+            return Err(Error::Invalid(format!(
+                "prompt + generated tokens = {} exceed the model's context of {} positions                  (max_position_embeddings in {}): use a shorter prompt or a smaller -n",
+                opts.max_seq,
+                cfg.max_position_embeddings,
+                opts.model_dir.join("config.json").display()
+            )));
+        }
         let model = Model::load(&opts.model_dir, opts.max_seq)?;
         let cfg = model.config().clone();
         let layout = model.layout().clone();
@@ -247,15 +256,67 @@ impl Session {
     }
 }
 
-/// Writes `logits` `[rows, vocab]` as a safetensors file with one F32 tensor `logits`.
+/// Writes `logits` `[rows, vocab]` as a safetensors file with one F32 tensor `logits`
+/// (`--dump-logits`), atomically: into a temporary sibling, synced, then renamed over `path`, so a
+/// failure never leaves half a file. An existing `path` is replaced only when it is a previous dump
+/// ([`is_logits_dump`]); anything else (a model shard, config.json, a directory) is refused.
 ///
 /// # Errors
-/// [`Error::Io`] naming the path.
+/// [`Error::Invalid`] when `path` exists and is not a logits dump; [`Error::Io`] naming the path.
 pub fn dump_logits(path: &Path, logits: &[f32], vocab: usize) -> Result<()> {
+    match std::fs::metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(Error::io(path, "stat the --dump-logits path")(e)),
+        Ok(_) if is_logits_dump(path) => {}
+        Ok(_) => {
+            return Err(Error::Invalid(format!(
+                "{}: exists and is not a logits dump (a safetensors file whose only tensor is `logits`); \
+                 --dump-logits will not replace it: remove it or choose another path",
+                path.display()
+            )))
+        }
+    }
     let rows = logits.len() / vocab.max(1);
     let bytes: &[u8] = bytemuck::cast_slice(logits);
     let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![rows, vocab], bytes)
         .map_err(|e| Error::Invalid(format!("{}: {e}", path.display())))?;
-    safetensors::serialize_to_file([("logits", view)], None, path)
-        .map_err(|e| Error::io(path, "write logits")(std::io::Error::other(e.to_string())))
+    let data = safetensors::serialize([("logits", view)], None)
+        .map_err(|e| Error::io(path, "encode logits")(std::io::Error::other(e.to_string())))?;
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".tmp-{}", std::process::id()));
+    let tmp = path.with_file_name(name);
+    let written = std::fs::File::create(&tmp)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, &data).and_then(|()| f.sync_all()))
+        .map_err(Error::io(path, "write logits (to a temporary file beside it)"))
+        .and_then(|()| std::fs::rename(&tmp, path).map_err(Error::io(path, "rename the logits dump into place")));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
+}
+
+/// Whether `path` is a regular file holding a previous [`dump_logits`] output: a safetensors file
+/// whose header names exactly one tensor, `logits`. Only the header is read.
+fn is_logits_dump(path: &Path) -> bool {
+    use std::io::Read;
+    // stat before open: opening a FIFO would block.
+    if !std::fs::metadata(path).is_ok_and(|m| m.is_file()) {
+        return false;
+    }
+    let Ok(mut f) = std::fs::File::open(path) else { return false };
+    let mut len = [0u8; 8];
+    if f.read_exact(&mut len).is_err() {
+        return false;
+    }
+    let Ok(len) = usize::try_from(u64::from_le_bytes(len)) else { return false };
+    if len > 1 << 20 {
+        return false; // a one-tensor header is tiny; a model shard's is large
+    }
+    let mut header = vec![0u8; len];
+    if f.read_exact(&mut header).is_err() {
+        return false;
+    }
+    let Ok(serde_json::Value::Object(map)) = serde_json::from_slice(&header) else { return false };
+    let mut tensors = map.keys().filter(|k| *k != "__metadata__");
+    tensors.next().is_some_and(|k| k == "logits") && tensors.next().is_none()
 }

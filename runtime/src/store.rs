@@ -81,7 +81,7 @@ pub struct IoOptions {
     pub sqpoll: bool,
     /// uring: completions are polled from the device (`--iopoll`; needs O_DIRECT and polled queues).
     pub iopoll: bool,
-    /// uring: register the file with the ring.
+    /// uring: register the file with the ring (the default; see `picchio_blockdev::UringOptions`).
     pub register_files: bool,
     /// Compute each missed expert as soon as its read completes (`--async-moe`, the default), rather
     /// than after the whole batch is loaded (`--no-async-moe`); see [`crate::cache`].
@@ -98,7 +98,7 @@ impl Default for IoOptions {
             qd: 32,
             sqpoll: false,
             iopoll: false,
-            register_files: false,
+            register_files: true,
             async_moe: true,
         }
     }
@@ -284,7 +284,7 @@ pub fn open_store(
                 return safetensors_only(fallback, stats);
             }
             let attempt = open_flat_file(&p, cfg, layout, io).or_else(|e| {
-                if io.direct {
+                if io.direct && matches!(e, Error::Engine(picchio_blockdev::Error::DirectUnsupported { .. })) {
                     tracing::warn!("{e}; retrying without O_DIRECT (use --buffered to skip this)");
                     open_flat_file(&p, cfg, layout, IoOptions { direct: false, ..io })
                 } else {

@@ -2,6 +2,10 @@
 //! index entry, every payload's hash — and, given the converted model directory, that every payload
 //! is byte for byte what the model's safetensors tensors hold.
 //!
+//! The superblock's dimension fields (hidden, n_layers, n_experts, topk, moe_inter) are covered by no
+//! hash in format v2: without the model the report says they were not checked; with it they must
+//! equal the model's ([`picchio_core::loader::StoreDims::mismatches`]).
+//!
 //! Whole-image faults that leave nothing to check (unreadable target, bad magic or version, an index
 //! past the end) are errors; everything else is collected in a [`VerifyReport`] that names each
 //! failing `(layer, expert)` with its offset, so one run lists every problem.
@@ -171,6 +175,15 @@ impl std::fmt::Display for VerifyReport {
         if self.placeholders > 0 {
             write!(f, "; {} dense-MLP layer placeholders", self.placeholders)?;
         }
+        if self.model.is_none() {
+            let sb = &self.superblock;
+            write!(
+                f,
+                "\nnot checked: the superblock dimensions (hidden {}, n_layers {}, n_experts {}, topk {}, moe_inter {}) \
+                 are not hash-protected; give the model directory (--model) to check them against its config",
+                sb.hidden, sb.n_layers, sb.n_experts, sb.topk, sb.moe_inter
+            )?;
+        }
         if self.is_clean() {
             return write!(f, "\nOK ({:.2?})", self.elapsed);
         }
@@ -283,25 +296,10 @@ pub fn verify_queue<Q: IoQueue + ?Sized>(
             let cfg = Config::from_dir(dir)?;
             let mstore = TensorStore::open(dir)?;
             let layout = ExpertLayout::detect(&mstore, &cfg)?;
-            let want = store_dims(&cfg);
-            let mut same = true;
-            for (field, expected, found) in [
-                ("hidden", want.hidden, sb.hidden),
-                ("n_layers", want.n_layers, sb.n_layers),
-                ("n_experts", want.n_experts, sb.n_experts),
-                ("topk", want.topk, sb.topk),
-                ("moe_inter", want.moe_inter, sb.moe_inter),
-            ] {
-                if expected != found {
-                    same = false;
-                    store_problems.push(picchio_core::Error::DimensionMismatch {
-                        source_name: source_name.into(),
-                        field,
-                        expected: expected.into(),
-                        found: found.into(),
-                    });
-                }
-            }
+            // The superblock's dimensions are covered by no hash (format v2): only the model checks them.
+            let mismatches = store_dims(&cfg).mismatches(&sb, source_name);
+            let same = mismatches.is_empty();
+            store_problems.extend(mismatches);
             // Payloads of a store packed for other dimensions cannot be compared.
             same.then_some(Model { cfg, store: mstore, layout })
         }

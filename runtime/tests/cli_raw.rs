@@ -1,5 +1,5 @@
 //! `picchio pack --out raw:` and `picchio verify raw:` as a user runs them: exit status, the plan and
-//! the refusal on stderr, the report on stdout, on loop devices. Root only for the device cases
+//! the refusal on stderr, the reports on stdout, on loop devices. Root only for the device cases
 //! (each prints `SKIPPED <name>: ...` otherwise).
 #![cfg(target_os = "linux")]
 
@@ -64,8 +64,8 @@ fn pack_refuses_a_device_with_a_file_system_names_it_and_force_writes_it() {
 
     let o = picchio(&["pack", m, "--out", &out_arg, "--force", "--no-progress"]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let e = stderr(&o);
-    assert!(e.contains(&format!("packed {m} -> {out_arg}")) && e.contains("48 payload hashes OK"), "{e}");
+    let s = stdout(&o);
+    assert!(s.contains(&format!("packed {m} -> {out_arg}")) && s.contains("48 payload hashes OK"), "the report: {s}");
 
     let o = picchio(&["verify", &out_arg, "--model", m, "--no-progress"]);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -93,7 +93,7 @@ fn pack_and_verify_at_an_lba_offset_and_misaligned_offsets_fail() {
     let at = format!("raw:{dev}@1048576");
     let o = picchio(&["pack", m, "--out", &at, "--no-progress"]);
     assert!(o.status.success(), "{}", stderr(&o));
-    assert!(stderr(&o).contains("at LBA 256 × 4096 B (byte 1048576)"), "{}", stderr(&o));
+    assert!(stdout(&o).contains("at LBA 256 × 4096 B (byte 1048576)"), "{}", stdout(&o));
     let o = picchio(&["verify", &at, "--no-progress"]);
     assert!(o.status.success() && stdout(&o).contains("\nOK"), "{}", stderr(&o));
     // Nothing at byte 0: not an image.

@@ -148,7 +148,7 @@ fn shuffled_completions_give_bit_identical_hidden_states_and_logits() {
 
                 let flat = open_flat_file(&image, model.config(), model.layout(), io).unwrap();
                 let engine = flat.describe();
-                assert!(!uring || engine.contains("uring(direct, qd 4)"), "{engine}");
+                assert!(!uring || engine.contains("uring(direct, qd 4, fixed file)"), "{engine}");
                 let mut flat = MockShuffledCompletions::new(flat, seed ^ 0xA5);
                 let (got, greedy) = run(&mut model, ecap, async_moe, &mut flat, &tokens);
                 assert!(got == want, "{engine}, {what}: differs from the in-order run");

@@ -566,6 +566,36 @@ fn verify_reports_flipped_bytes_and_differing_models_by_expert_and_offset() {
     assert!(e.contains("bad magic") && e.contains("flipped.picchioflat"), "{e}");
 }
 
+#[test]
+fn superblock_dimensions_no_hash_covers_are_checked_against_the_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("picchio_c/qwen3_moe");
+    let mut b = std::fs::read(model.join("experts.picchioflat")).unwrap();
+    b[16] ^= 0x80; // hidden 64 -> 192
+    b[28] = 2; // topk 4 -> 2
+    let img = tmp.path().join("dims.picchioflat");
+    std::fs::write(&img, &b).unwrap();
+    let vo = VerifyOptions { progress: false, ..Default::default() };
+
+    // Hashes alone cannot see it; the report says the dimensions were not checked.
+    let v = verify(&img, None, &vo).unwrap();
+    assert!(v.is_clean(), "{v}");
+    let shown = v.to_string();
+    assert!(
+        shown.contains("hidden 192") && shown.contains("topk 2") && shown.contains("not hash-protected"),
+        "{shown}"
+    );
+
+    // The model catches both fields and does not compare payloads of "another" model.
+    let v = verify(&img, Some(&model), &vo).unwrap();
+    assert!(!v.is_clean() && !v.compared_with_model && v.failures.is_empty(), "{v}");
+    let problems: Vec<String> = v.store_problems.iter().map(ToString::to_string).collect();
+    assert_eq!(problems.len(), 2, "{problems:?}");
+    assert!(problems[0].contains("hidden is 192 in the store, 64 in the model"), "{problems:?}");
+    assert!(problems[1].contains("topk is 2 in the store, 4 in the model"), "{problems:?}");
+    assert!(!v.to_string().contains("not hash-protected"), "{v}");
+}
+
 // ---------------------------------------------------------------------------------------- bad input
 
 /// Converts a broken copy of `fixture` (made by `breakage`) and returns the error; checks that the

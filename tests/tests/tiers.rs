@@ -5,7 +5,7 @@
 use picchio_core::format::{index_sha256, Superblock};
 use picchio_core::StoreUri;
 use picchio_runtime::pack::{pack, PackOptions};
-use picchio_runtime::store::IoOptions;
+use picchio_runtime::store::{IoEngine, IoOptions};
 use picchio_tests::*;
 
 fn c_prompt() -> Vec<u32> {
@@ -26,7 +26,7 @@ fn picchio_c_directory_gives_picchio_c_tokens_through_every_store() {
         assert_eq!(g.tokens, PICCHIO_C_TOKENS, "safetensors ecap {ecap}");
         for direct in [false, true] {
             for threads in [1, 2, 4] {
-                let io = IoOptions { direct, threads, ..IoOptions::default() };
+                let io = IoOptions { engine: IoEngine::Psync, direct, threads, ..IoOptions::default() };
                 let (g, s) = greedy(&dir, StoreUri::File(image.clone()), io, Some(ecap), &prompt, N).unwrap();
                 assert_eq!(g.tokens, PICCHIO_C_TOKENS, "file direct={direct} threads={threads} ecap={ecap}");
                 assert_eq!(g.stats.fallbacks, 0);

@@ -48,7 +48,7 @@ fn uring_at_every_depth_and_async_setting_gives_picchio_c_tokens() {
                 for async_moe in [true, false] {
                     let io = IoOptions { engine: IoEngine::Uring, direct, qd, async_moe, ..IoOptions::default() };
                     let mode = if direct { "direct" } else { "buffered" };
-                    check(io, ecap, &format!("uring({mode}, qd {qd})"));
+                    check(io, ecap, &format!("uring({mode}, qd {qd}, fixed file)"));
                     runs += 1;
                 }
             }
@@ -63,7 +63,7 @@ fn uring_flags_give_picchio_c_tokens() {
         return eprintln!("SKIPPED: io_uring unavailable: {why}");
     }
     let base = IoOptions { engine: IoEngine::Uring, qd: 8, ..IoOptions::default() };
-    check(IoOptions { register_files: true, ..base }, 4, "uring(direct, qd 8, fixed file)");
+    check(IoOptions { register_files: false, ..base }, 4, "uring(direct, qd 8)");
     let dir = fixture("picchio_c/qwen3_moe");
     let sqpoll = IoOptions { sqpoll: true, ..base };
     match greedy(&dir, StoreUri::File(dir.join("experts.picchioflat")), sqpoll, Some(4), &c_prompt(), N) {
@@ -97,7 +97,7 @@ fn psync_threads_still_give_picchio_c_tokens_and_uring_is_the_default() {
     let (g, s) = greedy(&dir, StoreUri::Auto, IoOptions::default(), Some(4), &c_prompt(), N).unwrap();
     assert_eq!(g.tokens, PICCHIO_C_TOKENS);
     match uring_unavailable() {
-        None => assert_eq!(s.info.engine, "uring(direct, qd 32)"),
+        None => assert_eq!(s.info.engine, "uring(direct, qd 32, fixed file)"),
         // The default falls back to psync with a warning.
         Some(why) => {
             assert!(s.info.engine.starts_with("psync("), "{}", s.info.engine);

@@ -23,6 +23,12 @@ pub(crate) const BLKSSZGET: libc::Ioctl = libc::BLKSSZGET;
 pub(crate) const BLKGETSIZE64: libc::Ioctl = libc::_IOR::<libc::size_t>(0x12, 114);
 
 pub(super) fn open(path: &Path, direct: bool) -> Result<File> {
+    // stat before open: opening a FIFO blocks until a writer appears, and O_DIRECT on a directory or a
+    // character device fails with an EINVAL that would read as "O_DIRECT not supported". A stat that
+    // fails (a missing path) is left to open to report; probe checks the opened file again.
+    if let Some(kind) = std::fs::metadata(path).ok().and_then(|md| unsupported_kind(md.file_type())) {
+        return Err(Error::UnsupportedTarget { path: path.into(), kind });
+    }
     let mut opts = OpenOptions::new();
     opts.read(true);
     if direct {
@@ -71,17 +77,7 @@ pub(super) fn probe(file: &File, path: &Path, direct: bool) -> Result<Probe> {
         })?;
         (TargetKind::BlockDevice, size, lbs)
     } else {
-        let kind = if ft.is_dir() {
-            "directory"
-        } else if ft.is_char_device() {
-            "character device"
-        } else if ft.is_fifo() {
-            "FIFO"
-        } else if ft.is_socket() {
-            "socket"
-        } else {
-            "special file"
-        };
+        let kind = unsupported_kind(ft).unwrap_or("special file");
         return Err(Error::UnsupportedTarget { path: path.into(), kind });
     };
     let statx_dio = if direct {
@@ -93,6 +89,24 @@ pub(super) fn probe(file: &File, path: &Path, direct: bool) -> Result<Probe> {
         None
     };
     Ok(Probe { kind, size, statx_dio, logical_block })
+}
+
+/// What a file type is when it is neither a regular file nor a block device (the only targets an
+/// engine reads), as [`Error::UnsupportedTarget`] names it; `None` for those two.
+fn unsupported_kind(ft: std::fs::FileType) -> Option<&'static str> {
+    Some(if ft.is_file() || ft.is_block_device() {
+        return None;
+    } else if ft.is_dir() {
+        "directory"
+    } else if ft.is_char_device() {
+        "character device"
+    } else if ft.is_fifo() {
+        "FIFO"
+    } else if ft.is_socket() {
+        "socket"
+    } else {
+        "special file"
+    })
 }
 
 /// `statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN)`: `None` when the kernel does not report it.

@@ -6,6 +6,7 @@ mod commands;
 use clap::Parser;
 
 fn main() {
+    restore_sigpipe();
     let cli = commands::Cli::parse();
     init_logging(cli.verbose, cli.quiet);
     if let Err(e) = commands::exec(cli) {
@@ -13,6 +14,22 @@ fn main() {
         std::process::exit(1);
     }
 }
+
+/// Restores the default SIGPIPE action (terminate), which the Rust runtime replaces with "ignore":
+/// `picchio verify IMG | head` then ends quietly when the reader goes away, like other Unix tools,
+/// instead of panicking in `println!` with "failed printing to stdout".
+#[cfg(unix)]
+fn restore_sigpipe() {
+    // SAFETY: called first thing in `main`, before any other thread exists; `signal` only changes the
+    // process's disposition for SIGPIPE to the default, and no Rust code relies on SIGPIPE being
+    // ignored (writes to a closed pipe now end the process instead of returning EPIPE).
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
+#[cfg(not(unix))]
+fn restore_sigpipe() {}
 
 /// The error and its causes joined by ": " (as `{:#}`), skipping a cause whose text the message
 /// already quotes: library errors name their cause in `Display` and also keep it as `source()`.

@@ -11,9 +11,13 @@ pub struct Args {
     /// Hugging Face checkpoint directory (config.json + safetensors, sharded or not). Never modified.
     #[arg(value_name = "HF_DIR")]
     pub src: PathBuf,
-    /// Output directory (must not exist; written to a temporary sibling and renamed).
+    /// Output directory (must not exist unless --force; written to a temporary sibling and renamed).
     #[arg(value_name = "OUT_DIR")]
     pub dst: PathBuf,
+    /// Replace OUT_DIR if it already exists. The new directory is written beside it first; the old one
+    /// is removed only after the new one is complete, so a failed conversion leaves it untouched.
+    #[arg(long)]
+    pub force: bool,
     /// Routed-expert quantization: q4 (default), q3, or none (f32, for oracle tests).
     #[arg(long, value_name = "KIND", default_value = "q4")]
     pub experts: QuantKind,
@@ -26,8 +30,9 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
     let report = convert(
         &a.src,
         &a.dst,
-        &ConvertOptions { experts: a.experts, progress: !a.no_progress, ..Default::default() },
+        &ConvertOptions { experts: a.experts, overwrite: a.force, progress: !a.no_progress, ..Default::default() },
     )?;
-    eprintln!("{report}");
+    // The summary is the command's result: stdout (logs, and progress, go to stderr).
+    println!("{report}");
     Ok(())
 }

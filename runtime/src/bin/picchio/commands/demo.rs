@@ -33,8 +33,8 @@ pub struct Args {
     #[arg(short = 'n', long, value_name = "N")]
     pub n: Option<usize>,
     /// Reader threads.
-    #[arg(long, value_name = "N", default_value_t = 2)]
-    pub io_threads: usize,
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub io_threads: u16,
     /// Read through the page cache instead of O_DIRECT.
     #[arg(long)]
     pub buffered: bool,
@@ -52,11 +52,24 @@ pub struct Args {
 }
 
 pub fn exec(a: Args) -> anyhow::Result<()> {
+    check_args(&a)?;
     std::fs::create_dir_all(&a.workdir).with_context(|| format!("creating {}", a.workdir.display()))?;
     match a.synthetic_gb {
         Some(gb) => synthetic(&a, gb),
         None => fixture(&a),
     }
+}
+
+fn check_args(a: &Args) -> anyhow::Result<()> {
+    if let Some(p) = a.cache_percent {
+        if !(p > 0.0 && p <= 100.0) {
+            bail!("--cache-percent must be in (0, 100], got {p}");
+        }
+    }
+    if a.n == Some(0) {
+        bail!("-n must be at least 1");
+    }
+    Ok(())
 }
 
 fn ecap_for(total: usize, pct: f64) -> usize {
@@ -95,9 +108,13 @@ fn fixture(a: &Args) -> anyhow::Result<()> {
     let opts = SessionOptions {
         model_dir: model.clone(),
         store: StoreUri::File(model.join(DEFAULT_IMAGE)),
-        io: a.engine.apply(IoOptions { direct: !a.buffered, threads: a.io_threads, ..IoOptions::default() }),
+        io: a.engine.apply(IoOptions {
+            direct: !a.buffered,
+            threads: usize::from(a.io_threads),
+            ..IoOptions::default()
+        }),
         ecap: Some(ecap),
-        max_seq: prompt.len() + n,
+        max_seq: prompt.len().saturating_add(n),
     };
     let mut s = open_session(&opts, Some(tokenizer))?;
     let g = s.generate(&prompt, &GenerateOptions { max_new: n, ..Default::default() })?;
@@ -124,7 +141,9 @@ fn fixture(a: &Args) -> anyhow::Result<()> {
 fn open_session(opts: &SessionOptions, tokenizer: Option<Tokenizer>) -> anyhow::Result<Session> {
     match Session::open(opts, tokenizer) {
         Ok(s) => Ok(s),
-        Err(e) if opts.io.direct => {
+        Err(e @ picchio_runtime::Error::Engine(picchio_blockdev::Error::DirectUnsupported { .. }))
+            if opts.io.direct =>
+        {
             eprintln!("warning: {e}; retrying with buffered reads (pass --buffered to skip this)");
             let tokenizer = Tokenizer::from_dir(&opts.model_dir)?;
             let mut o = opts.clone();
@@ -174,9 +193,13 @@ fn synthetic(a: &Args, gb: f64) -> anyhow::Result<()> {
     let opts = SessionOptions {
         model_dir: model.clone(),
         store: StoreUri::File(image),
-        io: a.engine.apply(IoOptions { direct: !a.buffered, threads: a.io_threads, ..IoOptions::default() }),
+        io: a.engine.apply(IoOptions {
+            direct: !a.buffered,
+            threads: usize::from(a.io_threads),
+            ..IoOptions::default()
+        }),
         ecap: Some(ecap),
-        max_seq: prompt.len() + n,
+        max_seq: prompt.len().saturating_add(n),
     };
     let mut s = open_session(&opts, None)?;
     let g = s.generate(&prompt, &GenerateOptions { max_new: n, ..Default::default() })?;

@@ -15,7 +15,7 @@ pub struct Cli {
     /// More log output on stderr (-v info, -vv debug, -vvv trace). RUST_LOG overrides.
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
     pub verbose: u8,
-    /// Only errors on stderr.
+    /// Log only errors (results still print).
     #[arg(short, long, global = true, conflicts_with = "verbose")]
     pub quiet: bool,
     #[command(subcommand)]

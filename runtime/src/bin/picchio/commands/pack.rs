@@ -52,7 +52,8 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
         bail!("--force only applies to --out raw:/dev/X (a file image is replaced atomically anyway)");
     }
     let report = pack(&a.model, &out, &opts)?;
-    eprintln!("{report}");
+    // The summary is the command's result: stdout (logs, and progress, go to stderr).
+    println!("{report}");
     Ok(())
 }
 
@@ -61,7 +62,7 @@ fn pack_raw(a: &Args, device: &std::path::Path, offset: u64, pack: PackOptions) 
     use picchio_runtime::pack::RawPackOptions;
     let opts = RawPackOptions { pack, force: a.force, io_threads: a.io_threads };
     let report = picchio_runtime::pack::pack_raw(&a.model, device, offset, &opts, &mut |plan| eprintln!("{plan}"))?;
-    eprintln!("{report}");
+    println!("{report}");
     Ok(())
 }
 

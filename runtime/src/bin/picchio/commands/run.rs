@@ -26,8 +26,8 @@ pub struct Args {
     #[arg(long)]
     pub buffered: bool,
     /// Reader threads of the psync engine.
-    #[arg(long, value_name = "N", default_value_t = 2)]
-    pub io_threads: usize,
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub io_threads: u16,
     #[command(flatten)]
     pub engine: EngineArgs,
     /// Expert-cache capacity in experts [default: all experts that fit in half the available memory].
@@ -85,7 +85,7 @@ pub struct EngineArgs {
     /// device with polled queues, e.g. NVMe with nvme.poll_queues=N).
     #[arg(long, conflicts_with = "buffered")]
     pub iopoll: bool,
-    /// uring: register the file with the ring (measurement switch).
+    /// uring: register the file with the ring (measurement switch; on by default).
     #[arg(long, hide = true, value_name = "BOOL", action = clap::ArgAction::Set,
           default_value_t = IoOptions::default().register_files)]
     pub register_files: bool,
@@ -118,8 +118,8 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
     if !(a.top_p > 0.0 && a.top_p <= 1.0) {
         bail!("--top-p must be in (0, 1], got {}", a.top_p);
     }
-    if a.temperature < 0.0 {
-        bail!("--temperature must be >= 0, got {}", a.temperature);
+    if !(a.temperature.is_finite() && a.temperature >= 0.0) {
+        bail!("--temperature must be a finite number >= 0 (0 is greedy), got {}", a.temperature);
     }
     let tokenizer = Tokenizer::from_dir(&a.model)?;
     let prompt_ids = match (&a.prompt, &a.prompt_ids, &tokenizer) {
@@ -135,12 +135,12 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
         store: a.store.clone(),
         io: a.engine.apply(IoOptions {
             direct: !a.buffered,
-            threads: a.io_threads,
+            threads: usize::from(a.io_threads),
             verify: a.verify,
             ..IoOptions::default()
         }),
         ecap: a.ecap,
-        max_seq: prompt_ids.len() + a.n,
+        max_seq: prompt_ids.len().saturating_add(a.n),
     };
     let mut s = Session::open(&opts, tokenizer).with_context(|| format!("opening model {}", a.model.display()))?;
     let gen = GenerateOptions {

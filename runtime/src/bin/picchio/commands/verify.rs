@@ -43,7 +43,11 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
     };
     println!("{report}");
     if !report.is_clean() {
-        bail!("{name}: {} expert(s) failed verification", report.failures.len());
+        bail!(
+            "{name}: verification failed: {} image-level problem(s), {} expert(s) failed",
+            report.store_problems.len(),
+            report.failures.len()
+        );
     }
     Ok(())
 }

@@ -29,13 +29,18 @@ pub enum IoEngine {
     /// is unavailable (old kernel, seccomp, `kernel.io_uring_disabled`) the queue falls back to
     /// [`IoEngine::Psync`] with one warning.
     Uring,
+    /// Overlapped unbuffered `ReadFile`s completed through an I/O completion port, up to `qd` in
+    /// flight (`--io iocp`, Windows only; always unbuffered).
+    Iocp,
 }
 
 impl Default for IoEngine {
-    /// [`IoEngine::Uring`] on Linux, [`IoEngine::Psync`] elsewhere.
+    /// [`IoEngine::Uring`] on Linux, [`IoEngine::Iocp`] on Windows, [`IoEngine::Psync`] elsewhere.
     fn default() -> Self {
         if cfg!(target_os = "linux") {
             IoEngine::Uring
+        } else if cfg!(windows) {
+            IoEngine::Iocp
         } else {
             IoEngine::Psync
         }
@@ -47,6 +52,7 @@ impl std::fmt::Display for IoEngine {
         f.write_str(match self {
             IoEngine::Psync => "psync",
             IoEngine::Uring => "uring",
+            IoEngine::Iocp => "iocp",
         })
     }
 }
@@ -54,12 +60,13 @@ impl std::fmt::Display for IoEngine {
 impl std::str::FromStr for IoEngine {
     type Err = String;
 
-    /// `psync` or `uring`.
+    /// `psync`, `uring` or `iocp`.
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         match s {
             "psync" => Ok(IoEngine::Psync),
             "uring" | "io_uring" => Ok(IoEngine::Uring),
-            _ => Err(format!("unknown I/O engine {s:?}: expected psync or uring")),
+            "iocp" => Ok(IoEngine::Iocp),
+            _ => Err(format!("unknown I/O engine {s:?}: expected psync, uring (Linux) or iocp (Windows)")),
         }
     }
 }
@@ -117,7 +124,20 @@ pub fn open_queue(path: &Path, io: IoOptions) -> Result<(Box<dyn IoQueue>, u64)>
             Some(opened) => Ok(opened),
             None => open_psync(path, io),
         },
+        IoEngine::Iocp => open_iocp(path, io),
     }
+}
+
+#[cfg(windows)]
+fn open_iocp(path: &Path, io: IoOptions) -> Result<(Box<dyn IoQueue>, u64)> {
+    let q = picchio_blockdev::IocpQueue::open(path, picchio_blockdev::IocpOptions { qd: io.qd })?;
+    let len = q.len();
+    Ok((Box::new(q), len))
+}
+
+#[cfg(not(windows))]
+fn open_iocp(_path: &Path, _io: IoOptions) -> Result<(Box<dyn IoQueue>, u64)> {
+    Err(Error::Invalid("--io iocp is the Windows engine; use --io uring or --io psync here".into()))
 }
 
 fn open_psync(path: &Path, io: IoOptions) -> Result<(Box<dyn IoQueue>, u64)> {

@@ -70,7 +70,8 @@ pub struct Args {
 #[derive(clap::Args, Debug, Clone)]
 pub struct EngineArgs {
     /// I/O engine for flat stores: `uring` (io_uring, Linux; the default there, falling back to psync
-    /// with a warning where io_uring is unavailable) or `psync` (a pool of --io-threads pread threads).
+    /// with a warning where io_uring is unavailable), `psync` (a pool of --io-threads pread threads),
+    /// or `iocp` (overlapped I/O with a completion port; Windows, its default there).
     #[arg(long = "io", value_name = "ENGINE", default_value_t = IoEngine::default())]
     pub io: IoEngine,
     /// uring: reads in flight at once (1-256). 1 is one read at a time; deeper queues let the device

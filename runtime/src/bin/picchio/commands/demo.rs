@@ -51,9 +51,16 @@ pub struct Args {
     pub json: bool,
 }
 
-pub fn exec(a: Args) -> anyhow::Result<()> {
+pub fn exec(mut a: Args) -> anyhow::Result<()> {
     check_args(&a)?;
     std::fs::create_dir_all(&a.workdir).with_context(|| format!("creating {}", a.workdir.display()))?;
+    // Messages show plain absolute paths, not `<checkout>/runtime/../target/...`.
+    a.workdir = a.workdir.canonicalize().with_context(|| format!("resolving {}", a.workdir.display()))?;
+    if a.synthetic_gb.is_none() {
+        a.fixture = a.fixture.canonicalize().with_context(|| {
+            format!("the demo fixture {} is missing (the demo runs from a checkout)", a.fixture.display())
+        })?;
+    }
     match a.synthetic_gb {
         Some(gb) => synthetic(&a, gb),
         None => fixture(&a),

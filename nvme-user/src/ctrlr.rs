@@ -1,0 +1,530 @@
+//! Controller bring-up as an explicit state machine (§3.5.1 "Memory-based Controller
+//! Initialization"), synchronous admin commands, and shutdown (§3.6.1) on drop.
+//!
+//! [`Controller::step`] advances one [`InitState`]; every state has a CAP.TO deadline set when it is
+//! entered, and a timeout names the state. Controller Fatal Status is checked while waiting.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::bar::Bar;
+use crate::dma::{DmaBuf, DmaPool, PAGE};
+use crate::error::{Error, Result};
+use crate::prp;
+use crate::queue::QueuePair;
+use crate::spec::regs::{self, Aqa, Cap, Cc, Csts, Shn, Shst, Vs};
+use crate::spec::{admin, Command, Completion, IdentifyController, IdentifyNamespace};
+
+/// Controller initialization states, in order (act/wait pairs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum InitState {
+    /// Read CAP and VS; check the NVM command set and the host page size against MPSMIN/MPSMAX.
+    ReadCap,
+    /// If CC.EN = 1, clear it (reset the controller).
+    DisableIfEnabled,
+    /// Wait for CSTS.RDY = 0.
+    WaitReady0,
+    /// Allocate the admin queue pair; program AQA, ASQ, ACQ.
+    ProgramAdminQueues,
+    /// Write CC: CSS = NVM, MPS, IOSQES = 6, IOCQES = 4, EN = 1.
+    Enable,
+    /// Wait for CSTS.RDY = 1.
+    WaitReady1,
+    /// Identify Controller (CNS 01h): MDTS, NN, model, serial.
+    IdentifyController,
+    /// Active Namespace ID list (CNS 02h), then Identify Namespace (CNS 00h) for each.
+    IdentifyNamespaces,
+    /// Set Features, Number of Queues (FID 07h): one I/O SQ and CQ.
+    SetNumQueues,
+    /// Create I/O Completion Queue 1.
+    CreateIoCq,
+    /// Create I/O Submission Queue 1 on CQ 1.
+    CreateIoSq,
+    /// Initialized; I/O queue pair 1 is usable (if requested).
+    Ready,
+}
+
+/// Options for [`Controller`].
+#[derive(Clone, Debug)]
+pub struct CtrlrOptions {
+    /// Admin queue ring entries (2..=4096).
+    pub admin_entries: u16,
+    /// I/O queue ring entries (the queue depth is one less); 0 creates no I/O queue.
+    pub io_entries: u16,
+    /// Cap on admin command completion time outside init (init uses CAP.TO per state).
+    pub admin_timeout: Duration,
+}
+
+impl Default for CtrlrOptions {
+    fn default() -> Self {
+        CtrlrOptions { admin_entries: 32, io_entries: 65, admin_timeout: Duration::from_secs(5) }
+    }
+}
+
+/// An active namespace with a usable LBA format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Namespace {
+    /// Namespace identifier.
+    pub nsid: u32,
+    /// NSZE, size in logical blocks.
+    pub blocks: u64,
+    /// LBA data size in bytes.
+    pub lba_size: u32,
+    /// Metadata bytes per LBA.
+    pub metadata_size: u16,
+}
+
+impl Namespace {
+    /// Size in bytes.
+    pub fn bytes(&self) -> u64 {
+        self.blocks * u64::from(self.lba_size)
+    }
+}
+
+/// Host memory page size, as CC.MPS (4 KiB → 0).
+const HOST_MPS: u8 = (PAGE.trailing_zeros() - 12) as u8;
+
+/// One NVMe controller: registers, admin queue, namespaces, and (optionally) I/O queue pair 1.
+pub struct Controller {
+    bar: Arc<dyn Bar>,
+    dma: Arc<dyn DmaPool>,
+    opts: CtrlrOptions,
+    state: InitState,
+    entered: Instant,
+    deadline: Instant,
+    cap: Cap,
+    vs: Vs,
+    admin: Option<QueuePair>,
+    scratch: Option<DmaBuf>,
+    identify: Option<IdentifyController>,
+    namespaces: Vec<Namespace>,
+    active: Vec<u32>,
+    io: Option<QueuePair>,
+    io_cq_created: bool,
+    io_sq_created: bool,
+    max_transfer: usize,
+    enabled: bool,
+    shut_down: bool,
+}
+
+impl Controller {
+    /// A controller in [`InitState::ReadCap`]; drive it with [`Controller::step`] or use [`Controller::init`].
+    pub fn new(bar: Arc<dyn Bar>, dma: Arc<dyn DmaPool>, opts: CtrlrOptions) -> Controller {
+        let now = Instant::now();
+        Controller {
+            bar,
+            dma,
+            opts,
+            state: InitState::ReadCap,
+            entered: now,
+            deadline: now + Duration::from_millis(500),
+            cap: Cap(0),
+            vs: Vs(0),
+            admin: None,
+            scratch: None,
+            identify: None,
+            namespaces: Vec::new(),
+            active: Vec::new(),
+            io: None,
+            io_cq_created: false,
+            io_sq_created: false,
+            max_transfer: PAGE,
+            enabled: false,
+            shut_down: false,
+        }
+    }
+
+    /// Runs [`Controller::step`] to [`InitState::Ready`].
+    ///
+    /// # Errors
+    /// The first failing state's error.
+    pub fn init(bar: Arc<dyn Bar>, dma: Arc<dyn DmaPool>, opts: CtrlrOptions) -> Result<Controller> {
+        let mut c = Controller::new(bar, dma, opts);
+        while !c.step()? {
+            std::hint::spin_loop();
+        }
+        Ok(c)
+    }
+
+    /// The current state.
+    pub fn state(&self) -> InitState {
+        self.state
+    }
+    /// CAP as read at init.
+    pub fn cap(&self) -> Cap {
+        self.cap
+    }
+    /// VS as read at init.
+    pub fn version(&self) -> Vs {
+        self.vs
+    }
+    /// Identify Controller data (after [`InitState::IdentifyController`]).
+    pub fn identify(&self) -> Option<&IdentifyController> {
+        self.identify.as_ref()
+    }
+    /// Active namespaces with a usable format.
+    pub fn namespaces(&self) -> &[Namespace] {
+        &self.namespaces
+    }
+    /// The namespace `nsid`.
+    ///
+    /// # Errors
+    /// [`Error::NoNamespace`].
+    pub fn namespace(&self, nsid: u32) -> Result<Namespace> {
+        self.namespaces
+            .iter()
+            .find(|n| n.nsid == nsid)
+            .copied()
+            .ok_or_else(|| Error::NoNamespace { nsid, available: self.namespaces.iter().map(|n| n.nsid).collect() })
+    }
+    /// Largest bytes per I/O command (MDTS capped by one PRP-list page).
+    pub fn max_transfer(&self) -> usize {
+        self.max_transfer
+    }
+    /// The register window.
+    pub fn bar(&self) -> &Arc<dyn Bar> {
+        &self.bar
+    }
+    /// The DMA allocator.
+    pub fn dma(&self) -> &Arc<dyn DmaPool> {
+        &self.dma
+    }
+    /// I/O queue pair 1, once created.
+    pub fn io_queue(&mut self) -> Option<&mut QueuePair> {
+        self.io.as_mut()
+    }
+    /// Counters of the I/O queue pair (zero before it exists).
+    pub fn io_queue_stats(&self) -> crate::queue::QueueStats {
+        self.io.as_ref().map(QueuePair::stats).unwrap_or_default()
+    }
+    /// Current CSTS.
+    pub fn csts(&self) -> Csts {
+        Csts(self.bar.read32(regs::CSTS))
+    }
+
+    /// Fails with [`Error::ControllerFatal`] if CSTS.CFS is set.
+    ///
+    /// # Errors
+    /// [`Error::ControllerFatal`].
+    pub fn check_fatal(&self, during: &str) -> Result<()> {
+        let csts = self.csts();
+        if csts.cfs() {
+            return Err(Error::ControllerFatal { during: during.to_string(), csts: csts.0 });
+        }
+        Ok(())
+    }
+
+    fn enter(&mut self, s: InitState) {
+        tracing::trace!(from = ?self.state, to = ?s, "nvme init");
+        self.state = s;
+        self.entered = Instant::now();
+        self.deadline = self.entered + self.cap.timeout();
+    }
+
+    fn timed_out(&self) -> Error {
+        Error::InitTimeout { state: self.state, waited_ms: self.entered.elapsed().as_millis() as u64 }
+    }
+
+    /// Waits (one check) for CSTS.RDY == `rdy`: `Ok(true)` when reached.
+    fn wait_rdy(&self, rdy: bool) -> Result<bool> {
+        let csts = self.csts();
+        if csts.cfs() {
+            return Err(Error::ControllerFatal { during: format!("init state {:?}", self.state), csts: csts.0 });
+        }
+        if csts.rdy() == rdy {
+            return Ok(true);
+        }
+        if Instant::now() >= self.deadline {
+            return Err(self.timed_out());
+        }
+        Ok(false)
+    }
+
+    /// Advances initialization by one state. Returns `Ok(true)` once [`InitState::Ready`].
+    ///
+    /// # Errors
+    /// [`Error::InitTimeout`] naming the state, [`Error::ControllerFatal`], [`Error::Unsupported`],
+    /// [`Error::AdminCommand`], [`Error::DmaAlloc`].
+    pub fn step(&mut self) -> Result<bool> {
+        use InitState::*;
+        match self.state {
+            ReadCap => {
+                self.cap = Cap(self.bar.read64(regs::CAP));
+                self.vs = Vs(self.bar.read32(regs::VS));
+                let cap = self.cap;
+                if cap.css() & 1 == 0 {
+                    return Err(Error::Unsupported {
+                        what: format!("CAP.CSS {:#x} lacks the NVM command set", cap.css()),
+                    });
+                }
+                if !(cap.mpsmin()..=cap.mpsmax()).contains(&HOST_MPS) {
+                    return Err(Error::Unsupported {
+                        what: format!(
+                            "host page {PAGE} B outside CAP.MPSMIN..MPSMAX = {}..{} B",
+                            4096u64 << cap.mpsmin(),
+                            4096u64 << cap.mpsmax()
+                        ),
+                    });
+                }
+                tracing::debug!(cap = format_args!("{:#x}", cap.0), vs = %self.vs, "nvme CAP");
+                self.enter(DisableIfEnabled);
+            }
+            DisableIfEnabled => {
+                let cc = Cc(self.bar.read32(regs::CC));
+                if cc.en() {
+                    self.bar.write32(regs::CC, cc.with_en(false).0);
+                }
+                self.enabled = false;
+                self.enter(WaitReady0);
+            }
+            WaitReady0 => {
+                if self.wait_rdy(false)? {
+                    self.enter(ProgramAdminQueues);
+                }
+            }
+            ProgramAdminQueues => {
+                let entries = self.opts.admin_entries.min(self.cap.mqes().saturating_add(1)).min(4096);
+                let q = QueuePair::new(self.bar.clone(), &*self.dma, 0, entries, self.cap.dstrd())?;
+                self.bar.write32(regs::AQA, Aqa::from_entries(entries, entries).0);
+                self.bar.write64(regs::ASQ, q.sq_iova().0);
+                self.bar.write64(regs::ACQ, q.cq_iova().0);
+                self.admin = Some(q);
+                if self.scratch.is_none() {
+                    self.scratch = Some(self.dma.alloc(PAGE)?);
+                }
+                self.enter(Enable);
+            }
+            Enable => {
+                let cc = Cc(0).with_css(0).with_mps(HOST_MPS).with_iosqes(6).with_iocqes(4).with_en(true);
+                self.bar.write32(regs::CC, cc.0);
+                self.enabled = true;
+                self.enter(WaitReady1);
+            }
+            WaitReady1 => {
+                if self.wait_rdy(true)? {
+                    self.enter(IdentifyController);
+                }
+            }
+            IdentifyController => {
+                let page = self.identify_page("Identify Controller", admin::CNS_CONTROLLER, 0)?;
+                let id = crate::spec::IdentifyController::parse(&page);
+                if id.sqes != 0 && !((id.sqes & 0xF)..=(id.sqes >> 4)).contains(&6) {
+                    return Err(Error::Unsupported { what: format!("SQES {:#x} excludes 64-byte entries", id.sqes) });
+                }
+                if id.cqes != 0 && !((id.cqes & 0xF)..=(id.cqes >> 4)).contains(&4) {
+                    return Err(Error::Unsupported { what: format!("CQES {:#x} excludes 16-byte entries", id.cqes) });
+                }
+                self.max_transfer = prp::max_transfer(PAGE, id.max_transfer(4096 << self.cap.mpsmin()));
+                tracing::debug!(mn = %id.mn, sn = %id.sn, fr = %id.fr, mdts = id.mdts, nn = id.nn, "nvme identify");
+                self.identify = Some(id);
+                self.enter(IdentifyNamespaces);
+            }
+            IdentifyNamespaces => {
+                let list = self.identify_page("Identify Active Namespace ID list", admin::CNS_ACTIVE_NS_LIST, 0)?;
+                self.active = list
+                    .chunks_exact(4)
+                    .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+                    .take_while(|&n| n != 0)
+                    .collect();
+                self.namespaces.clear();
+                for nsid in self.active.clone() {
+                    let page = self.identify_page(&format!("Identify Namespace {nsid}"), admin::CNS_NAMESPACE, nsid)?;
+                    let ns = IdentifyNamespace::parse(&page);
+                    match ns.lba_size() {
+                        Some(lba_size) if ns.nsze > 0 => self.namespaces.push(Namespace {
+                            nsid,
+                            blocks: ns.nsze,
+                            lba_size,
+                            metadata_size: ns.metadata_size(),
+                        }),
+                        _ => tracing::warn!(
+                            nsid,
+                            flbas = ns.flbas,
+                            "nvme namespace without a usable LBA format; skipped"
+                        ),
+                    }
+                }
+                self.enter(if self.opts.io_entries > 0 { SetNumQueues } else { Ready });
+            }
+            SetNumQueues => {
+                let c =
+                    self.admin_init("Set Features (Number of Queues)", |c| *c = Command::set_num_queues(0, 1, 1))?;
+                tracing::debug!(nsqa = (c.dw0 & 0xFFFF) + 1, ncqa = (c.dw0 >> 16) + 1, "nvme queues granted");
+                self.enter(CreateIoCq);
+            }
+            CreateIoCq => {
+                let entries = self.opts.io_entries.min(self.cap.mqes().saturating_add(1)).clamp(2, 4096);
+                let q = QueuePair::new(self.bar.clone(), &*self.dma, 1, entries, self.cap.dstrd())?;
+                let cq = q.cq_iova().0;
+                self.io = Some(q);
+                self.admin_init("Create I/O Completion Queue 1", |c| *c = Command::create_io_cq(0, 1, entries, cq))?;
+                self.io_cq_created = true;
+                self.enter(CreateIoSq);
+            }
+            CreateIoSq => {
+                let q = self.io.as_ref().expect("created in CreateIoCq");
+                let (entries, sq) = (q.entries(), q.sq_iova().0);
+                self.admin_init("Create I/O Submission Queue 1", |c| *c = Command::create_io_sq(0, 1, entries, 1, sq))?;
+                self.io_sq_created = true;
+                self.enter(Ready);
+            }
+            Ready => return Ok(true),
+        }
+        Ok(self.state == Ready)
+    }
+
+    fn identify_page(&mut self, what: &str, cns: u8, nsid: u32) -> Result<Vec<u8>> {
+        let mut scratch = self.scratch.take().expect("allocated in ProgramAdminQueues");
+        scratch.zero();
+        let iova = scratch.iova().0;
+        let r = self.admin_init(what, |c| *c = Command::identify(0, cns, nsid, iova));
+        let mut page = vec![0u8; PAGE];
+        scratch.copy_out(0, &mut page);
+        self.scratch = Some(scratch);
+        r.map(|_| page)
+    }
+
+    /// An admin command during init: the state's deadline, and a timeout names the state.
+    fn admin_init(&mut self, what: &str, build: impl FnOnce(&mut Command)) -> Result<Completion> {
+        let deadline = self.deadline;
+        match self.admin_until(what, build, deadline) {
+            Err(Error::AdminTimeout { .. }) => Err(self.timed_out()),
+            r => r,
+        }
+    }
+
+    /// Submits one admin command and polls for its completion (with [`CtrlrOptions::admin_timeout`]).
+    ///
+    /// # Errors
+    /// [`Error::AdminCommand`] for an error status, [`Error::AdminTimeout`], [`Error::ControllerFatal`].
+    pub fn admin(&mut self, what: &str, build: impl FnOnce(&mut Command)) -> Result<Completion> {
+        let deadline = Instant::now() + self.opts.admin_timeout;
+        self.admin_until(what, build, deadline)
+    }
+
+    fn admin_until(&mut self, what: &str, build: impl FnOnce(&mut Command), deadline: Instant) -> Result<Completion> {
+        let start = Instant::now();
+        let q = self.admin.as_mut().expect("admin queue programmed");
+        let cid = q.alloc_cid().ok_or(Error::QueueFull { qid: 0, depth: q.entries() })?;
+        q.submit(cid, 0, build)?;
+        q.ring();
+        let mut done = None;
+        let mut idle = 0u32;
+        loop {
+            let q = self.admin.as_mut().expect("admin queue");
+            let polled = q.poll(usize::MAX, |e| {
+                if e.cid == cid && !e.late {
+                    done = Some(e.cqe);
+                }
+            });
+            if let Err(e) = polled {
+                // Not ours: keep waiting for our command's completion.
+                tracing::warn!(error = %e, "nvme admin completion ignored");
+            }
+            if let Some(c) = done {
+                let status = c.status();
+                if !status.is_success() {
+                    return Err(Error::AdminCommand { what: what.to_string(), status });
+                }
+                return Ok(c);
+            }
+            idle += 1;
+            if idle.is_multiple_of(256) {
+                self.check_fatal(&format!("admin command {what}"))?;
+                if Instant::now() >= deadline {
+                    // Leave the CID taken: a late completion must not match a new command.
+                    let q = self.admin.as_mut().expect("admin queue");
+                    q.expire(Duration::ZERO, |_, _| {});
+                    return Err(Error::AdminTimeout {
+                        what: what.to_string(),
+                        cid: cid.0,
+                        waited_ms: start.elapsed().as_millis() as u64,
+                    });
+                }
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// Deletes I/O queue pair 1, then a normal shutdown (CC.SHN = 01b, wait CSTS.SHST = 10b), then
+    /// CC.EN = 0. Idempotent; run by `Drop`.
+    ///
+    /// # Errors
+    /// The first failure (the remaining steps still run).
+    pub fn shutdown(&mut self) -> Result<()> {
+        if self.shut_down || !self.enabled {
+            return Ok(());
+        }
+        self.shut_down = true;
+        let mut first: Option<Error> = None;
+        let fatal = self.csts().cfs();
+        let deadline = Instant::now() + self.cap.timeout().min(self.opts.admin_timeout);
+        if !fatal && self.io_sq_created {
+            if let Err(e) =
+                self.admin_until("Delete I/O Submission Queue 1", |c| *c = Command::delete_io_sq(0, 1), deadline)
+            {
+                first.get_or_insert(e);
+            }
+            self.io_sq_created = false;
+        }
+        if !fatal && self.io_cq_created {
+            if let Err(e) =
+                self.admin_until("Delete I/O Completion Queue 1", |c| *c = Command::delete_io_cq(0, 1), deadline)
+            {
+                first.get_or_insert(e);
+            }
+            self.io_cq_created = false;
+        }
+        let cc = Cc(self.bar.read32(regs::CC));
+        if !fatal {
+            self.bar.write32(regs::CC, cc.with_shn(Shn::Normal).0);
+            let deadline = Instant::now() + self.cap.timeout();
+            loop {
+                let csts = self.csts();
+                if csts.shst() == Shst::Complete as u8 {
+                    break;
+                }
+                if csts.cfs() || Instant::now() >= deadline {
+                    first.get_or_insert(Error::InitTimeout {
+                        state: self.state,
+                        waited_ms: self.cap.timeout().as_millis() as u64,
+                    });
+                    break;
+                }
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+        // Reset so the device stops all DMA before the queues' memory is freed.
+        self.bar.write32(regs::CC, Cc(self.bar.read32(regs::CC)).with_en(false).with_shn(Shn::None).0);
+        let deadline = Instant::now() + self.cap.timeout();
+        while Csts(self.bar.read32(regs::CSTS)).rdy() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        self.enabled = false;
+        match first {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Controller {
+    fn drop(&mut self) {
+        if let Err(e) = self.shutdown() {
+            tracing::warn!(error = %e, "nvme shutdown");
+        }
+    }
+}
+
+impl std::fmt::Debug for Controller {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Controller")
+            .field("bar", &self.bar.kind())
+            .field("state", &self.state)
+            .field("cap", &format_args!("{:#x}", self.cap.0))
+            .field("namespaces", &self.namespaces)
+            .finish()
+    }
+}

@@ -1,0 +1,405 @@
+//! DMA memory: buffers the device reads and writes, each with an [`Iova`] (the address the device
+//! uses). A [`DmaBuf`] is never behind a Rust reference: the driver reads and writes it through
+//! volatile accesses while the device may use it, and copies bytes out only after the completion.
+//!
+//! Two allocators implement [`DmaPool`]:
+//! - [`HeapDma`] for the sim: page-aligned heap memory whose IOVA is its host address. Every region
+//!   it hands out (and every buffer lent with [`DmaPool::map_external`]) is recorded in a
+//!   [`DmaRegistry`], the sim's "IOMMU": the model refuses to touch memory outside it.
+//! - [`HugepageDma`] for VFIO: 2 MiB hugepage chunks mapped for the device by an [`IovaMapper`]
+//!   (`VFIO_IOMMU_MAP_DMA` at IOVAs the driver chooses), carved into page-aligned pieces.
+
+use std::alloc::Layout;
+use std::collections::BTreeMap;
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex};
+
+use crate::error::{Error, Result};
+use crate::spec::{Command, Completion};
+
+/// An I/O virtual address: what the device puts on the bus (never a host pointer in the driver's
+/// eyes, even where the sim makes them equal).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Iova(pub u64);
+
+impl Iova {
+    /// This IOVA plus `bytes`.
+    pub const fn add(self, bytes: u64) -> Iova {
+        Iova(self.0 + bytes)
+    }
+}
+
+/// Host page size the driver builds PRPs with (the smallest MPS every controller supports).
+pub const PAGE: usize = 4096;
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// Plain-old-data values that may be read or written volatile in DMA memory: fixed size, no padding,
+/// every bit pattern valid. Sealed: implemented for the integer widths and the queue entries only.
+pub trait DmaValue: Copy + sealed::Sealed {}
+macro_rules! dma_value {
+    ($($t:ty),*) => {$(impl sealed::Sealed for $t {} impl DmaValue for $t {})*};
+}
+// `Command` and `Completion` are `repr(C)` with const-asserted sizes equal to the sum of their fields.
+dma_value!(u8, u16, u32, u64, Command, Completion);
+
+/// Releases an IOVA range when the memory behind it goes away.
+pub trait IovaSpace: Send + Sync {
+    /// Removes the device mapping of `len` bytes at `iova`.
+    fn release(&self, iova: Iova, len: usize);
+}
+
+enum Backing {
+    Heap(Layout),
+    Chunk(#[allow(dead_code)] Arc<HugeChunk>),
+}
+
+/// A DMA buffer: `len` bytes at a host address the driver never turns into a reference, and the IOVA
+/// the device uses for them.
+pub struct DmaBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+    iova: Iova,
+    backing: Backing,
+    space: Option<Arc<dyn IovaSpace>>,
+}
+
+// SAFETY: a `DmaBuf` owns its memory exclusively on the host side (like `Vec<u8>`); all accesses go
+// through `&self`/`&mut self` methods doing volatile or raw copies, so moving it between threads is sound.
+unsafe impl Send for DmaBuf {}
+// SAFETY: `&DmaBuf` only allows volatile reads, and volatile writes through `&self` are not offered.
+unsafe impl Sync for DmaBuf {}
+
+impl DmaBuf {
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Never true: buffers hold at least one page.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The device address of byte 0.
+    pub fn iova(&self) -> Iova {
+        self.iova
+    }
+    /// Raw pointer to byte `off` (for queue code that writes entries in place).
+    pub fn ptr_at(&self, off: usize) -> *mut u8 {
+        assert!(off <= self.len, "DMA offset {off:#x} beyond {:#x}", self.len);
+        // SAFETY: within (or one past) the allocation.
+        unsafe { self.ptr.as_ptr().add(off) }
+    }
+    fn check<T>(&self, off: usize) {
+        let n = std::mem::size_of::<T>();
+        assert!(
+            off.is_multiple_of(std::mem::align_of::<T>()) && off + n <= self.len,
+            "DMA access {off:#x}+{n} of {:#x}",
+            self.len
+        );
+    }
+    /// Volatile read of a `T` at byte `off` (aligned for `T`).
+    pub fn read<T: DmaValue>(&self, off: usize) -> T {
+        self.check::<T>(off);
+        // SAFETY: bounds and alignment checked; `T: DmaValue` accepts any bit pattern.
+        unsafe { std::ptr::read_volatile(self.ptr.as_ptr().add(off).cast::<T>()) }
+    }
+    /// Volatile write of a `T` at byte `off` (aligned for `T`).
+    pub fn write<T: DmaValue>(&mut self, off: usize, v: T) {
+        self.check::<T>(off);
+        // SAFETY: bounds and alignment checked; no reference to this memory exists.
+        unsafe { std::ptr::write_volatile(self.ptr.as_ptr().add(off).cast::<T>(), v) }
+    }
+    /// Zeroes the buffer (call only while the device does not use it).
+    pub fn zero(&mut self) {
+        // SAFETY: the whole allocation, exclusively ours (`&mut self`) and idle per the contract.
+        unsafe { std::ptr::write_bytes(self.ptr.as_ptr(), 0, self.len) }
+    }
+    /// Copies `out.len()` bytes from byte `off` (call only after the device finished writing them,
+    /// i.e. after the command's completion was seen).
+    pub fn copy_out(&self, off: usize, out: &mut [u8]) {
+        assert!(off + out.len() <= self.len);
+        // SAFETY: in bounds; `out` is ordinary memory that cannot overlap a DMA buffer we own.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(off), out.as_mut_ptr(), out.len()) }
+    }
+    /// Copies `src` to byte `off` (call only while the device does not read that range).
+    pub fn copy_in(&mut self, off: usize, src: &[u8]) {
+        assert!(off + src.len() <= self.len);
+        // SAFETY: in bounds; exclusive (`&mut self`).
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(off), src.len()) }
+    }
+}
+
+impl Drop for DmaBuf {
+    fn drop(&mut self) {
+        if let Some(space) = &self.space {
+            space.release(self.iova, self.len);
+        }
+        if let Backing::Heap(layout) = self.backing {
+            // SAFETY: allocated by `alloc_zeroed` with this layout; freed once, after the IOVA release.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) }
+        }
+    }
+}
+
+impl std::fmt::Debug for DmaBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DmaBuf").field("iova", &format_args!("{:#x}", self.iova.0)).field("len", &self.len).finish()
+    }
+}
+
+/// Allocates DMA memory and lends host memory to the device.
+pub trait DmaPool: Send + Sync {
+    /// A zeroed, page-aligned buffer of at least `len` bytes (rounded up to [`PAGE`]).
+    ///
+    /// # Errors
+    /// [`Error::DmaAlloc`].
+    fn alloc(&self, len: usize) -> Result<DmaBuf>;
+    /// The IOVA of `len` bytes of host memory at `addr` that the caller lends to the device until
+    /// [`DmaPool::unmap_external`] (a cache slot being read into).
+    ///
+    /// # Errors
+    /// [`Error::DmaMap`] if the memory cannot be reached by the device.
+    fn map_external(&self, addr: *mut u8, len: usize) -> Result<Iova>;
+    /// Ends a [`DmaPool::map_external`] loan.
+    fn unmap_external(&self, iova: Iova, len: usize);
+    /// Short name for logs.
+    fn kind(&self) -> &'static str;
+}
+
+/// The set of host ranges the device may access (the sim's IOMMU), keyed by start address.
+#[derive(Default, Debug)]
+pub struct DmaRegistry {
+    ranges: Mutex<BTreeMap<u64, usize>>,
+}
+
+impl DmaRegistry {
+    fn insert(&self, start: u64, len: usize) {
+        self.ranges.lock().expect("dma registry").insert(start, len);
+    }
+    fn remove(&self, start: u64) {
+        self.ranges.lock().expect("dma registry").remove(&start);
+    }
+    /// Runs `f` with the registry locked if `addr..addr + len` lies inside one registered range, so a
+    /// concurrent release waits until `f` returns. `None` if it does not.
+    pub fn with_range<R>(&self, addr: u64, len: usize, f: impl FnOnce() -> R) -> Option<R> {
+        let g = self.ranges.lock().expect("dma registry");
+        let (&start, &rlen) = g.range(..=addr).next_back()?;
+        (addr.checked_add(len as u64)? <= start + rlen as u64).then(f)
+    }
+    /// Registered ranges (for leak checks in tests).
+    pub fn count(&self) -> usize {
+        self.ranges.lock().expect("dma registry").len()
+    }
+}
+
+impl IovaSpace for DmaRegistry {
+    fn release(&self, iova: Iova, _len: usize) {
+        self.remove(iova.0);
+    }
+}
+
+/// Heap DMA memory for the sim: IOVA = host address, every range recorded in a [`DmaRegistry`].
+#[derive(Clone, Default, Debug)]
+pub struct HeapDma {
+    registry: Arc<DmaRegistry>,
+}
+
+impl HeapDma {
+    /// A new allocator with an empty registry.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// The registry the sim checks device accesses against.
+    pub fn registry(&self) -> Arc<DmaRegistry> {
+        self.registry.clone()
+    }
+}
+
+impl DmaPool for HeapDma {
+    fn alloc(&self, len: usize) -> Result<DmaBuf> {
+        let rounded = len.max(1).div_ceil(PAGE) * PAGE;
+        let fail = |cause| Error::DmaAlloc { len, hugepages: false, cause };
+        let layout = Layout::from_size_align(rounded, PAGE).map_err(|_| fail(None))?;
+        // SAFETY: non-zero size.
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(p).ok_or_else(|| fail(None))?;
+        let iova = Iova(ptr.as_ptr() as u64);
+        self.registry.insert(iova.0, rounded);
+        let space: Arc<dyn IovaSpace> = self.registry.clone();
+        Ok(DmaBuf { ptr, len: rounded, iova, backing: Backing::Heap(layout), space: Some(space) })
+    }
+    fn map_external(&self, addr: *mut u8, len: usize) -> Result<Iova> {
+        if addr.is_null() || len == 0 {
+            return Err(Error::DmaMap { addr: addr as usize, len, why: "null or empty".into() });
+        }
+        self.registry.insert(addr as u64, len);
+        Ok(Iova(addr as u64))
+    }
+    fn unmap_external(&self, iova: Iova, _len: usize) {
+        self.registry.remove(iova.0);
+    }
+    fn kind(&self) -> &'static str {
+        "heap"
+    }
+}
+
+/// Maps host memory for the device at an IOVA (VFIO type1: `VFIO_IOMMU_MAP_DMA`).
+pub trait IovaMapper: Send + Sync {
+    /// Maps `len` bytes at host `vaddr` for device reads and writes, at `iova` when the mapper chooses
+    /// addresses (type1), and returns the IOVA the device must use (the physical address without an
+    /// IOMMU).
+    ///
+    /// # Errors
+    /// The OS error, as [`Error::Vfio`].
+    fn map(&self, vaddr: *mut u8, len: usize, iova: Iova) -> Result<Iova>;
+    /// Unmaps what [`IovaMapper::map`] mapped.
+    fn unmap(&self, iova: Iova, len: usize);
+}
+
+const HUGE: usize = 2 << 20;
+
+struct HugeChunk {
+    base: NonNull<u8>,
+    iova: Iova,
+    mapper: Arc<dyn IovaMapper>,
+}
+
+// SAFETY: the chunk is an owned anonymous mapping; pieces are handed out once each as `DmaBuf`s.
+unsafe impl Send for HugeChunk {}
+// SAFETY: as for `Send`; the chunk itself is never accessed through `&HugeChunk`.
+unsafe impl Sync for HugeChunk {}
+
+impl Drop for HugeChunk {
+    fn drop(&mut self) {
+        self.mapper.unmap(self.iova, HUGE);
+        // SAFETY: mapped by `mmap` with length HUGE in `HugepageDma::chunk`, unmapped once, after the
+        // device mapping is gone.
+        unsafe { libc::munmap(self.base.as_ptr().cast(), HUGE) };
+    }
+}
+
+struct HugeState {
+    current: Option<(Arc<HugeChunk>, usize)>,
+    next_iova: u64,
+}
+
+/// Hugepage-backed DMA memory for VFIO: 2 MiB `MAP_HUGETLB` chunks mapped at increasing IOVAs from
+/// `iova_base`, carved into page-aligned pieces (a bump allocator: pieces return with their chunk).
+/// Buffers larger than 2 MiB are not supported.
+pub struct HugepageDma {
+    mapper: Arc<dyn IovaMapper>,
+    state: Mutex<HugeState>,
+}
+
+impl HugepageDma {
+    /// An allocator mapping chunks through `mapper` at IOVAs from `iova_base` (2 MiB aligned).
+    pub fn new(mapper: Arc<dyn IovaMapper>, iova_base: Iova) -> Self {
+        HugepageDma { mapper, state: Mutex::new(HugeState { current: None, next_iova: iova_base.0 }) }
+    }
+
+    fn chunk(&self, st: &mut HugeState) -> Result<Arc<HugeChunk>> {
+        // SAFETY: anonymous private mapping without an address hint; checked for MAP_FAILED.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                HUGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_HUGETLB | libc::MAP_POPULATE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::DmaAlloc { len: HUGE, hugepages: true, cause: Some(std::io::Error::last_os_error()) });
+        }
+        let base = NonNull::new(p.cast::<u8>()).expect("mmap returned non-null");
+        let iova = match self.mapper.map(base.as_ptr(), HUGE, Iova(st.next_iova)) {
+            Ok(iova) => iova,
+            Err(e) => {
+                // SAFETY: just mapped above with length HUGE, never shared.
+                unsafe { libc::munmap(p, HUGE) };
+                return Err(e);
+            }
+        };
+        st.next_iova += HUGE as u64;
+        Ok(Arc::new(HugeChunk { base, iova, mapper: self.mapper.clone() }))
+    }
+}
+
+impl DmaPool for HugepageDma {
+    fn alloc(&self, len: usize) -> Result<DmaBuf> {
+        let rounded = len.max(1).div_ceil(PAGE) * PAGE;
+        if rounded > HUGE {
+            return Err(Error::DmaAlloc { len, hugepages: true, cause: None });
+        }
+        let mut st = self.state.lock().expect("hugepage dma");
+        let (chunk, used) = match st.current.take() {
+            Some((c, used)) if used + rounded <= HUGE => (c, used),
+            _ => (self.chunk(&mut st)?, 0),
+        };
+        // SAFETY: `used + rounded <= HUGE`, inside the chunk.
+        let p = unsafe { chunk.base.as_ptr().add(used) };
+        // SAFETY: the piece was never handed out before; hugepage memory is zeroed by the kernel.
+        unsafe { std::ptr::write_bytes(p, 0, rounded) };
+        let buf = DmaBuf {
+            ptr: NonNull::new(p).expect("non-null"),
+            len: rounded,
+            iova: chunk.iova.add(used as u64),
+            backing: Backing::Chunk(chunk.clone()),
+            space: None,
+        };
+        st.current = Some((chunk, used + rounded));
+        Ok(buf)
+    }
+    fn map_external(&self, addr: *mut u8, len: usize) -> Result<Iova> {
+        Err(Error::DmaMap {
+            addr: addr as usize,
+            len,
+            why: "VFIO reads must target the DMA pool; see NvmeQueue::with_bounce_buffer".into(),
+        })
+    }
+    fn unmap_external(&self, _iova: Iova, _len: usize) {}
+    fn kind(&self) -> &'static str {
+        "hugepage"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heap_dma_registers_and_releases() {
+        let dma = HeapDma::new();
+        let reg = dma.registry();
+        let mut b = dma.alloc(100).unwrap();
+        assert_eq!(b.len(), PAGE);
+        assert_eq!(b.iova().0 % PAGE as u64, 0);
+        assert_eq!(reg.count(), 1);
+        assert_eq!(reg.with_range(b.iova().0 + 8, 64, || 1), Some(1));
+        assert_eq!(reg.with_range(b.iova().0 + 4090, 64, || 1), None);
+        b.write::<u64>(8, 0xdead_beef);
+        assert_eq!(b.read::<u32>(8), 0xdead_beef);
+        let mut out = [0u8; 4];
+        b.copy_out(8, &mut out);
+        assert_eq!(u32::from_le_bytes(out), 0xdead_beef);
+        b.zero();
+        assert_eq!(b.read::<u64>(8), 0);
+        drop(b);
+        assert_eq!(reg.count(), 0);
+        let mut v = vec![0u8; 64];
+        let iova = dma.map_external(v.as_mut_ptr(), 64).unwrap();
+        assert_eq!(reg.count(), 1);
+        dma.unmap_external(iova, 64);
+        assert_eq!(reg.count(), 0);
+    }
+
+    #[test]
+    #[should_panic(expected = "DMA access")]
+    fn out_of_bounds_access_panics() {
+        let b = HeapDma::new().alloc(PAGE).unwrap();
+        let _ = b.read::<u64>(PAGE);
+    }
+}

@@ -1,0 +1,149 @@
+//! The crate's error type: one variant per failing operation.
+
+use crate::ctrlr::InitState;
+use crate::prp::PrpError;
+use crate::spec::Status;
+
+/// Errors of the NVMe driver, the DMA allocators and the sim.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A controller init state did not finish before its CAP.TO deadline.
+    #[error("NVMe init timed out in state {state:?} after {waited_ms} ms (CAP.TO deadline)")]
+    InitTimeout {
+        /// The state that timed out.
+        state: InitState,
+        /// How long it waited.
+        waited_ms: u64,
+    },
+    /// The controller reported Controller Fatal Status (CSTS.CFS = 1).
+    #[error("NVMe controller fatal status (CSTS.CFS = 1, CSTS = {csts:#x}) during {during}")]
+    ControllerFatal {
+        /// What the driver was doing.
+        during: String,
+        /// The CSTS value read.
+        csts: u32,
+    },
+    /// An admin command completed with an error status.
+    #[error("NVMe admin command {what} failed: {status}")]
+    AdminCommand {
+        /// The command (e.g. `Identify Controller`).
+        what: String,
+        /// The completion status.
+        status: Status,
+    },
+    /// An admin command got no completion in time.
+    #[error("NVMe admin command {what} (CID {cid}) timed out after {waited_ms} ms")]
+    AdminTimeout {
+        /// The command.
+        what: String,
+        /// Its command identifier.
+        cid: u16,
+        /// How long it waited.
+        waited_ms: u64,
+    },
+    /// A completion named a command identifier with no outstanding command.
+    #[error("NVMe queue {qid}: completion for unknown CID {cid} (sqhd {sqhd}, status {status})")]
+    UnknownCid {
+        /// Queue id.
+        qid: u16,
+        /// The CID in the completion.
+        cid: u16,
+        /// SQHD in the completion.
+        sqhd: u16,
+        /// Its status.
+        status: Status,
+    },
+    /// No free command identifier or submission slot.
+    #[error("NVMe queue {qid} is full ({depth} entries)")]
+    QueueFull {
+        /// Queue id.
+        qid: u16,
+        /// Ring entries.
+        depth: u16,
+    },
+    /// Building the PRP entries of a transfer failed.
+    #[error("PRP list: {0}")]
+    Prp(#[from] PrpError),
+    /// The controller cannot work with this host (page size, entry sizes, queue sizes, command set).
+    #[error("NVMe controller unsupported: {what}")]
+    Unsupported {
+        /// What is missing, with expected vs found values.
+        what: String,
+    },
+    /// The namespace asked for is not active on the controller.
+    #[error("NVMe namespace {nsid} not found (controller has {available:?})")]
+    NoNamespace {
+        /// The NSID asked for.
+        nsid: u32,
+        /// Active NSIDs.
+        available: Vec<u32>,
+    },
+    /// DMA memory could not be allocated or mapped.
+    #[error("DMA allocation of {len} bytes failed{}", if *.hugepages { " (hugepages)" } else { "" })]
+    DmaAlloc {
+        /// Bytes requested.
+        len: usize,
+        /// Whether hugepages were required.
+        hugepages: bool,
+        /// The OS error, if any.
+        #[source]
+        cause: Option<std::io::Error>,
+    },
+    /// Host memory lent to the device is not in a DMA-mappable region.
+    #[error("DMA map of {len} bytes at {addr:#x} failed: {why}")]
+    DmaMap {
+        /// Host address.
+        addr: usize,
+        /// Length.
+        len: usize,
+        /// Why.
+        why: String,
+    },
+    /// Opening a sim namespace backing file failed.
+    #[error("sim namespace {nsid} backing file {path}: {source}")]
+    SimBacking {
+        /// The namespace.
+        nsid: u32,
+        /// The file.
+        path: std::path::PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A VFIO operation failed.
+    #[error("VFIO {op} on {what}: {source}")]
+    Vfio {
+        /// The operation (ioctl or file).
+        op: &'static str,
+        /// The device, group or path.
+        what: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// `Result` with [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error as _;
+
+    #[test]
+    fn display_and_source() {
+        let e = Error::InitTimeout { state: InitState::WaitReady1, waited_ms: 500 };
+        assert_eq!(e.to_string(), "NVMe init timed out in state WaitReady1 after 500 ms (CAP.TO deadline)");
+        let e = Error::AdminCommand { what: "Identify Controller".into(), status: Status::INVALID_FIELD };
+        assert_eq!(
+            e.to_string(),
+            "NVMe admin command Identify Controller failed: Invalid Field in Command (SCT 0x0 generic, SC 0x02)"
+        );
+        let e = Error::DmaAlloc { len: 4096, hugepages: true, cause: Some(std::io::Error::from_raw_os_error(12)) };
+        assert!(e.to_string().ends_with("(hugepages)"));
+        assert!(e.source().is_some());
+        let e = Error::Prp(PrpError::NotDwordAligned { index: 0, addr: 0x1001 });
+        assert!(e.to_string().contains("entry 0"), "{e}");
+    }
+}

@@ -1,0 +1,60 @@
+//! Error injection for the sim: each [`Fault`] fires once, on the command it names.
+
+use crate::spec::Status;
+
+/// Which command a fault hits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultWhen {
+    /// The Nth I/O command fetched from any I/O submission queue since the sim started (1-based).
+    Io(u64),
+    /// The next admin command with this opcode.
+    AdminOpcode(u8),
+}
+
+/// What happens to that command.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultAction {
+    /// Complete it with this status (no data moved).
+    Status(Status),
+    /// Execute it but never post its completion (the driver must time out).
+    DropCompletion,
+    /// Set CSTS.CFS and stop processing commands until the controller is reset (CC.EN = 0).
+    Fatal,
+}
+
+/// One injected fault.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fault {
+    /// Which command.
+    pub when: FaultWhen,
+    /// What happens.
+    pub action: FaultAction,
+}
+
+impl Fault {
+    /// Completes the Nth I/O command with `status`.
+    pub fn io_status(nth: u64, status: Status) -> Fault {
+        Fault { when: FaultWhen::Io(nth), action: FaultAction::Status(status) }
+    }
+    /// Drops the completion of the Nth I/O command.
+    pub fn io_drop(nth: u64) -> Fault {
+        Fault { when: FaultWhen::Io(nth), action: FaultAction::DropCompletion }
+    }
+    /// Raises CSTS.CFS when the Nth I/O command is fetched.
+    pub fn io_fatal(nth: u64) -> Fault {
+        Fault { when: FaultWhen::Io(nth), action: FaultAction::Fatal }
+    }
+    /// Completes the next admin command `opcode` with `status`.
+    pub fn admin_status(opcode: u8, status: Status) -> Fault {
+        Fault { when: FaultWhen::AdminOpcode(opcode), action: FaultAction::Status(status) }
+    }
+}
+
+/// Takes the fault matching this command, if any.
+pub(crate) fn take(faults: &mut Vec<Fault>, qid: u16, opcode: u8, io_count: u64) -> Option<FaultAction> {
+    let i = faults.iter().position(|f| match f.when {
+        FaultWhen::Io(n) => qid != 0 && n == io_count,
+        FaultWhen::AdminOpcode(op) => qid == 0 && op == opcode,
+    })?;
+    Some(faults.remove(i).action)
+}

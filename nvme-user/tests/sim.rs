@@ -1,0 +1,318 @@
+//! The real driver (controller init, queue pair, PRPs, engine) against the software controller model.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use picchio_core::loader::StoreDims;
+use picchio_core::{
+    AlignedBuf, ByteOffset, Completion, ExpertLoader, FlatStore, FlatStoreOptions, FlatWriter, IoQueue, ReadReq, Tag,
+};
+use picchio_nvme::bar::Bar;
+use picchio_nvme::sim::{Fault, Sim, SimConfig, SimNamespace};
+use picchio_nvme::spec::{admin, regs, Status, StatusCodeType};
+use picchio_nvme::{Controller, CtrlrOptions, Error, HeapDma, InitState, NvmeQueue, NvmeQueueOptions};
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.next() as u8).collect()
+    }
+}
+
+fn backing(dir: &Path, name: &str, len: usize, seed: u64) -> (PathBuf, Vec<u8>) {
+    let bytes = Rng(seed).bytes(len);
+    let p = dir.join(name);
+    std::fs::write(&p, &bytes).unwrap();
+    (p, bytes)
+}
+
+fn opts(qd: u16) -> NvmeQueueOptions {
+    NvmeQueueOptions { qd, timeout: Duration::from_millis(300), ..Default::default() }
+}
+
+fn read(q: &mut NvmeQueue, offset: u64, len: u32) -> Completion {
+    let buf = AlignedBuf::new(len as usize, 4096).unwrap();
+    q.submit(ReadReq { offset: ByteOffset(offset), len, buf, tag: Tag(offset) });
+    let mut out = vec![];
+    while out.is_empty() {
+        q.reap(1, &mut out);
+    }
+    out.pop().unwrap()
+}
+
+#[test]
+fn init_and_identify_two_namespaces() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, _) = backing(dir.path(), "a", 1 << 20, 1);
+    let (b, _) = backing(dir.path(), "b", 2 << 20, 2);
+    let mut cfg = SimConfig::single(&a, 512);
+    cfg.namespaces.push(SimNamespace { path: b, lba_size: 4096, writable: false });
+    let dma = HeapDma::new();
+    let reg = dma.registry();
+    let sim = Sim::start(cfg, dma.registry()).unwrap();
+    let c = Controller::init(sim.bar(), Arc::new(dma), CtrlrOptions::default()).unwrap();
+    assert_eq!(c.state(), InitState::Ready);
+    let id = c.identify().unwrap();
+    assert_eq!((id.mn.as_str(), id.sn.as_str(), id.nn, id.mdts), ("Picchio NVMe sim", "PICCHIO-SIM-0001", 2, 5));
+    assert_eq!(c.version().to_string(), "1.4.0");
+    let ns: Vec<_> = c.namespaces().iter().map(|n| (n.nsid, n.blocks, n.lba_size)).collect();
+    assert_eq!(ns, vec![(1, 2048, 512), (2, 512, 4096)]);
+    assert_eq!(c.max_transfer(), 128 << 10);
+    assert!(matches!(c.namespace(3), Err(Error::NoNamespace { nsid: 3, .. })));
+    let bar = sim.bar();
+    drop(c);
+    // Shutdown deleted the queues, completed CC.SHN and disabled the controller; all DMA memory is gone.
+    assert_eq!(bar.read32(regs::CSTS) & 1, 0, "CSTS.RDY cleared");
+    assert_eq!(reg.count(), 0, "every DMA range released");
+    assert!(sim.stats().admin_cmds >= 8, "{:?}", sim.stats());
+}
+
+fn check_reads(lba: u32, mdts: u8, qd: u16) {
+    let dir = tempfile::tempdir().unwrap();
+    let (p, bytes) = backing(dir.path(), "ns", 8 << 20, 7 + u64::from(lba));
+    let mut cfg = SimConfig::single(&p, lba);
+    cfg.mdts = mdts;
+    let (mut q, sim) = NvmeQueue::open_sim(cfg, &opts(qd)).unwrap();
+    assert_eq!(q.block_size(), lba);
+    assert_eq!(q.describe(), format!("nvme(sim, nsid 1, qd {qd})"));
+    let mut rng = Rng(99);
+    let mut want = std::collections::HashMap::new();
+    let mut got = vec![];
+    for i in 0..200u64 {
+        let blocks = 1 + rng.next() % if i % 10 == 0 { 1200 } else { 64 };
+        let len = (blocks * u64::from(lba)).min(700 << 10) as u32;
+        let off = (rng.next() % ((8 << 20) - u64::from(len))) / u64::from(lba) * u64::from(lba);
+        want.insert(i, (off, len));
+        let buf = AlignedBuf::new(len as usize, 4096).unwrap();
+        q.submit(ReadReq { offset: ByteOffset(off), len, buf, tag: Tag(i) });
+        if qd == 1 || q.in_flight() >= usize::from(qd) {
+            q.reap(1, &mut got);
+        }
+    }
+    while q.in_flight() > 0 {
+        q.reap(1, &mut got);
+    }
+    assert_eq!(got.len(), 200);
+    for c in got {
+        let (off, len) = want[&c.tag.0];
+        assert_eq!(c.result.as_ref().unwrap(), &len);
+        assert!(
+            c.buf.as_slice()[..len as usize] == bytes[off as usize..(off + u64::from(len)) as usize],
+            "tag {}",
+            c.tag.0
+        );
+    }
+    let s = q.stats();
+    if mdts != 0 {
+        assert!(s.commands > s.reads, "transfers above MDTS were split: {s:?}");
+    }
+    assert_eq!(sim.stats().io_cmds, s.commands);
+    let qs = q.controller().io_queue_stats();
+    assert_eq!((qs.submitted, qs.completed), (s.commands, s.commands));
+    if qd > 1 && s.commands > s.reads {
+        // A split read's commands go out under one tail doorbell.
+        assert!(qs.sq_doorbells < qs.submitted, "one tail doorbell per batch: {qs:?}");
+    }
+}
+
+#[test]
+fn reads_equal_the_file_qd1_512() {
+    check_reads(512, 5, 1);
+}
+
+#[test]
+fn reads_equal_the_file_qd32_4096() {
+    check_reads(4096, 5, 32);
+}
+
+#[test]
+fn reads_equal_the_file_short_mdts() {
+    check_reads(4096, 1, 32); // MDTS 1: 8 KiB per command
+    check_reads(512, 0, 8); // no MDTS: the PRP-list page (2 MiB) limits
+}
+
+#[test]
+fn misaligned_and_out_of_range_requests_fail_without_breaking_the_queue() {
+    let dir = tempfile::tempdir().unwrap();
+    let (p, bytes) = backing(dir.path(), "ns", 1 << 20, 3);
+    let (mut q, _sim) = NvmeQueue::open_sim(SimConfig::single(&p, 4096), &opts(4)).unwrap();
+    let e = read(&mut q, 100, 4096).result.unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
+    assert!(e.to_string().contains("not aligned"), "{e}");
+    let e = read(&mut q, 1 << 20, 4096).result.unwrap_err();
+    assert!(e.to_string().contains("past the end"), "{e}");
+    let c = read(&mut q, 4096, 8192);
+    assert_eq!(c.result.unwrap(), 8192);
+    assert_eq!(&c.buf.as_slice()[..8192], &bytes[4096..12288]);
+}
+
+#[test]
+fn injected_statuses_fail_the_read_and_the_queue_keeps_working() {
+    let dir = tempfile::tempdir().unwrap();
+    let (p, bytes) = backing(dir.path(), "ns", 1 << 20, 4);
+    let (mut q, sim) = NvmeQueue::open_sim(SimConfig::single(&p, 512), &opts(8)).unwrap();
+    let statuses = [
+        Status::UNRECOVERED_READ_ERROR,
+        Status::LBA_OUT_OF_RANGE,
+        Status::INTERNAL_ERROR,
+        Status { dnr: true, ..Status::DATA_TRANSFER_ERROR },
+        Status::new(StatusCodeType::VendorSpecific, 0xC3),
+    ];
+    for s in statuses {
+        sim.inject(Fault::io_status(sim.io_count() + 1, s));
+        let e = read(&mut q, 0, 4096).result.unwrap_err();
+        assert!(e.to_string().contains(&s.to_string()), "{e} vs {s}");
+        let c = read(&mut q, 8192, 4096);
+        assert_eq!(c.result.unwrap(), 4096);
+        assert_eq!(&c.buf.as_slice()[..4096], &bytes[8192..12288]);
+    }
+    // A status on the 2nd command of a split read fails the whole read.
+    sim.inject(Fault::io_status(sim.io_count() + 2, Status::UNRECOVERED_READ_ERROR));
+    assert!(read(&mut q, 0, 512 << 10).result.is_err());
+    assert_eq!(read(&mut q, 0, 512 << 10).result.unwrap(), 512 << 10);
+    assert_eq!(q.stats().errors, 6);
+}
+
+#[test]
+fn dropped_completion_times_out_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let (p, bytes) = backing(dir.path(), "ns", 1 << 20, 5);
+    let (mut q, sim) = NvmeQueue::open_sim(SimConfig::single(&p, 4096), &opts(4)).unwrap();
+    sim.inject(Fault::io_drop(sim.io_count() + 1));
+    let t = std::time::Instant::now();
+    let c = read(&mut q, 0, 4096);
+    let e = c.result.unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
+    assert!(e.to_string().contains("no completion for CID"), "{e}");
+    assert!(t.elapsed() >= Duration::from_millis(300));
+    assert!(c.buf.as_slice().iter().all(|&b| b == 0), "a fresh buffer comes back; the lent one is quarantined");
+    assert_eq!(q.stats().timeouts, 1);
+    assert_eq!(sim.stats().dropped, 1);
+    for i in 0..20u64 {
+        let c = read(&mut q, i * 4096, 4096);
+        assert_eq!(c.result.unwrap(), 4096);
+        assert_eq!(&c.buf.as_slice()[..4096], &bytes[i as usize * 4096..(i as usize + 1) * 4096]);
+    }
+}
+
+#[test]
+fn controller_fatal_status_is_detected() {
+    let dir = tempfile::tempdir().unwrap();
+    let (p, _) = backing(dir.path(), "ns", 1 << 20, 6);
+    let (mut q, sim) = NvmeQueue::open_sim(SimConfig::single(&p, 4096), &opts(4)).unwrap();
+    sim.inject(Fault::io_fatal(sim.io_count() + 1));
+    let e = read(&mut q, 0, 4096).result.unwrap_err();
+    assert!(e.to_string().contains("CSTS.CFS"), "{e}");
+    assert!(q.fatal().is_some());
+    let e = read(&mut q, 4096, 4096).result.unwrap_err();
+    assert!(e.to_string().contains("CSTS.CFS"), "{e}");
+    drop(q); // shutdown skips queue deletion and resets; must not hang
+}
+
+#[test]
+fn admin_failure_during_init_names_the_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let (p, _) = backing(dir.path(), "ns", 1 << 20, 8);
+    let dma = HeapDma::new();
+    let sim = Sim::start(SimConfig::single(&p, 512), dma.registry()).unwrap();
+    sim.inject(Fault::admin_status(admin::CREATE_IO_SQ, Status::INVALID_QUEUE_SIZE));
+    let e = Controller::init(sim.bar(), Arc::new(dma), CtrlrOptions::default()).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "NVMe admin command Create I/O Submission Queue 1 failed: Invalid Queue Size (SCT 0x1 command specific, SC 0x02)"
+    );
+}
+
+/// A controller that never becomes ready.
+struct StuckBar;
+impl Bar for StuckBar {
+    fn read32(&self, off: usize) -> u32 {
+        self.read64(off & !7) as u32
+    }
+    fn read64(&self, off: usize) -> u64 {
+        if off == regs::CAP {
+            regs::Cap::build(63, true, 1, 0, 1, 0, 0).0
+        } else {
+            0
+        }
+    }
+    fn write32(&self, _: usize, _: u32) {}
+    fn write64(&self, _: usize, _: u64) {}
+    fn kind(&self) -> &'static str {
+        "stuck"
+    }
+}
+
+#[test]
+fn init_timeout_names_the_state() {
+    let e = Controller::init(Arc::new(StuckBar), Arc::new(HeapDma::new()), CtrlrOptions::default()).unwrap_err();
+    assert!(matches!(e, Error::InitTimeout { state: InitState::WaitReady1, waited_ms } if waited_ms >= 500), "{e}");
+}
+
+#[test]
+fn flat_store_over_nvme_sim_is_byte_identical() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("experts.picchioflat");
+    let dims = StoreDims { hidden: 64, n_layers: 3, n_experts: 4, topk: 2, moe_inter: 128 };
+    let mut rng = Rng(11);
+    let payloads: Vec<Vec<u8>> = (0..12).map(|i| rng.bytes(3000 + i * 37_000)).collect();
+    let mut w = FlatWriter::create(&path, dims, 12).unwrap();
+    for p in &payloads {
+        w.push(p).unwrap();
+    }
+    w.finish().unwrap();
+    let image_len = std::fs::metadata(&path).unwrap().len();
+    for lba in [512, 4096] {
+        let (q, _sim) = NvmeQueue::open_sim(SimConfig::single(&path, lba), &opts(16)).unwrap();
+        let opts = FlatStoreOptions { image_len, verify: true, ..Default::default() };
+        let mut store = FlatStore::open(q, "nvme:sim", opts).unwrap();
+        for layer in 0..3u32 {
+            let reqs = (0..4).map(|e| (e, AlignedBuf::new(512 << 10, 4096).unwrap())).collect();
+            let mut n = 0;
+            store.load(layer, reqs, &mut |l| {
+                n += 1;
+                l.result.unwrap_or_else(|e| panic!("{e}"));
+                let p = &payloads[(l.key.layer * 4 + l.key.expert) as usize];
+                assert!(l.buf.as_slice()[..p.len()] == p[..], "{}", l.key);
+            });
+            assert_eq!(n, 4);
+        }
+        assert!(store.queue().stats().commands > store.queue().stats().reads);
+    }
+}
+
+#[test]
+fn sim_admin_commands_follow_the_spec() {
+    use picchio_nvme::spec::Command;
+    let dir = tempfile::tempdir().unwrap();
+    let (p, _) = backing(dir.path(), "ns", 1 << 20, 12);
+    let dma = HeapDma::new();
+    let sim = Sim::start(SimConfig::single(&p, 512), dma.registry()).unwrap();
+    let mut c = Controller::init(sim.bar(), Arc::new(dma), CtrlrOptions::default()).unwrap();
+    let status = |r: Result<picchio_nvme::spec::Completion, Error>| match r {
+        Err(Error::AdminCommand { status, .. }) => status,
+        other => panic!("expected an error status, got {other:?}"),
+    };
+    let nq = c.admin("Get Features", |c| *c = Command::get_features(0, admin::FID_NUMBER_OF_QUEUES)).unwrap();
+    assert_eq!(nq.dw0, 14 | (14 << 16), "15 I/O SQs and CQs, 0-based");
+    let ab = c.admin("Abort", |c| *c = Command::abort(0, 1, 5)).unwrap();
+    assert_eq!(ab.dw0 & 1, 1, "command not aborted");
+    assert_eq!(status(c.admin("Delete SQ 7", |c| *c = Command::delete_io_sq(0, 7))), Status::INVALID_QID);
+    assert_eq!(status(c.admin("Delete CQ 1", |c| *c = Command::delete_io_cq(0, 1))), Status::INVALID_QUEUE_DELETION);
+    assert_eq!(status(c.admin("Create SQ on CQ 9", |c| *c = Command::create_io_sq(0, 2, 8, 9, 0))), Status::CQ_INVALID);
+    assert_eq!(status(c.admin("opcode 0x7f", |c| *c = Command::new(0x7f, 0))), Status::INVALID_OPCODE);
+    assert_eq!(status(c.admin("Identify CNS 0x55", |c| *c = Command::identify(0, 0x55, 0, 0))), Status::INVALID_FIELD);
+    // A data pointer outside the driver's DMA memory: the model refuses the access.
+    let e = c.admin("Identify into unmapped memory", |c| *c = Command::identify(0, admin::CNS_CONTROLLER, 0, 0x1000));
+    assert_eq!(status(e), Status::DATA_TRANSFER_ERROR);
+    assert_eq!(sim.stats().dma_faults, 1);
+    // The admin queue still works.
+    c.admin("Get Features", |c| *c = Command::get_features(0, admin::FID_NUMBER_OF_QUEUES)).unwrap();
+}

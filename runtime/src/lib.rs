@@ -10,6 +10,7 @@ pub mod expert;
 pub mod kernels;
 pub mod model;
 pub mod moe;
+pub mod nvme_admin;
 pub mod pack;
 pub mod progress;
 pub mod quant;

@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 
 mod convert;
 mod demo;
+mod nvme;
 mod pack;
 mod run;
 mod verify;
@@ -35,6 +36,8 @@ enum Command {
     Run(run::Args),
     /// The embedded default: convert, pack and run the vendored real-tokenizer model (no download).
     Demo(demo::Args),
+    /// List NVMe controllers, hand one to vfio-pci for the user-space driver and back, identify it.
+    Nvme(nvme::Args),
 }
 
 /// Runs the chosen subcommand.
@@ -45,6 +48,7 @@ pub fn exec(cli: Cli) -> anyhow::Result<()> {
         Command::Verify(a) => verify::exec(a),
         Command::Run(a) => run::exec(a),
         Command::Demo(a) => demo::exec(a),
+        Command::Nvme(a) => nvme::exec(a),
     }
 }
 

@@ -92,12 +92,52 @@ fi
 if [ -x /test/bin/picchio ]; then run_picchio picchio-raw-kernel "raw:$DEV1"
 else skip picchio-raw-kernel "no picchio binary packed"; fi
 
-# 3. Hand the controller to vfio-pci.
-echo "$BDF" > /sys/bus/pci/devices/"$BDF"/driver/unbind
+# picchio nvme CLI: run it, show its output on the console, keep it in /tmp/cli.out.
+# $1.. = picchio arguments. Returns picchio's exit status.
+cli() {
+  timeout "$TEST_TIMEOUT" /test/bin/picchio "$@" > /tmp/cli.out 2>&1
+  crc=$?
+  sed "s/^/picchio $1 $2: /" /tmp/cli.out
+  return $crc
+}
+HAVE_CLI=0; [ -x /test/bin/picchio ] && HAVE_CLI=1
+
+# 2b. picchio nvme list: the controller, on the kernel nvme driver, with its namespace(s).
+if [ $HAVE_CLI = 1 ]; then
+  if ! cli nvme list; then fail cli-nvme-list "picchio nvme list exited $crc"
+  else
+    row="$(grep "^$BDF " /tmp/cli.out)"
+    want_ns="$(basename "$DEV1")"
+    missing=""
+    echo "$row" | grep -q "$want_ns" || missing="$want_ns"
+    if [ "$NAMESPACES" -ge 2 ] && [ -n "$DEV2" ]; then
+      echo "$row" | grep -q "$(basename "$DEV2")" || missing="$missing $(basename "$DEV2")"
+    fi
+    if [ -z "$row" ]; then fail cli-nvme-list "no row for $BDF"
+    elif [ "$(echo "$row" | awk '{print $3}')" != nvme ]; then fail cli-nvme-list "driver column is '$(echo "$row" | awk '{print $3}')', want nvme"
+    elif [ -n "$missing" ]; then fail cli-nvme-list "namespace(s) $missing not listed for $BDF"
+    else pass cli-nvme-list "$BDF on nvme with $NAMESPACES namespace(s)"; fi
+  fi
+else skip cli-nvme-list "no picchio binary packed"; fi
+
+# 3. Hand the controller to vfio-pci: load the vfio modules, then `picchio nvme bind` (falls back to
+# driver_override/unbind/drivers_probe by hand when the CLI fails, so the rest still runs).
 if [ "$MODE" = noiommu ]; then load_mods /etc/vfio.modules vfio.ko=enable_unsafe_noiommu_mode=1
 else load_mods /etc/vfio.modules; fi || { fail vfio-load "insmod failed"; exit 0; }
-echo vfio-pci > /sys/bus/pci/devices/"$BDF"/driver_override
-echo "$BDF" > /sys/bus/pci/drivers_probe
+bound_by_cli=0
+if [ $HAVE_CLI = 1 ]; then
+  if cli nvme bind "$BDF"; then
+    if [ "$(basename "$(readlink /sys/bus/pci/devices/"$BDF"/driver 2>/dev/null)" 2>/dev/null)" = vfio-pci ]; then
+      bound_by_cli=1; pass cli-nvme-bind "$(head -n 1 /tmp/cli.out)"
+    else fail cli-nvme-bind "exit 0 but the device is not on vfio-pci"; fi
+  else fail cli-nvme-bind "picchio nvme bind exited $crc: $(tail -n 1 /tmp/cli.out)"; fi
+else skip cli-nvme-bind "no picchio binary packed"; fi
+if [ $bound_by_cli = 0 ]; then
+  echo "falling back to manual sysfs bind"
+  [ -e /sys/bus/pci/devices/"$BDF"/driver ] && echo "$BDF" > /sys/bus/pci/devices/"$BDF"/driver/unbind
+  echo vfio-pci > /sys/bus/pci/devices/"$BDF"/driver_override
+  echo "$BDF" > /sys/bus/pci/drivers_probe
+fi
 drv="$(basename "$(readlink /sys/bus/pci/devices/"$BDF"/driver 2>/dev/null)" 2>/dev/null)"
 GROUP=""
 [ -e /sys/bus/pci/devices/"$BDF"/iommu_group ] && GROUP="$(basename "$(readlink /sys/bus/pci/devices/"$BDF"/iommu_group)")"
@@ -114,6 +154,21 @@ free_hp="$(awk '/HugePages_Free/ {print $2}' /proc/meminfo)"
 if [ "$free_hp" -ge "$HUGEPAGES" ] 2>/dev/null && grep -q ' /dev/hugepages hugetlbfs' /proc/mounts; then
   pass hugepages "$free_hp x $(awk '/Hugepagesize/ {print $2 $3}' /proc/meminfo) free, hugetlbfs on /dev/hugepages"
 else fail hugepages "HugePages_Free=$free_hp, want $HUGEPAGES"; fi
+
+# 4b. picchio nvme identify: opens the controller through VFIO, prints Identify data and namespaces.
+if [ $HAVE_CLI = 1 ]; then
+  if ! cli nvme identify "$BDF"; then fail cli-nvme-identify "picchio nvme identify exited $crc: $(tail -n 1 /tmp/cli.out)"
+  else
+    sn="$(awk '$1 == "SN" {print $2}' /tmp/cli.out)"
+    mn="$(awk '$1 == "MN" {$1 = ""; sub(/^ /, ""); print}' /tmp/cli.out)"
+    nns="$(grep -c '^  namespace [0-9]*: LBA size ' /tmp/cli.out)"
+    lba1="$(sed -n 's/^  namespace 1: LBA size \([0-9]*\) B.*/\1/p' /tmp/cli.out)"
+    if [ -z "$sn" ] || [ -z "$mn" ]; then fail cli-nvme-identify "no SN/MN line"
+    elif [ "$lba1" != "$LBA_SIZE" ]; then fail cli-nvme-identify "namespace 1 LBA size '$lba1', want $LBA_SIZE"
+    elif [ "$nns" -ne "$NAMESPACES" ]; then fail cli-nvme-identify "$nns namespace line(s), want $NAMESPACES"
+    else pass cli-nvme-identify "MN '$mn' SN $sn, $nns namespace(s), nsid 1 LBA $lba1 B"; fi
+  fi
+else skip cli-nvme-identify "no picchio binary packed"; fi
 
 # 5. The driver's test binaries, against the real (emulated) controller. Contract: tests/vm/README.md.
 export PICCHIO_NVME_BDF="$BDF" PICCHIO_NVME_VFIO_MODE="$MODE" PICCHIO_NVME_VFIO_GROUP="$GROUPDEV"
@@ -143,15 +198,26 @@ ntests=0
 run_tests /test/tests test "$TEST_ARGS"
 [ $ntests -eq 0 ] && skip nvme-tests "no picchio-nvme test binaries packed ($NVME_TESTS_NOTE)"
 
-# 6. picchio reading experts through the user-space driver.
-# Until the driver is wired into the runtime, picchio refuses nvme: with "... not in this build yet".
-if [ -x /test/bin/picchio ]; then run_picchio picchio-nvme "nvme:$BDF" "not in this build"
+# 6. picchio reading experts through the user-space driver: any failure or token mismatch FAILS.
+if [ -x /test/bin/picchio ]; then run_picchio picchio-nvme "nvme:$BDF" ""
 else skip picchio-nvme "no picchio binary packed"; fi
 
-# 7. Give the controller back to the kernel and check the image is intact.
-[ -e /sys/bus/pci/devices/"$BDF"/driver ] && echo "$BDF" > /sys/bus/pci/devices/"$BDF"/driver/unbind
-echo > /sys/bus/pci/devices/"$BDF"/driver_override
-echo "$BDF" > /sys/bus/pci/drivers_probe
+# 7. Give the controller back to the kernel with `picchio nvme unbind` (manual sysfs fallback) and
+# check the image is intact.
+unbound_by_cli=0
+if [ $HAVE_CLI = 1 ]; then
+  if cli nvme unbind "$BDF"; then
+    if [ "$(basename "$(readlink /sys/bus/pci/devices/"$BDF"/driver 2>/dev/null)" 2>/dev/null)" = nvme ]; then
+      unbound_by_cli=1; pass cli-nvme-unbind "$(head -n 1 /tmp/cli.out)"
+    else fail cli-nvme-unbind "exit 0 but the device is not on nvme"; fi
+  else fail cli-nvme-unbind "picchio nvme unbind exited $crc: $(tail -n 1 /tmp/cli.out)"; fi
+else skip cli-nvme-unbind "no picchio binary packed"; fi
+if [ $unbound_by_cli = 0 ]; then
+  echo "falling back to manual sysfs rebind"
+  [ -e /sys/bus/pci/devices/"$BDF"/driver ] && echo "$BDF" > /sys/bus/pci/devices/"$BDF"/driver/unbind
+  echo > /sys/bus/pci/devices/"$BDF"/driver_override
+  echo "$BDF" > /sys/bus/pci/drivers_probe
+fi
 if DEV1="$(nsdev 1)"; then check_image kernel-rebind-image "$DEV1"
 else fail kernel-rebind-image "namespace 1 did not come back under the kernel nvme driver"; fi
 

@@ -28,6 +28,7 @@ fn main() {
     std::process::exit(1);
 }
 
+#[cfg(target_os = "linux")]
 fn fnv1a(h: &mut u64, bytes: &[u8]) {
     for &b in bytes {
         *h ^= u64::from(b);

@@ -37,6 +37,9 @@
 //! path until cache slots are allocated from the DMA pool). `examples/nvme_probe.rs` does exactly
 //! that and prints what Identify reports.
 #![deny(missing_docs)]
+// VFIO, hugepages and the sim's positional file I/O are Linux facilities: elsewhere the crate is empty
+// (the runtime's `nvme:` store then reports that it needs Linux).
+#![cfg(target_os = "linux")]
 
 pub mod bar;
 pub mod ctrlr;

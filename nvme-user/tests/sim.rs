@@ -1,4 +1,5 @@
 //! The real driver (controller init, queue pair, PRPs, engine) against the software controller model.
+#![cfg(target_os = "linux")]
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -2,6 +2,7 @@
 //! message, unless `PICCHIO_NVME_BDF` names a function bound to vfio-pci (the VM harness sets it, and
 //! `PICCHIO_NVME_NSID`, `PICCHIO_NVME_IMAGE`, `PICCHIO_NVME_LBA_SIZE`).
 #![cfg(target_os = "linux")]
+#![cfg(target_os = "linux")]
 
 use std::time::Duration;
 

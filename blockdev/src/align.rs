@@ -5,6 +5,12 @@
 //! the logical block size from `BLKSSZGET` for block devices, then 4096 bytes (safe for 512-byte and
 //! 4Kn devices alike; every `.picchioflat` read is 4096-aligned anyway).
 
+use std::path::Path;
+
+use picchio_core::ReadReq;
+
+use crate::error::Error;
+
 /// Alignment in bytes that unbuffered reads need (both 1 for buffered reads).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DioAlign {
@@ -53,6 +59,33 @@ pub(crate) fn choose(direct: bool, statx: Option<StatxDio>, logical_block: Optio
             _ => Ok(DioAlign::FALLBACK),
         },
     }
+}
+
+/// Checks a read before any engine hands it to the kernel (shared by psync, io_uring and IOCP):
+/// `len` must fit the buffer ([`Error::BufferTooSmall`]); with `direct`, offset and length must be
+/// multiples of `align.offset` and the buffer address of `align.mem` ([`Error::Misaligned`]); a
+/// non-empty read must start before `size` bytes ([`Error::PastEnd`]). Errors name `path`.
+pub(crate) fn check_request(path: &Path, size: u64, align: DioAlign, direct: bool, req: &ReadReq) -> Result<(), Error> {
+    let (offset, len) = (req.offset.0, req.len);
+    if len as usize > req.buf.len() {
+        return Err(Error::BufferTooSmall { path: path.into(), offset, len, buf_len: req.buf.len() });
+    }
+    if direct {
+        let addr = req.buf.as_slice().as_ptr() as u64;
+        for (what, value, align) in [
+            ("offset", offset, align.offset),
+            ("length", u64::from(len), align.offset),
+            ("buffer address", addr, align.mem),
+        ] {
+            if value % u64::from(align) != 0 {
+                return Err(Error::Misaligned { path: path.into(), offset, len, what, align });
+            }
+        }
+    }
+    if len > 0 && offset >= size {
+        return Err(Error::PastEnd { path: path.into(), offset, len, size });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

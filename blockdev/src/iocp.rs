@@ -190,24 +190,8 @@ impl IocpQueue {
 
     /// Checks a request before it is queued; the error says what is wrong with it.
     fn check(&self, req: &ReadReq) -> Result<()> {
-        let (offset, len) = (req.offset.0, req.len);
-        if len as usize > req.buf.len() {
-            return Err(Error::BufferTooSmall { path: self.path.clone(), offset, len, buf_len: req.buf.len() });
-        }
-        let addr = req.buf.as_slice().as_ptr() as u64;
-        for (what, value, align) in [
-            ("offset", offset, self.align.offset),
-            ("length", u64::from(len), self.align.offset),
-            ("buffer address", addr, self.align.mem),
-        ] {
-            if value % u64::from(align) != 0 {
-                return Err(Error::Misaligned { path: self.path.clone(), offset, len, what, align });
-            }
-        }
-        if len > 0 && offset >= self.size {
-            return Err(Error::PastEnd { path: self.path.clone(), offset, len, size: self.size });
-        }
-        Ok(())
+        // IOCP reads are always unbuffered (FILE_FLAG_NO_BUFFERING), so always aligned.
+        crate::align::check_request(&self.path, self.size, self.align, true, req)
     }
 
     fn complete(&mut self, tag: Tag, buf: AlignedBuf, result: io::Result<u32>, submitted: Instant) {

@@ -212,26 +212,7 @@ impl PsyncQueue {
     /// Checks a request before it reaches a worker; the error says what is wrong with it.
     fn check(&self, req: &ReadReq) -> Result<()> {
         let s = &self.shared;
-        let (offset, len) = (req.offset.0, req.len);
-        if len as usize > req.buf.len() {
-            return Err(Error::BufferTooSmall { path: s.path.clone(), offset, len, buf_len: req.buf.len() });
-        }
-        if s.direct {
-            let addr = req.buf.as_slice().as_ptr() as usize;
-            for (what, value, align) in [
-                ("offset", offset, s.align.offset),
-                ("length", u64::from(len), s.align.offset),
-                ("buffer address", addr as u64, s.align.mem),
-            ] {
-                if value % u64::from(align) != 0 {
-                    return Err(Error::Misaligned { path: s.path.clone(), offset, len, what, align });
-                }
-            }
-        }
-        if len > 0 && offset >= s.size {
-            return Err(Error::PastEnd { path: s.path.clone(), offset, len, size: s.size });
-        }
-        Ok(())
+        align::check_request(&s.path, s.size, s.align, s.direct, req)
     }
 
     fn refuse(&mut self, req: ReadReq, submitted: Instant, err: Error) {

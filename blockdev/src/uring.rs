@@ -335,30 +335,12 @@ impl UringQueue {
 
     /// Checks a request before it can reach the kernel; the error says what is wrong with it.
     fn check(&self, req: &ReadReq) -> Result<()> {
-        let (offset, len) = (req.offset.0, req.len);
         if let Some(errno) = self.broken {
+            let (offset, len) = (req.offset.0, req.len);
             let cause = io::Error::from_raw_os_error(errno);
             return Err(Error::Read { path: self.path.clone(), offset, len, cause });
         }
-        if len as usize > req.buf.len() {
-            return Err(Error::BufferTooSmall { path: self.path.clone(), offset, len, buf_len: req.buf.len() });
-        }
-        if self.opts.direct {
-            let addr = req.buf.as_slice().as_ptr() as usize;
-            for (what, value, align) in [
-                ("offset", offset, self.align.offset),
-                ("length", u64::from(len), self.align.offset),
-                ("buffer address", addr as u64, self.align.mem),
-            ] {
-                if value % u64::from(align) != 0 {
-                    return Err(Error::Misaligned { path: self.path.clone(), offset, len, what, align });
-                }
-            }
-        }
-        if len > 0 && offset >= self.size {
-            return Err(Error::PastEnd { path: self.path.clone(), offset, len, size: self.size });
-        }
-        Ok(())
+        crate::align::check_request(&self.path, self.size, self.align, self.opts.direct, req)
     }
 
     /// Completes `req` at once with `err`, without the kernel.

@@ -53,13 +53,25 @@ pub struct CtrlrOptions {
     pub io_entries: u16,
     /// Cap on admin command completion time outside init (init uses CAP.TO per state).
     pub admin_timeout: Duration,
+    /// Cap on bytes per I/O command, applied below the controller's MDTS (and when it reports none),
+    /// rounded down to whole pages and at most 32 MiB (NLB's 65,536 blocks at 512-byte LBAs). It sizes
+    /// every CID's chained PRP list ([`prp::list_pages_for_transfer`]: 17 pages for 32 MiB).
+    pub max_transfer: usize,
 }
 
 impl Default for CtrlrOptions {
     fn default() -> Self {
-        CtrlrOptions { admin_entries: 32, io_entries: 65, admin_timeout: Duration::from_secs(5) }
+        CtrlrOptions {
+            admin_entries: 32,
+            io_entries: 65,
+            admin_timeout: Duration::from_secs(5),
+            max_transfer: DEFAULT_MAX_TRANSFER,
+        }
     }
 }
+
+/// Default [`CtrlrOptions::max_transfer`]: 32 MiB.
+pub const DEFAULT_MAX_TRANSFER: usize = 32 << 20;
 
 /// An active namespace with a usable LBA format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -177,7 +189,8 @@ impl Controller {
             .copied()
             .ok_or_else(|| Error::NoNamespace { nsid, available: self.namespaces.iter().map(|n| n.nsid).collect() })
     }
-    /// Largest bytes per I/O command (MDTS capped by one PRP-list page).
+    /// Largest bytes per I/O command: MDTS, capped by [`CtrlrOptions::max_transfer`] (a whole number of
+    /// pages). Each command's chained PRP list covers it.
     pub fn max_transfer(&self) -> usize {
         self.max_transfer
     }
@@ -314,7 +327,8 @@ impl Controller {
                 if id.cqes != 0 && !((id.cqes & 0xF)..=(id.cqes >> 4)).contains(&4) {
                     return Err(Error::Unsupported { what: format!("CQES {:#x} excludes 16-byte entries", id.cqes) });
                 }
-                self.max_transfer = prp::max_transfer(PAGE, id.max_transfer(4096 << self.cap.mpsmin()));
+                let cap = (self.opts.max_transfer / PAGE).clamp(1, 65536 * 512 / PAGE) * PAGE;
+                self.max_transfer = prp::max_transfer(id.max_transfer(4096 << self.cap.mpsmin()), cap);
                 tracing::debug!(mn = %id.mn, sn = %id.sn, fr = %id.fr, mdts = id.mdts, nn = id.nn, "nvme identify");
                 self.identify = Some(id);
                 self.enter(IdentifyNamespaces);
@@ -354,7 +368,14 @@ impl Controller {
             }
             CreateIoCq => {
                 let entries = self.opts.io_entries.min(self.cap.mqes().saturating_add(1)).clamp(2, 4096);
-                let q = QueuePair::new(self.bar.clone(), &*self.dma, 1, entries, self.cap.dstrd())?;
+                let q = QueuePair::with_max_transfer(
+                    self.bar.clone(),
+                    &*self.dma,
+                    1,
+                    entries,
+                    self.cap.dstrd(),
+                    self.max_transfer,
+                )?;
                 let cq = q.cq_iova().0;
                 self.io = Some(q);
                 self.admin_init("Create I/O Completion Queue 1", |c| *c = Command::create_io_cq(0, 1, entries, cq))?;

@@ -78,18 +78,22 @@ struct Tracker {
     timed_out: bool,
     user: u64,
     started: Instant,
-    /// This tracker's PRP-list page; its IOVA never changes.
+    /// This tracker's PRP-list pages (contiguous, chained by the builder); their IOVAs never change.
     prp_list: DmaBuf,
 }
 
+/// A tracker's list pages as a [`PrpSink`]: page `p` at byte `p · PAGE` of one DMA buffer.
 struct ListSink<'a>(&'a mut DmaBuf);
 
 impl PrpSink for ListSink<'_> {
-    fn capacity(&self) -> usize {
-        PAGE / 8
+    fn pages(&self) -> usize {
+        self.0.len() / PAGE
     }
-    fn set(&mut self, i: usize, v: u64) {
-        self.0.write::<u64>(i * 8, v);
+    fn page_iova(&self, p: usize) -> Iova {
+        self.0.iova().add((p * PAGE) as u64)
+    }
+    fn set(&mut self, p: usize, i: usize, v: u64) {
+        self.0.write::<u64>(p * PAGE + i * 8, v);
     }
 }
 
@@ -113,11 +117,30 @@ pub struct QueuePair {
 }
 
 impl QueuePair {
-    /// Allocates rings of `entries` slots (2..=4096) and `entries - 1` trackers, each with a PRP-list page.
+    /// Allocates rings of `entries` slots (2..=4096) and `entries - 1` trackers, each with PRP-list
+    /// pages for transfers of up to 2 MiB (see [`QueuePair::with_max_transfer`] for more).
     ///
     /// # Errors
     /// [`Error::DmaAlloc`], or [`Error::Unsupported`] for a bad size.
     pub fn new(bar: Arc<dyn Bar>, dma: &dyn DmaPool, qid: u16, entries: u16, dstrd: u8) -> Result<Self> {
+        Self::with_max_transfer(bar, dma, qid, entries, dstrd, PAGE * (PAGE / 8))
+    }
+
+    /// As [`QueuePair::new`], with each tracker's PRP list sized for commands of up to `max_transfer`
+    /// bytes at any dword offset: [`prp::list_pages_for_transfer`] chained pages per CID (9 pages,
+    /// 36 KiB, for 16 MiB), allocated once, so a command never needs an allocation.
+    ///
+    /// # Errors
+    /// As [`QueuePair::new`].
+    pub fn with_max_transfer(
+        bar: Arc<dyn Bar>,
+        dma: &dyn DmaPool,
+        qid: u16,
+        entries: u16,
+        dstrd: u8,
+        max_transfer: usize,
+    ) -> Result<Self> {
+        let list_pages = prp::list_pages_for_transfer(max_transfer, PAGE);
         if !(2..=4096).contains(&entries) {
             return Err(Error::Unsupported { what: format!("queue {qid}: {entries} entries (2..=4096)") });
         }
@@ -131,7 +154,7 @@ impl QueuePair {
                     timed_out: false,
                     user: 0,
                     started: Instant::now(),
-                    prp_list: dma.alloc(PAGE)?,
+                    prp_list: dma.alloc(list_pages * PAGE)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -195,14 +218,19 @@ impl QueuePair {
         self.free.push(cid.0);
     }
 
-    /// Builds the PRPs of a transfer for command `cid`, using its tracker's list page.
+    /// Builds the PRPs of a transfer for command `cid`, using its tracker's (chained) list pages.
     ///
     /// # Errors
-    /// [`PrpError`] with the offending entry's index.
+    /// [`PrpError`] with the offending entry's index ([`PrpError::OutOfEntries`] beyond the
+    /// `max_transfer` the queue was sized for).
     pub fn prps(&mut self, cid: Cid, segments: &[(Iova, usize)]) -> std::result::Result<Prps, PrpError> {
         let t = &mut self.trackers[usize::from(cid.0)];
-        let list_iova = t.prp_list.iova();
-        prp::build(segments, PAGE, list_iova, &mut ListSink(&mut t.prp_list))
+        prp::build(segments, PAGE, &mut ListSink(&mut t.prp_list))
+    }
+
+    /// PRP-list pages per command identifier.
+    pub fn list_pages(&self) -> usize {
+        self.trackers.first().map_or(0, |t| t.prp_list.len() / PAGE)
     }
 
     /// Writes command `cid` into the SQ slot at the tail (zeroed, CID set, then `build`), and moves
@@ -455,5 +483,34 @@ mod tests {
         let list = &q.trackers[usize::from(c.0)].prp_list;
         assert_eq!(p.prp2, list.iova().0);
         assert_eq!(list.read::<u64>(16), 0x10_3000);
+        assert_eq!(q.list_pages(), 1, "2 MiB at any offset: PRP1 + 512 list entries");
+    }
+
+    #[test]
+    fn chained_list_pages_in_dma_memory() {
+        let bar = Arc::new(FakeBar::default());
+        let dma = HeapDma::new();
+        let mut q = QueuePair::with_max_transfer(bar, &dma, 1, 4, 0, 16 << 20).unwrap();
+        assert_eq!(q.list_pages(), 9);
+        let c = q.alloc_cid().unwrap();
+        let base = 0x4000_0000u64;
+        let p = q.prps(c, &[(Iova(base), 16 << 20)]).unwrap();
+        assert_eq!((p.list_entries, p.list_pages), (4095, 9));
+        let list = &q.trackers[usize::from(c.0)].prp_list;
+        for pg in 0..8 {
+            let ptr: u64 = list.read(pg * PAGE + (PAGE - 8));
+            assert_eq!(ptr, list.iova().0 + ((pg + 1) * PAGE) as u64, "chain pointer of list page {pg}");
+        }
+        // Data entry k (PRP entry k + 1) of page pg, slot s: k = pg * 511 + s.
+        let first_of_page_8: u64 = list.read(8 * PAGE);
+        assert_eq!(first_of_page_8, base + (8 * 511 + 1) * 4096);
+        let last: u64 = list.read(8 * PAGE + (4095 - 8 * 511 - 1) * 8);
+        assert_eq!(last, base + 4095 * 4096);
+        // 9 chained pages hold 9 · 511 + 1 = 4600 list entries: 4601 pages (PRP1 + 4600) fit, 4602 do not.
+        assert_eq!(q.prps(c, &[(Iova(base), 4601 * 4096)]).unwrap().list_entries, 4600);
+        assert_eq!(
+            q.prps(c, &[(Iova(base), 4602 * 4096)]),
+            Err(PrpError::OutOfEntries { index: 4601, capacity: 4600 })
+        );
     }
 }

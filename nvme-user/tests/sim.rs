@@ -136,7 +136,7 @@ fn reads_equal_the_file_qd32_4096() {
 #[test]
 fn reads_equal_the_file_short_mdts() {
     check_reads(4096, 1, 32); // MDTS 1: 8 KiB per command
-    check_reads(512, 0, 8); // no MDTS: the PRP-list page (2 MiB) limits
+    check_reads(512, 0, 8); // no MDTS: the driver's 32 MiB cap, one command per read
 }
 
 #[test]
@@ -316,4 +316,125 @@ fn sim_admin_commands_follow_the_spec() {
     assert_eq!(sim.stats().dma_faults, 1);
     // The admin queue still works.
     c.admin("Get Features", |c| *c = Command::get_features(0, admin::FID_NUMBER_OF_QUEUES)).unwrap();
+}
+
+/// Reads `len` bytes at `off` through `q` and checks them against `bytes`.
+fn read_check(q: &mut NvmeQueue, bytes: &[u8], off: u64, len: u32) {
+    let c = read(q, off, len);
+    assert_eq!(c.result.as_ref().map_err(ToString::to_string), Ok(&len), "read {len} at {off:#x}");
+    assert!(c.buf.as_slice()[..len as usize] == bytes[off as usize..off as usize + len as usize], "bytes at {off:#x}");
+}
+
+#[test]
+fn multi_mib_reads_are_one_command_with_a_chained_prp_list() {
+    let dir = tempfile::tempdir().unwrap();
+    let (p, bytes) = backing(dir.path(), "ns", 48 << 20, 21);
+    // A GPT-OSS-20B expert (13,996,800 B) padded to whole pages: 3418 pages = PRP1 + 3417 list
+    // entries over 7 chained list pages.
+    let expert = 13_996_800u32.div_ceil(4096) * 4096;
+    for lba in [512u32, 4096] {
+        let mut cfg = SimConfig::single(&p, lba);
+        cfg.mdts = 12; // 16 MiB
+        let (mut q, sim) = NvmeQueue::open_sim(cfg, &opts(4)).unwrap();
+        assert_eq!(q.max_transfer(), 16 << 20);
+        let pages0 = sim.stats().prp_list_pages;
+        read_check(&mut q, &bytes, 3 * 4096, expert);
+        assert_eq!(q.stats().commands, 1, "one command up to MDTS");
+        assert_eq!(sim.stats().prp_list_pages - pages0, 7, "the sim walked a 7-page chain");
+        // Exactly MDTS: 4096 pages = PRP1 + 4095 entries on 9 pages; MDTS + 4 MiB: split in two.
+        read_check(&mut q, &bytes, 1 << 20, 16 << 20);
+        assert_eq!(q.stats().commands, 2);
+        assert_eq!(sim.stats().prp_list_pages - pages0, 7 + 9);
+        read_check(&mut q, &bytes, 24 << 20, 20 << 20);
+        assert_eq!(q.stats().commands, 4, "20 MiB = 16 + 4 MiB");
+        // Many at once, at LBA (not page) offsets.
+        let mut want = std::collections::HashMap::new();
+        let mut rng = Rng(u64::from(lba));
+        for i in 0..6u64 {
+            let len = ((1 + rng.next() % 4000) * 4096) as u32;
+            let off = rng.next() % ((48 << 20) - u64::from(len)) / u64::from(lba) * u64::from(lba);
+            want.insert(i, (off, len));
+            q.submit(ReadReq {
+                offset: ByteOffset(off),
+                len,
+                buf: AlignedBuf::new(len as usize, 4096).unwrap(),
+                tag: Tag(i),
+            });
+        }
+        let mut got = vec![];
+        while q.in_flight() > 0 {
+            q.reap(1, &mut got);
+        }
+        for c in got {
+            let (off, len) = want[&c.tag.0];
+            assert_eq!(*c.result.as_ref().unwrap(), len);
+            assert!(c.buf.as_slice()[..len as usize] == bytes[off as usize..(off + u64::from(len)) as usize]);
+        }
+        assert_eq!(sim.stats().dma_faults, 0);
+    }
+}
+
+#[test]
+fn chained_prp_list_from_an_offset_first_page_and_a_broken_chain() {
+    use picchio_nvme::dma::DmaPool;
+    use picchio_nvme::spec::{nvm, Command, Lba};
+    let dir = tempfile::tempdir().unwrap();
+    let (p, bytes) = backing(dir.path(), "ns", 8 << 20, 22);
+    let mut cfg = SimConfig::single(&p, 512);
+    cfg.mdts = 0; // no MDTS: the driver's 32 MiB cap applies
+    let dma = HeapDma::new();
+    let sim = Sim::start(cfg, dma.registry()).unwrap();
+    let dma = Arc::new(dma);
+    let mut c = Controller::init(sim.bar(), dma.clone(), CtrlrOptions::default()).unwrap();
+    assert_eq!(c.max_transfer(), 32 << 20);
+    let buf = dma.alloc(6 << 20).unwrap();
+    let q = c.io_queue().unwrap();
+    assert_eq!(q.list_pages(), 17);
+    // 4 MiB + 512 B from 0x600 into a page: PRP1 covers 0xA00 bytes, then 1024 more pages.
+    let (start, len) = (buf.iova().add(0x600), (4 << 20) + 512);
+    let cid = q.alloc_cid().unwrap();
+    let prps = q.prps(cid, &[(start, len)]).unwrap();
+    assert_eq!((prps.list_entries, prps.list_pages), (1024, 3));
+    let pages0 = sim.stats().prp_list_pages;
+    q.submit(cid, 0, |cmd| {
+        *cmd = Command::rw(nvm::READ, cid.0, 1, Lba(8), (len / 512) as u32);
+        cmd.prp1 = prps.prp1;
+        cmd.prp2 = prps.prp2;
+    })
+    .unwrap();
+    q.ring();
+    let mut done = None;
+    while done.is_none() {
+        q.poll(8, |e| done = Some(e.cqe.status())).unwrap();
+    }
+    assert_eq!(done, Some(Status::SUCCESS));
+    assert_eq!(sim.stats().prp_list_pages - pages0, 3);
+    let mut got = vec![0u8; len];
+    buf.copy_out(0x600, &mut got);
+    assert!(got == bytes[8 * 512..8 * 512 + len], "bytes through a 3-page chain from an offset first page");
+
+    // A chain pointer that is not page aligned: the controller refuses it with PRP Offset Invalid.
+    let mut list = dma.alloc(2 * 4096).unwrap();
+    let data = buf.iova().0;
+    for i in 0..511 {
+        list.write::<u64>(i * 8, data + (i as u64 + 1) * 4096);
+    }
+    list.write::<u64>(511 * 8, list.iova().0 + 4096 + 8); // bad: mid-page
+    for i in 0..10 {
+        list.write::<u64>(4096 + 8 + i * 8, data + (512 + i as u64) * 4096);
+    }
+    let q = c.io_queue().unwrap();
+    let cid = q.alloc_cid().unwrap();
+    q.submit(cid, 0, |cmd| {
+        *cmd = Command::rw(nvm::READ, cid.0, 1, Lba(0), 522 * 8);
+        cmd.prp1 = data;
+        cmd.prp2 = list.iova().0;
+    })
+    .unwrap();
+    q.ring();
+    let mut done = None;
+    while done.is_none() {
+        q.poll(8, |e| done = Some(e.cqe.status())).unwrap();
+    }
+    assert_eq!(done, Some(Status::PRP_OFFSET_INVALID));
 }

@@ -6,12 +6,17 @@ use std::os::unix::fs::FileExt;
 use super::{dma_copy, Dma, Model, Shared};
 use crate::spec::{nvm, Command, Status};
 
-/// The host segments `(iova, len)` that `cmd`'s PRP1/PRP2 describe for `len` bytes.
+/// The host segments `(iova, len)` that `cmd`'s PRP1/PRP2 describe for `len` bytes, walked like a
+/// controller walks them (§4.1.1): PRP1 at any dword offset; PRP2 the second page (offset 0) or a PRP
+/// list pointer (qword aligned); list entries page aligned; when more entries remain than the rest of
+/// a list page holds, its last entry is the pointer to the next list page, which must be page aligned.
+/// Every list page read counts in `prp_list_pages`.
 pub(crate) fn prp_segments(
     shared: &Shared,
     page: usize,
     cmd: &Command,
     len: usize,
+    prp_list_pages: &mut u64,
 ) -> Result<Vec<(u64, usize)>, Status> {
     let pg = page as u64;
     if !cmd.prp1.is_multiple_of(4) {
@@ -31,21 +36,24 @@ pub(crate) fn prp_segments(
         return Ok(segs);
     }
     let mut list = cmd.prp2;
+    if !list.is_multiple_of(8) {
+        return Err(Status::PRP_OFFSET_INVALID);
+    }
+    let mut raw = Vec::new();
     while rem > 0 {
-        if !list.is_multiple_of(8) {
-            return Err(Status::PRP_OFFSET_INVALID);
-        }
         let in_page = ((pg - list % pg) / 8) as usize;
         let needed = rem.div_ceil(page);
         let read = needed.min(in_page);
-        let mut raw = vec![0u8; read * 8];
+        raw.clear();
+        raw.resize(read * 8, 0u8);
         if !dma_copy(&shared.registry, list, Dma::FromHost(&mut raw)) {
             return Err(Status::DATA_TRANSFER_ERROR);
         }
-        let entries: Vec<u64> = raw.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8"))).collect();
-        let (data, next) =
-            if needed > in_page { (&entries[..read - 1], Some(entries[read - 1])) } else { (&entries[..], None) };
-        for &e in data {
+        *prp_list_pages += 1;
+        let entry = |i: usize| u64::from_le_bytes(raw[i * 8..i * 8 + 8].try_into().expect("8"));
+        let (data, next) = if needed > in_page { (read - 1, Some(entry(read - 1))) } else { (read, None) };
+        for i in 0..data {
+            let e = entry(i);
             if e % pg != 0 {
                 return Err(Status::PRP_OFFSET_INVALID);
             }
@@ -54,6 +62,7 @@ pub(crate) fn prp_segments(
             rem -= n;
         }
         match next {
+            Some(n) if n % pg != 0 => return Err(Status::PRP_OFFSET_INVALID),
             Some(n) => list = n,
             None => break,
         }
@@ -63,7 +72,7 @@ pub(crate) fn prp_segments(
 
 /// Moves `len` bytes between `data` and the host memory `cmd`'s PRPs describe.
 pub(crate) fn transfer(m: &mut Model, shared: &Shared, cmd: &Command, len: usize, data: Dma<'_>) -> Status {
-    let segs = match prp_segments(shared, m.page, cmd, len) {
+    let segs = match prp_segments(shared, m.page, cmd, len, &mut m.stats.prp_list_pages) {
         Ok(s) => s,
         Err(s) => return s,
     };

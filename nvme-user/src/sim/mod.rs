@@ -86,6 +86,8 @@ pub struct SimStats {
     pub dma_faults: u64,
     /// Faults fired.
     pub faults_fired: u64,
+    /// PRP-list pages read while walking data pointers (each page of a chain counts).
+    pub prp_list_pages: u64,
 }
 
 pub(crate) struct Sq {

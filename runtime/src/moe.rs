@@ -73,6 +73,30 @@ impl Routing {
     }
 }
 
+/// Receives every routing decision a [`crate::model::Model`] makes (`Model::set_routing_observer`):
+/// one call per MoE layer per forward pass, right after the router and before any expert is fetched,
+/// in the order the runtime makes them (position by position, layer by layer). The observer only
+/// reads the decision: the forward pass, and so the tokens, are the same with or without one.
+///
+/// `picchio run --trace PATH` installs `bench::trace::TraceWriter`, which writes the
+/// decisions to a `picchio-trace/1` file (docs/experiments.md, "trace").
+pub trait RoutingObserver: Send {
+    /// Decoder layer `layer` routed the token at position `pos` (0-based, the prompt included) to
+    /// `experts` `[k]` (canonical order: descending weight, ties by id) with routing `weights` `[k]`
+    /// (renormalised over the k when `norm_topk_prob`).
+    fn routed(&mut self, layer: usize, pos: usize, experts: &[u32], weights: &[f32]);
+
+    /// Called once when the observer is taken off the model with `Model::take_routing_observer`
+    /// by its owner: flushes whatever it buffers. [`RoutingObserver::routed`] cannot fail (the
+    /// forward pass does not stop for an observer), so an observer keeps its first error for here.
+    ///
+    /// # Errors
+    /// The observer's first I/O error (writing a trace file), naming the file.
+    fn finish(&mut self) -> Result<()> {
+        Ok(())
+    }
+}
+
 /// The two matrices of one expert, viewed in its payload bytes per [`ExpertLayout`]:
 /// `gate_up [2I, H]` (rows interleaved: 2i = gate row i, 2i+1 = up row i) and `down [H, I]`.
 ///

@@ -35,7 +35,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::expert::{ExpertLayout, SafetensorsExperts};
 use crate::kernels::{self, Kernels, MatRef};
-use crate::moe::{combine_canonical, expert_forward, ExpertScratch, Routing};
+use crate::moe::{combine_canonical, expert_forward, ExpertScratch, Routing, RoutingObserver};
 use crate::rope::Rope;
 use crate::safetensors::{TensorRef, TensorStore};
 
@@ -342,6 +342,8 @@ pub struct Model {
     weights: Weights,
     state: RunState,
     kernels: Kernels,
+    /// Sees every routing decision (`picchio run --trace`); `None` costs one branch per MoE layer.
+    observer: Option<Box<dyn RoutingObserver>>,
 }
 
 impl Model {
@@ -376,7 +378,7 @@ impl Model {
         let layout = ExpertLayout::detect(&store, &config)?;
         let weights = Weights::load(&store, &config)?;
         let state = RunState::new(&config, max_seq);
-        Ok(Model { config, store, layout, weights, state, kernels: Kernels::get() })
+        Ok(Model { config, store, layout, weights, state, kernels: Kernels::get(), observer: None })
     }
 
     /// The configuration.
@@ -412,6 +414,25 @@ impl Model {
     /// Positions the KV cache holds.
     pub fn max_seq(&self) -> usize {
         self.state.max_seq
+    }
+
+    /// Installs `observer`, which then sees every routing decision of the following forward passes
+    /// (see [`RoutingObserver`]); returns the one it replaces, without calling its `finish`.
+    pub fn set_routing_observer(&mut self, observer: Box<dyn RoutingObserver>) -> Option<Box<dyn RoutingObserver>> {
+        self.observer.replace(observer)
+    }
+
+    /// Removes the routing observer and calls its [`RoutingObserver::finish`]; `Ok(None)` when
+    /// there was none.
+    ///
+    /// # Errors
+    /// The observer's `finish` error (e.g. a trace file that could not be written); the observer is
+    /// removed either way.
+    pub fn take_routing_observer(&mut self) -> Result<Option<Box<dyn RoutingObserver>>> {
+        match self.observer.take() {
+            Some(mut o) => o.finish().map(|()| Some(o)),
+            None => Ok(None),
+        }
     }
 
     /// An expert cache for this model holding `capacity` experts.
@@ -545,6 +566,9 @@ impl Model {
                 Mlp::Moe { gate } => {
                     k.matvec_par(gate.as_mat(), &s.xb, &mut s.router_logits);
                     s.routing.route(&s.router_logits, cfg.norm_topk_prob);
+                    if let Some(o) = self.observer.as_deref_mut() {
+                        o.routed(l, pos, &s.routing.experts, &s.routing.weights);
+                    }
                     if let Some(t) = trace.as_deref_mut() {
                         t.router_logits[l].copy_from_slice(&s.router_logits);
                         t.experts[l].copy_from_slice(&s.routing.experts);

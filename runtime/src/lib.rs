@@ -2,6 +2,7 @@
 //! `.picchioflat` image, and runs the model with the experts streamed through an LRU expert cache.
 #![deny(missing_docs)]
 
+pub mod bench;
 pub mod cache;
 pub mod config;
 pub mod convert;

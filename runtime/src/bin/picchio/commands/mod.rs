@@ -2,6 +2,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod bench;
 mod convert;
 mod demo;
 mod nvme;
@@ -38,6 +39,8 @@ enum Command {
     Demo(demo::Args),
     /// List NVMe controllers, hand one to vfio-pci for the user-space driver and back, identify it.
     Nvme(nvme::Args),
+    /// Storage experiments with a JSON report (docs/experiments.md): qd-sweep, layout, tiers, overhead, env.
+    Bench(bench::Args),
 }
 
 /// Runs the chosen subcommand.
@@ -49,6 +52,7 @@ pub fn exec(cli: Cli) -> anyhow::Result<()> {
         Command::Run(a) => run::exec(a),
         Command::Demo(a) => demo::exec(a),
         Command::Nvme(a) => nvme::exec(a),
+        Command::Bench(a) => bench::exec(a),
     }
 }
 

@@ -1,0 +1,142 @@
+//! `picchio bench <experiment>`: one subcommand per experiment, each writing a `picchio-bench/1`
+//! report (docs/experiments.md).
+
+use std::path::PathBuf;
+
+use clap::Subcommand;
+use picchio_runtime::bench::{self, env::Environment, target::BenchStore, Report};
+use serde::Serialize;
+
+/// Options of `picchio bench`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(subcommand)]
+    experiment: Experiment,
+}
+
+#[derive(Subcommand, Debug)]
+enum Experiment {
+    /// Record only the environment (CPU, kernel, memory, load, and the store's device and file
+    /// system): what every other experiment's report carries in `environment`.
+    Env(EnvArgs),
+}
+
+/// Options every experiment has: where to read, where the report goes.
+#[derive(clap::Args, Debug, Clone, Serialize)]
+pub struct Common {
+    /// The image to measure: file:PATH (or a path), raw:/dev/X[@BYTES], nvme-sim:PATH (the image
+    /// served by picchio-nvme's controller model) or nvme:BDF[/NSID]. `picchio synth` writes one.
+    #[arg(long, value_name = "URI")]
+    pub store: String,
+    /// Also write the report as JSON to PATH (the schema: docs/experiments.md).
+    #[arg(long, value_name = "PATH")]
+    pub json: Option<PathBuf>,
+    /// Draw the report's charts (PNG and SVG) into DIR.
+    #[arg(long, value_name = "DIR")]
+    pub plot: Option<PathBuf>,
+}
+
+/// Options of `picchio bench env`.
+#[derive(clap::Args, Debug, Serialize)]
+pub struct EnvArgs {
+    #[command(flatten)]
+    #[serde(flatten)]
+    common: Common,
+}
+
+pub fn exec(a: Args) -> anyhow::Result<()> {
+    match a.experiment {
+        Experiment::Env(a) => {
+            let store: BenchStore = a.common.store.parse()?;
+            before_run("env", &a.common)?;
+            let run = bench::Run::start("env", &a, Some(&store.target_spec()))?;
+            let report = run.finish(serde_json::json!({}));
+            println!("{}", describe_environment(&report.environment));
+            after_run(&report, &a.common)
+        }
+    }
+}
+
+/// Checks made before measuring anything, so a long run is not lost to a refusal at the end.
+fn before_run(experiment: &str, c: &Common) -> anyhow::Result<()> {
+    if c.plot.is_some() {
+        bench::check_plot_supported(experiment)?;
+    }
+    Ok(())
+}
+
+/// Writes the JSON report and the charts a run asked for.
+fn after_run<R: Serialize>(report: &Report<R>, c: &Common) -> anyhow::Result<()> {
+    if let Some(path) = &c.json {
+        report.write_json(path)?;
+        eprintln!("report: {}", path.display());
+    }
+    if let Some(dir) = &c.plot {
+        // HOOK: charts are drawn by picchio_runtime::bench::render_plots (plot.rs).
+        std::fs::create_dir_all(dir)
+            .map_err(|e| anyhow::anyhow!("{}: create the plot directory: {e}", dir.display()))?;
+        for f in bench::render_plots(&report.to_value_report(), dir)? {
+            eprintln!("chart: {}", f.display());
+        }
+    }
+    Ok(())
+}
+
+/// A few lines saying where the figures come from (the JSON has everything).
+fn describe_environment(e: &Environment) -> String {
+    let mut s = format!(
+        "cpu: {} ({} logical, {} available to this process)",
+        e.cpu.model.as_deref().unwrap_or("unknown model"),
+        e.cpu.logical_cpus,
+        e.cpu.available_to_process
+    );
+    if let Some(k) = &e.kernel {
+        s += &format!("\nkernel: {} {} {}", k.sysname, k.release, k.machine);
+    }
+    if let Some(m) = &e.memory {
+        s += &format!(
+            "\nmemory: {:.1} GiB total, {:.1} GiB available, {:.1} GiB page cache",
+            gib(m.total_bytes),
+            gib(m.available_bytes),
+            gib(m.page_cache_bytes)
+        );
+    }
+    if let Some(l) = e.load_avg_start {
+        s += &format!("\nload average at start: {:.2} {:.2} {:.2}", l[0], l[1], l[2]);
+    }
+    if let Some(l) = e.load_avg_end {
+        s += &format!(" (at end: {:.2} {:.2} {:.2})", l[0], l[1], l[2]);
+    }
+    if let Some(t) = &e.target {
+        s += &format!("\nstore: {} ({}", t.uri, t.kind);
+        if let Some(n) = t.size_bytes {
+            s += &format!(", {n} bytes");
+        }
+        s += ")";
+        if let Some(d) = &t.device {
+            s += &format!(
+                "\n  device: {} ({}, disk {}), model {}, firmware {}, driver {}, LBA {} B, scheduler {}, rotational {}",
+                d.name,
+                d.devnum,
+                d.disk,
+                d.model.as_deref().unwrap_or("-"),
+                d.firmware.as_deref().unwrap_or("-"),
+                d.driver.as_deref().unwrap_or("-"),
+                d.logical_block_size.map_or("-".into(), |v| v.to_string()),
+                d.scheduler.as_deref().unwrap_or("-"),
+                d.rotational.map_or("-".into(), |v| v.to_string()),
+            );
+        }
+        if let Some(f) = &t.filesystem {
+            s += &format!("\n  file system: {} on {} at {} ({})", f.fstype, f.source, f.mount_point, f.super_options);
+        }
+        if let Some(n) = &t.note {
+            s += &format!("\n  note: {n}");
+        }
+    }
+    s
+}
+
+fn gib(b: u64) -> f64 {
+    b as f64 / f64::from(1u32 << 30)
+}

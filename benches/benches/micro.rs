@@ -1,0 +1,203 @@
+//! Micro-benchmarks of the pieces an expert miss goes through, at Qwen3-30B-A3B shapes (hidden 2048,
+//! expert width 768, Q4 expert payload 2,654,208 B):
+//!
+//! - `weights_vs_memory`: Q4 and Q3 matvec over a weight matrix larger than the last-level cache (16
+//!   experts' gate_up rows, 24,576 × 2048), in bytes of weights per second, beside the machine's own
+//!   memory bandwidth measured the same way (a sum over the same number of bytes, and a memcpy), so
+//!   "GB/s of weights" can be read as a fraction of what the memory delivers.
+//! - `expert_forward`: one routed expert on one token (gate_up matvec + SwiGLU + down matvec), Q4 and
+//!   Q3, single-threaded kernels at the best level and split across the rayon pool as the runtime runs
+//!   it; throughput in payload bytes.
+//! - `store_open`: `FlatStore::open` of a 48 × 128-entry image (superblock read and checks, index
+//!   read, SHA-256 of the 147 KiB index, every entry checked).
+//! - `cached_read`: one expert-sized (2,654,208 B) and one 4 KiB read of a page-cache-hot file through
+//!   the psync pool and io_uring, at QD 1 (the kernel's copy included).
+//!
+//! Run: `cargo bench -p picchio-benches --bench micro` (add a group name to filter).
+
+use std::hint::black_box;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use picchio_core::io::read_blocking;
+use picchio_core::loader::StoreDims;
+use picchio_core::{AlignedBuf, FlatStore, FlatStoreOptions, FlatWriter};
+use picchio_runtime::expert::ExpertLayout;
+use picchio_runtime::kernels::{Kernels, MatRef};
+use picchio_runtime::moe::{expert_forward, ExpertScratch};
+use picchio_runtime::quant::{quantize_q3, quantize_q4, QuantKind};
+
+const HIDDEN: usize = 2048;
+const INTER: usize = 768;
+
+/// Deterministic values in [-1, 1) (64-bit LCG, high bits).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+fn weights_vs_memory(c: &mut Criterion) {
+    // 16 experts' gate_up rows: 24,576 × 2048 = 25 MB of Q4 codes + scales, beyond any L3 here.
+    let (rows, cols) = (16 * 2 * INTER, HIDDEN);
+    let w = values(rows * cols, 11);
+    let q4 = quantize_q4(&w, rows, cols);
+    let q3 = quantize_q3(&w, rows, cols);
+    drop(w);
+    let x = values(cols, 3);
+    let mut y = vec![0f32; rows];
+    let k = Kernels::best();
+    let mut g = c.benchmark_group("weights_vs_memory");
+    g.sample_size(20);
+
+    let q4_bytes = q4.0.len() + 4 * q4.1.len();
+    g.throughput(Throughput::Bytes(q4_bytes as u64));
+    // The memory baseline over the same byte count: a sum that reads every byte once (u64 lanes the
+    // compiler vectorises), and a copy (read + write: criterion counts the bytes copied).
+    let src: Vec<u64> = (0..q4_bytes / 8).map(|i| i as u64).collect();
+    let mut dst = vec![0u64; src.len()];
+    g.bench_function("memory_sum", |b| b.iter(|| black_box(&src).iter().fold(0u64, |a, &v| a.wrapping_add(v))));
+    g.bench_function("memory_copy", |b| b.iter(|| dst.copy_from_slice(black_box(&src))));
+    let m = MatRef::Q4 { packed: &q4.0, scales: &q4.1 };
+    g.bench_function(BenchmarkId::new("q4_matvec", k.level()), |b| {
+        b.iter(|| k.matvec(black_box(m), black_box(&x), black_box(&mut y)))
+    });
+    g.bench_function(BenchmarkId::new("q4_matvec", format!("{}-par", k.level())), |b| {
+        b.iter(|| k.matvec_par(black_box(m), black_box(&x), black_box(&mut y)))
+    });
+    let q3_bytes = q3.0.len() + 4 * q3.1.len();
+    g.throughput(Throughput::Bytes(q3_bytes as u64));
+    let m = MatRef::Q3 { packed: &q3.0, scales: &q3.1 };
+    g.bench_function(BenchmarkId::new("q3_matvec", k.level()), |b| {
+        b.iter(|| k.matvec(black_box(m), black_box(&x), black_box(&mut y)))
+    });
+    g.bench_function(BenchmarkId::new("q3_matvec", format!("{}-par", k.level())), |b| {
+        b.iter(|| k.matvec_par(black_box(m), black_box(&x), black_box(&mut y)))
+    });
+    g.finish();
+}
+
+/// An expert payload for `quant` laid out as `picchio convert` writes it.
+fn expert_payload(layout: &ExpertLayout) -> AlignedBuf {
+    let (h, i) = (layout.hidden, layout.inter);
+    let gu = values(2 * i * h, 5);
+    let down = values(h * i, 6);
+    let q = |w: &[f32], r, c| match layout.quant {
+        QuantKind::Q4 => quantize_q4(w, r, c),
+        QuantKind::Q3 => quantize_q3(w, r, c),
+        QuantKind::F32 => unreachable!("benchmarked for Q4 and Q3"),
+    };
+    let (gp, gs) = q(&gu, 2 * i, h);
+    let (dp, ds) = q(&down, h, i);
+    let mut buf = AlignedBuf::new(layout.len(), 4096).expect("payload buffer");
+    let b = buf.as_mut_slice();
+    b[layout.gate_up.clone()].copy_from_slice(&gp);
+    b[layout.gate_up_scales.clone()].copy_from_slice(bytemuck::cast_slice(&gs));
+    b[layout.down.clone()].copy_from_slice(&dp);
+    b[layout.down_scales.clone()].copy_from_slice(bytemuck::cast_slice(&ds));
+    buf
+}
+
+fn expert(c: &mut Criterion) {
+    let mut g = c.benchmark_group("expert_forward");
+    let x = values(HIDDEN, 9);
+    let mut out = vec![0f32; HIDDEN];
+    let mut scratch = ExpertScratch::new(INTER);
+    for quant in [QuantKind::Q4, QuantKind::Q3] {
+        let layout = ExpertLayout::new(quant, HIDDEN, INTER).expect("Qwen3-30B-A3B expert layout");
+        let payload = expert_payload(&layout);
+        g.throughput(Throughput::Bytes(layout.len() as u64));
+        // `expert_forward` runs its matvecs on the rayon pool, as the runtime does.
+        g.bench_function(BenchmarkId::new(quant.to_string(), "2048x768"), |b| {
+            b.iter(|| {
+                expert_forward(Kernels::get(), &layout, payload.as_slice(), black_box(&x), 0.5, &mut scratch, &mut out)
+                    .expect("expert forward")
+            })
+        });
+    }
+    g.finish();
+}
+
+/// A Qwen3-30B-A3B-shaped image (48 layers × 128 experts) with one-block payloads: opening it costs
+/// what opening the real 16 GB image costs (superblock + index), without writing 16 GB.
+fn write_image(path: &std::path::Path) -> u64 {
+    let dims = StoreDims { hidden: 2048, n_layers: 48, n_experts: 128, topk: 8, moe_inter: 2 * 768 };
+    let n = dims.n_layers * dims.n_experts;
+    let mut w = FlatWriter::create(path, dims, n).expect("create image");
+    let mut payload = vec![0u8; 4096];
+    for i in 0..n {
+        payload[..4].copy_from_slice(&i.to_le_bytes());
+        w.push(&payload).expect("push payload");
+    }
+    w.finish().expect("finish image");
+    std::fs::metadata(path).expect("stat image").len()
+}
+
+fn store_open(c: &mut Criterion) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("q30b.picchioflat");
+    let len = write_image(&path);
+    let mut g = c.benchmark_group("store_open");
+    g.bench_function("flatstore_48x128_buffered", |b| {
+        b.iter(|| {
+            let q =
+                picchio_blockdev::PsyncQueue::open(&path, picchio_blockdev::PsyncOptions { threads: 1, direct: false })
+                    .expect("open");
+            let opts = FlatStoreOptions { image_len: len, ..Default::default() };
+            black_box(FlatStore::open(q, "bench", opts).expect("store open"))
+        })
+    });
+    g.finish();
+}
+
+fn cached_read(c: &mut Criterion) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("hot.bin");
+    let expert = 2_654_208u32;
+    // 64 MiB, just written: its pages are in the page cache, so this measures the software path
+    // and the kernel's copy, not a device.
+    std::fs::write(&path, vec![0x5au8; 64 << 20]).expect("write the file");
+    let mut g = c.benchmark_group("cached_read");
+    for (name, len) in [("expert_2654208B", expert), ("4KiB", 4096)] {
+        g.throughput(Throughput::Bytes(u64::from(len)));
+        let mut psync =
+            picchio_blockdev::PsyncQueue::open(&path, picchio_blockdev::PsyncOptions { threads: 1, direct: false })
+                .expect("psync");
+        let mut off = 0u64;
+        let span = (64u64 << 20) - u64::from(len);
+        g.bench_function(BenchmarkId::new("psync", name), |b| {
+            b.iter(|| {
+                off = (off + 1_048_576 + 4096) % span / 4096 * 4096;
+                black_box(read_blocking(&mut psync, off, len).expect("read"))
+            })
+        });
+        #[cfg(target_os = "linux")]
+        {
+            let opts = picchio_blockdev::UringOptions {
+                qd: 1,
+                direct: false,
+                sqpoll: false,
+                iopoll: false,
+                register_files: true,
+            };
+            match picchio_blockdev::UringQueue::open(&path, opts) {
+                Ok(mut uring) => {
+                    g.bench_function(BenchmarkId::new("uring", name), |b| {
+                        b.iter(|| {
+                            off = (off + 1_048_576 + 4096) % span / 4096 * 4096;
+                            black_box(read_blocking(&mut uring, off, len).expect("read"))
+                        })
+                    });
+                }
+                Err(e) => eprintln!("cached_read: io_uring unavailable here ({e}); uring skipped"),
+            }
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, weights_vs_memory, expert, store_open, cached_read);
+criterion_main!(benches);

@@ -20,6 +20,7 @@ pub mod run;
 pub mod safetensors;
 pub mod sampler;
 pub mod store;
+pub mod synth;
 pub mod synthetic;
 pub mod tokenizer;
 pub mod verify;

@@ -8,6 +8,7 @@ mod demo;
 mod nvme;
 mod pack;
 mod run;
+mod synth;
 mod verify;
 
 /// Run Mixture-of-Experts models larger than RAM: routed experts stream from storage.
@@ -41,6 +42,8 @@ enum Command {
     Nvme(nvme::Args),
     /// Storage experiments with a JSON report (docs/experiments.md): qd-sweep, layout, tiers, overhead, env.
     Bench(bench::Args),
+    /// Write a .picchioflat image with a real model's expert geometry and seeded random payloads.
+    Synth(synth::Args),
 }
 
 /// Runs the chosen subcommand.
@@ -53,6 +56,7 @@ pub fn exec(cli: Cli) -> anyhow::Result<()> {
         Command::Demo(a) => demo::exec(a),
         Command::Nvme(a) => nvme::exec(a),
         Command::Bench(a) => bench::exec(a),
+        Command::Synth(a) => synth::exec(a),
     }
 }
 

@@ -11,8 +11,11 @@
 //! is bytes / wall time of the whole point (not a sum of per-read latencies), latency percentiles
 //! come from an HDR histogram of per-read submit-to-completion times, CPU time from `getrusage`.
 
+pub mod cache;
 pub mod env;
+pub mod plot;
 pub mod target;
+pub mod trace;
 
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -171,19 +174,14 @@ impl<R: Serialize> Report<R> {
     }
 }
 
-/// Draws the charts of `report` into `dir` (`--plot DIR`) and returns the files written.
-///
-/// HOOK for `plot.rs` (plotters): dispatch on `report.experiment` to its renderers here
-/// (throughput vs QD and latency CDF for `qd-sweep` and `layout`, tok/s vs cache budget for
-/// `cache`). Until an experiment has a renderer, `--plot` is refused for it with this error, before
-/// anything is measured (see [`check_plot_supported`]).
+/// Draws the charts of `report` into `dir` (`--plot DIR`) and returns the files written; the
+/// renderers are in [`plot`] (SVG via plotters).
 ///
 /// # Errors
-/// [`Error::Invalid`] when the experiment has no charts; [`Error::Io`] writing them.
+/// [`Error::Invalid`] when the experiment has no charts or its results lack a field a chart needs;
+/// [`Error::Io`] writing them.
 pub fn render_plots(report: &Report<serde_json::Value>, dir: &Path) -> Result<Vec<PathBuf>> {
-    check_plot_supported(&report.experiment)?;
-    let _ = dir;
-    Ok(Vec::new())
+    plot::render(report, dir)
 }
 
 /// Whether `--plot` can draw charts for `experiment`; called before the run so that a long
@@ -192,7 +190,14 @@ pub fn render_plots(report: &Report<serde_json::Value>, dir: &Path) -> Result<Ve
 /// # Errors
 /// [`Error::Invalid`] naming the experiment.
 pub fn check_plot_supported(experiment: &str) -> Result<()> {
-    Err(Error::Invalid(format!("--plot: no charts are drawn for `{experiment}` in this build")))
+    if plot::PLOTTED.contains(&experiment) {
+        Ok(())
+    } else {
+        Err(Error::Invalid(format!(
+            "--plot: no charts are drawn for `{experiment}` (charts exist for {})",
+            plot::PLOTTED.join(", ")
+        )))
+    }
 }
 
 /// `t` as RFC 3339 UTC with milliseconds, e.g. `2026-11-30T02:41:07.123Z`.

@@ -1,0 +1,488 @@
+//! Charts of bench reports (`--plot DIR`, `picchio bench plot REPORT.json --out DIR`), drawn with
+//! `plotters` into SVG files: text is emitted as SVG `<text>`, so no font files or system libraries
+//! are needed and the charts diff well in git.
+//!
+//! Each renderer reads the report's `results` as JSON, so a chart can be redrawn from a saved report
+//! as well as straight after a run. Charts per experiment:
+//! - `trace`: `trace-hit-rate.svg` (LRU and Belady hit rate vs cache capacity) and
+//!   `trace-popularity.svg` (each layer's experts ranked by use: share of the layer's uses).
+//! - `cache`: `cache-tok-s.svg` (decode tok/s vs cache budget, one line per read mode) and
+//!   `cache-bytes.svg` (MB per decode token vs budget: store reads per mode, and device bytes).
+//! - `qd-sweep`: `qd-sweep-throughput.svg` (MB/s vs queue depth, one line per engine and thread
+//!   count, fio's figures as dashed lines) and `qd-sweep-latency.svg` (latency percentiles at each
+//!   engine's deepest queue: the CDF through p50, p90, p99, p99.9 and max).
+
+use std::path::{Path, PathBuf};
+
+use plotters::prelude::*;
+use serde_json::Value;
+
+use super::Report;
+use crate::error::{Error, Result};
+
+/// Experiments [`render`] draws charts for.
+pub const PLOTTED: &[&str] = &["trace", "cache", "qd-sweep"];
+
+/// Draws `report`'s charts into `dir` (created if missing) and returns the files written.
+///
+/// # Errors
+/// [`Error::Invalid`] when the experiment has no charts or its results lack a field a chart needs
+/// (naming it); [`Error::Io`] for the directory or a file.
+pub fn render(report: &Report<Value>, dir: &Path) -> Result<Vec<PathBuf>> {
+    if !PLOTTED.contains(&report.experiment.as_str()) {
+        return Err(Error::Invalid(format!(
+            "--plot: no charts are drawn for `{}` (charts exist for {})",
+            report.experiment,
+            PLOTTED.join(", ")
+        )));
+    }
+    std::fs::create_dir_all(dir).map_err(Error::io(dir, "create the plot directory"))?;
+    let r = &report.results;
+    let subtitle = subtitle(report);
+    match report.experiment.as_str() {
+        "trace" => trace_charts(r, dir, &subtitle),
+        "cache" => cache_charts(r, dir, &subtitle),
+        _ => qd_sweep_charts(r, dir, &subtitle),
+    }
+}
+
+/// Where a chart came from, for its caption: experiment, date, and the store/model.
+fn subtitle(report: &Report<Value>) -> String {
+    let date = report.started_at.get(..10).unwrap_or(&report.started_at);
+    format!("picchio bench {} · {date}", report.experiment)
+}
+
+/// How an axis maps values.
+#[derive(Clone, Copy, PartialEq)]
+enum Scale {
+    Linear,
+    /// Values are drawn at log2(v); tick labels show v.
+    Log2,
+    /// Values are drawn at log10(v); tick labels show v.
+    Log10,
+}
+
+impl Scale {
+    fn to_axis(self, v: f64) -> f64 {
+        match self {
+            Scale::Linear => v,
+            Scale::Log2 => v.max(f64::MIN_POSITIVE).log2(),
+            Scale::Log10 => v.max(f64::MIN_POSITIVE).log10(),
+        }
+    }
+
+    fn label(self, a: f64) -> String {
+        let v = match self {
+            Scale::Linear => a,
+            Scale::Log2 => a.exp2(),
+            Scale::Log10 => 10f64.powf(a),
+        };
+        if v != 0.0 && (v.abs() >= 1e5 || v.abs() < 1e-2) {
+            format!("{v:.0e}")
+        } else if (v - v.round()).abs() < 1e-9 {
+            format!("{}", v.round())
+        } else {
+            format!("{v:.2}")
+        }
+    }
+}
+
+/// One line of a chart.
+struct Series {
+    name: String,
+    points: Vec<(f64, f64)>,
+    dashed: bool,
+}
+
+/// A line chart: axes, titles and its series (each also marked at its points).
+struct LineChart<'a> {
+    title: String,
+    subtitle: &'a str,
+    x_label: &'a str,
+    y_label: &'a str,
+    x_scale: Scale,
+    y_scale: Scale,
+    /// Fixed y range (before scaling), else from the data with 5% headroom and 0 at the bottom for
+    /// a linear axis.
+    y_range: Option<(f64, f64)>,
+    series: Vec<Series>,
+}
+
+const COLORS: [RGBColor; 8] = [
+    RGBColor(31, 119, 180),
+    RGBColor(214, 39, 40),
+    RGBColor(44, 160, 44),
+    RGBColor(255, 127, 14),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(23, 190, 207),
+];
+
+fn plot_err(path: &Path) -> impl Fn(String) -> Error + '_ {
+    move |e| Error::io(path, "draw the chart")(std::io::Error::other(e))
+}
+
+impl LineChart<'_> {
+    fn draw(&self, path: &Path) -> Result<()> {
+        let err = plot_err(path);
+        let pts: Vec<(f64, f64)> = self
+            .series
+            .iter()
+            .flat_map(|s| s.points.iter())
+            .filter(|(x, y)| x.is_finite() && y.is_finite())
+            .map(|&(x, y)| (self.x_scale.to_axis(x), self.y_scale.to_axis(y)))
+            .collect();
+        if pts.is_empty() {
+            return Err(Error::Invalid(format!("{}: no data points to draw for {:?}", path.display(), self.title)));
+        }
+        let (mut x0, mut x1) = min_max(pts.iter().map(|p| p.0));
+        if x1 - x0 < 1e-9 {
+            (x0, x1) = (x0 - 0.5, x1 + 0.5);
+        }
+        let (y0, y1) = match self.y_range {
+            Some((a, b)) => (self.y_scale.to_axis(a), self.y_scale.to_axis(b)),
+            None => {
+                let (lo, hi) = min_max(pts.iter().map(|p| p.1));
+                let lo = if self.y_scale == Scale::Linear { lo.min(0.0) } else { lo.floor() };
+                let hi = if self.y_scale == Scale::Linear { hi + 0.05 * (hi - lo).max(1e-9) } else { hi.ceil() };
+                (lo, if hi > lo { hi } else { lo + 1.0 })
+            }
+        };
+        let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+        let root = root.titled(&self.title, ("sans-serif", 22)).map_err(|e| err(e.to_string()))?;
+        let (body, foot) = root.split_vertically(530);
+        foot.draw_text(self.subtitle, &("sans-serif", 13).into_text_style(&foot).color(&BLACK.mix(0.6)), (10, 2))
+            .map_err(|e| err(e.to_string()))?;
+        let mut chart = ChartBuilder::on(&body)
+            .margin(12)
+            .x_label_area_size(44)
+            .y_label_area_size(70)
+            .build_cartesian_2d(x0..x1, y0..y1)
+            .map_err(|e| err(e.to_string()))?;
+        let (xs, ys) = (self.x_scale, self.y_scale);
+        let x_fmt = move |v: &f64| xs.label(*v);
+        let y_fmt = move |v: &f64| ys.label(*v);
+        chart
+            .configure_mesh()
+            .x_desc(self.x_label)
+            .y_desc(self.y_label)
+            .x_labels(10)
+            .y_labels(8)
+            .x_label_formatter(&x_fmt)
+            .y_label_formatter(&y_fmt)
+            .light_line_style(BLACK.mix(0.06))
+            .draw()
+            .map_err(|e| err(e.to_string()))?;
+        for (i, s) in self.series.iter().enumerate() {
+            let color = COLORS[i % COLORS.len()];
+            let line: Vec<(f64, f64)> = s
+                .points
+                .iter()
+                .filter(|(x, y)| x.is_finite() && y.is_finite())
+                .map(|&(x, y)| (xs.to_axis(x), ys.to_axis(y)))
+                .collect();
+            let style = color.stroke_width(2);
+            let anno = if s.dashed {
+                chart
+                    .draw_series(DashedLineSeries::new(line.iter().copied(), 8, 5, style))
+                    .map_err(|e| err(e.to_string()))?
+            } else {
+                chart.draw_series(LineSeries::new(line.iter().copied(), style)).map_err(|e| err(e.to_string()))?
+            };
+            anno.label(s.name.clone()).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color));
+            chart
+                .draw_series(line.iter().map(|&p| Circle::new(p, 3, color.filled())))
+                .map_err(|e| err(e.to_string()))?;
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK.mix(0.3))
+            .position(SeriesLabelPosition::LowerRight)
+            .draw()
+            .map_err(|e| err(e.to_string()))?;
+        root.present().map_err(|e| err(e.to_string()))?;
+        Ok(())
+    }
+}
+
+fn min_max(v: impl Iterator<Item = f64>) -> (f64, f64) {
+    v.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| (a.min(x), b.max(x)))
+}
+
+/// `v[key]` as f64, or an error naming the field.
+fn num(v: &Value, key: &str) -> Result<f64> {
+    v.get(key)
+        .and_then(Value::as_f64)
+        .ok_or_else(|| Error::Invalid(format!("report results: missing number `{key}` in {}", short(v))))
+}
+
+fn arr<'a>(v: &'a Value, key: &str) -> Result<&'a Vec<Value>> {
+    v.get(key)
+        .and_then(Value::as_array)
+        .ok_or_else(|| Error::Invalid(format!("report results: missing array `{key}` in {}", short(v))))
+}
+
+fn short(v: &Value) -> String {
+    let s = v.to_string();
+    if s.chars().count() > 120 {
+        format!("{}…", s.chars().take(120).collect::<String>())
+    } else {
+        s
+    }
+}
+
+fn trace_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
+    let caps = arr(r, "capacities")?;
+    let mut lru = Vec::new();
+    let mut opt = Vec::new();
+    for c in caps {
+        let pct = num(c, "capacity_percent")?;
+        lru.push((pct, 100.0 * num(c, "lru_hit_rate")?));
+        opt.push((pct, 100.0 * num(c, "belady_hit_rate")?));
+    }
+    let header = r.get("header").unwrap_or(&Value::Null);
+    let shape = format!(
+        "{} MoE layers × {} experts, top-{}, {} tokens",
+        header.get("moe_layers").and_then(Value::as_array).map_or(0, Vec::len),
+        header.get("num_experts").and_then(Value::as_u64).unwrap_or(0),
+        header.get("top_k").and_then(Value::as_u64).unwrap_or(0),
+        r.get("tokens").and_then(Value::as_u64).unwrap_or(0)
+    );
+    let hit = dir.join("trace-hit-rate.svg");
+    LineChart {
+        title: format!("Expert-cache hit rate: LRU vs Belady (MIN) — {shape}"),
+        subtitle: sub,
+        x_label: "cache capacity, % of all routed experts (log scale)",
+        y_label: "hit rate, %",
+        x_scale: Scale::Log2,
+        y_scale: Scale::Linear,
+        y_range: Some((0.0, 100.0)),
+        series: vec![
+            Series { name: "LRU (the runtime's policy)".into(), points: lru, dashed: false },
+            Series { name: "Belady (optimal)".into(), points: opt, dashed: true },
+        ],
+    }
+    .draw(&hit)?;
+    let mut series = Vec::new();
+    for l in arr(r, "layers")? {
+        let mut counts: Vec<f64> = arr(l, "counts")?.iter().map(|c| c.as_f64().unwrap_or(0.0)).collect::<Vec<_>>();
+        let total: f64 = counts.iter().sum();
+        counts.sort_by(|a, b| b.total_cmp(a));
+        let pts = counts.iter().enumerate().map(|(i, &c)| ((i + 1) as f64, 100.0 * c / total.max(1.0))).collect();
+        series.push(Series { name: format!("layer {}", num(l, "layer")?), points: pts, dashed: false });
+    }
+    // At most 8 layers drawn (first, last and evenly between) so the chart stays readable.
+    if series.len() > 8 {
+        let n = series.len();
+        let keep: Vec<usize> = (0..8).map(|i| i * (n - 1) / 7).collect();
+        series = series.into_iter().enumerate().filter(|(i, _)| keep.contains(i)).map(|(_, s)| s).collect();
+    }
+    let pop = dir.join("trace-popularity.svg");
+    LineChart {
+        title: "Expert popularity per layer (experts ranked by use)".into(),
+        subtitle: sub,
+        x_label: "expert rank in its layer",
+        y_label: "share of the layer's expert uses, %",
+        x_scale: Scale::Linear,
+        y_scale: Scale::Linear,
+        y_range: None,
+        series,
+    }
+    .draw(&pop)?;
+    Ok(vec![hit, pop])
+}
+
+fn cache_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
+    let points = arr(r, "points")?;
+    let mut modes: Vec<String> = Vec::new();
+    for p in points {
+        let m = p.get("mode").and_then(Value::as_str).unwrap_or("?").to_string();
+        if !modes.contains(&m) {
+            modes.push(m);
+        }
+    }
+    let mut tok = Vec::new();
+    let mut bytes = Vec::new();
+    for m in &modes {
+        let of_mode: Vec<&Value> = points.iter().filter(|p| p.get("mode").and_then(Value::as_str) == Some(m)).collect();
+        let mut t = Vec::new();
+        let mut b = Vec::new();
+        let mut d = Vec::new();
+        for p in &of_mode {
+            let pct = num(p, "cache_percent")?;
+            t.push((pct, num(p, "decode_tok_s")?));
+            b.push((pct, num(p, "bytes_per_token")? / 1e6));
+            if let Some(dev) = p.get("device_bytes_per_token").and_then(Value::as_f64) {
+                d.push((pct, dev / 1e6));
+            }
+        }
+        tok.push(Series { name: m.clone(), points: t, dashed: false });
+        bytes.push(Series { name: format!("{m}: read by the store"), points: b, dashed: false });
+        if !d.is_empty() {
+            bytes.push(Series { name: format!("{m}: from the device (/proc/self/io)"), points: d, dashed: true });
+        }
+    }
+    let model = r.get("model").and_then(Value::as_str).unwrap_or("");
+    let name = Path::new(model).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let t = dir.join("cache-tok-s.svg");
+    LineChart {
+        title: format!("Decode throughput vs expert-cache budget ({name})"),
+        subtitle: sub,
+        x_label: "expert cache, % of all routed experts",
+        y_label: "decode tokens / s",
+        x_scale: Scale::Linear,
+        y_scale: Scale::Linear,
+        y_range: None,
+        series: tok,
+    }
+    .draw(&t)?;
+    let b = dir.join("cache-bytes.svg");
+    LineChart {
+        title: format!("Expert bytes per decode token vs cache budget ({name})"),
+        subtitle: sub,
+        x_label: "expert cache, % of all routed experts",
+        y_label: "MB per token",
+        x_scale: Scale::Linear,
+        y_scale: Scale::Linear,
+        y_range: None,
+        series: bytes,
+    }
+    .draw(&b)?;
+    Ok(vec![t, b])
+}
+
+/// Points of one line.
+type Xy = Vec<(f64, f64)>;
+
+/// The qd-sweep report's points: `results.points[]` with `engine`, `threads`, `qd`, `mb_s`, the
+/// latency percentiles `latency_us.{p50,p90,p99,p99_9,max}`, and optionally `fio.mb_s`.
+fn qd_sweep_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
+    let points = arr(r, "points")?;
+    // One line per (engine, threads).
+    let mut lines: Vec<(String, Xy, Xy)> = Vec::new();
+    let mut deepest: Vec<(String, f64, &Value)> = Vec::new();
+    for p in points {
+        let engine = p.get("engine").and_then(Value::as_str).unwrap_or("?");
+        let threads = p.get("threads").and_then(Value::as_u64).unwrap_or(1);
+        let name = if threads > 1 { format!("{engine} ×{threads} threads") } else { engine.to_string() };
+        let qd = num(p, "qd")?;
+        let mbs = num(p, "mb_s")?;
+        let fio = p.get("fio").and_then(|f| f.get("mb_s")).and_then(Value::as_f64);
+        match lines.iter_mut().find(|l| l.0 == name) {
+            Some(l) => {
+                l.1.push((qd, mbs));
+                l.2.extend(fio.map(|f| (qd, f)));
+            }
+            None => lines.push((name.clone(), vec![(qd, mbs)], fio.map(|f| vec![(qd, f)]).unwrap_or_default())),
+        }
+        if let Some(lat) = p.get("latency_us") {
+            match deepest.iter_mut().find(|d| d.0 == name) {
+                Some(d) if d.1 < qd => *d = (name.clone(), qd, lat),
+                Some(_) => {}
+                None => deepest.push((name.clone(), qd, lat)),
+            }
+        }
+    }
+    let mut series = Vec::new();
+    for (name, ours, fio) in lines {
+        series.push(Series { name: name.clone(), points: ours, dashed: false });
+        if !fio.is_empty() {
+            series.push(Series { name: format!("fio, as {name}"), points: fio, dashed: true });
+        }
+    }
+    let thr = dir.join("qd-sweep-throughput.svg");
+    LineChart {
+        title: "Random expert-sized reads: throughput vs queue depth".into(),
+        subtitle: sub,
+        x_label: "queue depth (log scale)",
+        y_label: "MB/s",
+        x_scale: Scale::Log2,
+        y_scale: Scale::Linear,
+        y_range: None,
+        series,
+    }
+    .draw(&thr)?;
+    let mut out = vec![thr];
+    let mut cdf = Vec::new();
+    for (name, qd, lat) in deepest {
+        let mut pts = Vec::new();
+        for (key, frac) in [("p50", 50.0), ("p90", 90.0), ("p99", 99.0), ("p99_9", 99.9), ("max", 100.0)] {
+            if let Some(v) = lat.get(key).and_then(Value::as_f64) {
+                pts.push((v, frac));
+            }
+        }
+        if !pts.is_empty() {
+            cdf.push(Series { name: format!("{name}, QD {qd}"), points: pts, dashed: false });
+        }
+    }
+    if !cdf.is_empty() {
+        let lat = dir.join("qd-sweep-latency.svg");
+        LineChart {
+            title: "Read latency distribution at each engine's deepest queue".into(),
+            subtitle: sub,
+            x_label: "latency, µs (log scale)",
+            y_label: "reads completed within, %",
+            x_scale: Scale::Log10,
+            y_scale: Scale::Linear,
+            y_range: Some((0.0, 100.0)),
+            series: cdf,
+        }
+        .draw(&lat)?;
+        out.push(lat);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scale_labels_round_trip() {
+        assert_eq!(Scale::Log2.label(Scale::Log2.to_axis(8.0)), "8");
+        assert_eq!(Scale::Log10.label(Scale::Log10.to_axis(1000.0)), "1000");
+        assert_eq!(Scale::Linear.label(0.25), "0.25");
+    }
+
+    #[test]
+    fn a_chart_is_well_formed_svg() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.svg");
+        LineChart {
+            title: "t".into(),
+            subtitle: "s",
+            x_label: "x",
+            y_label: "y",
+            x_scale: Scale::Log2,
+            y_scale: Scale::Linear,
+            y_range: None,
+            series: vec![
+                Series { name: "a".into(), points: vec![(1.0, 1.0), (2.0, 3.0), (4.0, 2.0)], dashed: false },
+                Series { name: "b".into(), points: vec![(1.0, 2.0), (4.0, 2.5)], dashed: true },
+            ],
+        }
+        .draw(&p)
+        .unwrap();
+        let svg = std::fs::read_to_string(&p).unwrap();
+        let doc = roxmltree::Document::parse(&svg).unwrap();
+        assert_eq!(doc.root_element().tag_name().name(), "svg");
+        assert!(doc.descendants().filter(|n| n.tag_name().name() == "circle").count() >= 5);
+        let empty = LineChart {
+            series: vec![],
+            ..LineChart {
+                title: "e".into(),
+                subtitle: "",
+                x_label: "",
+                y_label: "",
+                x_scale: Scale::Linear,
+                y_scale: Scale::Linear,
+                y_range: None,
+                series: vec![],
+            }
+        };
+        assert!(empty.draw(&dir.path().join("e.svg")).is_err());
+    }
+}

@@ -1,7 +1,12 @@
 //! Block-aligned buffers: the cache slots that reads (O_DIRECT, io_uring, NVMe DMA) land in.
+//!
+//! An [`AlignedBuf`] owns heap memory (the default), a `MAP_HUGETLB` mapping, or a block lent by a
+//! [`BufPool`] — memory some engine reads into without a copy, such as the NVMe driver's hugepage DMA
+//! pool — which goes back to its pool when the buffer is dropped.
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
+use std::sync::Arc;
 
 use crate::error::{Error, Result};
 
@@ -20,6 +25,20 @@ enum Backing {
     Heap(Layout),
     #[cfg(unix)]
     Mmap(usize),
+    /// Lent by a pool; handed back on drop. The `Arc` keeps the pool (and its memory) alive.
+    Pool(Arc<dyn BufPool>),
+}
+
+/// An allocator that lends memory to [`AlignedBuf`]s (see [`AlignedBuf::from_pool`]) and takes each
+/// block back when its buffer is dropped; e.g. the NVMe driver's DMA pool, whose blocks the device can
+/// write directly.
+pub trait BufPool: Send + Sync {
+    /// Takes back the `len` bytes at `ptr` that [`AlignedBuf::from_pool`] wrapped. Called exactly once
+    /// per such buffer, from its `Drop`, when no reference to the bytes remains.
+    fn give_back(&self, ptr: NonNull<u8>, len: usize);
+
+    /// A short name for logs and `Debug` (e.g. `nvme DMA slots`).
+    fn name(&self) -> &str;
 }
 
 // SAFETY: `AlignedBuf` owns its allocation exclusively (like `Vec<u8>`); no aliasing pointer is kept
@@ -143,25 +162,60 @@ impl AlignedBuf {
     pub fn as_mut_ptr(&mut self) -> *mut u8 {
         self.ptr.as_ptr()
     }
+
+    /// Address of byte 0 (for an engine to recognise memory it lent, e.g. from its DMA pool).
+    pub fn addr(&self) -> usize {
+        self.ptr.as_ptr() as usize
+    }
+
+    /// Wraps `len` bytes at `ptr` that `pool` lends; the buffer gives them back to `pool`
+    /// ([`BufPool::give_back`]) when it is dropped, and keeps `pool` alive until then.
+    ///
+    /// # Safety
+    /// - `ptr` is valid for reads and writes of `len` initialised bytes (e.g. zeroed) until
+    ///   `pool.give_back(ptr, len)` is called, and nothing else reads or writes them until then: the
+    ///   buffer owns them exclusively, as a `Box<[u8]>` would (a device may write them only while the
+    ///   buffer is lent to the engine that drives it, as with any [`AlignedBuf`]).
+    /// - `align` is a power of two, and `ptr` and `len` (> 0) are multiples of it.
+    pub unsafe fn from_pool(ptr: NonNull<u8>, len: usize, align: usize, pool: Arc<dyn BufPool>) -> AlignedBuf {
+        debug_assert!(align.is_power_of_two() && len > 0);
+        debug_assert!((ptr.as_ptr() as usize).is_multiple_of(align) && len.is_multiple_of(align));
+        AlignedBuf { ptr, len, align, backing: Backing::Pool(pool) }
+    }
+
+    /// The pool this buffer's memory was lent by, if any (`None` for heap and hugepage-mapped buffers).
+    pub fn pool(&self) -> Option<&Arc<dyn BufPool>> {
+        match &self.backing {
+            Backing::Pool(p) => Some(p),
+            _ => None,
+        }
+    }
 }
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        match self.backing {
+        match &self.backing {
             // SAFETY: allocated by `alloc_zeroed` with exactly this layout, freed once.
-            Backing::Heap(layout) => unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) },
+            Backing::Heap(layout) => unsafe { std::alloc::dealloc(self.ptr.as_ptr(), *layout) },
             #[cfg(unix)]
             // SAFETY: mapped by `mmap` with exactly this length, unmapped once.
             Backing::Mmap(map_len) => unsafe {
-                libc::munmap(self.ptr.as_ptr().cast(), map_len);
+                libc::munmap(self.ptr.as_ptr().cast(), *map_len);
             },
+            // Once, with no reference left (we are in `drop`), as `from_pool`'s contract says.
+            Backing::Pool(pool) => pool.give_back(self.ptr, self.len),
         }
     }
 }
 
 impl std::fmt::Debug for AlignedBuf {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AlignedBuf").field("len", &self.len).field("align", &self.align).finish()
+        let mut d = f.debug_struct("AlignedBuf");
+        d.field("len", &self.len).field("align", &self.align);
+        if let Backing::Pool(p) = &self.backing {
+            d.field("pool", &p.name());
+        }
+        d.finish()
     }
 }
 
@@ -181,6 +235,57 @@ mod tests {
             assert_eq!(b.as_slice()[4999], 9);
         }
         assert!(AlignedBuf::new(10, 3000).is_err());
+    }
+
+    /// A pool of heap blocks that records what comes back.
+    struct TestPool {
+        layout: Layout,
+        base: NonNull<u8>,
+        returned: std::sync::Mutex<Vec<(usize, usize)>>,
+    }
+    // SAFETY: `base` is only dereferenced through the `AlignedBuf`s lent from it.
+    unsafe impl Send for TestPool {}
+    // SAFETY: as for `Send`; `returned` is behind a mutex.
+    unsafe impl Sync for TestPool {}
+    impl BufPool for TestPool {
+        fn give_back(&self, ptr: NonNull<u8>, len: usize) {
+            self.returned.lock().unwrap().push((ptr.as_ptr() as usize - self.base.as_ptr() as usize, len));
+        }
+        fn name(&self) -> &str {
+            "test pool"
+        }
+    }
+    impl Drop for TestPool {
+        fn drop(&mut self) {
+            // SAFETY: allocated in the test with this layout; every buffer is gone (they hold the Arc).
+            unsafe { std::alloc::dealloc(self.base.as_ptr(), self.layout) }
+        }
+    }
+
+    #[test]
+    fn pool_buffers_return_to_their_pool_on_drop() {
+        let layout = Layout::from_size_align(4 * 4096, 4096).unwrap();
+        // SAFETY: non-zero size.
+        let base = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) }).unwrap();
+        let pool = Arc::new(TestPool { layout, base, returned: Default::default() });
+        let dynpool: Arc<dyn BufPool> = pool.clone();
+        // SAFETY: two disjoint zeroed blocks of the pool's allocation, each lent once.
+        let (mut a, b) = unsafe {
+            (
+                AlignedBuf::from_pool(base, 8192, 4096, dynpool.clone()),
+                AlignedBuf::from_pool(NonNull::new(base.as_ptr().add(8192)).unwrap(), 4096, 4096, dynpool),
+            )
+        };
+        assert_eq!((a.len(), a.align(), a.addr()), (8192, 4096, base.as_ptr() as usize));
+        assert_eq!(a.pool().unwrap().name(), "test pool");
+        assert!(AlignedBuf::new(10, 512).unwrap().pool().is_none());
+        a.as_mut_slice()[8191] = 7;
+        assert_eq!(a.as_slice()[8191], 7);
+        assert!(format!("{a:?}").contains("test pool"));
+        drop(b);
+        drop(a);
+        assert_eq!(*pool.returned.lock().unwrap(), [(8192, 4096), (0, 8192)]);
+        assert_eq!(Arc::strong_count(&pool), 1, "the buffers released the pool");
     }
 
     #[test]

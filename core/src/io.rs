@@ -60,6 +60,39 @@ pub trait IoQueue: Send {
 
     /// A short description for logs and `--json` stats, e.g. `psync(direct, 2 threads)`.
     fn describe(&self) -> String;
+
+    /// Memory for `count` long-lived buffers of `len` bytes each (an expert cache's slots) that reads
+    /// on this queue reach **without a copy**, when the engine has such memory: the user-space NVMe
+    /// driver reserves `count × len` bytes of its hugepage DMA pool and lends slots from it. Called
+    /// once, before the buffers are needed.
+    ///
+    /// `None` (the default, and the answer of every kernel engine): allocate the buffers on the heap
+    /// with [`AlignedBuf::new`], which O_DIRECT, io_uring and IOCP read into directly anyway.
+    fn slot_allocator(&mut self, count: usize, len: usize) -> Option<Box<dyn SlotAllocator>> {
+        let _ = (count, len);
+        None
+    }
+
+    /// Bytes this queue has copied between its own buffers and request buffers so far (a bounce
+    /// buffer: the NVMe driver reading into memory the device cannot reach). 0 for engines that read
+    /// straight into the request's buffer (the default).
+    fn bounce_bytes(&self) -> u64 {
+        0
+    }
+}
+
+/// Hands out buffers from memory an engine reads into without a copy (see
+/// [`IoQueue::slot_allocator`]); each buffer returns to it when dropped.
+pub trait SlotAllocator: Send {
+    /// A zeroed buffer of at least `len` bytes, aligned to at least 4096 bytes.
+    ///
+    /// # Errors
+    /// [`crate::Error::Alloc`] when the reserved memory is used up or `len` exceeds the slot size
+    /// the allocator was made for (the caller then allocates on the heap).
+    fn alloc(&mut self, len: usize) -> crate::Result<AlignedBuf>;
+
+    /// What the memory is, for logs, e.g. `nvme DMA pool: 48 slots of 2654208 B in 61 × 2 MiB hugepages`.
+    fn describe(&self) -> String;
 }
 
 impl<Q: IoQueue + ?Sized> IoQueue for Box<Q> {
@@ -77,6 +110,12 @@ impl<Q: IoQueue + ?Sized> IoQueue for Box<Q> {
     }
     fn describe(&self) -> String {
         (**self).describe()
+    }
+    fn slot_allocator(&mut self, count: usize, len: usize) -> Option<Box<dyn SlotAllocator>> {
+        (**self).slot_allocator(count, len)
+    }
+    fn bounce_bytes(&self) -> u64 {
+        (**self).bounce_bytes()
     }
 }
 

@@ -7,7 +7,7 @@ use std::time::Instant;
 use crate::buf::AlignedBuf;
 use crate::error::{Error, Result};
 use crate::format::{decode_index, index_sha256, payload_hash, round_up, ExpertLoc, Superblock, BLOCK_SIZE};
-use crate::io::{read_blocking, ByteOffset, Completion, IoQueue, ReadReq, Tag};
+use crate::io::{read_blocking, ByteOffset, Completion, IoQueue, ReadReq, SlotAllocator, Tag};
 use crate::stats::IoStats;
 
 /// One routed expert: `(layer, expert)`, both 0-based.
@@ -132,6 +132,14 @@ pub trait ExpertLoader: Send {
 
     /// Loads `requests` (expert id, slot) of `layer`; see the trait documentation.
     fn load(&mut self, layer: u32, requests: Vec<(u32, AlignedBuf)>, ready: &mut dyn FnMut(Loaded));
+
+    /// Where an expert cache of `count` slots of `len` bytes should allocate them so this loader's
+    /// reads land in them without a copy ([`IoQueue::slot_allocator`] of the engine behind it).
+    /// `None` (the default): on the heap.
+    fn slot_allocator(&mut self, count: usize, len: usize) -> Option<Box<dyn SlotAllocator>> {
+        let _ = (count, len);
+        None
+    }
 }
 
 impl<L: ExpertLoader + ?Sized> ExpertLoader for Box<L> {
@@ -140,6 +148,9 @@ impl<L: ExpertLoader + ?Sized> ExpertLoader for Box<L> {
     }
     fn load(&mut self, layer: u32, requests: Vec<(u32, AlignedBuf)>, ready: &mut dyn FnMut(Loaded)) {
         (**self).load(layer, requests, ready)
+    }
+    fn slot_allocator(&mut self, count: usize, len: usize) -> Option<Box<dyn SlotAllocator>> {
+        (**self).slot_allocator(count, len)
     }
 }
 
@@ -216,6 +227,8 @@ pub struct FlatStore<Q: IoQueue> {
     opts: FlatStoreOptions,
     stats: Arc<IoStats>,
     completions: Vec<Completion>,
+    /// The engine's [`IoQueue::bounce_bytes`] already added to `stats`.
+    bounce_seen: u64,
 }
 
 impl<Q: IoQueue> FlatStore<Q> {
@@ -307,7 +320,18 @@ impl<Q: IoQueue> FlatStore<Q> {
                 1 + rejected.count()
             );
         }
-        Ok(FlatStore { queue, source_name, sb, entries, opts, stats: Arc::default(), completions: Vec::new() })
+        // Bounce bytes count expert loads only, not the superblock and index reads above.
+        let bounce_seen = queue.bounce_bytes();
+        Ok(FlatStore {
+            queue,
+            source_name,
+            sb,
+            entries,
+            opts,
+            stats: Arc::default(),
+            completions: Vec::new(),
+            bounce_seen,
+        })
     }
 
     /// Shares statistics with another owner (e.g. the runtime's report).
@@ -474,6 +498,13 @@ impl<Q: IoQueue> ExpertLoader for FlatStore<Q> {
             }
         }
         self.stats.add_wall(waited.as_nanos() as u64);
+        let bounce = self.queue.bounce_bytes();
+        self.stats.record_bounce(bounce.saturating_sub(self.bounce_seen));
+        self.bounce_seen = bounce;
+    }
+
+    fn slot_allocator(&mut self, count: usize, len: usize) -> Option<Box<dyn SlotAllocator>> {
+        self.queue.slot_allocator(count, len)
     }
 }
 
@@ -518,6 +549,11 @@ impl<P: ExpertLoader, F: ExpertLoader> ExpertLoader for FallbackLoader<P, F> {
                 ready(l)
             });
         }
+    }
+
+    /// The primary's: the fallback copies into whatever slot it is given.
+    fn slot_allocator(&mut self, count: usize, len: usize) -> Option<Box<dyn SlotAllocator>> {
+        self.primary.slot_allocator(count, len)
     }
 }
 

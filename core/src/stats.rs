@@ -13,6 +13,7 @@ pub struct IoStats {
     read_wall_ns: AtomicU64,
     fallbacks: AtomicU64,
     errors: AtomicU64,
+    bounce: AtomicU64,
     latency: [AtomicU64; LATENCY_BUCKETS_US.len()],
 }
 
@@ -29,6 +30,9 @@ pub struct StatsSnapshot {
     pub fallbacks: u64,
     /// Failed reads or checks in the primary store.
     pub errors: u64,
+    /// Bytes of expert reads the engine copied through bounce buffers instead of reading them
+    /// straight into the cache slot ([`crate::IoQueue::bounce_bytes`]; 0 for kernel engines).
+    pub bounce_bytes: u64,
     /// Read count per bucket of [`LATENCY_BUCKETS_US`].
     pub latency_hist: Vec<u64>,
 }
@@ -54,6 +58,10 @@ impl IoStats {
     pub fn record_error(&self) {
         self.errors.fetch_add(1, Relaxed);
     }
+    /// Counts bytes an engine copied through bounce buffers.
+    pub fn record_bounce(&self, bytes: u64) {
+        self.bounce.fetch_add(bytes, Relaxed);
+    }
     /// Copies the counters.
     pub fn snapshot(&self) -> StatsSnapshot {
         StatsSnapshot {
@@ -62,6 +70,7 @@ impl IoStats {
             read_wall_ns: self.read_wall_ns.load(Relaxed),
             fallbacks: self.fallbacks.load(Relaxed),
             errors: self.errors.load(Relaxed),
+            bounce_bytes: self.bounce.load(Relaxed),
             latency_hist: self.latency.iter().map(|a| a.load(Relaxed)).collect(),
         }
     }

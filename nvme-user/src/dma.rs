@@ -8,11 +8,20 @@
 //!   [`DmaRegistry`], the sim's "IOMMU": the model refuses to touch memory outside it.
 //! - [`HugepageDma`] for VFIO: 2 MiB hugepage chunks mapped for the device by an [`IovaMapper`]
 //!   (`VFIO_IOMMU_MAP_DMA` at IOVAs the driver chooses), carved into page-aligned pieces.
+//!
+//! For long-lived request buffers — an expert cache's slots — [`DmaPool::alloc_region`] maps one
+//! [`DmaRegion`] of many 2 MiB hugepages at once (one `VFIO_IOMMU_MAP_DMA` for the whole region, or
+//! each page's physical address in no-IOMMU mode), and a [`SlotPool`] lends it out in fixed-size slots
+//! as [`AlignedBuf`]s ([`picchio_core::BufPool`]) that come back when dropped. The engine recognises
+//! such a buffer by its address and builds PRPs from the region's IOVAs: the device writes the slot
+//! itself, no copy.
 
 use std::alloc::Layout;
 use std::collections::BTreeMap;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
+
+use picchio_core::{AlignedBuf, BufPool, SlotAllocator};
 
 use crate::error::{Error, Result};
 use crate::spec::{Command, Completion};
@@ -166,6 +175,259 @@ pub trait DmaPool: Send + Sync {
     fn unmap_external(&self, iova: Iova, len: usize);
     /// Short name for logs.
     fn kind(&self) -> &'static str;
+    /// A zeroed region of at least `len` bytes, contiguous in the process and mapped for the device
+    /// once, for long-lived buffers (a [`SlotPool`]). [`HugepageDma`] rounds up to whole 2 MiB
+    /// hugepages; the heap (sim) to 4 KiB pages.
+    ///
+    /// # Errors
+    /// [`Error::DmaAlloc`] (for hugepages: too few free, `ENOMEM`); [`Error::Vfio`] from the mapping.
+    fn alloc_region(&self, len: usize) -> Result<DmaRegion>;
+}
+
+/// What to undo when a [`DmaRegion`] goes away.
+enum RegionRelease {
+    /// Heap memory registered with the sim's registry.
+    Heap(Layout, Arc<DmaRegistry>),
+    /// An anonymous hugepage mapping of `len` bytes, mapped for the device at `mapped` (one range per
+    /// `IovaMapper::map` call; empty in no-IOMMU mode).
+    Huge { map_len: usize, mapper: Arc<dyn IovaMapper>, mapped: Vec<(Iova, usize)> },
+}
+
+/// Host memory mapped for the device once: `len` bytes, contiguous in the process, made of pages of
+/// `page` bytes (2 MiB hugepages for VFIO), each with its own IOVA (contiguous under an IOMMU; each
+/// hugepage's physical address without one). Accessed only through raw pointers: the bytes belong to
+/// whoever holds a slot ([`SlotPool`]).
+pub struct DmaRegion {
+    ptr: NonNull<u8>,
+    len: usize,
+    page: usize,
+    /// IOVA of each page.
+    iovas: Vec<Iova>,
+    release: RegionRelease,
+}
+
+// SAFETY: the region owns its memory (like `Vec<u8>`); it hands out raw pointers only, and those are
+// dereferenced by the `AlignedBuf`s a `SlotPool` lends (each slot to one owner at a time).
+unsafe impl Send for DmaRegion {}
+// SAFETY: `&DmaRegion` offers no access to the bytes, only addresses and IOVAs.
+unsafe impl Sync for DmaRegion {}
+
+impl DmaRegion {
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Never true.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Bytes per page (each page is contiguous for the device): 2 MiB for hugepage regions.
+    pub fn page_size(&self) -> usize {
+        self.page
+    }
+    /// Pages in the region.
+    pub fn pages(&self) -> usize {
+        self.iovas.len()
+    }
+    /// Host address of byte 0.
+    pub fn addr(&self) -> usize {
+        self.ptr.as_ptr() as usize
+    }
+    /// The offset in the region of `len` bytes at host address `addr`, if they lie wholly inside it.
+    pub fn locate(&self, addr: usize, len: usize) -> Option<usize> {
+        let off = addr.checked_sub(self.addr())?;
+        (off.checked_add(len)? <= self.len).then_some(off)
+    }
+    /// Appends to `out` the `(IOVA, bytes)` segments the device uses for region bytes
+    /// `off..off + len`: one per page crossed, merged where the IOVAs are contiguous.
+    ///
+    /// # Panics
+    /// If the range is not inside the region.
+    pub fn segments(&self, off: usize, len: usize, out: &mut Vec<(Iova, usize)>) {
+        assert!(off + len <= self.len, "DMA region range {off:#x}+{len:#x} beyond {:#x}", self.len);
+        let mut o = off;
+        let end = off + len;
+        while o < end {
+            let (p, in_page) = (o / self.page, o % self.page);
+            let n = (self.page - in_page).min(end - o);
+            let iova = self.iovas[p].add(in_page as u64);
+            match out.last_mut() {
+                Some((last, l)) if last.0 + *l as u64 == iova.0 => *l += n,
+                _ => out.push((iova, n)),
+            }
+            o += n;
+        }
+    }
+}
+
+impl Drop for DmaRegion {
+    fn drop(&mut self) {
+        match &self.release {
+            RegionRelease::Heap(layout, registry) => {
+                registry.remove(self.ptr.as_ptr() as u64);
+                // SAFETY: allocated by `alloc_zeroed` with this layout in `HeapDma::alloc_region`;
+                // freed once, after the device's access was revoked.
+                unsafe { std::alloc::dealloc(self.ptr.as_ptr(), *layout) }
+            }
+            RegionRelease::Huge { map_len, mapper, mapped } => {
+                for &(iova, len) in mapped {
+                    mapper.unmap(iova, len);
+                }
+                // SAFETY: mapped by `mmap` with length `map_len` in `HugepageDma::alloc_region`,
+                // unmapped once, after the device mapping is gone.
+                unsafe { libc::munmap(self.ptr.as_ptr().cast(), *map_len) };
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for DmaRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DmaRegion")
+            .field("len", &self.len)
+            .field("page", &self.page)
+            .field("first_iova", &format_args!("{:#x}", self.iovas.first().map_or(0, |i| i.0)))
+            .finish()
+    }
+}
+
+/// A [`DmaRegion`] carved into `count` slots of `slot_len` bytes (a multiple of 4096), lent as
+/// [`AlignedBuf`]s that return here when dropped: the expert cache's slots, read into by the device
+/// with no copy. Each slot is lent to one owner at a time (a free list under a mutex; taking and
+/// returning slots happens when the cache fills, never per read).
+pub struct SlotPool {
+    region: DmaRegion,
+    slot_len: usize,
+    count: usize,
+    free: Mutex<Vec<usize>>,
+}
+
+impl SlotPool {
+    /// `count` slots of `slot_len` bytes (rounded up to [`PAGE`]) in `region`.
+    ///
+    /// # Errors
+    /// [`Error::DmaAlloc`] when the region is smaller than `count × slot_len`.
+    pub fn new(region: DmaRegion, slot_len: usize, count: usize) -> Result<SlotPool> {
+        let slot_len = slot_len.max(1).div_ceil(PAGE) * PAGE;
+        let need = slot_len.checked_mul(count).filter(|&n| n <= region.len());
+        if need.is_none() {
+            return Err(Error::DmaAlloc { len: slot_len.saturating_mul(count), hugepages: false, cause: None });
+        }
+        let free = Mutex::new((0..count).rev().collect());
+        Ok(SlotPool { region, slot_len, count, free })
+    }
+    /// The region.
+    pub fn region(&self) -> &DmaRegion {
+        &self.region
+    }
+    /// Bytes per slot.
+    pub fn slot_len(&self) -> usize {
+        self.slot_len
+    }
+    /// Slots in the pool.
+    pub fn count(&self) -> usize {
+        self.count
+    }
+    /// Slots not lent out.
+    pub fn free_slots(&self) -> usize {
+        self.free.lock().expect("slot pool").len()
+    }
+    /// Lends a zeroed slot, or `None` when all are lent.
+    pub fn take(self: &Arc<Self>) -> Option<AlignedBuf> {
+        let i = self.free.lock().expect("slot pool").pop()?;
+        let off = i * self.slot_len;
+        // SAFETY: `off + slot_len <= region.len()` (checked in `new`), so the pointer is in bounds.
+        let p = unsafe { self.region.ptr.as_ptr().add(off) };
+        // SAFETY: slot `i` was on the free list, so no `AlignedBuf` owns it and the device is not
+        // using it (a slot lent to an engine comes back only after its command completed or the
+        // controller was shut down); zeroing it races with nothing.
+        unsafe { std::ptr::write_bytes(p, 0, self.slot_len) };
+        let pool: Arc<dyn BufPool> = self.clone();
+        // SAFETY: the slot is valid, initialised (zeroed) memory of `slot_len` bytes, page-aligned
+        // (region and slot length are multiples of PAGE), owned by no one else until `give_back`
+        // puts `i` back on the free list; the `Arc` in the buffer keeps the region alive until then.
+        Some(unsafe { AlignedBuf::from_pool(NonNull::new(p).expect("non-null"), self.slot_len, PAGE, pool) })
+    }
+}
+
+impl BufPool for SlotPool {
+    fn give_back(&self, ptr: NonNull<u8>, len: usize) {
+        let off = self.region.locate(ptr.as_ptr() as usize, len).expect("a slot of this pool");
+        debug_assert!(off.is_multiple_of(self.slot_len) && len == self.slot_len);
+        self.free.lock().expect("slot pool").push(off / self.slot_len);
+    }
+    fn name(&self) -> &str {
+        "nvme DMA slots"
+    }
+}
+
+impl std::fmt::Debug for SlotPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SlotPool")
+            .field("slots", &self.count)
+            .field("slot_len", &self.slot_len)
+            .field("free", &self.free_slots())
+            .field("region", &self.region)
+            .finish()
+    }
+}
+
+/// The [`SlotAllocator`] an expert cache gets from an NVMe engine: slots of a [`SlotPool`].
+#[derive(Debug)]
+pub struct DmaSlots {
+    pool: Arc<SlotPool>,
+    kind: &'static str,
+}
+
+impl DmaSlots {
+    /// Slots of `pool`, whose memory is `kind` (`hugepage`, `heap`) for [`SlotAllocator::describe`].
+    pub fn new(pool: Arc<SlotPool>, kind: &'static str) -> Self {
+        DmaSlots { pool, kind }
+    }
+}
+
+impl SlotAllocator for DmaSlots {
+    fn alloc(&mut self, len: usize) -> picchio_core::Result<AlignedBuf> {
+        let fail = |why: &str| picchio_core::Error::Alloc {
+            len,
+            align: PAGE,
+            hugepages: self.kind == "hugepage",
+            cause: Some(std::io::Error::other(format!("nvme DMA slot pool: {why}"))),
+        };
+        if len > self.pool.slot_len {
+            return Err(fail(&format!("a slot holds {} bytes", self.pool.slot_len)));
+        }
+        self.pool.take().ok_or_else(|| fail(&format!("all {} slots are in use", self.pool.count)))
+    }
+    fn describe(&self) -> String {
+        let r = self.pool.region();
+        format!(
+            "nvme DMA pool: {} slots of {} B in {} × {} KiB {} pages",
+            self.pool.count,
+            self.pool.slot_len,
+            r.pages(),
+            r.page_size() >> 10,
+            self.kind
+        )
+    }
+}
+
+/// The warning for an expert cache that does not fit in the free 2 MiB hugepages: how many it
+/// needs, how many `meminfo` (the text of `/proc/meminfo`) says are free and reserved, and how to
+/// reserve more. `cause` is the allocation error.
+pub fn hugepage_shortfall(needed_pages: usize, slots: usize, slot_len: usize, meminfo: &str, cause: &str) -> String {
+    let field = |name: &str| -> Option<usize> {
+        meminfo.lines().find_map(|l| l.strip_prefix(name)?.split_whitespace().next()?.parse().ok())
+    };
+    let (total, free) = (field("HugePages_Total:"), field("HugePages_Free:"));
+    let have = match (total, free) {
+        (Some(t), Some(f)) => format!("{f} of the {t} reserved are free"),
+        _ => "the free count is unknown (no HugePages_Free in /proc/meminfo)".into(),
+    };
+    let target = total.unwrap_or(0) + needed_pages.saturating_sub(free.unwrap_or(0));
+    format!(
+        "zero-copy NVMe reads need the expert cache in DMA memory: {needed_pages} × 2 MiB hugepages for {slots}          slots of {slot_len} B, but {have} ({cause}); expert reads will be copied through bounce buffers instead          (bounce_bytes in `picchio run --json`). Reserve them before the run, as root:          echo {target} > /proc/sys/vm/nr_hugepages"
+    )
 }
 
 /// The set of host ranges the device may access (the sim's IOMMU), keyed by start address.
@@ -204,12 +466,19 @@ impl IovaSpace for DmaRegistry {
 #[derive(Clone, Default, Debug)]
 pub struct HeapDma {
     registry: Arc<DmaRegistry>,
+    /// Largest [`DmaPool::alloc_region`] allowed (`None`: any).
+    region_limit: Arc<Mutex<Option<usize>>>,
 }
 
 impl HeapDma {
     /// A new allocator with an empty registry.
     pub fn new() -> Self {
         Self::default()
+    }
+    /// Refuses [`DmaPool::alloc_region`] above `bytes` (test knob standing in for a machine with too
+    /// few free hugepages; applies to every clone).
+    pub fn limit_regions(&self, bytes: Option<usize>) {
+        *self.region_limit.lock().expect("heap dma") = bytes;
     }
     /// The registry the sim checks device accesses against.
     pub fn registry(&self) -> Arc<DmaRegistry> {
@@ -243,6 +512,28 @@ impl DmaPool for HeapDma {
     fn kind(&self) -> &'static str {
         "heap"
     }
+    fn alloc_region(&self, len: usize) -> Result<DmaRegion> {
+        let rounded = len.max(1).div_ceil(PAGE) * PAGE;
+        let fail = |cause| Error::DmaAlloc { len, hugepages: false, cause };
+        if let Some(limit) = *self.region_limit.lock().expect("heap dma") {
+            if rounded > limit {
+                let why = format!("the sim's region limit is {limit} bytes (standing in for too few hugepages)");
+                return Err(fail(Some(std::io::Error::new(std::io::ErrorKind::OutOfMemory, why))));
+            }
+        }
+        let layout = Layout::from_size_align(rounded, PAGE).map_err(|_| fail(None))?;
+        // SAFETY: non-zero size.
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(p).ok_or_else(|| fail(None))?;
+        self.registry.insert(ptr.as_ptr() as u64, rounded);
+        Ok(DmaRegion {
+            ptr,
+            len: rounded,
+            page: rounded,
+            iovas: vec![Iova(ptr.as_ptr() as u64)],
+            release: RegionRelease::Heap(layout, self.registry.clone()),
+        })
+    }
 }
 
 /// Maps host memory for the device at an IOVA (VFIO type1: `VFIO_IOMMU_MAP_DMA`).
@@ -256,6 +547,12 @@ pub trait IovaMapper: Send + Sync {
     fn map(&self, vaddr: *mut u8, len: usize, iova: Iova) -> Result<Iova>;
     /// Unmaps what [`IovaMapper::map`] mapped.
     fn unmap(&self, iova: Iova, len: usize);
+    /// Whether [`IovaMapper::map`] translates (an IOMMU: the device sees the IOVA asked for, so one
+    /// call maps a whole multi-page region at contiguous IOVAs) rather than returning the physical
+    /// address of `vaddr` (no IOMMU: each hugepage must be looked up on its own). Default: true.
+    fn translates(&self) -> bool {
+        true
+    }
 }
 
 const HUGE: usize = 2 << 20;
@@ -363,6 +660,65 @@ impl DmaPool for HugepageDma {
     fn unmap_external(&self, _iova: Iova, _len: usize) {}
     fn kind(&self) -> &'static str {
         "hugepage"
+    }
+    fn alloc_region(&self, len: usize) -> Result<DmaRegion> {
+        let pages = len.max(1).div_ceil(HUGE);
+        let map_len = pages * HUGE;
+        // SAFETY: anonymous private mapping without an address hint; checked for MAP_FAILED. Without
+        // MAP_NORESERVE the kernel reserves all the hugepages now or fails with ENOMEM, and
+        // MAP_POPULATE faults them in, so the physical pages exist (and never move) before mapping.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_HUGETLB | libc::MAP_POPULATE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::DmaAlloc {
+                len: map_len,
+                hugepages: true,
+                cause: Some(std::io::Error::last_os_error()),
+            });
+        }
+        let base = NonNull::new(p.cast::<u8>()).expect("mmap returned non-null");
+        let mut st = self.state.lock().expect("hugepage dma");
+        let mut mapped = Vec::new();
+        let mut iovas = Vec::with_capacity(pages);
+        let result = if self.mapper.translates() {
+            // One mapping for the whole region at IOVAs we choose: contiguous for the device.
+            let at = Iova(st.next_iova);
+            self.mapper.map(base.as_ptr(), map_len, at).map(|iova| {
+                mapped.push((iova, map_len));
+                iovas.extend((0..pages).map(|k| iova.add((k * HUGE) as u64)));
+                st.next_iova += map_len as u64;
+            })
+        } else {
+            // No IOMMU: each hugepage is contiguous in physical memory, the region is not.
+            (0..pages).try_for_each(|k| {
+                // SAFETY: `k * HUGE < map_len`, inside the mapping.
+                let v = unsafe { base.as_ptr().add(k * HUGE) };
+                self.mapper.map(v, HUGE, Iova(0)).map(|iova| iovas.push(iova))
+            })
+        };
+        if let Err(e) = result {
+            for &(iova, l) in &mapped {
+                self.mapper.unmap(iova, l);
+            }
+            // SAFETY: mapped above with length `map_len`, never shared.
+            unsafe { libc::munmap(p, map_len) };
+            return Err(e);
+        }
+        Ok(DmaRegion {
+            ptr: base,
+            len: map_len,
+            page: HUGE,
+            iovas,
+            release: RegionRelease::Huge { map_len, mapper: self.mapper.clone(), mapped },
+        })
     }
 }
 

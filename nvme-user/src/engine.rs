@@ -6,33 +6,50 @@
 //! rings each doorbell once per batch.
 //!
 //! # Where the bytes land
-//! - **Direct** (the sim, [`NvmeQueue::new`]): the request's [`AlignedBuf`] is lent to the device with
-//!   [`DmaPool::map_external`]; for the sim's [`HeapDma`] its IOVA is its host address, so bytes go
-//!   from the device into the cache slot with no copy.
-//! - **Bounce** ([`NvmeQueue::with_bounce_buffer`]) — an **interim** for VFIO until the runtime's cache
-//!   slots are allocated from the DMA pool: every command reads into a per-CID bounce buffer from the
-//!   [`DmaPool`] and the bytes are copied into the `AlignedBuf` on completion. Correct, one extra copy.
+//! - **Pool slots** (zero-copy, both data paths below): [`IoQueue::slot_allocator`] maps one
+//!   [`DmaRegion`](crate::dma::DmaRegion) of `count × len` bytes (2 MiB hugepages for VFIO) and lends
+//!   it as [`AlignedBuf`] slots ([`SlotPool`]). A request whose buffer lies in such a region is
+//!   recognised by its address, and its PRPs are built straight from the region's IOVAs: the device
+//!   writes the expert cache's slot itself.
+//! - **Direct** (the sim, [`NvmeQueue::new`]): any other buffer is lent to the device with
+//!   [`DmaPool::map_external`]; for the sim's [`HeapDma`] its IOVA is its host address.
+//! - **Bounce** ([`NvmeQueue::with_bounce_buffer`], VFIO, whose hugepage pool cannot map arbitrary
+//!   heap memory): any other buffer is served through per-CID bounce buffers from the [`DmaPool`]
+//!   (at most 128 KiB per command) and copied on completion (reads) or before submission (writes),
+//!   counted in [`NvmeQueueStats::bounce_bytes`] ([`IoQueue::bounce_bytes`]). The superblock and
+//!   index reads at open take this path; expert reads do when the cache's slots could not be placed
+//!   in hugepages (warned once, with the number of pages to reserve).
+//!
+//! # Writes and Flush
+//! [`NvmeQueue::submit_write`] issues NVM Write commands (opcode 0x01) through the same data paths
+//! and completes through [`IoQueue::reap`] like a read; [`NvmeQueue::flush`] issues a Flush (opcode
+//! 0x00, NVM command set §3.2.2) and waits for it. `picchio pack --out nvme:` writes images this way.
 //!
 //! # Failures
-//! An error status completes the request with an `io::Error` naming the status; a command without a
-//! completion after the timeout completes its request with `TimedOut`, and because the device could
-//! still write that buffer later, the buffer is quarantined until the controller is shut down and a
-//! fresh zeroed buffer of the same size goes back instead. CSTS.CFS fails every request in flight
-//! and every later one.
+//! An error status completes the request with an `io::Error` naming the status. A command without a
+//! completion after the timeout is aborted (Abort, §5.1), and if that does not resolve it — or on
+//! CSTS.CFS — the controller is reset and re-initialized on the same DMA memory: exactly the requests
+//! with a command in flight fail, with a typed [`ReadFailure`] inside the `io::Error`, and later
+//! requests are served (bounded by [`RecoveryPolicy`]; details in `engine/recovery.rs`). Only when
+//! the queue stops (reset limit, failed reset, interrupt) may the device still own a buffer: it is
+//! then quarantined until the controller is shut down and a fresh zeroed buffer goes back instead.
 
 use std::collections::VecDeque;
 use std::io;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use picchio_core::{AlignedBuf, Completion, IoQueue, ReadReq, Tag};
+use picchio_core::{AlignedBuf, Completion, IoQueue, ReadReq, SlotAllocator, Tag};
 
 use crate::ctrlr::{Controller, CtrlrOptions, Namespace};
-use crate::dma::{DmaBuf, DmaPool, HeapDma, Iova};
+use crate::dma::{hugepage_shortfall, DmaBuf, DmaPool, DmaSlots, HeapDma, Iova, SlotPool};
 use crate::error::{Error, Result};
 use crate::queue::CqEntry;
 use crate::sim::{Sim, SimConfig};
+
+mod recovery;
 use crate::spec::{nvm, Command, Lba};
+pub use recovery::{ReadFailure, RecoveryPolicy};
 
 /// Options for [`NvmeQueue`].
 #[derive(Clone, Debug)]
@@ -67,15 +84,38 @@ pub struct NvmeQueueStats {
     pub commands: u64,
     /// Commands that timed out.
     pub timeouts: u64,
+    /// Abort commands sent for timed-out commands.
+    pub aborts: u64,
+    /// Controller resets (after an unresolved timeout or CSTS.CFS).
+    pub resets: u64,
     /// Completions that arrived after their command timed out.
     pub late: u64,
     /// Completions with an unknown CID.
     pub unknown_cids: u64,
     /// Commands completed with an error status.
     pub errors: u64,
-    /// Bytes copied from bounce buffers.
+    /// Bytes copied between bounce buffers and request buffers (reads and writes whose buffer is not
+    /// DMA memory the device reaches); 0 when every buffer is a pool slot.
     pub bounce_bytes: u64,
+    /// Reads whose buffer was a pool slot, read into with no copy.
+    pub zero_copy_reads: u64,
+    /// Write requests submitted.
+    pub writes: u64,
+    /// Flush commands completed.
+    pub flushes: u64,
 }
+
+/// What a request does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Op {
+    Read,
+    Write,
+    /// NVM Flush: no data; `len` is 0.
+    Flush,
+}
+
+/// Bytes per command through a bounce buffer.
+const BOUNCE_XFER: usize = 128 << 10;
 
 enum DataPath {
     Direct,
@@ -85,8 +125,13 @@ enum DataPath {
 struct Req {
     tag: Tag,
     buf: AlignedBuf,
+    op: Op,
     /// IOVA of the buffer when mapped (direct path).
     iova: Option<Iova>,
+    /// The buffer is a pool slot: (index into `NvmeQueue::slot_pools`, offset in its region).
+    slot: Option<(usize, usize)>,
+    /// Bytes per command for this request (bounce buffers hold less than MDTS).
+    chunk: u32,
     offset: u64,
     len: u32,
     issued: u32,
@@ -108,6 +153,12 @@ pub struct NvmeQueue {
     max_xfer: usize,
     dma: Arc<dyn DmaPool>,
     path: DataPath,
+    /// Regions lent out as cache slots ([`IoQueue::slot_allocator`]).
+    slot_pools: Vec<Arc<SlotPool>>,
+    /// Scratch for a command's PRP segments.
+    segs: Vec<(Iova, usize)>,
+    /// Result of the last [`NvmeQueue::flush`] command, set when it completes.
+    flush_done: Option<io::Result<u32>>,
     label: String,
     timeout: Duration,
     reqs: Vec<Option<Req>>,
@@ -117,6 +168,8 @@ pub struct NvmeQueue {
     ready: Vec<Completion>,
     events: Vec<CqEntry>,
     fatal: Option<String>,
+    /// Abort/reset/interrupt state (`recovery.rs`).
+    recovery: recovery::Recovery,
     quarantine: Vec<(AlignedBuf, Option<(Iova, usize)>)>,
     idle: u32,
     polls: u64,
@@ -158,8 +211,7 @@ impl NvmeQueue {
             .ok_or_else(|| Error::Unsupported { what: "controller initialized without an I/O queue".into() })?
             .capacity();
         let path = if bounce {
-            max_xfer = max_xfer.min(128 << 10);
-            DataPath::Bounce((0..cap).map(|_| dma.alloc(max_xfer)).collect::<Result<_>>()?)
+            DataPath::Bounce((0..cap).map(|_| dma.alloc(max_xfer.min(BOUNCE_XFER))).collect::<Result<_>>()?)
         } else {
             DataPath::Direct
         };
@@ -172,6 +224,9 @@ impl NvmeQueue {
             max_xfer,
             dma,
             path,
+            slot_pools: Vec::new(),
+            segs: Vec::with_capacity(8),
+            flush_done: None,
             label,
             timeout,
             reqs: Vec::new(),
@@ -181,6 +236,7 @@ impl NvmeQueue {
             ready: Vec::new(),
             events: Vec::with_capacity(cap),
             fatal: None,
+            recovery: Default::default(),
             quarantine: Vec::new(),
             idle: 0,
             polls: 0,
@@ -195,17 +251,33 @@ impl NvmeQueue {
     /// # Errors
     /// Sim start-up, controller init, or namespace errors.
     pub fn open_sim(cfg: SimConfig, opts: &NvmeQueueOptions) -> Result<(NvmeQueue, Sim)> {
-        let dma = HeapDma::new();
+        Self::open_sim_with(cfg, opts, HeapDma::new(), false)
+    }
+
+    /// As [`NvmeQueue::open_sim`], with the DMA allocator given (e.g. with
+    /// [`HeapDma::limit_regions`]) and, with `bounce`, the VFIO data path: buffers that are not pool
+    /// slots go through bounce buffers ([`NvmeQueue::with_bounce_buffer`]) instead of being mapped.
+    ///
+    /// # Errors
+    /// As [`NvmeQueue::open_sim`].
+    pub fn open_sim_with(
+        cfg: SimConfig,
+        opts: &NvmeQueueOptions,
+        dma: HeapDma,
+        bounce: bool,
+    ) -> Result<(NvmeQueue, Sim)> {
         let sim = Sim::start(cfg, dma.registry())?;
         let ctrlr = Controller::init(sim.bar(), Arc::new(dma), opts.ctrlr_options())?;
-        Ok((NvmeQueue::new(ctrlr, opts.nsid, opts.timeout, "sim")?, sim))
+        let label = if bounce { "sim, vfio data path" } else { "sim" };
+        Ok((Self::build(ctrlr, opts.nsid, opts.timeout, label.into(), bounce)?, sim))
     }
 
     /// The namespace being read.
     pub fn namespace(&self) -> Namespace {
         self.ns
     }
-    /// Bytes per NVMe command (MDTS, PRP list and bounce limits applied).
+    /// Bytes per NVMe command into a pool slot or mapped buffer (MDTS and PRP list limits applied;
+    /// through a bounce buffer at most 128 KiB).
     pub fn max_transfer(&self) -> usize {
         self.max_xfer
     }
@@ -226,22 +298,22 @@ impl NvmeQueue {
         self.ready.push(Completion { tag, buf, result: Err(err), latency_ns: 0 });
     }
 
-    fn validate(&self, req: &ReadReq) -> std::result::Result<(), String> {
+    fn validate(&self, req: &ReadReq, what: &str) -> std::result::Result<(), String> {
         let lba = u64::from(self.ns.lba_size);
         let addr = req.buf.as_slice().as_ptr() as u64;
         if req.len == 0 || u64::from(req.len) % lba != 0 || !req.offset.0.is_multiple_of(lba) || !addr.is_multiple_of(4)
         {
             return Err(format!(
-                "NVMe read of {} bytes at {:#x} into {addr:#x} is not aligned to the {lba}-byte LBA",
+                "NVMe {what} of {} bytes at {:#x} with buffer {addr:#x} is not aligned to the {lba}-byte LBA",
                 req.len, req.offset.0
             ));
         }
         if req.len as usize > req.buf.len() {
-            return Err(format!("NVMe read of {} bytes into a {}-byte buffer", req.len, req.buf.len()));
+            return Err(format!("NVMe {what} of {} bytes with a {}-byte buffer", req.len, req.buf.len()));
         }
         if req.offset.0.checked_add(u64::from(req.len)).is_none_or(|e| e > self.ns.bytes()) {
             return Err(format!(
-                "NVMe read of {} bytes at {:#x} past the end of namespace {} ({} bytes)",
+                "NVMe {what} of {} bytes at {:#x} past the end of namespace {} ({} bytes)",
                 req.len,
                 req.offset.0,
                 self.ns.nsid,
@@ -259,15 +331,39 @@ impl NvmeQueue {
                 self.backlog.pop_front();
                 continue;
             };
+            if r.op == Op::Flush && r.outstanding == 0 && r.error.is_none() && r.queued {
+                let Some(cid) = q.alloc_cid() else { break 'outer };
+                let nsid = self.ns.nsid;
+                q.submit(cid, u64::from(ri) << 32, |c| {
+                    *c = Command::new(nvm::FLUSH, cid.0);
+                    c.nsid = nsid;
+                })
+                .expect("a free CID implies a free SQ slot");
+                r.outstanding += 1;
+                self.stats.commands += 1;
+            }
             while r.issued < r.len {
                 let Some(cid) = q.alloc_cid() else { break 'outer };
                 let off = r.issued;
-                let n = (r.len - off).min(self.max_xfer as u32);
-                let seg = match &self.path {
-                    DataPath::Direct => r.iova.expect("mapped at submit").add(u64::from(off)),
-                    DataPath::Bounce(b) => b[usize::from(cid.0)].iova(),
-                };
-                let prps = match q.prps(cid, &[(seg, n as usize)]) {
+                let n = (r.len - off).min(r.chunk);
+                self.segs.clear();
+                match (r.slot, &mut self.path) {
+                    (Some((p, base)), _) => {
+                        self.slot_pools[p].region().segments(base + off as usize, n as usize, &mut self.segs)
+                    }
+                    (None, DataPath::Direct) => {
+                        self.segs.push((r.iova.expect("mapped at submit").add(u64::from(off)), n as usize))
+                    }
+                    (None, DataPath::Bounce(b)) => {
+                        let bb = &mut b[usize::from(cid.0)];
+                        if r.op == Op::Write {
+                            bb.copy_in(0, &r.buf.as_slice()[off as usize..(off + n) as usize]);
+                            self.stats.bounce_bytes += u64::from(n);
+                        }
+                        self.segs.push((bb.iova(), n as usize));
+                    }
+                }
+                let prps = match q.prps(cid, &self.segs) {
                     Ok(p) => p,
                     Err(e) => {
                         q.release_cid(cid);
@@ -281,8 +377,9 @@ impl NvmeQueue {
                 let slba = Lba((r.offset + u64::from(off)) >> self.lba_shift);
                 let nsid = self.ns.nsid;
                 let user = (u64::from(ri) << 32) | u64::from(off);
+                let opc = if r.op == Op::Write { nvm::WRITE } else { nvm::READ };
                 q.submit(cid, user, |c| {
-                    *c = Command::rw(nvm::READ, cid.0, nsid, slba, n >> self.lba_shift);
+                    *c = Command::rw(opc, cid.0, nsid, slba, n >> self.lba_shift);
                     c.prp1 = prps.prp1;
                     c.prp2 = prps.prp2;
                 })
@@ -322,6 +419,11 @@ impl NvmeQueue {
             Some(e) => Err(e),
             None => Ok(r.len),
         };
+        if r.op == Op::Flush {
+            self.stats.flushes += u64::from(result.is_ok());
+            self.flush_done = Some(result);
+            return;
+        }
         self.ready.push(Completion { tag: r.tag, buf, result, latency_ns: r.started.elapsed().as_nanos() as u64 });
     }
 
@@ -338,26 +440,35 @@ impl NvmeQueue {
         let mut events = std::mem::take(&mut self.events);
         for e in events.drain(..) {
             if e.late {
+                // Its command timed out and was aborted (recovery.rs): handled like any completion;
+                // an error status fails the request with `ReadFailure::Aborted`.
                 self.stats.late += 1;
-                continue;
             }
             let ri = (e.user >> 32) as u32;
             let off = e.user as u32;
-            let max = self.max_xfer as u32;
             let Some(r) = self.reqs[ri as usize].as_mut() else { continue };
             r.outstanding -= 1;
             let status = e.cqe.status();
             if status.is_success() {
-                if let DataPath::Bounce(b) = &self.path {
-                    let n = (r.len - off).min(max) as usize;
+                if let (DataPath::Bounce(b), None, Op::Read) = (&self.path, r.slot, r.op) {
+                    let n = (r.len - off).min(r.chunk) as usize;
                     b[usize::from(e.cid.0)].copy_out(0, &mut r.buf.as_mut_slice()[off as usize..off as usize + n]);
                     self.stats.bounce_bytes += n as u64;
                 }
             } else {
                 self.stats.errors += 1;
+                let what = match r.op {
+                    Op::Read => "read",
+                    Op::Write => "write",
+                    Op::Flush => "flush",
+                };
+                if e.late {
+                    let byte = r.offset + u64::from(off);
+                    r.error.get_or_insert_with(|| recovery::aborted(self.ns.nsid, byte, e.cid, self.timeout, status));
+                }
                 r.error.get_or_insert_with(|| {
                     io::Error::other(format!(
-                        "NVMe read of namespace {} at byte {:#x}: {status}",
+                        "NVMe {what} of namespace {} at byte {:#x}: {status}",
                         self.ns.nsid,
                         r.offset + u64::from(off)
                     ))
@@ -371,50 +482,6 @@ impl NvmeQueue {
         self.events = events;
         n
     }
-
-    fn expire(&mut self) {
-        let Some(q) = self.ctrlr.io_queue() else { return };
-        let mut expired = Vec::new();
-        q.expire(self.timeout, |cid, user| expired.push((cid, user)));
-        for (cid, user) in expired {
-            self.stats.timeouts += 1;
-            let ri = (user >> 32) as u32;
-            let Some(r) = self.reqs[ri as usize].as_mut() else { continue };
-            r.outstanding -= 1;
-            r.lost = true;
-            r.issued = r.len;
-            let ms = self.timeout.as_millis();
-            r.error.get_or_insert_with(|| {
-                io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    format!("NVMe read at byte {:#x}: no completion for CID {} after {ms} ms", r.offset, cid.0),
-                )
-            });
-            if r.outstanding == 0 && !r.queued {
-                self.finish(ri);
-            }
-        }
-        if let Err(e) = self.ctrlr.check_fatal("I/O") {
-            self.fail_all(e.to_string());
-        }
-    }
-
-    /// Controller fatal: every request fails, the queue accepts no more.
-    fn fail_all(&mut self, why: String) {
-        tracing::error!(%why, "nvme queue stopped");
-        self.backlog.clear();
-        for ri in 0..self.reqs.len() as u32 {
-            if let Some(r) = self.reqs[ri as usize].as_mut() {
-                r.lost |= r.outstanding > 0;
-                r.outstanding = 0;
-                r.queued = false;
-                r.issued = r.len;
-                r.error = Some(io::Error::other(why.clone()));
-                self.finish(ri);
-            }
-        }
-        self.fatal = Some(why);
-    }
 }
 
 impl IoQueue for NvmeQueue {
@@ -422,49 +489,52 @@ impl IoQueue for NvmeQueue {
         self.ns.lba_size
     }
 
+    fn in_flight(&self) -> usize {
+        self.active + self.ready.len()
+    }
+
+    fn describe(&self) -> String {
+        let cap = self.qd;
+        let bounce = if matches!(self.path, DataPath::Bounce(_)) { ", bounce" } else { "" };
+        let slots = if self.slot_pools.is_empty() { "" } else { ", zero-copy slots" };
+        format!("nvme({}, nsid {}, qd {cap}{bounce}{slots})", self.label, self.ns.nsid)
+    }
+
     fn submit(&mut self, req: ReadReq) {
         self.stats.reads += 1;
-        if let Some(why) = &self.fatal {
-            let e = io::Error::other(why.clone());
-            return self.complete_now(req.tag, req.buf, e);
+        self.enqueue(Op::Read, req);
+    }
+
+    fn slot_allocator(&mut self, count: usize, len: usize) -> Option<Box<dyn SlotAllocator>> {
+        if count == 0 || len == 0 {
+            return None;
         }
-        if let Err(why) = self.validate(&req) {
-            return self.complete_now(req.tag, req.buf, io::Error::new(io::ErrorKind::InvalidInput, why));
+        let slot_len = len.div_ceil(crate::dma::PAGE) * crate::dma::PAGE;
+        let bytes = slot_len.saturating_mul(count);
+        let pool = self.dma.alloc_region(bytes).and_then(|region| SlotPool::new(region, slot_len, count));
+        match pool {
+            Ok(pool) => {
+                let pool = Arc::new(pool);
+                self.slot_pools.push(pool.clone());
+                let a = DmaSlots::new(pool, self.dma.kind());
+                tracing::debug!("{}: {}", self.label, a.describe());
+                Some(Box::new(a))
+            }
+            Err(e) => {
+                let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+                let pages = bytes.div_ceil(2 << 20);
+                tracing::warn!(
+                    "{}: {}",
+                    self.label,
+                    hugepage_shortfall(pages, count, slot_len, &meminfo, &e.to_string())
+                );
+                None
+            }
         }
-        let ReadReq { offset, len, mut buf, tag } = req;
-        let iova = match self.path {
-            DataPath::Direct => match self.dma.map_external(buf.as_mut_ptr(), len as usize) {
-                Ok(i) => Some(i),
-                Err(e) => return self.complete_now(tag, buf, io::Error::other(e.to_string())),
-            },
-            DataPath::Bounce(_) => None,
-        };
-        let r = Req {
-            tag,
-            buf,
-            iova,
-            offset: offset.0,
-            len,
-            issued: 0,
-            outstanding: 0,
-            error: None,
-            lost: false,
-            queued: true,
-            started: Instant::now(),
-        };
-        let ri = match self.free_reqs.pop() {
-            Some(i) => {
-                self.reqs[i as usize] = Some(r);
-                i
-            }
-            None => {
-                self.reqs.push(Some(r));
-                (self.reqs.len() - 1) as u32
-            }
-        };
-        self.active += 1;
-        self.backlog.push_back(ri);
-        self.pump();
+    }
+
+    fn bounce_bytes(&self) -> u64 {
+        self.stats.bounce_bytes
     }
 
     fn reap(&mut self, min: usize, out: &mut Vec<Completion>) -> usize {
@@ -493,15 +563,129 @@ impl IoQueue for NvmeQueue {
         out.append(&mut self.ready);
         n
     }
+}
 
-    fn in_flight(&self) -> usize {
-        self.active + self.ready.len()
+impl NvmeQueue {
+    /// Submits a Write of `req.len` bytes from the start of `req.buf` to byte `req.offset` of the
+    /// namespace (NVM Write, opcode 0x01), split at the transfer limit like a read. It completes
+    /// through [`IoQueue::reap`] with `req.tag` and the buffer, like a read (`Ok(len)` once every
+    /// command of it succeeded). Alignment and range rules are a read's. The controller may keep
+    /// the data in a volatile write cache until [`NvmeQueue::flush`].
+    pub fn submit_write(&mut self, req: ReadReq) {
+        self.stats.writes += 1;
+        self.enqueue(Op::Write, req);
     }
 
-    fn describe(&self) -> String {
-        let cap = self.qd;
-        let bounce = if matches!(self.path, DataPath::Bounce(_)) { ", bounce" } else { "" };
-        format!("nvme({}, nsid {}, qd {cap}{bounce})", self.label, self.ns.nsid)
+    /// Issues an NVM Flush (opcode 0x00) for the namespace after every command submitted so far has
+    /// completed, and waits for it: data of completed writes is then in non-volatile media
+    /// (NVM command set §3.2.2). Completions of other requests stay queued for the next
+    /// [`IoQueue::reap`].
+    ///
+    /// # Errors
+    /// The failure of any write still in flight is reported by its own completion; this returns the
+    /// Flush command's error status, a timeout, or a controller fatal status.
+    pub fn flush(&mut self) -> io::Result<()> {
+        // Wait for everything in flight, keeping the completions for the caller.
+        let mut held = std::mem::take(&mut self.ready);
+        while self.active > 0 {
+            self.reap(1, &mut held);
+        }
+        held.append(&mut self.ready);
+        self.ready = held;
+        let buf = AlignedBuf::new(4096, 4096).map_err(|e| io::Error::new(io::ErrorKind::OutOfMemory, e.to_string()))?;
+        self.flush_done = None;
+        self.enqueue(Op::Flush, ReadReq { offset: picchio_core::ByteOffset(0), len: 0, buf, tag: Tag(u64::MAX) });
+        let mut spins = 0u64;
+        while self.flush_done.is_none() {
+            let got = self.poll();
+            self.pump();
+            spins += 1;
+            if spins.is_multiple_of(64) {
+                self.expire();
+            }
+            if got == 0 {
+                std::hint::spin_loop();
+                if spins.is_multiple_of(1024) {
+                    std::thread::yield_now();
+                }
+            }
+        }
+        self.flush_done.take().expect("set above").map(|_| ())
+    }
+
+    /// Validates and queues one request (see [`IoQueue::submit`]).
+    fn enqueue(&mut self, op: Op, req: ReadReq) {
+        let what = match op {
+            Op::Read => "read",
+            Op::Write => "write",
+            Op::Flush => "flush",
+        };
+        if let Some(why) = &self.fatal {
+            let e = io::Error::other(why.clone());
+            if op == Op::Flush {
+                self.flush_done = Some(Err(e));
+                return;
+            }
+            return self.complete_now(req.tag, req.buf, e);
+        }
+        if op != Op::Flush {
+            if let Err(why) = self.validate(&req, what) {
+                return self.complete_now(req.tag, req.buf, io::Error::new(io::ErrorKind::InvalidInput, why));
+            }
+        }
+        let ReadReq { offset, len, mut buf, tag } = req;
+        let addr = buf.addr();
+        let slot = self
+            .slot_pools
+            .iter()
+            .enumerate()
+            .find_map(|(i, p)| p.region().locate(addr, len as usize).map(|off| (i, off)));
+        let mut chunk = self.max_xfer as u32;
+        let iova = match (&self.path, slot) {
+            _ if op == Op::Flush => None,
+            (_, Some(_)) => {
+                self.stats.zero_copy_reads += u64::from(op == Op::Read);
+                None
+            }
+            (DataPath::Direct, None) => match self.dma.map_external(buf.as_mut_ptr(), len as usize) {
+                Ok(i) => Some(i),
+                Err(e) => return self.complete_now(tag, buf, io::Error::other(e.to_string())),
+            },
+            (DataPath::Bounce(b), None) => {
+                chunk = chunk.min(b[0].len() as u32);
+                chunk -= chunk % self.ns.lba_size;
+                None
+            }
+        };
+        let r = Req {
+            tag,
+            buf,
+            op,
+            iova,
+            slot,
+            chunk,
+            offset: offset.0,
+            len,
+            issued: 0,
+            outstanding: 0,
+            error: None,
+            lost: false,
+            queued: true,
+            started: Instant::now(),
+        };
+        let ri = match self.free_reqs.pop() {
+            Some(i) => {
+                self.reqs[i as usize] = Some(r);
+                i
+            }
+            None => {
+                self.reqs.push(Some(r));
+                (self.reqs.len() - 1) as u32
+            }
+        };
+        self.active += 1;
+        self.backlog.push_back(ri);
+        self.pump();
     }
 }
 

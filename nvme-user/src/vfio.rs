@@ -444,6 +444,9 @@ impl IovaMapper for VfioMapper {
             .map_err(vfio_err("VFIO_IOMMU_MAP_DMA", format!("iova {:#x} + {len:#x}", iova.0)))?;
         Ok(iova)
     }
+    fn translates(&self) -> bool {
+        !self.dev.noiommu
+    }
     fn unmap(&self, iova: Iova, len: usize) {
         if self.dev.noiommu {
             return;

@@ -5,6 +5,11 @@
 //!   a miss needs one and fewer than `N` exist, and are reused for ever after.
 //! - Each slot is [`ExpertLayout::len`](crate::expert::ExpertLayout::len) rounded up to the block size
 //!   (4096 B), so the same slot is a valid O_DIRECT / io_uring / NVMe DMA target.
+//! - Slots come from the heap ([`AlignedBuf::new`]) unless [`ExpertCache::use_slots_from`] found a
+//!   loader whose engine lends memory it reads into without a copy
+//!   ([`ExpertLoader::slot_allocator`]): the user-space NVMe driver's hugepage DMA pool, so an expert
+//!   goes from the flash into its slot with no copy. Should that memory run out, the slot is
+//!   allocated on the heap instead (logged once) and the engine copies into it.
 //! - The only way an expert gets in is an [`ExpertLoader`]: the cache moves the slot into
 //!   [`ExpertLoader::load`] and the slot is out of the cache until the loader hands it back through
 //!   `ready`. A hit is computed straight from its resident slot.
@@ -34,7 +39,7 @@
 
 use std::collections::HashMap;
 
-use picchio_core::{AlignedBuf, ExpertKey, ExpertLoader, Loaded, BLOCK_SIZE};
+use picchio_core::{AlignedBuf, ExpertKey, ExpertLoader, Loaded, SlotAllocator, BLOCK_SIZE};
 
 use crate::error::{Error, Result};
 
@@ -88,6 +93,12 @@ pub struct ExpertCache {
     lent: Vec<Lent>,
     /// Compute each miss as its read completes (`true`) or after the whole batch (`false`).
     async_moe: bool,
+    /// Where slots come from when not the heap (see [`ExpertCache::use_slots_from`]).
+    slot_alloc: Option<Box<dyn SlotAllocator>>,
+    /// Slots (including replacements) the allocator provided.
+    from_alloc: usize,
+    /// The allocator failed once (warned; later slots silently go to the heap).
+    alloc_failed: bool,
 }
 
 impl ExpertCache {
@@ -119,7 +130,58 @@ impl ExpertCache {
             missed: Vec::new(),
             lent: Vec::new(),
             async_moe: true,
+            slot_alloc: None,
+            from_alloc: 0,
+            alloc_failed: false,
         })
+    }
+
+    /// Takes this cache's slots from memory `loader`'s engine reads into without a copy, when it
+    /// has some ([`ExpertLoader::slot_allocator`], asked for [`ExpertCache::capacity`] slots of
+    /// [`ExpertCache::slot_len`] bytes): the NVMe driver's hugepage DMA pool. Every other loader
+    /// answers `None` and the slots stay on the heap, exactly as without this call. Call it before
+    /// the first [`ExpertCache::fetch`] (slots allocated earlier stay where they are). Returns the
+    /// allocator's description when there is one.
+    pub fn use_slots_from(&mut self, loader: &mut dyn ExpertLoader) -> Option<String> {
+        let alloc = loader.slot_allocator(self.capacity, self.slot_len)?;
+        let what = alloc.describe();
+        tracing::info!("expert cache: {} slots of {} B from {what}", self.capacity, self.slot_len);
+        self.slot_alloc = Some(alloc);
+        self.alloc_failed = false;
+        Some(what)
+    }
+
+    /// Slots (including replacements of lost ones) that came from the loader's allocator rather than
+    /// the heap (see [`ExpertCache::use_slots_from`]).
+    pub fn slots_from_allocator(&self) -> usize {
+        self.from_alloc
+    }
+
+    /// A buffer for a new (or replacement) slot: from the allocator when there is one and it has
+    /// room, else from the heap.
+    fn new_slot_buf(&mut self) -> Result<AlignedBuf> {
+        if let Some(a) = self.slot_alloc.as_mut().filter(|_| !self.alloc_failed) {
+            match a.alloc(self.slot_len) {
+                Ok(b) if b.len() >= self.slot_len => {
+                    self.from_alloc += 1;
+                    return Ok(b);
+                }
+                Ok(b) => {
+                    tracing::warn!(
+                        "expert cache: {} gave a {}-byte slot for {} B; using heap slots from now on",
+                        a.describe(),
+                        b.len(),
+                        self.slot_len
+                    );
+                    self.alloc_failed = true;
+                }
+                Err(e) => {
+                    tracing::warn!("expert cache: {e}; using heap slots from now on (reads into them are copied)");
+                    self.alloc_failed = true;
+                }
+            }
+        }
+        Ok(AlignedBuf::new(self.slot_len, BLOCK_SIZE as usize)?)
     }
 
     /// Async MoE on (the default: compute each miss as its read completes) or off (load the whole
@@ -340,7 +402,7 @@ impl ExpertCache {
                 self.free.push(x.slot);
             }
             if !x.returned || short {
-                self.slots[x.slot].buf = Some(AlignedBuf::new(slot_len, BLOCK_SIZE as usize)?);
+                self.slots[x.slot].buf = Some(self.new_slot_buf()?);
             }
         }
         if let Some(v) = violation {
@@ -365,7 +427,7 @@ impl ExpertCache {
             return Ok(s);
         }
         if self.slots.len() < self.capacity {
-            let buf = AlignedBuf::new(self.slot_len, BLOCK_SIZE as usize)?;
+            let buf = self.new_slot_buf()?;
             self.slots.push(Slot { buf: Some(buf), key: None, prev: NIL, next: NIL });
             return Ok(self.slots.len() - 1);
         }
@@ -435,6 +497,7 @@ impl std::fmt::Debug for ExpertCache {
             .field("capacity", &self.capacity)
             .field("slot_len", &self.slot_len)
             .field("allocated", &self.slots.len())
+            .field("from_allocator", &self.from_alloc)
             .field("resident", &self.map.len())
             .field("hits", &self.hits)
             .field("misses", &self.misses)

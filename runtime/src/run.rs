@@ -85,6 +85,10 @@ pub struct RunStats {
     pub read_wall_ms: f64,
     /// Expert-read throughput while waiting, MB/s (bytes_read / read wall time).
     pub read_mb_s: f64,
+    /// Bytes of expert reads the engine copied through bounce buffers rather than reading them
+    /// straight into the cache slots (the NVMe driver when the slots are not in its DMA pool; 0 for
+    /// every other store).
+    pub bounce_bytes: u64,
     /// Experts served by the safetensors fallback after the store failed.
     pub fallbacks: u64,
     /// Store failures (each then served by the fallback).
@@ -144,7 +148,7 @@ impl Session {
         let model = Model::load(&opts.model_dir, opts.max_seq)?;
         let cfg = model.config().clone();
         let layout = model.layout().clone();
-        let (loader, info, io_stats) =
+        let (mut loader, info, io_stats) =
             open_store(&opts.store, &opts.model_dir, &cfg, model.tensors().clone(), &layout, opts.io)?;
         let total = cfg.moe_layers().len() * cfg.num_experts;
         let ecap = match opts.ecap {
@@ -154,6 +158,8 @@ impl Session {
         };
         let mut cache = ExpertCache::new(ecap, layout.len())?;
         cache.set_async_moe(opts.io.async_moe);
+        // Slots in the engine's DMA memory when it has some (nvme:), else on the heap.
+        cache.use_slots_from(&mut *loader);
         tracing::info!("experts from {} via {}, cache {ecap} experts", info.store, info.engine);
         Ok(Session { model, cache, loader, info, io_stats, tokenizer })
     }
@@ -238,6 +244,7 @@ impl Session {
             bytes_read,
             read_wall_ms,
             read_mb_s: if read_wall_ms > 0.0 { bytes_read as f64 / 1e6 / (read_wall_ms / 1e3) } else { 0.0 },
+            bounce_bytes: io.bounce_bytes - io0.bounce_bytes,
             fallbacks: io.fallbacks - io0.fallbacks,
             store_errors: io.errors - io0.errors,
             store: self.info.store.clone(),

@@ -263,8 +263,11 @@ pub fn open_raw(
 /// user-space driver (`picchio-nvme`, VFIO + hugepage DMA), with queue depth `io.qd`.
 ///
 /// The controller must already be bound to `vfio-pci` and 2 MiB hugepages reserved (tests/vm shows
-/// the steps). Reads currently land in per-command DMA bounce buffers and are copied into the cache
-/// slots (`NvmeQueue::with_bounce_buffer`); zero-copy needs the cache slots to come from the DMA pool.
+/// the steps). Expert reads are zero-copy once the expert cache takes its slots from the driver's
+/// hugepage DMA pool ([`crate::cache::ExpertCache::use_slots_from`], done by
+/// [`crate::run::Session::open`]); reads into any other buffer (the superblock and index at open, or
+/// every read when too few hugepages are free for the cache, which is warned about) go through
+/// per-command bounce buffers and are counted (`bounce_bytes`).
 ///
 /// # Errors
 /// [`Error::Invalid`] naming the BDF for VFIO, DMA or controller-initialisation failures (and on
@@ -279,25 +282,53 @@ pub fn open_nvme(
 ) -> Result<FlatStore<Box<dyn IoQueue>>> {
     #[cfg(target_os = "linux")]
     {
-        use picchio_nvme::engine::{NvmeQueue, NvmeQueueOptions};
-        let qopts = NvmeQueueOptions { nsid, qd: io.qd.clamp(1, 1024) as u16, ..NvmeQueueOptions::default() };
-        let fail = |e: picchio_nvme::Error| Error::Invalid(format!("{name}: {e}"));
-        let ctrlr = picchio_nvme::vfio::open_controller(bdf, qopts.ctrlr_options()).map_err(fail)?;
-        let queue = NvmeQueue::with_bounce_buffer(ctrlr, nsid, qopts.timeout, format!("vfio {bdf}")).map_err(fail)?;
-        let image_len = queue.namespace().bytes();
-        let opts = FlatStoreOptions {
-            base_offset: 0,
-            image_len,
-            verify: io.verify,
-            expect: Some(StoreExpect { dims: store_dims(cfg), payload_len: layout.len() as u32 }),
-        };
-        Ok(FlatStore::open(Box::new(queue) as Box<dyn IoQueue>, name, opts)?)
+        let queue = open_nvme_queue(&name, bdf, nsid, io.qd)?;
+        open_nvme_flat(name, queue, cfg, layout, io)
     }
     #[cfg(not(target_os = "linux"))]
     {
         let _ = (bdf, nsid, cfg, layout, io);
         Err(Error::Invalid(format!("{name}: the user-space NVMe driver needs Linux VFIO")))
     }
+}
+
+/// Opens namespace `nsid` of the controller `bdf` (bound to `vfio-pci`) with our driver: VFIO,
+/// hugepage DMA, one I/O queue pair of depth `qd`, and the VFIO data path (pool slots zero-copy,
+/// other buffers through bounce buffers). `name` is the store's name in messages.
+///
+/// # Errors
+/// [`Error::Invalid`] naming `name` for VFIO, DMA or controller-initialisation failures.
+#[cfg(target_os = "linux")]
+pub fn open_nvme_queue(name: &str, bdf: &str, nsid: u32, qd: u32) -> Result<picchio_nvme::NvmeQueue> {
+    use picchio_nvme::engine::{NvmeQueue, NvmeQueueOptions};
+    let qopts = NvmeQueueOptions { nsid, qd: qd.clamp(1, 1024) as u16, ..NvmeQueueOptions::default() };
+    let fail = |e: picchio_nvme::Error| Error::Invalid(format!("{name}: {e}"));
+    let ctrlr = picchio_nvme::vfio::open_controller(bdf, qopts.ctrlr_options()).map_err(fail)?;
+    NvmeQueue::with_bounce_buffer(ctrlr, nsid, qopts.timeout, format!("vfio {bdf}")).map_err(fail)
+}
+
+/// The image at LBA 0 of an open NVMe queue's namespace (a VFIO controller from
+/// [`open_nvme_queue`], or the controller model in tests), checked against the model like
+/// [`open_flat`].
+///
+/// # Errors
+/// [`Error::Store`] for a rejected superblock, index hash or dimensions.
+#[cfg(target_os = "linux")]
+pub fn open_nvme_flat(
+    name: String,
+    queue: picchio_nvme::NvmeQueue,
+    cfg: &Config,
+    layout: &ExpertLayout,
+    io: IoOptions,
+) -> Result<FlatStore<Box<dyn IoQueue>>> {
+    let image_len = queue.namespace().bytes();
+    let opts = FlatStoreOptions {
+        base_offset: 0,
+        image_len,
+        verify: io.verify,
+        expect: Some(StoreExpect { dims: store_dims(cfg), payload_len: layout.len() as u32 }),
+    };
+    Ok(FlatStore::open(Box::new(queue) as Box<dyn IoQueue>, name, opts)?)
 }
 
 /// Opens a `.picchioflat` file; see [`open_flat`].
@@ -372,6 +403,16 @@ pub fn open_store(
     };
     let flat = open_flat_file(&path, cfg, layout, io)?;
     Ok(wrap(flat, fallback, stats))
+}
+
+/// `flat` with the model's safetensors experts (`tensors`, `layout`) as the fallback for every
+/// expert it fails on, as [`open_store`] returns it: the loader, what it is, its statistics.
+pub fn with_fallback(
+    flat: FlatStore<Box<dyn IoQueue>>,
+    tensors: Arc<TensorStore>,
+    layout: &ExpertLayout,
+) -> (Box<dyn ExpertLoader>, StoreInfo, Arc<IoStats>) {
+    wrap(flat, SafetensorsExperts::new(tensors, layout.clone()), Arc::new(IoStats::default()))
 }
 
 fn wrap(

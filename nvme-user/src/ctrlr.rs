@@ -1,8 +1,11 @@
 //! Controller bring-up as an explicit state machine (§3.5.1 "Memory-based Controller
-//! Initialization"), synchronous admin commands, and shutdown (§3.6.1) on drop.
+//! Initialization"), synchronous admin commands, Abort (§5.1), controller reset (§3.7.2), and
+//! shutdown (§3.6.1) on drop.
 //!
 //! [`Controller::step`] advances one [`InitState`]; every state has a CAP.TO deadline set when it is
 //! entered, and a timeout names the state. Controller Fatal Status is checked while waiting.
+//! [`Controller::reset`] clears CC.EN, waits for CSTS.RDY = 0 and runs the same state machine again,
+//! re-creating the admin and I/O queues on the memory they had (same IOVAs, rings zeroed).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -11,7 +14,7 @@ use crate::bar::Bar;
 use crate::dma::{DmaBuf, DmaPool, PAGE};
 use crate::error::{Error, Result};
 use crate::prp;
-use crate::queue::QueuePair;
+use crate::queue::{Cid, Lost, QueuePair};
 use crate::spec::regs::{self, Aqa, Cap, Cc, Csts, Shn, Shst, Vs};
 use crate::spec::{admin, Command, Completion, IdentifyController, IdentifyNamespace};
 
@@ -117,6 +120,7 @@ pub struct Controller {
     max_transfer: usize,
     enabled: bool,
     shut_down: bool,
+    resets: u64,
 }
 
 impl Controller {
@@ -143,6 +147,7 @@ impl Controller {
             max_transfer: PAGE,
             enabled: false,
             shut_down: false,
+            resets: 0,
         }
     }
 
@@ -210,6 +215,10 @@ impl Controller {
     pub fn io_queue_stats(&self) -> crate::queue::QueueStats {
         self.io.as_ref().map(QueuePair::stats).unwrap_or_default()
     }
+    /// Controller resets done by [`Controller::reset`].
+    pub fn resets(&self) -> u64 {
+        self.resets
+    }
     /// Current CSTS.
     pub fn csts(&self) -> Csts {
         Csts(self.bar.read32(regs::CSTS))
@@ -238,10 +247,11 @@ impl Controller {
         Error::InitTimeout { state: self.state, waited_ms: self.entered.elapsed().as_millis() as u64 }
     }
 
-    /// Waits (one check) for CSTS.RDY == `rdy`: `Ok(true)` when reached.
+    /// Waits (one check) for CSTS.RDY == `rdy`: `Ok(true)` when reached. CSTS.CFS fails the wait for
+    /// RDY = 1 only: disabling the controller is how a fatal status is cleared.
     fn wait_rdy(&self, rdy: bool) -> Result<bool> {
         let csts = self.csts();
-        if csts.cfs() {
+        if rdy && csts.cfs() {
             return Err(Error::ControllerFatal { during: format!("init state {:?}", self.state), csts: csts.0 });
         }
         if csts.rdy() == rdy {
@@ -296,8 +306,18 @@ impl Controller {
                 }
             }
             ProgramAdminQueues => {
-                let entries = self.opts.admin_entries.min(self.cap.mqes().saturating_add(1)).min(4096);
-                let q = QueuePair::new(self.bar.clone(), &*self.dma, 0, entries, self.cap.dstrd())?;
+                // After a reset the admin queue restarts on its own memory (rings zeroed).
+                let q = match self.admin.take() {
+                    Some(mut q) => {
+                        q.reset_rings();
+                        q
+                    }
+                    None => {
+                        let entries = self.opts.admin_entries.min(self.cap.mqes().saturating_add(1)).min(4096);
+                        QueuePair::new(self.bar.clone(), &*self.dma, 0, entries, self.cap.dstrd())?
+                    }
+                };
+                let entries = q.entries();
                 self.bar.write32(regs::AQA, Aqa::from_entries(entries, entries).0);
                 self.bar.write64(regs::ASQ, q.sq_iova().0);
                 self.bar.write64(regs::ACQ, q.cq_iova().0);
@@ -328,7 +348,9 @@ impl Controller {
                     return Err(Error::Unsupported { what: format!("CQES {:#x} excludes 16-byte entries", id.cqes) });
                 }
                 let cap = (self.opts.max_transfer / PAGE).clamp(1, 65536 * 512 / PAGE) * PAGE;
-                self.max_transfer = prp::max_transfer(id.max_transfer(4096 << self.cap.mpsmin()), cap);
+                let max = prp::max_transfer(id.max_transfer(4096 << self.cap.mpsmin()), cap);
+                // After a reset the I/O queue's PRP lists were sized for the first value: never grow.
+                self.max_transfer = if self.io.is_some() { self.max_transfer.min(max) } else { max };
                 tracing::debug!(mn = %id.mn, sn = %id.sn, fr = %id.fr, mdts = id.mdts, nn = id.nn, "nvme identify");
                 self.identify = Some(id);
                 self.enter(IdentifyNamespaces);
@@ -367,17 +389,21 @@ impl Controller {
                 self.enter(CreateIoCq);
             }
             CreateIoCq => {
-                let entries = self.opts.io_entries.min(self.cap.mqes().saturating_add(1)).clamp(2, 4096);
-                let q = QueuePair::with_max_transfer(
-                    self.bar.clone(),
-                    &*self.dma,
-                    1,
-                    entries,
-                    self.cap.dstrd(),
-                    self.max_transfer,
-                )?;
-                let cq = q.cq_iova().0;
-                self.io = Some(q);
+                // After a reset the queue pair is re-created on its own memory (`reset` zeroed it).
+                if self.io.is_none() {
+                    let entries = self.opts.io_entries.min(self.cap.mqes().saturating_add(1)).clamp(2, 4096);
+                    let q = QueuePair::with_max_transfer(
+                        self.bar.clone(),
+                        &*self.dma,
+                        1,
+                        entries,
+                        self.cap.dstrd(),
+                        self.max_transfer,
+                    )?;
+                    self.io = Some(q);
+                }
+                let q = self.io.as_ref().expect("just created");
+                let (entries, cq) = (q.entries(), q.cq_iova().0);
                 self.admin_init("Create I/O Completion Queue 1", |c| *c = Command::create_io_cq(0, 1, entries, cq))?;
                 self.io_cq_created = true;
                 self.enter(CreateIoSq);
@@ -469,6 +495,53 @@ impl Controller {
         }
     }
 
+    /// Aborts command `cid` of submission queue `sqid` (Abort, §5.1), waiting at most `timeout` for
+    /// the Abort's own completion. `Ok(true)`: the controller aborted it (DW0 bit 0 = 0), and the
+    /// command's own completion (status Command Abort Requested) is posted to its CQ; `Ok(false)`:
+    /// not aborted (it may have completed already, or the controller could not) — the caller still
+    /// has to see the command's completion, or reset the controller.
+    ///
+    /// # Errors
+    /// [`Error::AdminTimeout`], [`Error::AdminCommand`] (e.g. Abort Command Limit Exceeded),
+    /// [`Error::ControllerFatal`]: the caller should reset the controller.
+    pub fn abort(&mut self, sqid: u16, cid: Cid, timeout: Duration) -> Result<bool> {
+        let what = format!("Abort (SQ {sqid}, CID {})", cid.0);
+        let c = self.admin_until(&what, |c| *c = Command::abort(0, sqid, cid.0), Instant::now() + timeout)?;
+        Ok(c.dw0 & 1 == 0)
+    }
+
+    /// Controller reset (§3.7.2): CC.EN = 0, wait for CSTS.RDY = 0 within CAP.TO (this also clears
+    /// CSTS.CFS), then the bring-up state machine again from [`InitState::ProgramAdminQueues`]:
+    /// admin queue, enable, Identify, Number of Queues, Create I/O CQ and SQ 1 — on the same DMA
+    /// memory (rings zeroed, IOVAs unchanged). Once CSTS.RDY = 0 the controller does no more DMA, so
+    /// the buffers of the commands that were outstanding are free again.
+    ///
+    /// Returns the I/O commands that were outstanding on queue 1 (they will never complete).
+    ///
+    /// # Errors
+    /// [`Error::InitTimeout`] naming the state (e.g. `WaitReady0` when RDY does not clear), and any
+    /// bring-up error; the controller is then unusable.
+    pub fn reset(&mut self) -> Result<Vec<Lost>> {
+        tracing::warn!(kind = self.bar.kind(), csts = format_args!("{:#x}", self.csts().0), "nvme controller reset");
+        self.io_sq_created = false;
+        self.io_cq_created = false;
+        self.shut_down = false;
+        self.state = InitState::DisableIfEnabled;
+        self.step()?; // CC.EN = 0
+        while self.state == InitState::WaitReady0 {
+            self.step()?;
+            std::thread::sleep(Duration::from_micros(20));
+        }
+        // CSTS.RDY = 0: the controller stopped processing, so no DMA touches the queues or buffers.
+        let lost = self.io.as_mut().map(QueuePair::reset_rings).unwrap_or_default();
+        while !self.step()? {
+            std::hint::spin_loop();
+        }
+        self.resets += 1;
+        tracing::info!(kind = self.bar.kind(), lost = lost.len(), "nvme controller reset complete");
+        Ok(lost)
+    }
+
     /// Deletes I/O queue pair 1, then a normal shutdown (CC.SHN = 01b, wait CSTS.SHST = 10b), then
     /// CC.EN = 0. Idempotent; run by `Drop`.
     ///
@@ -479,6 +552,7 @@ impl Controller {
             return Ok(());
         }
         self.shut_down = true;
+        let start = Instant::now();
         let mut first: Option<Error> = None;
         let fatal = self.csts().cfs();
         let deadline = Instant::now() + self.cap.timeout().min(self.opts.admin_timeout);
@@ -505,6 +579,12 @@ impl Controller {
             loop {
                 let csts = self.csts();
                 if csts.shst() == Shst::Complete as u8 {
+                    tracing::info!(
+                        "nvme {} shutdown complete (CSTS.SHST={}) after {:.1} ms",
+                        self.bar.kind(),
+                        csts.shst(),
+                        start.elapsed().as_secs_f64() * 1e3
+                    );
                     break;
                 }
                 if csts.cfs() || Instant::now() >= deadline {

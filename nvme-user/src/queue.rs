@@ -54,6 +54,17 @@ pub struct CqEntry {
     pub late: bool,
 }
 
+/// A command that was outstanding when its queue was reset ([`QueuePair::reset_rings`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lost {
+    /// Its identifier.
+    pub cid: Cid,
+    /// The caller's value given at submission.
+    pub user: u64,
+    /// Whether [`QueuePair::expire`] had reported it as timed out.
+    pub timed_out: bool,
+}
+
 /// Counters of one queue pair.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct QueueStats {
@@ -352,6 +363,40 @@ impl QueuePair {
         n
     }
 
+    /// Whether command `cid` is outstanding (submitted, no completion consumed yet).
+    pub fn is_busy(&self, cid: Cid) -> bool {
+        self.trackers.get(usize::from(cid.0)).is_some_and(|t| t.busy)
+    }
+
+    /// Returns the rings to their state at creation, for a controller reset (§3.7.2: a reset deletes
+    /// every I/O queue; the admin queue restarts from AQA/ASQ/ACQ): both rings zeroed, SQ tail, SQ
+    /// head and CQ head 0, expected phase 1, every tracker free. The DMA memory (rings, PRP lists)
+    /// and its IOVAs stay, so the queue is re-created on the same memory.
+    ///
+    /// Call only after the controller is disabled (CSTS.RDY = 0), when it no longer reads or writes
+    /// the rings. Returns the commands that were outstanding — they will never complete — as
+    /// [`Lost`], in CID order.
+    pub fn reset_rings(&mut self) -> Vec<Lost> {
+        self.sq.zero();
+        self.cq.zero();
+        self.sq_tail = 0;
+        self.sq_head = 0;
+        self.cq_head = 0;
+        self.phase = true;
+        self.unrung = 0;
+        let mut lost = Vec::new();
+        for (i, t) in self.trackers.iter_mut().enumerate() {
+            if t.busy {
+                lost.push(Lost { cid: Cid(i as u16), user: t.user, timed_out: t.timed_out });
+                t.busy = false;
+                t.timed_out = false;
+            }
+        }
+        self.free = (0..self.trackers.len() as u16).rev().collect();
+        self.outstanding = 0;
+        lost
+    }
+
     /// Outstanding commands that have not timed out, as `(cid, user)`.
     pub fn pending(&self) -> impl Iterator<Item = (Cid, u64)> + '_ {
         self.trackers.iter().enumerate().filter(|(_, t)| t.busy && !t.timed_out).map(|(i, t)| (Cid(i as u16), t.user))
@@ -471,6 +516,47 @@ mod tests {
         q.poll(1, |e| late = e.late).unwrap();
         assert!(late);
         assert_eq!(q.alloc_cid(), Some(c));
+    }
+
+    #[test]
+    fn reset_rings_frees_every_tracker_and_restarts_the_phase() {
+        let bar = Arc::new(FakeBar::default());
+        let dma = HeapDma::new();
+        let mut q = QueuePair::new(bar, &dma, 1, 4, 0).unwrap();
+        let (sq, cq) = (q.sq_iova(), q.cq_iova());
+        // Two commands complete (CQ slots 0 and 1 now hold entries with phase 1), two stay outstanding.
+        for round in 0..2u16 {
+            let c = q.alloc_cid().unwrap();
+            q.submit(c, 0, |_| {}).unwrap();
+            q.ring();
+            post(&mut q, round, c.0, round + 1, true);
+            assert_eq!(q.poll(1, |_| {}).unwrap(), 1);
+        }
+        let a = q.alloc_cid().unwrap();
+        let b = q.alloc_cid().unwrap();
+        q.submit(a, 70, |_| {}).unwrap();
+        q.submit(b, 71, |_| {}).unwrap();
+        q.ring();
+        q.expire(Duration::ZERO, |_, _| {});
+        let lost = q.reset_rings();
+        let mut want = vec![Lost { cid: a, user: 70, timed_out: true }, Lost { cid: b, user: 71, timed_out: true }];
+        want.sort_by_key(|l| l.cid);
+        assert_eq!(lost, want);
+        assert_eq!((q.outstanding(), q.sq_iova(), q.cq_iova()), (0, sq, cq), "same memory");
+        assert!(!q.is_busy(a) && !q.is_busy(b));
+        // The stale CQE left in slot 0 (phase 1) must not be seen as new: the ring was zeroed.
+        assert_eq!(q.poll(8, |_| panic!("stale entry")).unwrap(), 0);
+        // Fresh start: slot 0, phase 1.
+        let c = q.alloc_cid().unwrap();
+        q.submit(c, 5, |_| {}).unwrap();
+        q.ring();
+        let first: Command = q.sq.read(0);
+        assert_eq!(first.cid(), c.0, "the first command after a reset goes to SQ slot 0");
+        post(&mut q, 0, c.0, 1, true);
+        let mut users = vec![];
+        q.poll(8, |e| users.push(e.user)).unwrap();
+        assert_eq!(users, vec![5]);
+        assert_eq!(q.capacity(), 3);
     }
 
     #[test]

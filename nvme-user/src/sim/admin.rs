@@ -12,10 +12,10 @@ impl Model {
             admin::IDENTIFY => self.identify(shared, cmd),
             admin::CREATE_IO_CQ => (self.create_cq(cmd), 0),
             admin::CREATE_IO_SQ => (self.create_sq(cmd), 0),
-            admin::DELETE_IO_SQ => (self.delete_sq(cmd), 0),
+            admin::DELETE_IO_SQ => (self.delete_sq(shared, cmd), 0),
             admin::DELETE_IO_CQ => (self.delete_cq(cmd), 0),
             admin::SET_FEATURES | admin::GET_FEATURES => self.features(cmd),
-            admin::ABORT => (Status::SUCCESS, 1), // DW0 bit 0 = 1: command not aborted
+            admin::ABORT => self.abort(shared, cmd),
             _ => (Status::INVALID_OPCODE, 0),
         };
         Outcome::Complete(s, dw0)
@@ -62,6 +62,27 @@ impl Model {
         (transfer(self, shared, cmd, 4096, Dma::ToHost(&page)), 0)
     }
 
+    /// Abort (§5.1): CDW10 SQID 15:0, CID 31:16. A held command completes with Command Abort
+    /// Requested and DW0 bit 0 = 0 ("aborted"); any other command (completed, lost, unknown) is not
+    /// aborted: DW0 bit 0 = 1.
+    fn abort(&mut self, shared: &Shared, cmd: &Command) -> (Status, u32) {
+        let (sqid, cid) = (cmd.cdw10 as u16, (cmd.cdw10 >> 16) as u16);
+        let Some(i) = self.held.iter().position(|&h| h == (sqid, cid)) else {
+            return (Status::SUCCESS, 1);
+        };
+        self.held.remove(i);
+        let Some(sq) = self.sqs.get(usize::from(sqid)).and_then(Option::as_ref) else {
+            return (Status::SUCCESS, 1);
+        };
+        let (cqid, sqhd) = (usize::from(sq.cqid), sq.head);
+        if self.cqs[cqid].is_some() {
+            let cqe = crate::spec::Completion { dw0: 0, dw1: 0, sqhd, sqid, cid, status: 0 };
+            self.post(shared, cqid, cqe, Status::ABORT_REQUESTED);
+        }
+        self.stats.aborted += 1;
+        (Status::SUCCESS, 0)
+    }
+
     fn create_cq(&mut self, cmd: &Command) -> Status {
         let qid = usize::from(cmd.cdw10 as u16);
         let entries = (cmd.cdw10 >> 16) + 1;
@@ -98,10 +119,20 @@ impl Model {
         Status::SUCCESS
     }
 
-    fn delete_sq(&mut self, cmd: &Command) -> Status {
+    fn delete_sq(&mut self, shared: &Shared, cmd: &Command) -> Status {
         let qid = usize::from(cmd.cdw10 as u16);
         if qid == 0 || qid >= MAX_QUEUES || self.sqs[qid].is_none() {
             return Status::INVALID_QID;
+        }
+        // Commands still outstanding on the SQ complete with Command Aborted due to SQ Deletion.
+        let (cqid, sqhd) = self.sqs[qid].as_ref().map(|s| (usize::from(s.cqid), s.head)).expect("checked");
+        let held: Vec<u16> = self.held.iter().filter(|h| usize::from(h.0) == qid).map(|h| h.1).collect();
+        self.held.retain(|h| usize::from(h.0) != qid);
+        for cid in held {
+            if self.cqs[cqid].is_some() {
+                let cqe = crate::spec::Completion { dw0: 0, dw1: 0, sqhd, sqid: qid as u16, cid, status: 0 };
+                self.post(shared, cqid, cqe, Status::ABORTED_SQ_DELETION);
+            }
         }
         self.sqs[qid] = None;
         Status::SUCCESS

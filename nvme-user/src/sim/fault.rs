@@ -1,4 +1,6 @@
-//! Error injection for the sim: each [`Fault`] fires once, on the command it names.
+//! Error injection for the sim: each [`Fault`] fires once, on the command it names. A controller
+//! reset (CC.EN 1 → 0) clears CSTS.CFS and drops held commands, as on a real controller; faults not
+//! yet fired stay armed.
 
 use crate::spec::Status;
 
@@ -20,6 +22,9 @@ pub enum FaultAction {
     DropCompletion,
     /// Set CSTS.CFS and stop processing commands until the controller is reset (CC.EN = 0).
     Fatal,
+    /// Keep the command outstanding, neither executed nor completed (a hung command), until an
+    /// Abort names it (it then completes with Command Abort Requested) or the controller is reset.
+    Hold,
 }
 
 /// One injected fault.
@@ -43,6 +48,10 @@ impl Fault {
     /// Raises CSTS.CFS when the Nth I/O command is fetched.
     pub fn io_fatal(nth: u64) -> Fault {
         Fault { when: FaultWhen::Io(nth), action: FaultAction::Fatal }
+    }
+    /// Holds the Nth I/O command outstanding until it is aborted or the controller is reset.
+    pub fn io_hold(nth: u64) -> Fault {
+        Fault { when: FaultWhen::Io(nth), action: FaultAction::Hold }
     }
     /// Completes the next admin command `opcode` with `status`.
     pub fn admin_status(opcode: u8, status: Status) -> Fault {

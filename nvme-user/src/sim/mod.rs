@@ -5,7 +5,9 @@
 //! controller (CC.EN 0 → 1) takes the admin queues from AQA/ASQ/ACQ, CC.SHN completes a shutdown, and
 //! CC.EN 1 → 0 resets it. A thread watches the SQ tail doorbells, fetches SQEs, executes admin
 //! (`admin.rs`) and NVM I/O (`io.rs`) commands against namespaces backed by files, and posts CQEs with
-//! the phase tag. [`fault`] injects statuses, dropped completions and Controller Fatal Status.
+//! the phase tag. [`fault`] injects statuses, dropped completions, held (hung) commands and
+//! Controller Fatal Status. Abort (§5.1) aborts a held command (it completes with Command Abort
+//! Requested); a reset (CC.EN 1 → 0) deletes the queues, drops held commands and clears CSTS.CFS.
 //!
 //! The model reaches host memory only through `dma_copy`, which accepts an IOVA only inside a
 //! range the driver's [`HeapDma`](crate::dma::HeapDma) registered (IOVA = host address): a driver bug
@@ -82,6 +84,10 @@ pub struct SimStats {
     pub completions: u64,
     /// Completions withheld by a fault.
     pub dropped: u64,
+    /// Abort commands that found and aborted their command.
+    pub aborted: u64,
+    /// Controller resets (CC.EN 1 → 0).
+    pub resets: u64,
     /// DMA accesses refused (outside registered memory).
     pub dma_faults: u64,
     /// Faults fired.
@@ -128,6 +134,8 @@ pub(crate) struct Model {
     pub(crate) stats: SimStats,
     pub(crate) queues_granted: u16,
     pub(crate) scratch: Vec<u8>,
+    /// Commands held outstanding by [`FaultAction::Hold`], as `(sqid, cid)`.
+    pub(crate) held: Vec<(u16, u16)>,
 }
 
 pub(crate) struct Shared {
@@ -237,6 +245,7 @@ impl Sim {
             stats: SimStats::default(),
             queues_granted: (MAX_QUEUES - 1) as u16,
             scratch: Vec::new(),
+            held: Vec::new(),
         };
         let shared = Arc::new(Shared {
             model: Mutex::new(model),
@@ -317,10 +326,11 @@ fn le_command(b: &[u8; 64]) -> Command {
     }
 }
 
-/// The outcome of executing one command: status and DW0, or no completion at all.
+/// The outcome of executing one command: status and DW0, no completion at all, or held outstanding.
 pub(crate) enum Outcome {
     Complete(Status, u32),
     Drop,
+    Hold,
 }
 
 impl Model {
@@ -363,16 +373,15 @@ impl Model {
                     continue; // cannot even read the command: nothing to complete
                 }
                 let cmd = le_command(&raw);
-                let outcome = self.execute(shared, qid as u16, &cmd);
-                if let Outcome::Complete(status, dw0) = outcome {
-                    self.post(
+                match self.execute(shared, qid as u16, &cmd) {
+                    Outcome::Complete(status, dw0) => self.post(
                         shared,
                         cqid,
                         Completion { dw0, dw1: 0, sqhd, sqid: qid as u16, cid: cmd.cid(), status: 0 },
                         status,
-                    );
-                } else {
-                    self.stats.dropped += 1;
+                    ),
+                    Outcome::Drop => self.stats.dropped += 1,
+                    Outcome::Hold => self.held.push((qid as u16, cmd.cid())),
                 }
             }
         }
@@ -395,6 +404,7 @@ impl Model {
                     self.csts = Csts(self.csts.0 | 2);
                     return Outcome::Drop;
                 }
+                FaultAction::Hold => return Outcome::Hold,
             }
         }
         self.dispatch(shared, qid, cmd)
@@ -411,7 +421,7 @@ impl Model {
         }
     }
 
-    fn post(&mut self, shared: &Shared, cqid: usize, mut cqe: Completion, status: Status) {
+    pub(crate) fn post(&mut self, shared: &Shared, cqid: usize, mut cqe: Completion, status: Status) {
         let cq = self.cqs[cqid].as_mut().expect("checked by caller");
         cqe.status = status.to_field(cq.phase);
         let addr = cq.base + u64::from(cq.tail) * 16;
@@ -454,7 +464,10 @@ impl Model {
             self.cqs[0] = Some(Cq { base: self.acq, entries: cqs, tail: 0, phase: true });
             self.csts = Csts::build(true, false, Shst::Normal);
         } else if old.en() && !new.en() {
-            // Controller reset: queues deleted, doorbells and status cleared.
+            // Controller reset: queues deleted, held commands dropped, doorbells and status (CFS too)
+            // cleared.
+            self.held.clear();
+            self.stats.resets += 1;
             for q in &mut self.sqs {
                 *q = None;
             }

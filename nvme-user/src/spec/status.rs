@@ -179,6 +179,10 @@ impl Status {
     pub const DATA_TRANSFER_ERROR: Status = Status::new(StatusCodeType::Generic, 0x04);
     /// Generic: Internal Error.
     pub const INTERNAL_ERROR: Status = Status::new(StatusCodeType::Generic, 0x06);
+    /// Generic: Command Abort Requested (the command was aborted by an Abort command, §5.1).
+    pub const ABORT_REQUESTED: Status = Status::new(StatusCodeType::Generic, 0x07);
+    /// Generic: Command Aborted due to SQ Deletion.
+    pub const ABORTED_SQ_DELETION: Status = Status::new(StatusCodeType::Generic, 0x08);
     /// Generic: Invalid Namespace or Format.
     pub const INVALID_NAMESPACE: Status = Status::new(StatusCodeType::Generic, 0x0B);
     /// Generic: PRP Offset Invalid.

@@ -10,6 +10,7 @@ use picchio_core::{
     AlignedBuf, ByteOffset, Completion, ExpertLoader, FlatStore, FlatStoreOptions, FlatWriter, IoQueue, ReadReq, Tag,
 };
 use picchio_nvme::bar::Bar;
+use picchio_nvme::engine::{ReadFailure, RecoveryPolicy};
 use picchio_nvme::sim::{Fault, Sim, SimConfig, SimNamespace};
 use picchio_nvme::spec::{admin, regs, Status, StatusCodeType};
 use picchio_nvme::{Controller, CtrlrOptions, Error, HeapDma, InitState, NvmeQueue, NvmeQueueOptions};
@@ -181,40 +182,222 @@ fn injected_statuses_fail_the_read_and_the_queue_keeps_working() {
     assert_eq!(q.stats().errors, 6);
 }
 
+/// The typed recovery error inside a failed completion.
+fn failure(c: &Completion) -> ReadFailure {
+    let e = c.result.as_ref().expect_err("the read must fail");
+    ReadFailure::of(e).unwrap_or_else(|| panic!("untyped error: {e}")).clone()
+}
+
+fn fast_recovery(q: &mut NvmeQueue, max_resets: u32) {
+    q.set_recovery(RecoveryPolicy {
+        abort_timeout: Duration::from_millis(200),
+        max_resets,
+        reset_window: Duration::from_secs(600),
+    });
+}
+
 #[test]
-fn dropped_completion_times_out_cleanly() {
+fn dropped_completion_abort_then_reset_fails_only_that_read() {
     let dir = tempfile::tempdir().unwrap();
     let (p, bytes) = backing(dir.path(), "ns", 1 << 20, 5);
     let (mut q, sim) = NvmeQueue::open_sim(SimConfig::single(&p, 4096), &opts(4)).unwrap();
+    fast_recovery(&mut q, 3);
+    // The controller executes the read but never posts its completion: the Abort finds nothing
+    // outstanding (DW0 bit 0 = 1), no completion comes, so the controller is reset.
     sim.inject(Fault::io_drop(sim.io_count() + 1));
     let t = std::time::Instant::now();
-    let c = read(&mut q, 0, 4096);
-    let e = c.result.unwrap_err();
+    let c = read(&mut q, 8192, 4096);
+    let e = c.result.as_ref().unwrap_err();
     assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
-    assert!(e.to_string().contains("no completion for CID"), "{e}");
-    assert!(t.elapsed() >= Duration::from_millis(300));
-    assert!(c.buf.as_slice().iter().all(|&b| b == 0), "a fresh buffer comes back; the lent one is quarantined");
-    assert_eq!(q.stats().timeouts, 1);
-    assert_eq!(sim.stats().dropped, 1);
+    match failure(&c) {
+        ReadFailure::TimedOutReset { nsid: 1, byte: 8192, timeout_ms: 300, why, .. } => {
+            assert!(why.contains("did not abort it (DW0 bit 0 = 1)"), "{why}")
+        }
+        f => panic!("{f:?}"),
+    }
+    assert!(e.to_string().contains("so the controller was reset"), "{e}");
+    assert!(t.elapsed() >= Duration::from_millis(500), "timeout + abort timeout");
+    // After a reset the device does no more DMA: the buffer itself comes back (not quarantined).
+    assert_eq!(c.buf.len(), 4096);
+    let s = q.stats();
+    assert_eq!((s.timeouts, s.aborts, s.resets), (1, 1, 1), "{s:?}");
+    assert_eq!(q.controller().resets(), 1);
+    assert_eq!((sim.stats().dropped, sim.stats().resets, sim.stats().aborted), (1, 1, 0));
+    assert!(q.fatal().is_none());
     for i in 0..20u64 {
         let c = read(&mut q, i * 4096, 4096);
         assert_eq!(c.result.unwrap(), 4096);
         assert_eq!(&c.buf.as_slice()[..4096], &bytes[i as usize * 4096..(i as usize + 1) * 4096]);
     }
+    // Split reads across the re-created queue, many at once.
+    check_many(&mut q, &bytes, 8);
+}
+
+/// Submits reads of 1..=40 pages at varied offsets with `qd` in flight, checks every byte.
+fn check_many(q: &mut NvmeQueue, bytes: &[u8], qd: usize) {
+    let mut rng = Rng(77);
+    let mut want = std::collections::HashMap::new();
+    let mut got = vec![];
+    for i in 0..60u64 {
+        let len = ((1 + rng.next() % 40) * 4096) as u32;
+        let off = rng.next() % (bytes.len() as u64 - u64::from(len)) / 4096 * 4096;
+        want.insert(i, (off, len));
+        q.submit(ReadReq {
+            offset: ByteOffset(off),
+            len,
+            buf: AlignedBuf::new(len as usize, 4096).unwrap(),
+            tag: Tag(i),
+        });
+        while q.in_flight() >= qd {
+            q.reap(1, &mut got);
+        }
+    }
+    while q.in_flight() > 0 {
+        q.reap(1, &mut got);
+    }
+    assert_eq!(got.len(), 60);
+    for c in got {
+        let (off, len) = want[&c.tag.0];
+        assert_eq!(c.result.as_ref().map_err(ToString::to_string), Ok(&len));
+        assert!(c.buf.as_slice()[..len as usize] == bytes[off as usize..(off + u64::from(len)) as usize]);
+    }
 }
 
 #[test]
-fn controller_fatal_status_is_detected() {
+fn hung_command_is_aborted_without_a_reset() {
     let dir = tempfile::tempdir().unwrap();
-    let (p, _) = backing(dir.path(), "ns", 1 << 20, 6);
-    let (mut q, sim) = NvmeQueue::open_sim(SimConfig::single(&p, 4096), &opts(4)).unwrap();
+    let (p, bytes) = backing(dir.path(), "ns", 1 << 20, 9);
+    let (mut q, sim) = NvmeQueue::open_sim(SimConfig::single(&p, 512), &opts(4)).unwrap();
+    fast_recovery(&mut q, 3);
+    // The controller holds the command (never executes or completes it) until the Abort names it.
+    sim.inject(Fault::io_hold(sim.io_count() + 1));
+    let c = read(&mut q, 4096, 8192);
+    assert_eq!(c.result.as_ref().unwrap_err().kind(), std::io::ErrorKind::TimedOut);
+    match failure(&c) {
+        ReadFailure::Aborted { nsid: 1, byte: 4096, status, .. } => assert_eq!(status, Status::ABORT_REQUESTED),
+        f => panic!("{f:?}"),
+    }
+    let s = q.stats();
+    assert_eq!((s.timeouts, s.aborts, s.resets, s.late), (1, 1, 0, 1), "{s:?}");
+    assert_eq!((sim.stats().aborted, sim.stats().resets), (1, 0));
+    let c = read(&mut q, 4096, 8192);
+    assert_eq!(c.result.unwrap(), 8192);
+    assert_eq!(&c.buf.as_slice()[..8192], &bytes[4096..12288]);
+}
+
+#[test]
+fn controller_fatal_status_resets_and_later_reads_are_byte_correct() {
+    let dir = tempfile::tempdir().unwrap();
+    let (p, bytes) = backing(dir.path(), "ns", 2 << 20, 6);
+    // Queue depth 2: reads 3 and 4 go out together, 5 and 6 wait for free CIDs.
+    let (mut q, sim) = NvmeQueue::open_sim(SimConfig::single(&p, 4096), &opts(2)).unwrap();
+    fast_recovery(&mut q, 3);
+    for i in 0..2u64 {
+        let c = read(&mut q, i * 4096, 4096);
+        assert_eq!(c.result.unwrap(), 4096);
+    }
+    // CSTS.CFS when read 3 is fetched; read 4 stays in the SQ (the controller stopped).
     sim.inject(Fault::io_fatal(sim.io_count() + 1));
-    let e = read(&mut q, 0, 4096).result.unwrap_err();
-    assert!(e.to_string().contains("CSTS.CFS"), "{e}");
-    assert!(q.fatal().is_some());
+    for i in 3..7u64 {
+        let len = 4096 * i as u32;
+        q.submit(ReadReq {
+            offset: ByteOffset(i << 16),
+            len,
+            buf: AlignedBuf::new(len as usize, 4096).unwrap(),
+            tag: Tag(i),
+        });
+    }
+    let mut got = vec![];
+    while q.in_flight() > 0 {
+        q.reap(1, &mut got);
+    }
+    got.sort_by_key(|c| c.tag.0);
+    assert_eq!(got.iter().map(|c| c.tag.0).collect::<Vec<_>>(), vec![3, 4, 5, 6]);
+    for c in &got[..2] {
+        match failure(c) {
+            ReadFailure::Reset { nsid: 1, byte, reason } => {
+                assert_eq!(byte, c.tag.0 << 16);
+                assert!(reason.contains("CSTS.CFS = 1"), "{reason}");
+            }
+            f => panic!("tag {}: {f:?}", c.tag.0),
+        }
+    }
+    for c in &got[2..] {
+        let (off, len) = ((c.tag.0 << 16) as usize, 4096 * c.tag.0 as usize);
+        assert_eq!(
+            *c.result.as_ref().unwrap() as usize,
+            len,
+            "tag {} was not in flight: served after the reset",
+            c.tag.0
+        );
+        assert!(c.buf.as_slice()[..len] == bytes[off..off + len]);
+    }
+    assert_eq!((q.stats().resets, q.stats().timeouts, sim.stats().resets), (1, 0, 1));
+    assert!(q.fatal().is_none());
+    check_many(&mut q, &bytes, 2);
+    drop(q); // a clean shutdown after the reset
+}
+
+#[test]
+fn repeated_faults_stop_the_queue_after_the_reset_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let (p, bytes) = backing(dir.path(), "ns", 1 << 20, 10);
+    let (mut q, sim) = NvmeQueue::open_sim(SimConfig::single(&p, 512), &opts(4)).unwrap();
+    fast_recovery(&mut q, 2);
+    for round in 0..2 {
+        sim.inject(Fault::io_fatal(sim.io_count() + 1));
+        assert!(matches!(failure(&read(&mut q, 0, 4096)), ReadFailure::Reset { .. }), "round {round}");
+        let c = read(&mut q, 4096, 4096);
+        assert_eq!(c.result.unwrap(), 4096);
+        assert_eq!(&c.buf.as_slice()[..4096], &bytes[4096..8192]);
+    }
+    // A third fault within the window: no third reset, the queue stops and says why.
+    sim.inject(Fault::io_fatal(sim.io_count() + 1));
+    let c = read(&mut q, 0, 4096);
+    match failure(&c) {
+        ReadFailure::ResetLimit { resets: 2, limit: 2, window_s: 600, last } => {
+            assert!(last.contains("CSTS.CFS"), "{last}")
+        }
+        f => panic!("{f:?}"),
+    }
+    let why = q.fatal().expect("stopped").to_string();
+    assert!(why.starts_with("NVMe queue stopped after 2 controller resets within 600 s (limit 2)"), "{why}");
     let e = read(&mut q, 4096, 4096).result.unwrap_err();
-    assert!(e.to_string().contains("CSTS.CFS"), "{e}");
-    drop(q); // shutdown skips queue deletion and resets; must not hang
+    assert!(e.to_string().contains("NVMe queue stopped after 2 controller resets"), "{e}");
+    assert_eq!(q.stats().resets, 2);
+    // Reset twice by the driver, then shut down (its CC.EN = 0 counts as the model's third).
+    assert_eq!(sim.stats().resets, 3);
+    drop(q);
+}
+
+#[test]
+fn interrupt_flag_fails_waiting_reads_and_stops_the_queue() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let dir = tempfile::tempdir().unwrap();
+    let (p, _) = backing(dir.path(), "ns", 1 << 20, 13);
+    // A per-command timeout far beyond the test: only the flag can end the wait.
+    let o = NvmeQueueOptions { qd: 4, timeout: Duration::from_secs(600), ..Default::default() };
+    let (mut q, sim) = NvmeQueue::open_sim(SimConfig::single(&p, 4096), &o).unwrap();
+    let flag = Arc::new(AtomicBool::new(false));
+    q.set_interrupt(flag.clone());
+    // A hung command would keep reap waiting for the timeout; the flag ends the wait instead.
+    q.set_recovery(RecoveryPolicy { abort_timeout: Duration::from_secs(60), ..RecoveryPolicy::default() });
+    sim.inject(Fault::io_hold(sim.io_count() + 1));
+    q.submit(ReadReq { offset: ByteOffset(0), len: 4096, buf: AlignedBuf::new(4096, 4096).unwrap(), tag: Tag(1) });
+    let setter = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        flag.store(true, Ordering::Relaxed);
+    });
+    let mut got = vec![];
+    q.reap(1, &mut got);
+    setter.join().unwrap();
+    assert_eq!(got[0].result.as_ref().unwrap_err().kind(), std::io::ErrorKind::Interrupted);
+    assert_eq!(failure(&got[0]), ReadFailure::Interrupted);
+    assert!(q.fatal().is_some());
+    assert_eq!(q.stats().timeouts, 0);
+    let e = read(&mut q, 4096, 4096).result.unwrap_err();
+    assert!(e.to_string().contains("interrupted"), "{e}");
+    drop(q); // shutdown deletes the queues (the held command completes as aborted) and resets
 }
 
 #[test]
@@ -437,4 +620,84 @@ fn chained_prp_list_from_an_offset_first_page_and_a_broken_chain() {
         q.poll(8, |e| done = Some(e.cqe.status())).unwrap();
     }
     assert_eq!(done, Some(Status::PRP_OFFSET_INVALID));
+}
+
+/// Stand-in for the runtime's safetensors fallback (the runtime depends on this crate, so its real
+/// loader cannot be used here): serves payloads from memory and records which experts it served.
+struct MemLoader {
+    payloads: Vec<Vec<u8>>,
+    experts: u32,
+    served: Arc<std::sync::Mutex<Vec<(u32, u32)>>>,
+}
+
+impl ExpertLoader for MemLoader {
+    fn describe(&self) -> String {
+        "memory (stand-in for safetensors)".into()
+    }
+    fn load(&mut self, layer: u32, requests: Vec<(u32, AlignedBuf)>, ready: &mut dyn FnMut(picchio_core::Loaded)) {
+        for (expert, mut buf) in requests {
+            let p = &self.payloads[(layer * self.experts + expert) as usize];
+            buf.as_mut_slice()[..p.len()].copy_from_slice(p);
+            self.served.lock().unwrap().push((layer, expert));
+            ready(picchio_core::Loaded { key: picchio_core::ExpertKey { layer, expert }, buf, result: Ok(()) });
+        }
+    }
+}
+
+#[test]
+fn flat_store_over_nvme_falls_back_for_the_reads_a_fault_failed() {
+    use picchio_core::{FallbackLoader, IoStats};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("experts.picchioflat");
+    let dims = StoreDims { hidden: 64, n_layers: 4, n_experts: 4, topk: 2, moe_inter: 128 };
+    let mut rng = Rng(31);
+    let payloads: Vec<Vec<u8>> = (0..16).map(|i| rng.bytes(20_000 + i * 9_000)).collect();
+    let mut w = FlatWriter::create(&path, dims, 16).unwrap();
+    for p in &payloads {
+        w.push(p).unwrap();
+    }
+    w.finish().unwrap();
+    let image_len = std::fs::metadata(&path).unwrap().len();
+    // Hung command → Abort; dropped completion → Abort fails → reset; CFS → reset.
+    let faults: [fn(u64) -> Fault; 3] = [Fault::io_hold, Fault::io_drop, Fault::io_fatal];
+    for (layer, fault) in faults.into_iter().enumerate() {
+        let (mut q, sim) = NvmeQueue::open_sim(SimConfig::single(&path, 512), &opts(2)).unwrap();
+        fast_recovery(&mut q, 3);
+        let stats = Arc::new(IoStats::default());
+        let store = FlatStore::open(q, "nvme:sim", FlatStoreOptions { image_len, verify: true, ..Default::default() })
+            .unwrap()
+            .with_stats(stats.clone());
+        let served = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let fallback = MemLoader { payloads: payloads.clone(), experts: 4, served: served.clone() };
+        let mut loader = FallbackLoader::new(store, fallback, stats.clone());
+        // The fault hits the first command of this layer's batch.
+        sim.inject(fault(sim.io_count() + 1));
+        let layer = layer as u32;
+        let mut got = vec![];
+        let reqs = (0..4).map(|e| (e, AlignedBuf::new(256 << 10, 4096).unwrap())).collect();
+        loader.load(layer, reqs, &mut |l| {
+            l.result.as_ref().unwrap_or_else(|e| panic!("{e}"));
+            let p = &payloads[(layer * 4 + l.key.expert) as usize];
+            assert!(l.buf.as_slice()[..p.len()] == p[..], "{}", l.key);
+            got.push(l.key.expert);
+        });
+        got.sort_unstable();
+        assert_eq!(got, vec![0, 1, 2, 3], "every expert delivered once");
+        let snap = stats.snapshot();
+        let fell_back = served.lock().unwrap().clone();
+        assert!(!fell_back.is_empty(), "fault {layer}: the failed read was served by the fallback");
+        assert_eq!(snap.fallbacks, fell_back.len() as u64);
+        assert_eq!(snap.errors, fell_back.len() as u64, "exactly the failed reads fell back");
+        assert!(fell_back.len() <= 2, "at most the 2 reads in flight failed: {fell_back:?}");
+        // The next layer comes from the NVMe store again, with no fallback.
+        let next = (layer + 1) % 4;
+        let reqs = (0..4).map(|e| (e, AlignedBuf::new(256 << 10, 4096).unwrap())).collect();
+        loader.load(next, reqs, &mut |l| {
+            l.result.as_ref().unwrap_or_else(|e| panic!("{e}"));
+            let p = &payloads[(next * 4 + l.key.expert) as usize];
+            assert!(l.buf.as_slice()[..p.len()] == p[..], "{}", l.key);
+        });
+        assert_eq!(stats.snapshot().fallbacks, snap.fallbacks, "no fallback after recovery");
+        assert_eq!(sim.stats().resets, u64::from(layer > 0), "hold: Abort only; drop and CFS: one reset");
+    }
 }

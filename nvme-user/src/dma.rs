@@ -426,7 +426,10 @@ pub fn hugepage_shortfall(needed_pages: usize, slots: usize, slot_len: usize, me
     };
     let target = total.unwrap_or(0) + needed_pages.saturating_sub(free.unwrap_or(0));
     format!(
-        "zero-copy NVMe reads need the expert cache in DMA memory: {needed_pages} × 2 MiB hugepages for {slots}          slots of {slot_len} B, but {have} ({cause}); expert reads will be copied through bounce buffers instead          (bounce_bytes in `picchio run --json`). Reserve them before the run, as root:          echo {target} > /proc/sys/vm/nr_hugepages"
+        "zero-copy NVMe reads need the expert cache in DMA memory: {needed_pages} × 2 MiB hugepages for {slots} \
+         slots of {slot_len} B, but {have} ({cause}); expert reads will be copied through bounce buffers instead \
+         (bounce_bytes in `picchio run --json`). Reserve them before the run, as root: \
+         echo {target} > /proc/sys/vm/nr_hugepages"
     )
 }
 
@@ -750,6 +753,42 @@ mod tests {
         assert_eq!(reg.count(), 1);
         dma.unmap_external(iova, 64);
         assert_eq!(reg.count(), 0);
+    }
+
+    #[test]
+    fn region_segments_follow_each_pages_iova() {
+        let dma = HeapDma::new();
+        let mut r = dma.alloc_region(3 * 8192).unwrap();
+        assert_eq!((r.len(), r.pages()), (3 * 8192, 1));
+        assert_eq!(dma.registry().count(), 1);
+        // As in no-IOMMU mode: pages of 8 KiB at unrelated "physical" addresses (pages 1, 2 adjacent).
+        r.page = 8192;
+        r.iovas = vec![Iova(0x10_0000), Iova(0x40_0000), Iova(0x40_2000)];
+        let mut out = Vec::new();
+        r.segments(4096, 3 * 8192 - 4096 - 512, &mut out);
+        assert_eq!(out, [(Iova(0x10_1000), 4096), (Iova(0x40_0000), 2 * 8192 - 512)]);
+        out.clear();
+        r.segments(8192 + 100, 50, &mut out);
+        assert_eq!(out, [(Iova(0x40_0064), 50)]);
+        assert_eq!(r.locate(r.addr() + 8192, 8192), Some(8192));
+        assert_eq!(r.locate(r.addr() + 8192, 3 * 8192), None);
+        assert_eq!(r.locate(r.addr().wrapping_sub(1), 1), None);
+        drop(r);
+        assert_eq!(dma.registry().count(), 0, "the region's device access is revoked");
+        dma.limit_regions(Some(4096));
+        assert!(dma.alloc_region(8192).is_err());
+    }
+
+    #[test]
+    fn slot_pool_lends_each_slot_once() {
+        let pool = Arc::new(SlotPool::new(HeapDma::new().alloc_region(3 * PAGE).unwrap(), 5000, 1).unwrap());
+        assert_eq!(pool.slot_len(), 2 * PAGE);
+        let a = pool.take().unwrap();
+        assert!(pool.take().is_none());
+        assert_eq!(a.addr(), pool.region().addr());
+        drop(a);
+        assert_eq!(pool.free_slots(), 1);
+        assert!(SlotPool::new(HeapDma::new().alloc_region(PAGE).unwrap(), PAGE, 2).is_err());
     }
 
     #[test]

@@ -495,9 +495,13 @@ impl IoQueue for NvmeQueue {
 
     fn describe(&self) -> String {
         let cap = self.qd;
-        let bounce = if matches!(self.path, DataPath::Bounce(_)) { ", bounce" } else { "" };
-        let slots = if self.slot_pools.is_empty() { "" } else { ", zero-copy slots" };
-        format!("nvme({}, nsid {}, qd {cap}{bounce}{slots})", self.label, self.ns.nsid)
+        // The VFIO data path copies only buffers outside the slot pools (counted in bounce_bytes).
+        let data = match (&self.path, self.slot_pools.is_empty()) {
+            (_, false) => ", zero-copy slots",
+            (DataPath::Bounce(_), true) => ", bounce buffers",
+            (DataPath::Direct, true) => "",
+        };
+        format!("nvme({}, nsid {}, qd {cap}{data})", self.label, self.ns.nsid)
     }
 
     fn submit(&mut self, req: ReadReq) {

@@ -148,7 +148,7 @@ impl Session {
         let model = Model::load(&opts.model_dir, opts.max_seq)?;
         let cfg = model.config().clone();
         let layout = model.layout().clone();
-        let (mut loader, info, io_stats) =
+        let (mut loader, mut info, io_stats) =
             open_store(&opts.store, &opts.model_dir, &cfg, model.tensors().clone(), &layout, opts.io)?;
         let total = cfg.moe_layers().len() * cfg.num_experts;
         let ecap = match opts.ecap {
@@ -159,7 +159,9 @@ impl Session {
         let mut cache = ExpertCache::new(ecap, layout.len())?;
         cache.set_async_moe(opts.io.async_moe);
         // Slots in the engine's DMA memory when it has some (nvme:), else on the heap.
-        cache.use_slots_from(&mut *loader);
+        if let Some(slots) = cache.use_slots_from(&mut *loader) {
+            info.engine = format!("{}; expert cache slots: {slots}", info.engine);
+        }
         tracing::info!("experts from {} via {}, cache {ecap} experts", info.store, info.engine);
         Ok(Session { model, cache, loader, info, io_stats, tokenizer })
     }
@@ -179,8 +181,10 @@ impl Session {
     }
 
     /// Generates up to `opts.max_new` tokens after `prompt_ids` (positions from 0: a fresh sequence).
+    /// Before every forward pass it checks [`crate::interrupt::requested`].
     ///
     /// # Errors
+    /// [`Error::Interrupted`] after SIGINT/SIGTERM (see [`crate::interrupt`]);
     /// [`Error::Invalid`] for an empty prompt, an id outside the vocabulary or a sequence longer than
     /// the KV cache; forward-pass errors.
     pub fn generate(&mut self, prompt_ids: &[u32], opts: &GenerateOptions) -> Result<Generation> {
@@ -206,7 +210,12 @@ impl Session {
 
         let t0 = Instant::now();
         let mut pos = 0;
+        let interrupted =
+            |done| Error::Interrupted { signal: crate::interrupt::signal_name(), done, wanted: opts.max_new };
         for &t in prompt_ids {
+            if crate::interrupt::requested() {
+                return Err(interrupted(0));
+            }
             self.model.forward(t, pos, &mut self.cache, &mut *self.loader)?;
             pos += 1;
         }
@@ -222,6 +231,9 @@ impl Session {
             tokens.push(next);
             if eos.contains(&next) || tokens.len() == opts.max_new {
                 break;
+            }
+            if crate::interrupt::requested() {
+                return Err(interrupted(tokens.len()));
             }
             self.model.forward(next, pos, &mut self.cache, &mut *self.loader)?;
             pos += 1;

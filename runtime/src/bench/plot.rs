@@ -71,7 +71,20 @@ impl Scale {
         }
     }
 
+    /// Tick labels wanted for an axis spanning `span` axis units: log axes get ticks every 0.2 of
+    /// a unit so that every whole power is among them (the others are left unlabelled).
+    fn ticks(self, span: f64) -> usize {
+        match self {
+            Scale::Linear => 10,
+            _ => ((span * 5.0).ceil() as usize).clamp(5, 80),
+        }
+    }
+
     fn label(self, a: f64) -> String {
+        if self != Scale::Linear && (a - a.round()).abs() > 1e-6 {
+            return String::new();
+        }
+        let a = if self == Scale::Linear { a } else { a.round() };
         let v = match self {
             Scale::Linear => a,
             Scale::Log2 => a.exp2(),
@@ -152,7 +165,7 @@ impl LineChart<'_> {
         let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
         let root = root.titled(&self.title, ("sans-serif", 22)).map_err(|e| err(e.to_string()))?;
-        let (body, foot) = root.split_vertically(530);
+        let (body, foot) = root.split_vertically(root.dim_in_pixel().1.saturating_sub(24));
         foot.draw_text(self.subtitle, &("sans-serif", 13).into_text_style(&foot).color(&BLACK.mix(0.6)), (10, 2))
             .map_err(|e| err(e.to_string()))?;
         let mut chart = ChartBuilder::on(&body)
@@ -168,8 +181,8 @@ impl LineChart<'_> {
             .configure_mesh()
             .x_desc(self.x_label)
             .y_desc(self.y_label)
-            .x_labels(10)
-            .y_labels(8)
+            .x_labels(xs.ticks(x1 - x0))
+            .y_labels(ys.ticks(y1 - y0).min(12))
             .x_label_formatter(&x_fmt)
             .y_label_formatter(&y_fmt)
             .light_line_style(BLACK.mix(0.06))

@@ -19,6 +19,14 @@ enum Experiment {
     /// Record only the environment (CPU, kernel, memory, load, and the store's device and file
     /// system): what every other experiment's report carries in `environment`.
     Env(EnvArgs),
+    /// Routing traces (`picchio run --trace`, or recorded here with --model): token-to-token expert
+    /// reuse, per-layer popularity, and LRU vs Belady (optimal) expert-cache hit rates by capacity.
+    Trace(super::bench_model::TraceArgs),
+    /// Decode tok/s, misses and bytes per token against the expert-cache budget (--ecap sweep),
+    /// O_DIRECT vs buffered reads, from real runs of the model.
+    Cache(super::bench_model::CacheArgs),
+    /// Redraw the charts of a saved report (`--json`) as SVG.
+    Plot(super::bench_model::PlotArgs),
 }
 
 /// Options every experiment has: where to read, where the report goes.
@@ -54,6 +62,9 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
             println!("{}", describe_environment(&report.environment));
             after_run(&report, &a.common)
         }
+        Experiment::Trace(a) => super::bench_model::trace(a),
+        Experiment::Cache(a) => super::bench_model::cache(a),
+        Experiment::Plot(a) => super::bench_model::plot(a),
     }
 }
 

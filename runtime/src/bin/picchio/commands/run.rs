@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use picchio_core::StoreUri;
+use picchio_runtime::bench::trace::{TraceHeader, TraceWriter};
 use picchio_runtime::run::{dump_logits, GenerateOptions, Session, SessionOptions};
 use picchio_runtime::sampler::SamplerOptions;
 use picchio_runtime::store::{IoEngine, IoOptions};
@@ -64,6 +65,10 @@ pub struct Args {
     /// (tensor `logits`, f32 [n_generated, vocab]).
     #[arg(long, value_name = "PATH")]
     pub dump_logits: Option<PathBuf>,
+    /// Record every routing decision (layer, position, top-k experts, their weights) to a
+    /// picchio-trace/1 file (JSON lines; docs/experiments.md, "trace"), for `picchio bench trace`.
+    #[arg(long, value_name = "PATH")]
+    pub trace: Option<PathBuf>,
 }
 
 /// Engine and MoE scheduling options shared by `run` and `demo`.
@@ -116,6 +121,9 @@ impl EngineArgs {
 }
 
 pub fn exec(a: Args) -> anyhow::Result<()> {
+    // Ctrl-C / SIGTERM stop generation (and any wait for an nvme: device) so the store is closed
+    // cleanly; the process then exits 128 + signal (main.rs).
+    picchio_runtime::interrupt::install().context("installing the SIGINT/SIGTERM handlers")?;
     if !(a.top_p > 0.0 && a.top_p <= 1.0) {
         bail!("--top-p must be in (0, 1], got {}", a.top_p);
     }
@@ -150,7 +158,14 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
         stop_at_eos: a.stop_at_eos,
         keep_logits: a.dump_logits.is_some(),
     };
+    if let Some(p) = &a.trace {
+        let header = TraceHeader::new(&a.model, s.model.config(), s.cache.slot_len() as u64);
+        s.model.set_routing_observer(Box::new(TraceWriter::create(p, &header)?));
+    }
     let g = s.generate(&prompt_ids, &gen)?;
+    if let Some(p) = &a.trace {
+        s.model.take_routing_observer().with_context(|| format!("writing the trace {}", p.display()))?;
+    }
     if let Some(p) = &a.dump_logits {
         dump_logits(p, &g.logits, s.model.config().vocab_size)?;
     }

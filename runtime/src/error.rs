@@ -140,6 +140,17 @@ pub enum Error {
     /// A user request cannot be satisfied (bad flag combination, empty prompt, ...).
     #[error("{0}")]
     Invalid(String),
+    /// SIGINT or SIGTERM asked the run to stop ([`crate::interrupt`]); what was open is closed as
+    /// the error unwinds.
+    #[error("interrupted by {signal} after {done} of {wanted} tokens")]
+    Interrupted {
+        /// `SIGINT`, `SIGTERM`.
+        signal: String,
+        /// Tokens generated before the stop.
+        done: usize,
+        /// Tokens asked for.
+        wanted: usize,
+    },
 }
 
 impl Error {

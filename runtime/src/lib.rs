@@ -8,6 +8,7 @@ pub mod config;
 pub mod convert;
 pub mod error;
 pub mod expert;
+pub mod interrupt;
 pub mod kernels;
 pub mod model;
 pub mod moe;

@@ -304,7 +304,10 @@ pub fn open_nvme_queue(name: &str, bdf: &str, nsid: u32, qd: u32) -> Result<picc
     let qopts = NvmeQueueOptions { nsid, qd: qd.clamp(1, 1024) as u16, ..NvmeQueueOptions::default() };
     let fail = |e: picchio_nvme::Error| Error::Invalid(format!("{name}: {e}"));
     let ctrlr = picchio_nvme::vfio::open_controller(bdf, qopts.ctrlr_options()).map_err(fail)?;
-    NvmeQueue::with_bounce_buffer(ctrlr, nsid, qopts.timeout, format!("vfio {bdf}")).map_err(fail)
+    let mut queue = NvmeQueue::with_bounce_buffer(ctrlr, nsid, qopts.timeout, format!("vfio {bdf}")).map_err(fail)?;
+    // SIGINT/SIGTERM end any wait for the device (crate::interrupt).
+    queue.set_interrupt(crate::interrupt::flag());
+    Ok(queue)
 }
 
 /// The image at LBA 0 of an open NVMe queue's namespace (a VFIO controller from

@@ -11,7 +11,11 @@ fn main() {
     init_logging(cli.verbose, cli.quiet);
     if let Err(e) = commands::exec(cli) {
         eprintln!("Error: {}", chain(&e));
-        std::process::exit(1);
+        // SIGINT/SIGTERM: everything was dropped (an nvme: controller shut down) on the way here.
+        let interrupted = e.chain().any(|c| {
+            matches!(c.downcast_ref::<picchio_runtime::Error>(), Some(picchio_runtime::Error::Interrupted { .. }))
+        });
+        std::process::exit(if interrupted { picchio_runtime::interrupt::exit_code() } else { 1 });
     }
 }
 

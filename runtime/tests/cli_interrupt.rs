@@ -1,0 +1,82 @@
+//! `picchio run` stopped by SIGINT / SIGTERM: the run unwinds (closing its store; an `nvme:`
+//! controller is shut down, which tests/vm checks in the guest) and exits with 128 + signal.
+#![cfg(unix)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(name)
+}
+
+/// The 12 prompt ids of the qwen3_moe reference.
+fn prompt_ids() -> String {
+    let r: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture("qwen3_moe/reference.json")).unwrap()).unwrap();
+    let ids: Vec<String> = r["prompt_ids"].as_array().unwrap().iter().map(|v| v.to_string()).collect();
+    ids.join(",")
+}
+
+/// Starts `picchio -vv run` on the Picchio (C) fixture for 480 tokens, waits until its handlers are
+/// installed (the debug line), sends `signals` (in order, each once the previous one's handler
+/// has run), and returns the exit code and stderr.
+fn run_and_signal(signals: &[i32]) -> (Option<i32>, String) {
+    let model = fixture("picchio_c/qwen3_moe");
+    let store = format!("file:{}", model.join("experts.picchioflat").display());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_picchio"))
+        .args(["-vv", "run", "--model"])
+        .arg(&model)
+        .args(["--store", &store, "--prompt-ids", &prompt_ids(), "-n", "480", "--json"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run picchio");
+    let (tx, rx) = mpsc::channel();
+    let stderr = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut all = String::new();
+        for line in BufReader::new(stderr).lines() {
+            let line = line.unwrap();
+            if line.contains("SIGINT/SIGTERM handlers installed") {
+                let _ = tx.send(());
+            }
+            all.push_str(&line);
+            all.push('\n');
+        }
+        all
+    });
+    rx.recv_timeout(Duration::from_secs(60)).expect("picchio never reported its handlers installed");
+    let pid = child.id() as libc::pid_t;
+    for &sig in signals {
+        // SAFETY: `kill` only sends a signal to our own child, which is still running (not reaped).
+        assert_eq!(unsafe { libc::kill(pid, sig) }, 0);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let mut stdout = String::new();
+    std::io::Read::read_to_string(child.stdout.as_mut().unwrap(), &mut stdout).unwrap();
+    let status = child.wait().unwrap();
+    let err = reader.join().unwrap();
+    eprintln!("[{status}]\n{err}");
+    assert!(stdout.is_empty(), "no result after an interrupt: {stdout}");
+    (status.code(), err)
+}
+
+#[test]
+fn sigint_stops_generation_and_exits_130() {
+    let (code, err) = run_and_signal(&[libc::SIGINT]);
+    assert_eq!(code, Some(130));
+    let last = err.lines().last().unwrap_or_default();
+    assert!(last.starts_with("Error: interrupted by SIGINT after "), "{last}");
+    assert!(last.ends_with(" of 480 tokens"), "{last}");
+}
+
+#[test]
+fn sigterm_exits_143() {
+    let (code, err) = run_and_signal(&[libc::SIGTERM]);
+    assert_eq!(code, Some(143));
+    assert!(err.contains("Error: interrupted by SIGTERM after "), "{err}");
+}

@@ -84,6 +84,9 @@ pub struct CacheArgs {
     /// Read modes to measure at each capacity: direct (O_DIRECT), buffered (page cache).
     #[arg(long, value_name = "MODE,...", value_delimiter = ',', default_value = "direct,buffered")]
     pub reads: Vec<ReadMode>,
+    /// Measure buffered reads only (the same as --reads buffered).
+    #[arg(long)]
+    pub buffered: bool,
     /// Reader threads of the psync engine.
     #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=256))]
     pub io_threads: u16,
@@ -213,6 +216,7 @@ pub fn cache(a: CacheArgs) -> anyhow::Result<()> {
     if a.reads.is_empty() {
         bail!("--reads needs at least one of direct, buffered");
     }
+    let modes = if a.buffered { vec![ReadMode::Buffered] } else { a.reads.clone() };
     let (model, store) = match (&a.model, a.synthetic_gb) {
         (Some(m), _) => (m.clone(), a.store.clone()),
         (None, Some(gb)) => {
@@ -240,7 +244,7 @@ pub fn cache(a: CacheArgs) -> anyhow::Result<()> {
         io: a.engine.apply(IoOptions { threads: usize::from(a.io_threads), ..IoOptions::default() }),
         engine: a.engine.io.to_string(),
         ecaps,
-        modes: a.reads.clone(),
+        modes,
         prompt: a.prompt_ids.clone().unwrap_or_else(|| default_prompt(cfg.vocab_size)),
         tokens: a.n,
         drop_page_cache: !a.warm,

@@ -444,16 +444,26 @@ impl Controller {
     ///
     /// # Errors
     /// [`Error::AdminCommand`] for an error status, [`Error::AdminTimeout`], [`Error::ControllerFatal`].
-    pub fn admin(&mut self, what: &str, build: impl FnOnce(&mut Command)) -> Result<Completion> {
+    ///
+    /// # Safety
+    /// As [`QueuePair::submit`]: any data pointer the command carries (e.g. an Identify's PRP1) must
+    /// be device-mapped memory the caller keeps until this returns `Ok` or an error status (after an
+    /// [`Error::AdminTimeout`], until the controller is reset or shut down).
+    pub unsafe fn admin(&mut self, what: &str, build: impl FnOnce(&mut Command)) -> Result<Completion> {
         let deadline = Instant::now() + self.opts.admin_timeout;
         self.admin_until(what, build, deadline)
     }
 
+    /// The admin command `build` makes. Callers in this module pass only commands without data
+    /// pointers or pointing at the controller's own scratch page or queue memory, which live until
+    /// shutdown; [`Controller::admin`] forwards its caller's contract.
     fn admin_until(&mut self, what: &str, build: impl FnOnce(&mut Command), deadline: Instant) -> Result<Completion> {
         let start = Instant::now();
         let q = self.admin.as_mut().expect("admin queue programmed");
         let cid = q.alloc_cid().ok_or(Error::QueueFull { qid: 0, depth: q.entries() })?;
-        q.submit(cid, 0, build)?;
+        // SAFETY: see this function's documentation: the data pointers are the controller's own
+        // memory (scratch page, queue rings), or the `admin` caller's per its contract.
+        unsafe { q.submit(cid, 0, build) }?;
         q.ring();
         let mut done = None;
         let mut idle = 0u32;
@@ -492,6 +502,46 @@ impl Controller {
             } else {
                 std::hint::spin_loop();
             }
+        }
+    }
+
+    /// **Fault injection only** (cargo feature `fault-injection`, used by the VM harness's stray-DMA
+    /// check; not part of the driver's API): submits `cmd` exactly as given — its data pointers are
+    /// not checked or built — on I/O queue 1 (its CID replaced by a free one) and waits up to
+    /// `timeout` for its completion. `Ok(None)` when none came; its CID then stays taken.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] without an I/O queue, [`Error::QueueFull`].
+    ///
+    /// # Safety
+    /// The device will DMA wherever `cmd` points. Behind an IOMMU an unmapped IOVA is blocked (an
+    /// IOMMU fault); without one (no-IOMMU mode, the sim's registry aside) it is a DMA into arbitrary
+    /// physical memory, so only call it behind an IOMMU or with pointers into memory the caller owns.
+    #[cfg(feature = "fault-injection")]
+    #[doc(hidden)]
+    pub unsafe fn submit_raw_for_fault_test(&mut self, cmd: Command, timeout: Duration) -> Result<Option<Completion>> {
+        let q = self.io.as_mut().ok_or_else(|| Error::Unsupported { what: "no I/O queue".into() })?;
+        let cid = q.alloc_cid().ok_or(Error::QueueFull { qid: 1, depth: q.entries() })?;
+        // SAFETY: forwarded to this function's caller.
+        unsafe { q.submit(cid, u64::MAX, |c| *c = cmd) }?;
+        q.ring();
+        let deadline = Instant::now() + timeout;
+        loop {
+            let mut done = None;
+            let q = self.io.as_mut().expect("checked above");
+            q.poll(usize::MAX, |e| {
+                if e.cid == cid {
+                    done = Some(e.cqe);
+                }
+            })?;
+            if done.is_some() {
+                return Ok(done);
+            }
+            if Instant::now() >= deadline {
+                q.expire(Duration::ZERO, |_, _| {});
+                return Ok(None);
+            }
+            std::thread::sleep(Duration::from_micros(100));
         }
     }
 

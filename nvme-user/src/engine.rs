@@ -334,10 +334,13 @@ impl NvmeQueue {
             if r.op == Op::Flush && r.outstanding == 0 && r.error.is_none() && r.queued {
                 let Some(cid) = q.alloc_cid() else { break 'outer };
                 let nsid = self.ns.nsid;
-                q.submit(cid, u64::from(ri) << 32, |c| {
-                    *c = Command::new(nvm::FLUSH, cid.0);
-                    c.nsid = nsid;
-                })
+                // SAFETY: a Flush carries no data pointer.
+                unsafe {
+                    q.submit(cid, u64::from(ri) << 32, |c| {
+                        *c = Command::new(nvm::FLUSH, cid.0);
+                        c.nsid = nsid;
+                    })
+                }
                 .expect("a free CID implies a free SQ slot");
                 r.outstanding += 1;
                 self.stats.commands += 1;
@@ -378,11 +381,18 @@ impl NvmeQueue {
                 let nsid = self.ns.nsid;
                 let user = (u64::from(ri) << 32) | u64::from(off);
                 let opc = if r.op == Op::Write { nvm::WRITE } else { nvm::READ };
-                q.submit(cid, user, |c| {
-                    *c = Command::rw(opc, cid.0, nsid, slba, n >> self.lba_shift);
-                    c.prp1 = prps.prp1;
-                    c.prp2 = prps.prp2;
-                })
+                // SAFETY: the PRPs were built by `prps` (in this CID's own list pages) from the
+                // request's pool slot, its buffer mapped at submit, or this CID's bounce buffer, for
+                // `n` bytes inside it. The request keeps that memory (and the mapping) until its
+                // last completion is consumed, or — if the queue stops first — quarantines it until
+                // the controller is shut down; a reset stops all DMA before requests are failed.
+                unsafe {
+                    q.submit(cid, user, |c| {
+                        *c = Command::rw(opc, cid.0, nsid, slba, n >> self.lba_shift);
+                        c.prp1 = prps.prp1;
+                        c.prp2 = prps.prp2;
+                    })
+                }
                 .expect("a free CID implies a free SQ slot");
                 r.issued += n;
                 r.outstanding += 1;

@@ -249,7 +249,17 @@ impl QueuePair {
     ///
     /// # Errors
     /// [`Error::QueueFull`] if the ring has no free slot (cannot happen with CIDs from `alloc_cid`).
-    pub fn submit(&mut self, cid: Cid, user: u64, build: impl FnOnce(&mut Command)) -> Result<()> {
+    ///
+    /// # Safety
+    /// The device executes the command as written. Every address it carries (PRP1, PRP2 and the
+    /// PRP list they lead to, MPTR) must lie in memory mapped for the device — a [`DmaBuf`], a
+    /// pool slot, or a buffer lent with [`DmaPool::map_external`] — that the caller keeps allocated,
+    /// mapped and otherwise untouched until this command's completion is consumed by
+    /// [`QueuePair::poll`] or the controller is disabled (CSTS.RDY = 0). Build data pointers with
+    /// [`QueuePair::prps`]. Without an IOMMU (no-IOMMU mode) a wrong address is a DMA into arbitrary
+    /// physical memory; with one, an IOMMU fault. The safe way to read and write is
+    /// [`NvmeQueue`](crate::NvmeQueue).
+    pub unsafe fn submit(&mut self, cid: Cid, user: u64, build: impl FnOnce(&mut Command)) -> Result<()> {
         let next = (self.sq_tail + 1) % self.entries;
         if next == self.sq_head {
             return Err(Error::QueueFull { qid: self.qid, depth: self.entries });
@@ -455,8 +465,10 @@ mod tests {
         assert_eq!(q.capacity(), 3);
         let a = q.alloc_cid().unwrap();
         let b = q.alloc_cid().unwrap();
-        q.submit(a, 10, |c| *c = Command::rw(2, 999, 1, crate::spec::Lba(5), 1)).unwrap();
-        q.submit(b, 11, |c| c.nsid = 1).unwrap();
+        // SAFETY (these tests): the fake BAR is no device; nothing executes the commands.
+        unsafe { q.submit(a, 10, |c| *c = Command::rw(2, 999, 1, crate::spec::Lba(5), 1)) }.unwrap();
+        // SAFETY: as above.
+        unsafe { q.submit(b, 11, |c| c.nsid = 1) }.unwrap();
         let c0: Command = q.sq.read(0);
         assert_eq!((c0.opc(), c0.cid(), c0.slba().0), (2, a.0, 5), "CID forced to the tracker's");
         let c1: Command = q.sq.read(64);
@@ -477,7 +489,8 @@ mod tests {
             let cids: Vec<Cid> = (0..3).map(|_| q.alloc_cid().unwrap()).collect();
             assert!(q.alloc_cid().is_none(), "3 trackers for 4 slots");
             for (i, &c) in cids.iter().enumerate() {
-                q.submit(c, u64::from(round * 10) + i as u64, |_| {}).unwrap();
+                // SAFETY: the fake BAR is no device; nothing executes the command.
+                unsafe { q.submit(c, u64::from(round * 10) + i as u64, |_| {}) }.unwrap();
             }
             q.ring();
             assert_eq!(q.poll(8, |_| panic!("nothing posted")).unwrap(), 0);
@@ -504,7 +517,8 @@ mod tests {
         let dma = HeapDma::new();
         let mut q = QueuePair::new(bar, &dma, 1, 2, 0).unwrap();
         let c = q.alloc_cid().unwrap();
-        q.submit(c, 7, |_| {}).unwrap();
+        // SAFETY: the fake BAR is no device; nothing executes the command.
+        unsafe { q.submit(c, 7, |_| {}) }.unwrap();
         q.ring();
         let mut expired = vec![];
         assert_eq!(q.expire(Duration::ZERO, |c, u| expired.push((c, u))), 1);
@@ -527,15 +541,18 @@ mod tests {
         // Two commands complete (CQ slots 0 and 1 now hold entries with phase 1), two stay outstanding.
         for round in 0..2u16 {
             let c = q.alloc_cid().unwrap();
-            q.submit(c, 0, |_| {}).unwrap();
+            // SAFETY: the fake BAR is no device; nothing executes the command.
+            unsafe { q.submit(c, 0, |_| {}) }.unwrap();
             q.ring();
             post(&mut q, round, c.0, round + 1, true);
             assert_eq!(q.poll(1, |_| {}).unwrap(), 1);
         }
         let a = q.alloc_cid().unwrap();
         let b = q.alloc_cid().unwrap();
-        q.submit(a, 70, |_| {}).unwrap();
-        q.submit(b, 71, |_| {}).unwrap();
+        // SAFETY: the fake BAR is no device; nothing executes the commands.
+        unsafe { q.submit(a, 70, |_| {}) }.unwrap();
+        // SAFETY: as above.
+        unsafe { q.submit(b, 71, |_| {}) }.unwrap();
         q.ring();
         q.expire(Duration::ZERO, |_, _| {});
         let lost = q.reset_rings();
@@ -548,7 +565,8 @@ mod tests {
         assert_eq!(q.poll(8, |_| panic!("stale entry")).unwrap(), 0);
         // Fresh start: slot 0, phase 1.
         let c = q.alloc_cid().unwrap();
-        q.submit(c, 5, |_| {}).unwrap();
+        // SAFETY: the fake BAR is no device; nothing executes the command.
+        unsafe { q.submit(c, 5, |_| {}) }.unwrap();
         q.ring();
         let first: Command = q.sq.read(0);
         assert_eq!(first.cid(), c.0, "the first command after a reset goes to SQ slot 0");

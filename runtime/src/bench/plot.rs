@@ -10,7 +10,7 @@
 //!   `cache-bytes.svg` (MB per decode token vs budget: store reads per mode, and device bytes).
 //! - `qd-sweep`: `qd-sweep-throughput.svg` (MB/s vs queue depth, one line per engine and thread
 //!   count, fio's figures as dashed lines) and `qd-sweep-latency.svg` (latency percentiles at each
-//!   engine's deepest queue: the CDF through p50, p90, p99, p99.9 and max).
+//!   engine's deepest queue: the CDF through min, p50, p90, p99, p99.9 and max).
 
 use std::path::{Path, PathBuf};
 
@@ -118,6 +118,8 @@ struct LineChart<'a> {
     /// Fixed y range (before scaling), else from the data with 5% headroom and 0 at the bottom for
     /// a linear axis.
     y_range: Option<(f64, f64)>,
+    /// Where the legend goes (a corner the data leaves free).
+    legend: SeriesLabelPosition,
     series: Vec<Series>,
 }
 
@@ -213,7 +215,7 @@ impl LineChart<'_> {
             .configure_series_labels()
             .background_style(WHITE.mix(0.85))
             .border_style(BLACK.mix(0.3))
-            .position(SeriesLabelPosition::LowerRight)
+            .position(self.legend.clone())
             .draw()
             .map_err(|e| err(e.to_string()))?;
         root.present().map_err(|e| err(e.to_string()))?;
@@ -273,6 +275,7 @@ fn trace_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
         x_scale: Scale::Log2,
         y_scale: Scale::Linear,
         y_range: Some((0.0, 100.0)),
+        legend: SeriesLabelPosition::LowerRight,
         series: vec![
             Series { name: "LRU (the runtime's policy)".into(), points: lru, dashed: false },
             Series { name: "Belady (optimal)".into(), points: opt, dashed: true },
@@ -302,6 +305,7 @@ fn trace_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
         x_scale: Scale::Linear,
         y_scale: Scale::Linear,
         y_range: None,
+        legend: SeriesLabelPosition::UpperRight,
         series,
     }
     .draw(&pop)?;
@@ -318,7 +322,8 @@ fn cache_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
         }
     }
     let mut tok = Vec::new();
-    let mut bytes = Vec::new();
+    let mut store: Vec<(String, Xy)> = Vec::new();
+    let mut device = Vec::new();
     for m in &modes {
         let of_mode: Vec<&Value> = points.iter().filter(|p| p.get("mode").and_then(Value::as_str) == Some(m)).collect();
         let mut t = Vec::new();
@@ -333,11 +338,22 @@ fn cache_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
             }
         }
         tok.push(Series { name: m.clone(), points: t, dashed: false });
-        bytes.push(Series { name: format!("{m}: read by the store"), points: b, dashed: false });
+        store.push((m.clone(), b));
         if !d.is_empty() {
-            bytes.push(Series { name: format!("{m}: from the device (/proc/self/io)"), points: d, dashed: true });
+            device.push(Series { name: format!("{m}: from the device (/proc/self/io)"), points: d, dashed: true });
         }
     }
+    // The runtime's misses do not depend on the read mode: one line when the modes agree.
+    let mut bytes = Vec::new();
+    if store.windows(2).all(|w| w[0].1 == w[1].1) && !store.is_empty() {
+        let points = store.swap_remove(0).1;
+        bytes.push(Series { name: "read by the store (misses x slot), every mode".into(), points, dashed: false });
+    } else {
+        for (m, points) in store {
+            bytes.push(Series { name: format!("{m}: read by the store"), points, dashed: false });
+        }
+    }
+    bytes.extend(device);
     let model = r.get("model").and_then(Value::as_str).unwrap_or("");
     let name = Path::new(model).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let t = dir.join("cache-tok-s.svg");
@@ -349,6 +365,7 @@ fn cache_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
         x_scale: Scale::Linear,
         y_scale: Scale::Linear,
         y_range: None,
+        legend: SeriesLabelPosition::LowerRight,
         series: tok,
     }
     .draw(&t)?;
@@ -361,6 +378,7 @@ fn cache_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
         x_scale: Scale::Linear,
         y_scale: Scale::Linear,
         y_range: None,
+        legend: SeriesLabelPosition::UpperRight,
         series: bytes,
     }
     .draw(&b)?;
@@ -415,6 +433,7 @@ fn qd_sweep_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
         x_scale: Scale::Log2,
         y_scale: Scale::Linear,
         y_range: None,
+        legend: SeriesLabelPosition::LowerRight,
         series,
     }
     .draw(&thr)?;
@@ -422,7 +441,8 @@ fn qd_sweep_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
     let mut cdf = Vec::new();
     for (name, qd, lat) in deepest {
         let mut pts = Vec::new();
-        for (key, frac) in [("p50", 50.0), ("p90", 90.0), ("p99", 99.0), ("p99_9", 99.9), ("max", 100.0)] {
+        for (key, frac) in [("min", 0.0), ("p50", 50.0), ("p90", 90.0), ("p99", 99.0), ("p99_9", 99.9), ("max", 100.0)]
+        {
             if let Some(v) = lat.get(key).and_then(Value::as_f64) {
                 pts.push((v, frac));
             }
@@ -441,6 +461,7 @@ fn qd_sweep_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
             x_scale: Scale::Log10,
             y_scale: Scale::Linear,
             y_range: Some((0.0, 100.0)),
+            legend: SeriesLabelPosition::LowerRight,
             series: cdf,
         }
         .draw(&lat)?;
@@ -472,6 +493,7 @@ mod tests {
             x_scale: Scale::Log2,
             y_scale: Scale::Linear,
             y_range: None,
+            legend: SeriesLabelPosition::UpperLeft,
             series: vec![
                 Series { name: "a".into(), points: vec![(1.0, 1.0), (2.0, 3.0), (4.0, 2.0)], dashed: false },
                 Series { name: "b".into(), points: vec![(1.0, 2.0), (4.0, 2.5)], dashed: true },
@@ -484,17 +506,15 @@ mod tests {
         assert_eq!(doc.root_element().tag_name().name(), "svg");
         assert!(doc.descendants().filter(|n| n.tag_name().name() == "circle").count() >= 5);
         let empty = LineChart {
+            title: "e".into(),
+            subtitle: "",
+            x_label: "",
+            y_label: "",
+            x_scale: Scale::Linear,
+            y_scale: Scale::Linear,
+            y_range: None,
+            legend: SeriesLabelPosition::UpperLeft,
             series: vec![],
-            ..LineChart {
-                title: "e".into(),
-                subtitle: "",
-                x_label: "",
-                y_label: "",
-                x_scale: Scale::Linear,
-                y_scale: Scale::Linear,
-                y_range: None,
-                series: vec![],
-            }
         };
         assert!(empty.draw(&dir.path().join("e.svg")).is_err());
     }

@@ -68,8 +68,9 @@ impl std::str::FromStr for DevNum {
 }
 
 /// Bytes read from the start of a region when looking for signatures: covers btrfs (64 KiB + 64),
-/// ISO 9660 (32 KiB + 1) and swap on 64 KiB pages.
-const HEAD_BYTES: u64 = 128 << 10;
+/// ISO 9660 (32 KiB + 1) and swap on 64 KiB pages. What [`scan_signatures`] needs to see everything
+/// it knows; other targets (an NVMe namespace through the user-space driver) read this much too.
+pub const HEAD_BYTES: u64 = 128 << 10;
 
 /// Bytes per `O_DIRECT` write of [`DeviceSink`].
 const WRITE_CHUNK: usize = 4 << 20;

@@ -12,7 +12,7 @@ use std::time::Duration;
 use picchio_core::io::read_blocking;
 use picchio_core::{AlignedBuf, ByteOffset, Completion, IoQueue, ReadReq, Tag};
 use picchio_nvme::dma::hugepage_shortfall;
-use picchio_nvme::sim::{SimConfig, SimNamespace};
+use picchio_nvme::sim::SimConfig;
 use picchio_nvme::{HeapDma, NvmeQueue, NvmeQueueOptions};
 
 fn pattern(len: usize, seed: u64) -> Vec<u8> {
@@ -166,7 +166,7 @@ fn too_little_dma_memory_for_the_cache_falls_back_to_bounce_with_the_same_bytes(
     assert!(!q.describe().contains("zero-copy"));
     let buf = read_blocking(&mut q, 1 << 20, 1 << 20).unwrap();
     assert!(buf.as_slice() == &file[1 << 20..2 << 20]);
-    assert_eq!(q.stats().bounce_bytes, (1 << 20) + 0);
+    assert_eq!(q.stats().bounce_bytes, 1 << 20);
     assert_eq!(q.stats().zero_copy_reads, 0);
 }
 

@@ -356,6 +356,417 @@ pub fn pack_raw(
     Ok(RawPackReport { pack, inspection, verify })
 }
 
+/// What writing an image to an NVMe namespace through our driver would overwrite: the plan
+/// `picchio pack --out nvme:` prints before writing (the namespace, the LBAs the image takes, and
+/// every signature found in its first [`picchio_blockdev::raw::HEAD_BYTES`], with the same verdicts
+/// as `--out raw:`).
+///
+/// Mounts, swap areas and holders cannot exist on a namespace whose controller is bound to
+/// `vfio-pci`; `picchio nvme bind` refused (or was forced past) them before the kernel let go.
+#[cfg(target_os = "linux")]
+#[derive(Clone, Debug)]
+pub struct NvmeInspection {
+    /// `nvme:BDF/NSID`.
+    pub name: String,
+    /// The namespace (id, LBA size, blocks).
+    pub namespace: picchio_nvme::Namespace,
+    /// Bytes the image needs.
+    pub image_len: u64,
+    /// Signatures found (as [`picchio_blockdev::raw::Finding::Signature`]).
+    pub findings: Vec<picchio_blockdev::raw::Finding>,
+}
+
+#[cfg(target_os = "linux")]
+impl NvmeInspection {
+    /// Reads the first [`picchio_blockdev::raw::HEAD_BYTES`] of the namespace through `queue` and
+    /// looks for partition tables, file systems, volumes and images with
+    /// [`picchio_blockdev::raw::scan_signatures`] (the `raw:` check). Reads only.
+    ///
+    /// # Errors
+    /// [`Error::Io`] naming `name` when the read fails.
+    pub fn read(queue: &mut picchio_nvme::NvmeQueue, name: &str, image_len: u64) -> Result<NvmeInspection> {
+        use picchio_blockdev::raw::{scan_signatures, Finding, HEAD_BYTES};
+        let namespace = queue.namespace();
+        let lbs = u64::from(namespace.lba_size);
+        let len = HEAD_BYTES.min(namespace.bytes()) / lbs * lbs;
+        let head = picchio_core::io::read_blocking(queue, 0, len as u32)
+            .map_err(Error::io(name, "read the namespace's first blocks for signatures"))?;
+        let findings = scan_signatures(&head.as_slice()[..len as usize], 0)
+            .into_iter()
+            .map(|signature| {
+                let overwritten = signature.offset < image_len;
+                Finding::Signature { signature, overwritten }
+            })
+            .collect();
+        Ok(NvmeInspection { name: name.into(), namespace, image_len, findings })
+    }
+
+    /// Clears the namespace for writing, or refuses as [`picchio_blockdev::raw::Inspection::permit`]
+    /// does: an image larger than the namespace always; a partition table or a file-system, volume or
+    /// RAID signature unless `force` (an earlier `.picchioflat` image is no reason to refuse).
+    ///
+    /// # Errors
+    /// [`Error::Engine`] wrapping [`picchio_blockdev::Error::ImageTooLarge`] or
+    /// [`picchio_blockdev::Error::Refused`] (naming every reason).
+    pub fn permit(&self, force: bool) -> Result<()> {
+        use picchio_blockdev::raw::Verdict;
+        let path = PathBuf::from(&self.name);
+        let size = self.namespace.bytes();
+        if self.image_len > size {
+            let e = picchio_blockdev::Error::ImageTooLarge {
+                path,
+                offset: 0,
+                image_len: self.image_len,
+                capacity: size,
+                size,
+            };
+            return Err(e.into());
+        }
+        let reasons: Vec<String> =
+            self.findings.iter().filter(|f| f.verdict() != Verdict::Note).map(|f| f.reason()).collect();
+        if reasons.is_empty() {
+            return Ok(());
+        }
+        if !force {
+            let hint = "if this is the namespace you mean, pass --force (everything on it is lost)";
+            return Err(picchio_blockdev::Error::Refused { path, reasons: reasons.join("; "), hint }.into());
+        }
+        tracing::warn!("{}: --force: overwriting although {}", self.name, reasons.join("; "));
+        Ok(())
+    }
+}
+
+#[cfg(target_os = "linux")]
+impl std::fmt::Display for NvmeInspection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use picchio_blockdev::raw::Verdict;
+        let ns = &self.namespace;
+        let lbs = u64::from(ns.lba_size);
+        writeln!(
+            f,
+            "{}: namespace {}, {} LBAs × {} B = {} bytes (user-space driver, vfio-pci)",
+            self.name,
+            ns.nsid,
+            ns.blocks,
+            lbs,
+            ns.bytes()
+        )?;
+        write!(
+            f,
+            "  writes {} bytes: namespace bytes 0x0..{:#x}, LBA 0..{} of {}",
+            self.image_len,
+            self.image_len,
+            self.image_len.div_ceil(lbs),
+            ns.blocks
+        )?;
+        if self.findings.is_empty() {
+            return write!(f, "\n  found: nothing (no partition table or known signature)");
+        }
+        for finding in &self.findings {
+            let verdict = match finding.verdict() {
+                Verdict::Note => "",
+                Verdict::Refuse => " [refused without --force]",
+                Verdict::RefuseAlways => " [refused, even with --force]",
+            };
+            write!(f, "\n  found: {finding}{verdict}")?;
+        }
+        Ok(())
+    }
+}
+
+/// What [`pack_nvme`] did.
+#[cfg(target_os = "linux")]
+#[derive(Debug)]
+pub struct NvmePackReport {
+    /// The image written (`path` and `dest` are `nvme:BDF/NSID`).
+    pub pack: PackReport,
+    /// The inspection the write was cleared by.
+    pub inspection: NvmeInspection,
+    /// The read-back verification through the driver (clean, or [`pack_nvme`] fails).
+    pub verify: crate::verify::VerifyReport,
+    /// NVM Write commands issued and Flush commands completed.
+    pub commands: (u64, u64),
+}
+
+#[cfg(target_os = "linux")]
+impl std::fmt::Display for NvmePackReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "{}", self.pack)?;
+        write!(
+            f,
+            "  at LBA 0 of namespace {} ({} B LBAs) with {} NVM Write commands and {} Flush through the user-space \
+             driver; read back through {}: index and {} payload hashes OK",
+            self.inspection.namespace.nsid,
+            self.inspection.namespace.lba_size,
+            self.commands.0,
+            self.commands.1,
+            self.verify.engine,
+            self.verify.entries
+        )
+    }
+}
+
+/// Packs the routed experts of `model_dir` onto namespace `nsid` of the NVMe controller `bdf` from
+/// LBA 0, through our user-space driver: `picchio pack --out nvme:BDF[/NSID]`.
+///
+/// The controller must already be bound to `vfio-pci` (`picchio nvme bind`, which refuses a
+/// controller with mounted namespaces, holders, or the one behind `/`); this is checked in `sysfs`
+/// (normally `/sys`) before anything is opened. Then as [`pack_nvme_queue`].
+///
+/// # Errors
+/// [`Error::Invalid`] when the controller is not bound to `vfio-pci` or cannot be opened; as
+/// [`pack_nvme_queue`] otherwise.
+#[cfg(target_os = "linux")]
+pub fn pack_nvme(
+    model_dir: &Path,
+    sysfs: &Path,
+    bdf: &str,
+    nsid: u32,
+    opts: &RawPackOptions,
+    announce: &mut dyn FnMut(&NvmeInspection),
+) -> Result<NvmePackReport> {
+    let name = picchio_core::StoreUri::Nvme { bdf: bdf.into(), nsid }.to_string();
+    require_vfio(sysfs, bdf, &name)?;
+    let mut queue = crate::store::open_nvme_queue(&name, bdf, nsid, 32)?;
+    pack_nvme_queue(model_dir, &mut queue, &name, opts, announce)
+}
+
+/// Refuses a controller that is not bound to `vfio-pci` according to `sysfs`, naming its driver
+/// and the command that binds it.
+#[cfg(target_os = "linux")]
+fn require_vfio(sysfs: &Path, bdf: &str, name: &str) -> Result<()> {
+    let bdf = crate::nvme_admin::Bdf::parse(bdf).map_err(|e| Error::Invalid(format!("{name}: {e}")))?;
+    let ctrl = crate::nvme_admin::controller(sysfs, "", &bdf).map_err(|e| Error::Invalid(format!("{name}: {e}")))?;
+    match ctrl.driver.as_deref() {
+        Some("vfio-pci") => Ok(()),
+        other => Err(Error::Invalid(format!(
+            "{name}: the controller is bound to {}, not vfio-pci: run `picchio nvme bind {bdf}` first \
+             (it refuses a controller with mounted namespaces); nothing was written",
+            other.map_or("no driver".to_string(), |d| format!("the `{d}` driver"))
+        ))),
+    }
+}
+
+/// Packs `model_dir` onto the namespace `queue` drives (a VFIO controller, or the controller model
+/// in tests), named `name` in messages.
+///
+/// Steps, as for `raw:` ([`pack_raw`]): measure the image; read the namespace's first blocks and
+/// inspect them ([`NvmeInspection::read`]) and hand the result to `announce` — also when it is then
+/// refused; clear it ([`NvmeInspection::permit`]); zero the first block and Flush, so an interrupted
+/// pack leaves no valid-looking superblock; write the payloads and index with NVM Write commands in
+/// 4 MiB runs (up to 4 in flight), Flush, write the superblock, Flush; then read the whole image
+/// back through the driver and check the index hash and every payload hash.
+///
+/// # Errors
+/// As [`pack`] for the model; [`Error::Engine`] for a refusal; [`Error::Store`] when a Write or
+/// Flush fails; [`Error::Invalid`] when the read-back finds a problem.
+#[cfg(target_os = "linux")]
+pub fn pack_nvme_queue(
+    model_dir: &Path,
+    queue: &mut picchio_nvme::NvmeQueue,
+    name: &str,
+    opts: &RawPackOptions,
+    announce: &mut dyn FnMut(&NvmeInspection),
+) -> Result<NvmePackReport> {
+    let t0 = Instant::now();
+    let src = Source::open(model_dir, &opts.pack)?;
+    let image_len = src.image_len();
+    let inspection = NvmeInspection::read(queue, name, image_len)?;
+    announce(&inspection);
+    inspection.permit(opts.force)?;
+    let before = queue.stats();
+    let mut sink = nvme_sink::NvmeSink::open(queue, name, image_len).map_err(|cause| {
+        Error::Store(picchio_core::Error::Write { path: name.into(), what: "the first block", cause })
+    })?;
+    let w = FlatWriter::with_sink(&mut sink, store_dims(&src.cfg), src.n_entries)?;
+    let (superblock, experts, placeholders) = src.write(w, opts.pack.progress)?;
+    drop(sink);
+    let after = queue.stats();
+    let vopts = crate::verify::VerifyOptions { io_threads: 1, direct: true, progress: opts.pack.progress };
+    let verify = crate::verify::verify_queue(queue, name, image_len, None, &vopts)?;
+    if !verify.is_clean() || verify.entries != src.n_entries as usize {
+        return Err(Error::Invalid(format!("{name}: the image was written but reading it back failed:\n{verify}")));
+    }
+    let pack = PackReport {
+        model_dir: model_dir.into(),
+        path: name.into(),
+        dest: name.into(),
+        superblock,
+        quant: src.layout.quant,
+        payload_len: src.layout.len(),
+        experts,
+        placeholders,
+        bytes: image_len,
+        elapsed: t0.elapsed(),
+    };
+    let commands = (after.commands - before.commands, after.flushes - before.flushes);
+    Ok(NvmePackReport { pack, inspection, verify, commands })
+}
+
+/// The [`ImageSink`] that writes an image onto an NVMe namespace through [`picchio_nvme::NvmeQueue`].
+#[cfg(target_os = "linux")]
+mod nvme_sink {
+    use std::io;
+    use std::path::{Path, PathBuf};
+
+    use picchio_core::format::ImageSink;
+    use picchio_core::{AlignedBuf, ByteOffset, Completion, IoQueue, ReadReq, Tag, BLOCK_SIZE};
+    use picchio_nvme::NvmeQueue;
+
+    /// Bytes per gathered write run.
+    const RUN: usize = 4 << 20;
+    /// Runs in flight at once.
+    const DEPTH: usize = 4;
+
+    /// Gathers contiguous writes into 4 MiB aligned runs and writes each with
+    /// [`NvmeQueue::submit_write`]; [`ImageSink::barrier`] waits for every run and issues a Flush.
+    pub(super) struct NvmeSink<'q> {
+        queue: &'q mut NvmeQueue,
+        dest: PathBuf,
+        limit: u64,
+        lba: usize,
+        run: Option<AlignedBuf>,
+        run_start: u64,
+        run_len: usize,
+        spare: Vec<AlignedBuf>,
+        in_flight: usize,
+        done: Vec<Completion>,
+        failed: Option<io::Error>,
+    }
+
+    impl<'q> NvmeSink<'q> {
+        /// A sink for an image of `limit` bytes at LBA 0; zeroes the first image block and flushes
+        /// before returning, so the old superblock (ours or a file system's) is gone first.
+        pub(super) fn open(queue: &'q mut NvmeQueue, name: &str, limit: u64) -> io::Result<NvmeSink<'q>> {
+            let lba = queue.block_size() as usize;
+            let mut sink = NvmeSink {
+                queue,
+                dest: PathBuf::from(name),
+                limit,
+                lba,
+                run: None,
+                run_start: 0,
+                run_len: 0,
+                spare: Vec::new(),
+                in_flight: 0,
+                done: Vec::new(),
+                failed: None,
+            };
+            sink.write_at(0, &vec![0u8; BLOCK_SIZE as usize])?;
+            sink.barrier()?;
+            Ok(sink)
+        }
+
+        fn buffer(&mut self) -> io::Result<AlignedBuf> {
+            match self.spare.pop() {
+                Some(b) => Ok(b),
+                None => AlignedBuf::new(RUN, BLOCK_SIZE as usize)
+                    .map_err(|e| io::Error::new(io::ErrorKind::OutOfMemory, e.to_string())),
+            }
+        }
+
+        /// Reaps completions until at most `max_in_flight` runs are outstanding.
+        fn drain_to(&mut self, max_in_flight: usize) -> io::Result<()> {
+            while self.in_flight > max_in_flight {
+                self.done.clear();
+                self.queue.reap(1, &mut self.done);
+                for c in self.done.drain(..) {
+                    self.in_flight -= 1;
+                    if let Err(e) = c.result {
+                        let at = c.tag.0;
+                        self.failed.get_or_insert(io::Error::new(e.kind(), format!("write at byte {at:#x}: {e}")));
+                    }
+                    self.spare.push(c.buf);
+                }
+            }
+            match self.failed.take() {
+                Some(e) => Err(e),
+                None => Ok(()),
+            }
+        }
+
+        /// Submits the gathered run.
+        fn submit(&mut self) -> io::Result<()> {
+            let Some(buf) = self.run.take() else { return Ok(()) };
+            let len = self.run_len;
+            self.run_len = 0;
+            if !len.is_multiple_of(self.lba) {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!(
+                        "write of {len} bytes at byte {:#x} is not a whole number of {}-byte LBAs",
+                        self.run_start, self.lba
+                    ),
+                ));
+            }
+            self.drain_to(DEPTH - 1)?;
+            let at = self.run_start;
+            self.queue.submit_write(ReadReq { offset: ByteOffset(at), len: len as u32, buf, tag: Tag(at) });
+            self.in_flight += 1;
+            self.run_start += len as u64;
+            Ok(())
+        }
+    }
+
+    impl ImageSink for NvmeSink<'_> {
+        fn dest(&self) -> &Path {
+            &self.dest
+        }
+
+        fn write_at(&mut self, offset: u64, bytes: &[u8]) -> io::Result<()> {
+            let end = offset.saturating_add(bytes.len() as u64);
+            if end > self.limit {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("write of {} bytes at byte {offset:#x} past the image's {} bytes", bytes.len(), self.limit),
+                ));
+            }
+            if self.run.is_some() && offset != self.run_start + self.run_len as u64 {
+                self.submit()?;
+            }
+            let mut rest = bytes;
+            let mut at = offset;
+            while !rest.is_empty() {
+                if self.run.is_none() {
+                    self.run = Some(self.buffer()?);
+                    self.run_start = at;
+                }
+                let take = rest.len().min(RUN - self.run_len);
+                let run = self.run.as_mut().expect("set above");
+                run.as_mut_slice()[self.run_len..self.run_len + take].copy_from_slice(&rest[..take]);
+                self.run_len += take;
+                rest = &rest[take..];
+                at += take as u64;
+                if self.run_len == RUN {
+                    self.submit()?;
+                }
+            }
+            Ok(())
+        }
+
+        fn barrier(&mut self) -> io::Result<()> {
+            self.submit()?;
+            self.drain_to(0)?;
+            self.queue.flush()
+        }
+
+        fn commit(&mut self, _len: u64) -> picchio_core::Result<()> {
+            self.barrier().map_err(|cause| picchio_core::Error::Write {
+                path: self.dest.clone(),
+                what: "final writes and flush",
+                cause,
+            })
+        }
+    }
+
+    impl Drop for NvmeSink<'_> {
+        fn drop(&mut self) {
+            // Buffers in flight must come back before the queue is used for anything else.
+            let _ = self.drain_to(0);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -371,6 +782,31 @@ mod tests {
         }
         // unquantized experts allow any width: 12·H·I is never 32
         assert!((1..=32).all(|h| (1..=32).all(|i| ExpertLayout::new(QuantKind::F32, h, i).unwrap().len() != 32)));
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn pack_nvme_requires_the_controller_on_vfio_pci() {
+        let sysfs = tempfile::tempdir().unwrap();
+        let s = sysfs.path();
+        let dev = s.join("bus/pci/devices/0000:00:02.0");
+        std::fs::create_dir_all(&dev).unwrap();
+        std::fs::write(dev.join("class"), "0x010802\n").unwrap();
+        for d in ["nvme", "vfio-pci"] {
+            std::fs::create_dir_all(s.join("bus/pci/drivers").join(d)).unwrap();
+        }
+        let name = "nvme:0000:00:02.0/1";
+        let e = require_vfio(s, "0000:00:02.0", name).unwrap_err().to_string();
+        assert!(e.contains("bound to no driver") && e.contains("picchio nvme bind 0000:00:02.0"), "{e}");
+        std::os::unix::fs::symlink(s.join("bus/pci/drivers/nvme"), dev.join("driver")).unwrap();
+        let e = require_vfio(s, "0000:00:02.0", name).unwrap_err().to_string();
+        assert!(e.starts_with(name) && e.contains("the `nvme` driver, not vfio-pci"), "{e}");
+        assert!(e.contains("nothing was written"), "{e}");
+        std::fs::remove_file(dev.join("driver")).unwrap();
+        std::os::unix::fs::symlink(s.join("bus/pci/drivers/vfio-pci"), dev.join("driver")).unwrap();
+        require_vfio(s, "0000:00:02.0", name).unwrap();
+        let e = require_vfio(s, "0000:00:09.0", name).unwrap_err().to_string();
+        assert!(e.contains("0000:00:09.0"), "{e}");
     }
 
     #[test]

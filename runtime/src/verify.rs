@@ -13,7 +13,9 @@
 //! The image is read once through an [`IoQueue`]: [`verify`] opens a file or block device with the
 //! psync engine (O_DIRECT by default, so the bytes checked are the device's and not the page cache's;
 //! buffered when the file system refuses O_DIRECT), [`verify_raw`] an image at an LBA of a block
-//! device (`raw:/dev/X[@BYTES]`), and [`verify_queue`] takes any engine. Nothing is ever written.
+//! device (`raw:/dev/X[@BYTES]`), [`verify_nvme`] an image at LBA 0 of an NVMe namespace through the
+//! user-space driver (`nvme:BDF[/NSID]`), and [`verify_queue`] takes any engine. Nothing is ever
+//! written.
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
@@ -240,6 +242,22 @@ pub fn verify_raw(device: &Path, offset: u64, model: Option<&Path>, opts: &Verif
     let queue = PsyncQueue::open(device, PsyncOptions { threads: opts.io_threads.max(1), direct: opts.direct })?;
     let mut queue = OffsetQueue::new(queue, target.base());
     verify_queue(&mut queue, &target.uri(), target.capacity(), model, opts)
+}
+
+/// Verifies the image at LBA 0 of namespace `nsid` of the NVMe controller `bdf`
+/// (`picchio verify nvme:BDF[/NSID]`), read through our user-space driver (the controller must be
+/// bound to `vfio-pci`, with 2 MiB hugepages reserved); the image runs to the end of the namespace.
+/// Nothing is written.
+///
+/// # Errors
+/// [`Error::Invalid`] naming the store when the controller cannot be opened; otherwise as
+/// [`verify_queue`].
+#[cfg(target_os = "linux")]
+pub fn verify_nvme(bdf: &str, nsid: u32, model: Option<&Path>, opts: &VerifyOptions) -> Result<VerifyReport> {
+    let name = picchio_core::StoreUri::Nvme { bdf: bdf.into(), nsid }.to_string();
+    let mut queue = crate::store::open_nvme_queue(&name, bdf, nsid, 32)?;
+    let image_len = queue.namespace().bytes();
+    verify_queue(&mut queue, &name, image_len, model, opts)
 }
 
 /// Verifies the image of `image_len` bytes that `queue` reads (named `source_name` in messages); see

@@ -18,13 +18,17 @@ pub struct Args {
     /// device from byte BYTES on (a whole number of logical blocks; default 0): the device is
     /// inspected first and refused if it is mounted, in use, or carries a partition table or
     /// file-system signature; what will be overwritten is printed, and the image is read back and
-    /// checked after writing.
-    #[arg(long, value_name = "PATH|raw:/dev/X[@BYTES]")]
+    /// checked after writing. nvme:BDF[/NSID] writes namespace NSID (default 1) of the NVMe
+    /// controller BDF from LBA 0 with NVM Write commands through the user-space driver: the
+    /// controller must already be bound to vfio-pci (`picchio nvme bind BDF`, which refuses
+    /// controllers with mounted namespaces), the namespace's first blocks are inspected and refused
+    /// like raw:, and the image is flushed and read back through the driver.
+    #[arg(long, value_name = "PATH|raw:/dev/X[@BYTES]|nvme:BDF[/NSID]")]
     pub out: Option<String>,
-    /// With --out raw:, write the device although it carries a partition table or a file-system
-    /// signature, or is found mounted or in use; everything on it is lost. The kernel still refuses
-    /// a device that a mounted file system, swap area or device-mapper holds, and the device backing
-    /// / is never written.
+    /// With --out raw: or nvme:, write the target although it carries a partition table or a
+    /// file-system signature, or (raw:) is found mounted or in use; everything on it is lost. The
+    /// kernel still refuses a device that a mounted file system, swap area or device-mapper holds,
+    /// and the device backing / is never written.
     #[arg(long, requires = "out")]
     pub force: bool,
     /// Pack only the first N layers (a prefix store; later layers are served from safetensors).
@@ -46,10 +50,14 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
             let StoreUri::Raw { device, offset } = s.parse::<StoreUri>()? else { unreachable!("raw: parses as Raw") };
             return pack_raw(&a, &device, offset, opts);
         }
+        Some(s) if s.starts_with("nvme:") => {
+            let StoreUri::Nvme { bdf, nsid } = s.parse::<StoreUri>()? else { unreachable!("nvme: parses as Nvme") };
+            return pack_nvme(&a, &bdf, nsid, opts);
+        }
         Some(s) => PathBuf::from(s.strip_prefix("file:").unwrap_or(s)),
     };
     if a.force {
-        bail!("--force only applies to --out raw:/dev/X (a file image is replaced atomically anyway)");
+        bail!("--force only applies to --out raw:/dev/X or nvme:BDF (a file image is replaced atomically anyway)");
     }
     let report = pack(&a.model, &out, &opts)?;
     // The summary is the command's result: stdout (logs, and progress, go to stderr).
@@ -69,4 +77,19 @@ fn pack_raw(a: &Args, device: &std::path::Path, offset: u64, pack: PackOptions) 
 #[cfg(not(target_os = "linux"))]
 fn pack_raw(_: &Args, device: &std::path::Path, _: u64, _: PackOptions) -> anyhow::Result<()> {
     bail!("--out raw:{}: writing block devices is supported on Linux only", device.display())
+}
+
+#[cfg(target_os = "linux")]
+fn pack_nvme(a: &Args, bdf: &str, nsid: u32, pack: PackOptions) -> anyhow::Result<()> {
+    use picchio_runtime::pack::RawPackOptions;
+    let opts = RawPackOptions { pack, force: a.force, io_threads: a.io_threads };
+    let sysfs = std::path::Path::new("/sys");
+    let report = picchio_runtime::pack::pack_nvme(&a.model, sysfs, bdf, nsid, &opts, &mut |plan| eprintln!("{plan}"))?;
+    println!("{report}");
+    Ok(())
+}
+
+#[cfg(not(target_os = "linux"))]
+fn pack_nvme(_: &Args, bdf: &str, _: u32, _: PackOptions) -> anyhow::Result<()> {
+    bail!("--out nvme:{bdf}: the user-space NVMe driver needs Linux VFIO")
 }

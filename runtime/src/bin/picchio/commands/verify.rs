@@ -9,8 +9,10 @@ use picchio_runtime::verify::{verify, VerifyOptions, VerifyReport};
 /// Options of `picchio verify`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// The .picchioflat image: a path, file:PATH, or raw:/dev/X or raw:/dev/X@BYTES for an image on
-    /// a block device starting at byte BYTES (default 0). The image is only read.
+    /// The .picchioflat image: a path, file:PATH, raw:/dev/X or raw:/dev/X@BYTES for an image on
+    /// a block device starting at byte BYTES (default 0), or nvme:BDF[/NSID] for an image at LBA 0 of
+    /// an NVMe namespace read through the user-space driver (controller bound to vfio-pci with
+    /// `picchio nvme bind`). The image is only read.
     #[arg(value_name = "STORE")]
     pub store: String,
     /// Also compare every payload byte for byte with this converted model's safetensors experts.
@@ -36,6 +38,12 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
             };
             (a.store.clone(), verify_raw(&device, offset, &a, &opts)?)
         }
+        None if a.store.starts_with("nvme:") => {
+            let StoreUri::Nvme { bdf, nsid } = a.store.parse::<StoreUri>()? else {
+                unreachable!("nvme: parses as Nvme")
+            };
+            (a.store.clone(), verify_nvme(&bdf, nsid, &a, &opts)?)
+        }
         None => {
             let path = PathBuf::from(a.store.strip_prefix("file:").unwrap_or(&a.store));
             (path.display().to_string(), verify(&path, a.model.as_deref(), &opts)?)
@@ -60,4 +68,14 @@ fn verify_raw(device: &std::path::Path, offset: u64, a: &Args, opts: &VerifyOpti
 #[cfg(not(target_os = "linux"))]
 fn verify_raw(device: &std::path::Path, _: u64, _: &Args, _: &VerifyOptions) -> anyhow::Result<VerifyReport> {
     bail!("raw:{}: block devices are supported on Linux only", device.display())
+}
+
+#[cfg(target_os = "linux")]
+fn verify_nvme(bdf: &str, nsid: u32, a: &Args, opts: &VerifyOptions) -> anyhow::Result<VerifyReport> {
+    Ok(picchio_runtime::verify::verify_nvme(bdf, nsid, a.model.as_deref(), opts)?)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn verify_nvme(bdf: &str, _: u32, _: &Args, _: &VerifyOptions) -> anyhow::Result<VerifyReport> {
+    bail!("nvme:{bdf}: the user-space NVMe driver needs Linux VFIO")
 }

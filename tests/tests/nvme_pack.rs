@@ -1,0 +1,156 @@
+//! `picchio pack --out nvme:` through our driver against the controller model (VFIO data path):
+//! NVM Writes + Flush then read-back of every hash, the same refusals as `--out raw:` (file-system
+//! and partition-table signatures in the namespace's first blocks, an image too large), `--force`,
+//! and the runtime reading the packed namespace back to Picchio (C)'s tokens.
+#![cfg(target_os = "linux")]
+
+use std::path::Path;
+use std::time::Duration;
+
+use picchio_nvme::sim::{Sim, SimConfig};
+use picchio_nvme::{HeapDma, NvmeQueue, NvmeQueueOptions};
+use picchio_runtime::cache::ExpertCache;
+use picchio_runtime::model::Model;
+use picchio_runtime::pack::{pack_nvme_queue, PackOptions, RawPackOptions};
+use picchio_runtime::run::{GenerateOptions, Session};
+use picchio_runtime::store::{open_nvme_flat, with_fallback, IoOptions};
+use picchio_tests::*;
+
+fn queue(ns: &Path, lba: u32) -> (NvmeQueue, Sim) {
+    let mut cfg = SimConfig::single(ns, lba);
+    cfg.namespaces[0].writable = true;
+    let opts = NvmeQueueOptions { qd: 8, timeout: Duration::from_secs(5), ..Default::default() };
+    NvmeQueue::open_sim_with(cfg, &opts, HeapDma::new(), true).unwrap()
+}
+
+fn opts(force: bool) -> RawPackOptions {
+    RawPackOptions { pack: PackOptions { layers: None, progress: false }, force, io_threads: 1 }
+}
+
+fn model() -> std::path::PathBuf {
+    fixture("picchio_c/qwen3_moe")
+}
+
+/// Packs onto `ns` through a fresh sim queue; returns the plan printed and the result.
+fn pack_to(
+    ns: &Path,
+    lba: u32,
+    force: bool,
+) -> (String, picchio_runtime::Result<picchio_runtime::pack::NvmePackReport>) {
+    let (mut q, sim) = queue(ns, lba);
+    let mut plan = String::new();
+    let r = pack_nvme_queue(&model(), &mut q, "nvme:sim/1", &opts(force), &mut |i| plan = i.to_string());
+    drop(q);
+    assert_eq!(sim.stats().dma_faults, 0);
+    (plan, r)
+}
+
+/// Runs the model with experts from the namespace file `ns` (through the driver, zero-copy slots).
+fn run_from(ns: &Path, lba: u32) -> Vec<u32> {
+    let prompt = ids(&reference_json(&fixture("qwen3_moe"), "reference.json"), "prompt_ids");
+    let m = Model::load(&model(), prompt.len() + 16).unwrap();
+    let (cfg, layout) = (m.config().clone(), m.layout().clone());
+    let (q, sim) = queue(ns, lba);
+    let flat = open_nvme_flat("nvme:sim/1".into(), q, &cfg, &layout, IoOptions::default()).unwrap();
+    let (mut loader, info, io_stats) = with_fallback(flat, m.tensors().clone(), &layout);
+    let mut cache = ExpertCache::new(4, layout.len()).unwrap();
+    assert!(cache.use_slots_from(&mut *loader).is_some());
+    let mut s = Session { model: m, cache, loader, info, io_stats, tokenizer: None };
+    let g = s.generate(&prompt, &GenerateOptions { max_new: 16, ..Default::default() }).unwrap();
+    assert_eq!((g.stats.fallbacks, g.stats.bounce_bytes), (0, 0));
+    drop(s);
+    drop(sim);
+    g.tokens
+}
+
+#[test]
+fn pack_writes_flushes_and_reads_back_then_the_runtime_gives_picchio_c_tokens() {
+    let image = std::fs::read(model().join("experts.picchioflat")).unwrap();
+    for lba in [512u32, 4096] {
+        let tmp = scratch();
+        let ns = tmp.path().join("ns1");
+        let mut junk = vec![0xA5u8; 4 << 20]; // old contents with no known signature
+        junk[..8].copy_from_slice(b"NOTFSYET");
+        std::fs::write(&ns, &junk).unwrap();
+        let (plan, r) = pack_to(&ns, lba, false);
+        let report = r.unwrap();
+        assert!(plan.contains("nvme:sim/1: namespace 1") && plan.contains("found: nothing"), "{plan}");
+        assert!(plan.contains(&format!("writes {} bytes", image.len())), "{plan}");
+        let text = report.to_string();
+        assert!(text.contains(&format!("{} B LBAs", lba)) && text.contains("payload hashes OK"), "{text}");
+        assert!(report.commands.0 > 0 && report.commands.1 >= 3, "writes and flushes: {:?}", report.commands);
+        assert!(report.verify.is_clean() && report.verify.entries == 48);
+        let disk = std::fs::read(&ns).unwrap();
+        assert!(disk[..image.len()] == image[..], "lba {lba}: the namespace holds Picchio (C)'s image byte for byte");
+        assert!(disk[image.len()..] == junk[image.len()..], "nothing written past the image");
+        assert_eq!(run_from(&ns, lba), PICCHIO_C_TOKENS, "lba {lba}");
+        // Re-packing over our own image is not refused (an earlier image is only noted).
+        let (plan, r) = pack_to(&ns, lba, false);
+        r.unwrap();
+        assert!(plan.contains(".picchioflat image") && plan.contains("not a reason to refuse"), "{plan}");
+    }
+}
+
+/// An ext4 superblock: magic 0xEF53 at byte 1080, s_log_block_size 2 (4 KiB blocks) at 1048.
+fn ext4(b: &mut [u8]) {
+    b[1048..1052].copy_from_slice(&2u32.to_le_bytes());
+    b[1080..1082].copy_from_slice(&[0x53, 0xEF]);
+}
+
+/// A GPT: protective MBR (type 0xEE, 0x55AA) and "EFI PART" at LBA 1 of 512-byte LBAs.
+fn gpt(b: &mut [u8]) {
+    b[446 + 4] = 0xEE;
+    b[510..512].copy_from_slice(&[0x55, 0xAA]);
+    b[512..520].copy_from_slice(b"EFI PART");
+}
+
+#[test]
+fn a_namespace_holding_a_file_system_or_partition_table_is_refused_unless_forced() {
+    type Mark = fn(&mut [u8]);
+    for (what, mark, expect) in [
+        ("ext4", ext4 as Mark, "ext2/3/4 file system (magic 0xEF53 at byte 1080)"),
+        ("gpt", gpt as Mark, "GPT partition table (\"EFI PART\" at byte 512)"),
+    ] {
+        let tmp = scratch();
+        let ns = tmp.path().join("ns1");
+        let mut old = vec![0u8; 2 << 20];
+        mark(&mut old);
+        std::fs::write(&ns, &old).unwrap();
+        let (plan, r) = pack_to(&ns, 512, false);
+        let e = r.unwrap_err().to_string();
+        assert!(plan.contains(expect) && plan.contains("[refused without --force]"), "{what}: {plan}");
+        assert!(
+            e.starts_with("nvme:sim/1: refusing to write the image")
+                && e.contains(expect)
+                && e.contains("Nothing was written")
+                && e.contains("--force"),
+            "{what}: {e}"
+        );
+        assert_eq!(std::fs::read(&ns).unwrap(), old, "{what}: the namespace is unchanged");
+        let (_, r) = pack_to(&ns, 512, true);
+        r.unwrap();
+        assert_eq!(run_from(&ns, 512), PICCHIO_C_TOKENS, "{what} overwritten with --force");
+    }
+}
+
+#[test]
+fn an_image_larger_than_the_namespace_is_refused_even_with_force() {
+    let tmp = scratch();
+    let ns = tmp.path().join("ns1");
+    std::fs::write(&ns, vec![0u8; 256 << 10]).unwrap();
+    let (_, r) = pack_to(&ns, 4096, true);
+    let e = r.unwrap_err().to_string();
+    assert!(e.contains("nvme:sim/1") && e.contains("401408"), "{e}");
+    assert!(std::fs::read(&ns).unwrap().iter().all(|&b| b == 0), "nothing written");
+}
+
+#[test]
+fn a_read_only_namespace_fails_the_pack_with_the_write_status() {
+    let tmp = scratch();
+    let ns = tmp.path().join("ns1");
+    std::fs::write(&ns, vec![0u8; 1 << 20]).unwrap();
+    let opts_q = NvmeQueueOptions { qd: 4, timeout: Duration::from_secs(5), ..Default::default() };
+    let (mut q, _sim) = NvmeQueue::open_sim_with(SimConfig::single(&ns, 512), &opts_q, HeapDma::new(), true).unwrap();
+    let e = pack_nvme_queue(&model(), &mut q, "nvme:sim/1", &opts(false), &mut |_| {}).unwrap_err().to_string();
+    assert!(e.contains("nvme:sim/1") && e.contains("NVMe write of namespace 1"), "{e}");
+}

@@ -13,8 +13,15 @@
 
 pub mod cache;
 pub mod env;
+pub mod fio;
+pub mod layout;
+pub mod measure;
+pub mod null;
+pub mod overhead;
 pub mod plot;
+pub mod qd_sweep;
 pub mod target;
+pub mod tiers;
 pub mod trace;
 
 use std::path::{Path, PathBuf};

@@ -19,6 +19,18 @@ enum Experiment {
     /// Record only the environment (CPU, kernel, memory, load, and the store's device and file
     /// system): what every other experiment's report carries in `environment`.
     Env(EnvArgs),
+    /// Random reads (expert-sized or --bs) at each queue depth × thread count × engine: MB/s and
+    /// IOPS from wall time, latency percentiles, CPU s/GB, page cache dropped unless --warm; fio's
+    /// figure beside each point when fio is installed.
+    QdSweep(super::bench_io::QdSweepArgs),
+    /// One expert as 3 or 9 scattered per-tensor reads (GGUF/safetensors placement) versus one
+    /// contiguous read of the same bytes, per engine × threads × QD.
+    Layout(super::bench_io::LayoutArgs),
+    /// Every tier that can read the store, one table, same expert reads.
+    Tiers(super::bench_io::TiersArgs),
+    /// Software cost per read (submit + complete, ns) at QD 1 per engine, with the timestamp counter;
+    /// a null engine shows the IoQueue trait's own cost.
+    Overhead(super::bench_io::OverheadArgs),
     /// Routing traces (`picchio run --trace`, or recorded here with --model): token-to-token expert
     /// reuse, per-layer popularity, and LRU vs Belady (optimal) expert-cache hit rates by capacity.
     Trace(super::bench_model::TraceArgs),
@@ -62,6 +74,10 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
             println!("{}", describe_environment(&report.environment));
             after_run(&report, &a.common)
         }
+        Experiment::QdSweep(a) => super::bench_io::qd_sweep(a),
+        Experiment::Layout(a) => super::bench_io::layout(a),
+        Experiment::Tiers(a) => super::bench_io::tiers(a),
+        Experiment::Overhead(a) => super::bench_io::overhead(a),
         Experiment::Trace(a) => super::bench_model::trace(a),
         Experiment::Cache(a) => super::bench_model::cache(a),
         Experiment::Plot(a) => super::bench_model::plot(a),
@@ -69,7 +85,7 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
 }
 
 /// Checks made before measuring anything, so a long run is not lost to a refusal at the end.
-fn before_run(experiment: &str, c: &Common) -> anyhow::Result<()> {
+pub(super) fn before_run(experiment: &str, c: &Common) -> anyhow::Result<()> {
     if c.plot.is_some() {
         bench::check_plot_supported(experiment)?;
     }
@@ -77,7 +93,7 @@ fn before_run(experiment: &str, c: &Common) -> anyhow::Result<()> {
 }
 
 /// Writes the JSON report and the charts a run asked for.
-fn after_run<R: Serialize>(report: &Report<R>, c: &Common) -> anyhow::Result<()> {
+pub(super) fn after_run<R: Serialize>(report: &Report<R>, c: &Common) -> anyhow::Result<()> {
     if let Some(path) = &c.json {
         report.write_json(path)?;
         eprintln!("report: {}", path.display());
@@ -94,7 +110,7 @@ fn after_run<R: Serialize>(report: &Report<R>, c: &Common) -> anyhow::Result<()>
 }
 
 /// A few lines saying where the figures come from (the JSON has everything).
-fn describe_environment(e: &Environment) -> String {
+pub(super) fn describe_environment(e: &Environment) -> String {
     let mut s = format!(
         "cpu: {} ({} logical, {} available to this process)",
         e.cpu.model.as_deref().unwrap_or("unknown model"),

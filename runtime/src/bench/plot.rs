@@ -207,9 +207,12 @@ impl LineChart<'_> {
                 chart.draw_series(LineSeries::new(line.iter().copied(), style)).map_err(|e| err(e.to_string()))?
             };
             anno.label(s.name.clone()).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color));
-            chart
-                .draw_series(line.iter().map(|&p| Circle::new(p, 3, color.filled())))
-                .map_err(|e| err(e.to_string()))?;
+            // Points are marked where there are few enough to tell apart.
+            if line.len() <= 40 {
+                chart
+                    .draw_series(line.iter().map(|&p| Circle::new(p, 3, color.filled())))
+                    .map_err(|e| err(e.to_string()))?;
+            }
         }
         chart
             .configure_series_labels()

@@ -8,6 +8,9 @@
 //!   `trace-popularity.svg` (each layer's experts ranked by use: share of the layer's uses).
 //! - `cache`: `cache-tok-s.svg` (decode tok/s vs cache budget, one line per read mode) and
 //!   `cache-bytes.svg` (MB per decode token vs budget: store reads per mode, and device bytes).
+//! - `layout`: `layout-N-pieces.svg` per split (experts read per second vs queue depth: one
+//!   contiguous read per expert, solid, beside N scattered per-tensor reads of the same bytes,
+//!   dashed, one colour per engine and thread count).
 //! - `qd-sweep`: `qd-sweep-throughput.svg` (MB/s vs queue depth, one line per engine and thread
 //!   count, fio's figures as dashed lines) and `qd-sweep-latency.svg` (latency percentiles at each
 //!   engine's deepest queue: the CDF through min, p50, p90, p99, p99.9 and max).
@@ -21,7 +24,7 @@ use super::Report;
 use crate::error::{Error, Result};
 
 /// Experiments [`render`] draws charts for.
-pub const PLOTTED: &[&str] = &["trace", "cache", "qd-sweep"];
+pub const PLOTTED: &[&str] = &["trace", "cache", "qd-sweep", "layout"];
 
 /// Draws `report`'s charts into `dir` (created if missing) and returns the files written.
 ///
@@ -42,6 +45,7 @@ pub fn render(report: &Report<Value>, dir: &Path) -> Result<Vec<PathBuf>> {
     match report.experiment.as_str() {
         "trace" => trace_charts(r, dir, &subtitle),
         "cache" => cache_charts(r, dir, &subtitle),
+        "layout" => layout_charts(r, dir, &subtitle),
         _ => qd_sweep_charts(r, dir, &subtitle),
     }
 }
@@ -105,6 +109,20 @@ struct Series {
     name: String,
     points: Vec<(f64, f64)>,
     dashed: bool,
+    /// Palette index; `None`: the series' own position.
+    color: Option<usize>,
+}
+
+impl Series {
+    fn new(name: impl Into<String>, points: Vec<(f64, f64)>, dashed: bool) -> Self {
+        Series { name: name.into(), points, dashed, color: None }
+    }
+
+    /// The same colour as another series (fio beside ours, scattered beside contiguous).
+    fn with_color(mut self, c: usize) -> Self {
+        self.color = Some(c);
+        self
+    }
 }
 
 /// A line chart: axes, titles and its series (each also marked at its points).
@@ -139,6 +157,11 @@ fn plot_err(path: &Path) -> impl Fn(String) -> Error + '_ {
 }
 
 impl LineChart<'_> {
+    /// Palette index of series `i`.
+    fn color_of(&self, i: usize) -> usize {
+        self.series[i].color.unwrap_or(i)
+    }
+
     fn draw(&self, path: &Path) -> Result<()> {
         let err = plot_err(path);
         let pts: Vec<(f64, f64)> = self
@@ -191,7 +214,7 @@ impl LineChart<'_> {
             .draw()
             .map_err(|e| err(e.to_string()))?;
         for (i, s) in self.series.iter().enumerate() {
-            let color = COLORS[i % COLORS.len()];
+            let color = COLORS[self.color_of(i) % COLORS.len()];
             let line: Vec<(f64, f64)> = s
                 .points
                 .iter()
@@ -279,10 +302,7 @@ fn trace_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
         y_scale: Scale::Linear,
         y_range: Some((0.0, 100.0)),
         legend: SeriesLabelPosition::LowerRight,
-        series: vec![
-            Series { name: "LRU (the runtime's policy)".into(), points: lru, dashed: false },
-            Series { name: "Belady (optimal)".into(), points: opt, dashed: true },
-        ],
+        series: vec![Series::new("LRU (the runtime's policy)", lru, false), Series::new("Belady (optimal)", opt, true)],
     }
     .draw(&hit)?;
     let mut series = Vec::new();
@@ -291,7 +311,7 @@ fn trace_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
         let total: f64 = counts.iter().sum();
         counts.sort_by(|a, b| b.total_cmp(a));
         let pts = counts.iter().enumerate().map(|(i, &c)| ((i + 1) as f64, 100.0 * c / total.max(1.0))).collect();
-        series.push(Series { name: format!("layer {}", num(l, "layer")?), points: pts, dashed: false });
+        series.push(Series::new(format!("layer {}", num(l, "layer")?), pts, false));
     }
     // At most 8 layers drawn (first, last and evenly between) so the chart stays readable.
     if series.len() > 8 {
@@ -340,20 +360,20 @@ fn cache_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
                 d.push((pct, dev / 1e6));
             }
         }
-        tok.push(Series { name: m.clone(), points: t, dashed: false });
+        tok.push(Series::new(m.clone(), t, false));
         store.push((m.clone(), b));
         if !d.is_empty() {
-            device.push(Series { name: format!("{m}: from the device (/proc/self/io)"), points: d, dashed: true });
+            device.push(Series::new(format!("{m}: from the device (/proc/self/io)"), d, true));
         }
     }
     // The runtime's misses do not depend on the read mode: one line when the modes agree.
     let mut bytes = Vec::new();
     if store.windows(2).all(|w| w[0].1 == w[1].1) && !store.is_empty() {
         let points = store.swap_remove(0).1;
-        bytes.push(Series { name: "read by the store (misses x slot), every mode".into(), points, dashed: false });
+        bytes.push(Series::new("read by the store (misses x slot), every mode", points, false));
     } else {
         for (m, points) in store {
-            bytes.push(Series { name: format!("{m}: read by the store"), points, dashed: false });
+            bytes.push(Series::new(format!("{m}: read by the store"), points, false));
         }
     }
     bytes.extend(device);
@@ -421,10 +441,10 @@ fn qd_sweep_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
         }
     }
     let mut series = Vec::new();
-    for (name, ours, fio) in lines {
-        series.push(Series { name: name.clone(), points: ours, dashed: false });
+    for (i, (name, ours, fio)) in lines.into_iter().enumerate() {
+        series.push(Series::new(name.clone(), ours, false).with_color(i));
         if !fio.is_empty() {
-            series.push(Series { name: format!("fio, as {name}"), points: fio, dashed: true });
+            series.push(Series::new(format!("fio, as {name}"), fio, true).with_color(i));
         }
     }
     let thr = dir.join("qd-sweep-throughput.svg");
@@ -451,7 +471,7 @@ fn qd_sweep_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
             }
         }
         if !pts.is_empty() {
-            cdf.push(Series { name: format!("{name}, QD {qd}"), points: pts, dashed: false });
+            cdf.push(Series::new(format!("{name}, QD {qd}"), pts, false));
         }
     }
     if !cdf.is_empty() {
@@ -469,6 +489,62 @@ fn qd_sweep_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
         }
         .draw(&lat)?;
         out.push(lat);
+    }
+    Ok(out)
+}
+
+/// The layout report's points: `results.points[]` with `engine`, `threads`, `qd`, `units_per_s`
+/// (experts per second), `pieces` and `variant` (`contiguous` or `scattered`).
+fn layout_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
+    let points = arr(r, "points")?;
+    let mut pieces: Vec<u64> = points.iter().filter_map(|p| p.get("pieces").and_then(Value::as_u64)).collect();
+    pieces.sort_unstable();
+    pieces.dedup();
+    let mut out = Vec::new();
+    for n in pieces {
+        // (engine label, contiguous line, scattered line)
+        let mut lines: Vec<(String, Xy, Xy)> = Vec::new();
+        for p in points.iter().filter(|p| p.get("pieces").and_then(Value::as_u64) == Some(n)) {
+            let engine = p.get("engine").and_then(Value::as_str).unwrap_or("?");
+            let threads = p.get("threads").and_then(Value::as_u64).unwrap_or(1);
+            let name = if threads > 1 { format!("{engine} ×{threads} threads") } else { engine.to_string() };
+            let xy = (num(p, "qd")?, num(p, "units_per_s")?);
+            let scattered = p.get("variant").and_then(Value::as_str) == Some("scattered");
+            let line = match lines.iter_mut().position(|l| l.0 == name) {
+                Some(i) => &mut lines[i],
+                None => {
+                    lines.push((name, Vec::new(), Vec::new()));
+                    lines.last_mut().expect("just pushed")
+                }
+            };
+            if scattered {
+                line.2.push(xy);
+            } else {
+                line.1.push(xy);
+            }
+        }
+        let mut series = Vec::new();
+        for (i, (name, contiguous, scattered)) in lines.into_iter().enumerate() {
+            series.push(Series::new(format!("{name}: 1 contiguous read"), contiguous, false).with_color(i));
+            series.push(Series::new(format!("{name}: {n} scattered reads"), scattered, true).with_color(i));
+        }
+        let path = dir.join(format!("layout-{n}-pieces.svg"));
+        LineChart {
+            title: format!("Expert reads: one contiguous read vs {n} scattered per-tensor reads"),
+            subtitle: sub,
+            x_label: "queue depth (log scale)",
+            y_label: "experts read / s",
+            x_scale: Scale::Log2,
+            y_scale: Scale::Linear,
+            y_range: None,
+            legend: SeriesLabelPosition::LowerRight,
+            series,
+        }
+        .draw(&path)?;
+        out.push(path);
+    }
+    if out.is_empty() {
+        return Err(Error::Invalid("layout report: no points with `pieces` to draw".into()));
     }
     Ok(out)
 }
@@ -498,8 +574,8 @@ mod tests {
             y_range: None,
             legend: SeriesLabelPosition::UpperLeft,
             series: vec![
-                Series { name: "a".into(), points: vec![(1.0, 1.0), (2.0, 3.0), (4.0, 2.0)], dashed: false },
-                Series { name: "b".into(), points: vec![(1.0, 2.0), (4.0, 2.5)], dashed: true },
+                Series::new("a", vec![(1.0, 1.0), (2.0, 3.0), (4.0, 2.0)], false),
+                Series::new("b", vec![(1.0, 2.0), (4.0, 2.5)], true),
             ],
         }
         .draw(&p)
@@ -520,5 +596,78 @@ mod tests {
             series: vec![],
         };
         assert!(empty.draw(&dir.path().join("e.svg")).is_err());
+    }
+
+    fn report(experiment: &str, results: impl serde::Serialize) -> Report<Value> {
+        let run = crate::bench::Run::start(experiment, &serde_json::json!({}), None).unwrap();
+        run.finish(serde_json::to_value(results).unwrap())
+    }
+
+    fn svg_texts(path: &Path) -> Vec<String> {
+        let svg = std::fs::read_to_string(path).unwrap();
+        let doc = roxmltree::Document::parse(&svg).unwrap();
+        doc.descendants()
+            .filter(|n| n.tag_name().name() == "text")
+            .filter_map(|n| n.text())
+            .map(|t| t.trim().to_string())
+            .collect()
+    }
+
+    #[test]
+    fn qd_sweep_and_layout_charts_read_their_result_types() {
+        use crate::bench::fio::FioResult;
+        use crate::bench::layout::{LayoutPoint, LayoutResults};
+        use crate::bench::measure::{LatencyUs, PointResult};
+        use crate::bench::qd_sweep::{QdPoint, QdSweepResults};
+        let point = |engine: &str, threads, qd, mb_s| PointResult {
+            engine: engine.into(),
+            threads,
+            qd,
+            mb_s,
+            units_per_s: mb_s / 2.654,
+            latency_us: LatencyUs {
+                min: 100.0,
+                p50: 900.0,
+                p90: 1500.0,
+                p99: 3000.0,
+                p99_9: 4000.0,
+                max: 5000.0,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let mut qd = QdSweepResults::default();
+        for (q, mbs) in [(1, 900.0), (4, 1800.0), (32, 2100.0)] {
+            let fio = FioResult { mb_s: mbs * 1.02, ..Default::default() };
+            qd.points.push(QdPoint { ours: point("uring", 1, q, mbs), fio: Some(fio), ..Default::default() });
+            qd.points.push(QdPoint { ours: point("psync-direct", 2, q, mbs * 0.9), ..Default::default() });
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let files = render(&report("qd-sweep", &qd), dir.path()).unwrap();
+        let names: Vec<_> = files.iter().map(|f| f.file_name().unwrap().to_string_lossy().into_owned()).collect();
+        assert_eq!(names, ["qd-sweep-throughput.svg", "qd-sweep-latency.svg"]);
+        let legend = svg_texts(&files[0]);
+        for want in ["uring", "fio, as uring", "psync-direct ×2 threads"] {
+            assert!(legend.iter().any(|t| t == want), "{want} not in {legend:?}");
+        }
+        assert!(svg_texts(&files[1]).iter().any(|t| t == "uring, QD 32"));
+
+        let mut layout = LayoutResults::default();
+        for pieces in [3, 9] {
+            for (variant, f) in [("contiguous", 1.0), ("scattered", 0.6)] {
+                for q in [1, 8] {
+                    let ours = point("uring", 1, q, 1000.0 * f);
+                    layout.points.push(LayoutPoint { ours, pieces, variant: variant.into(), ..Default::default() });
+                }
+            }
+        }
+        let files = render(&report("layout", &layout), dir.path()).unwrap();
+        assert_eq!(files.len(), 2);
+        assert!(svg_texts(&files[1]).iter().any(|t| t == "uring: 9 scattered reads"));
+        // A report of an experiment without charts, or missing fields, is refused by name.
+        let e = render(&report("overhead", serde_json::json!({})), dir.path()).unwrap_err().to_string();
+        assert!(e.contains("`overhead`"), "{e}");
+        let e = render(&report("qd-sweep", serde_json::json!({"points": [{"qd": 1}]})), dir.path()).unwrap_err();
+        assert!(e.to_string().contains("mb_s"), "{e}");
     }
 }

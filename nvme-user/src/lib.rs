@@ -8,11 +8,17 @@
 //!   mapping and by the software controller model [`sim`], so the driver code is identical over both.
 //! - [`dma`]: memory the device reads and writes, with an [`Iova`]; never behind a Rust reference
 //!   while the device may use it.
-//! - [`prp`]: PRP entries and PRP lists for a transfer.
-//! - [`queue`]: a submission/completion queue pair with one tracker per command identifier.
-//! - [`ctrlr`]: controller bring-up as an explicit state machine, admin commands, shutdown on drop.
-//! - [`engine`]: [`NvmeQueue`], the [`picchio_core::IoQueue`] engine over one I/O queue pair.
-//! - [`sim`]: a controller model in host memory, backed by files, with error injection.
+//! - [`prp`]: PRP entries and chained PRP lists for a transfer of up to MDTS.
+//! - [`queue`]: a submission/completion queue pair with one tracker (and its PRP-list pages) per
+//!   command identifier. Submitting a raw command is `unsafe`: its data pointers are DMA targets.
+//! - [`ctrlr`]: controller bring-up as an explicit state machine, admin commands, Abort, controller
+//!   reset on the same DMA memory, shutdown on drop.
+//! - [`engine`]: [`NvmeQueue`], the [`picchio_core::IoQueue`] engine over one I/O queue pair: the safe
+//!   API. A timed-out command is aborted, else the controller is reset (also on CSTS.CFS); exactly
+//!   the affected requests fail with a typed [`engine::ReadFailure`], within an
+//!   [`engine::RecoveryPolicy`]; an interrupt flag (SIGINT) ends every wait.
+//! - [`sim`]: a controller model in host memory, backed by files, with error injection (statuses,
+//!   dropped completions, hung commands, CSTS.CFS) and Abort and reset handled like a controller.
 //! - `vfio` (Linux): the VFIO device, BAR0 mapping and IOMMU DMA mappings for real controllers.
 //!
 //! # Example: the driver against the sim
@@ -36,6 +42,11 @@
 //! with [`dma::HugepageDma`] memory; wrap it with [`NvmeQueue::with_bounce_buffer`] (the interim data
 //! path until cache slots are allocated from the DMA pool). `examples/nvme_probe.rs` does exactly
 //! that and prints what Identify reports.
+//!
+//! # Cargo feature `fault-injection`
+//! Only for the VM harness (tests/vm): `Controller::submit_raw_for_fault_test` submits a command
+//! with unchecked data pointers (the stray-DMA check), and builds `examples/nvme_fault_probe.rs`.
+//! Nothing else enables it.
 #![deny(missing_docs)]
 // VFIO, hugepages and the sim's positional file I/O are Linux facilities: elsewhere the crate is empty
 // (the runtime's `nvme:` store then reports that it needs Linux).

@@ -76,7 +76,7 @@ impl CostNs {
             p50: ns(h.value_at_quantile(0.5)),
             p90: ns(h.value_at_quantile(0.9)),
             p99: ns(h.value_at_quantile(0.99)),
-            max: ns(h.max()),
+            max: ns(h.highest_equivalent(h.max())),
         }
     }
 }

@@ -193,6 +193,10 @@ pub fn run(store: &BenchStore, opts: &QdSweepOptions, progress: &mut dyn FnMut(&
                         if engine.buffered() && opts.warm {
                             None
                         } else {
+                            if engine.buffered() {
+                                // fio's own invalidate=1 is not relied on: drop as before our point.
+                                measure::drop_cache(&file)?;
+                            }
                             fio::run(&FioJob {
                                 filename: &file,
                                 engine,

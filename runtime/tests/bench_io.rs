@@ -1,0 +1,444 @@
+//! `picchio synth` and the storage experiments of `picchio bench` (qd-sweep, layout, tiers, overhead,
+//! env) run through the real binary on a small synthetic store. The reports are checked for their
+//! structure and internal consistency — schema, environment, counts, bytes = reads × read size,
+//! percentile order, MB/s = bytes / wall — never for speeds. The fio comparison is checked when fio
+//! is installed (CI installs it); otherwise that check prints SKIPPED with the reason.
+#![cfg(target_os = "linux")]
+
+#[path = "../../blockdev/tests/common/loopdev.rs"]
+mod loopdev;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+use serde_json::Value;
+
+fn picchio(args: &[&str]) -> Output {
+    let out = Command::new(env!("CARGO_BIN_EXE_picchio")).args(args).output().expect("run picchio");
+    eprintln!(
+        "$ picchio {}\n[{}]\n{}{}",
+        args.join(" "),
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn ok(args: &[&str]) -> String {
+    let o = picchio(args);
+    assert!(o.status.success(), "picchio {} failed", args.join(" "));
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// A 2-layer synthetic store (of a 4-layer model: 8 experts of H 256 × I 128, 55,296-byte Q4
+/// payloads) shared by the tests of this file, on the target directory's file system.
+fn store() -> &'static Path {
+    static STORE: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
+    let (_, p) = STORE.get_or_init(|| {
+        let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+        let p = dir.path().join("synth.picchioflat");
+        let out = ok(&[
+            "synth",
+            "--arch",
+            "custom",
+            "--hidden",
+            "256",
+            "--moe-intermediate",
+            "128",
+            "--experts",
+            "8",
+            "--model-layers",
+            "4",
+            "--layers",
+            "2",
+            "--seed",
+            "7",
+            "--out",
+            p.to_str().unwrap(),
+            "--no-progress",
+        ]);
+        assert!(out.contains("16 entries (2 of 4 layers × 8 experts) of 55296 bytes"), "{out}");
+        (dir, p)
+    });
+    p
+}
+
+fn report(path: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn f(v: &Value, k: &str) -> f64 {
+    v[k].as_f64().unwrap_or_else(|| panic!("{k} missing in {v}"))
+}
+
+fn u(v: &Value, k: &str) -> u64 {
+    v[k].as_u64().unwrap_or_else(|| panic!("{k} missing in {v}"))
+}
+
+/// The envelope every report has.
+fn check_envelope(r: &Value, experiment: &str, store: &Path) {
+    assert_eq!(r["schema"], "picchio-bench/1");
+    assert_eq!(r["experiment"], experiment);
+    assert!(r["started_at"].as_str().unwrap() <= r["finished_at"].as_str().unwrap());
+    assert!(f(r, "wall_s") >= 0.0);
+    assert!(r["command_line"].as_array().unwrap().iter().any(|a| a == experiment));
+    assert_eq!(r["picchio"]["version"], env!("CARGO_PKG_VERSION"));
+    assert!(r["flags"].is_object());
+    let e = &r["environment"];
+    assert!(u(&e["cpu"], "logical_cpus") >= 1);
+    assert!(e["kernel"]["release"].as_str().is_some_and(|s| !s.is_empty()));
+    assert!(u(&e["memory"], "total_bytes") > 0);
+    for k in ["load_avg_start", "load_avg_end"] {
+        assert_eq!(e[k].as_array().map(Vec::len), Some(3), "{k}");
+    }
+    let t = &e["target"];
+    assert!(t["uri"].as_str().unwrap().ends_with(store.to_str().unwrap()), "{t}");
+    assert!(t["filesystem"]["fstype"].as_str().is_some_and(|s| !s.is_empty()), "{t}");
+}
+
+/// Latency percentiles in order and counted once per read. Ours are HDR bucket upper ends, max
+/// included; fio's percentiles are its bins' values, which may lie above its exact max, so for fio
+/// only min ≤ p50 ≤ … ≤ p99.9 and min ≤ mean ≤ max are checked.
+fn check_latency(l: &Value, count: u64) {
+    check_latency_of(l, count, true)
+}
+
+fn check_latency_of(l: &Value, count: u64, bucketed_max: bool) {
+    assert_eq!(u(l, "count"), count, "{l}");
+    let keys: &[&str] = if bucketed_max {
+        &["min", "p50", "p90", "p99", "p99_9", "max"]
+    } else {
+        &["min", "p50", "p90", "p99", "p99_9"]
+    };
+    let v: Vec<f64> = keys.iter().map(|k| f(l, k)).collect();
+    assert!(v.windows(2).all(|w| w[0] <= w[1]), "percentiles out of order: {l}");
+    assert!(v[0] > 0.0 && f(l, "mean") >= v[0] && f(l, "mean") <= f(l, "max"), "{l}");
+}
+
+/// A point's counters agree with each other: MB/s and IOPS are bytes and reads over the wall time.
+fn check_point(p: &Value, bytes_per_read: Option<u64>) {
+    let (reads, bytes, wall) = (u(p, "reads"), u(p, "bytes"), f(p, "wall_s"));
+    assert!(reads > 0 && wall > 0.0, "{p}");
+    if let Some(bs) = bytes_per_read {
+        assert_eq!(bytes, reads * bs, "{p}");
+    }
+    let rel = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b.abs().max(1.0);
+    assert!(rel(f(p, "mb_s"), bytes as f64 / wall / 1e6), "{p}");
+    assert!(rel(f(p, "iops"), reads as f64 / wall), "{p}");
+    assert!(rel(f(p, "units_per_s"), u(p, "units") as f64 / wall), "{p}");
+    check_latency(&p["latency_us"], reads);
+    check_latency(&p["unit_latency_us"], u(p, "units"));
+    let cpu = &p["cpu"];
+    assert!(f(cpu, "user_s") >= 0.0 && f(cpu, "sys_s") >= 0.0);
+    let per_gb = (f(cpu, "user_s") + f(cpu, "sys_s")) / (bytes as f64 / 1e9);
+    assert!(rel(f(cpu, "s_per_gb"), per_gb), "{p}");
+    let cache = p["page_cache"]["action"].as_str().unwrap();
+    let want = match p["engine"].as_str().unwrap() {
+        "psync-buffered" => "dropped",
+        "nvme-sim" => "model",
+        _ => "bypassed",
+    };
+    assert_eq!(cache, want, "{p}");
+    if let (true, Some(r)) = (cache == "dropped", p["page_cache"]["resident_before"].as_f64()) {
+        assert!(r < 0.5, "after posix_fadvise(DONTNEED) {r} of the image is still cached: {p}");
+    }
+}
+
+fn fio_installed(test: &str) -> bool {
+    let ok = Command::new("fio").arg("--version").output().is_ok_and(|o| o.status.success());
+    if !ok {
+        eprintln!("SKIPPED {test} (fio comparison): fio is not on PATH (CI installs it)");
+    }
+    ok
+}
+
+#[test]
+fn synth_image_verifies_and_refuses_what_pack_refuses() {
+    let s = store();
+    let out = ok(&["verify", s.to_str().unwrap(), "--no-progress"]);
+    assert!(out.contains("16 entries") && out.contains("OK"), "{out}");
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let cfg = dir.path().join("config.json");
+    std::fs::write(&cfg, b"{}").unwrap();
+    let o = picchio(&["synth", "--arch", "gpt-oss-20b", "--layers", "1", "--out", cfg.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("is not a .picchioflat image"));
+    assert_eq!(std::fs::read(&cfg).unwrap(), b"{}", "the file is untouched");
+    let o = picchio(&["synth", "--arch", "gpt-oss-20b", "--experts", "3", "--out", "x"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--experts only applies to --arch custom"));
+    let o = picchio(&["synth", "--arch", "qwen3-30b-a3b", "--layers", "49", "--out", "x"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--layers 49: the model has 48 layers"));
+}
+
+#[test]
+fn qd_sweep_report_is_consistent_and_fio_sits_beside_it() {
+    let test = "qd_sweep_report_is_consistent_and_fio_sits_beside_it";
+    let s = store();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let json = dir.path().join("qd.json");
+    let stdout = ok(&[
+        "bench",
+        "qd-sweep",
+        "--store",
+        s.to_str().unwrap(),
+        "--qd",
+        "1,4",
+        "--threads",
+        "1,2",
+        "--bytes",
+        "2M",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let r = report(&json);
+    check_envelope(&r, "qd-sweep", s);
+    let res = &r["results"];
+    assert_eq!(u(res, "bs"), 57_344, "one padded expert entry");
+    assert_eq!(res["region"]["pattern"], "expert entries");
+    assert_eq!(u(&res["region"], "candidates"), 16);
+    let points = res["points"].as_array().unwrap();
+    let engines: Vec<&str> = ["psync-buffered", "psync-direct", "uring"]
+        .into_iter()
+        .filter(|e| *e != "uring" || !res["skipped"].to_string().contains("\"uring\""))
+        .collect();
+    assert_eq!(points.len(), engines.len() * 2 * 2, "engines × threads × QDs");
+    for p in points {
+        check_point(p, Some(57_344));
+        assert_eq!(u(p, "units"), u(p, "reads"), "one read per unit");
+        // The byte budget is reached: every thread submits its share before stopping.
+        assert!(u(p, "bytes") >= 2 << 20, "{p}");
+        assert!(stdout.contains(&format!(
+            "{:<15} {:>3} {:>4}",
+            p["engine"].as_str().unwrap(),
+            u(p, "threads"),
+            u(p, "qd")
+        )));
+    }
+    if !fio_installed(test) {
+        assert!(res["skipped"].to_string().contains("fio is not on PATH"));
+        return;
+    }
+    assert!(res["fio_version"].as_str().unwrap().starts_with("fio-"));
+    for p in points {
+        let fio = &p["fio"];
+        assert!(fio.is_object(), "fio ran beside every kernel engine: {p}");
+        let (reads, bytes) = (u(fio, "reads"), u(fio, "bytes"));
+        assert!(reads > 0 && bytes == reads * 57_344, "{fio}");
+        check_latency_of(&fio["latency_us"], reads, false);
+        let cmd = fio["command"].as_array().unwrap().iter().map(|a| a.as_str().unwrap()).collect::<Vec<_>>().join(" ");
+        assert!(cmd.contains(&format!("--filename={}", s.display())) && cmd.contains("--bs=57344"), "{cmd}");
+        assert!(cmd.contains("--rw=randread") && cmd.contains("--readonly"), "{cmd}");
+        let (threads, qd) = (u(p, "threads"), u(p, "qd"));
+        let (jobs, depth) = if p["engine"] == "uring" { (threads, qd) } else { (threads * qd, 1) };
+        assert!(cmd.contains(&format!("--numjobs={jobs} ")) && cmd.contains(&format!("--iodepth={depth} ")), "{cmd}");
+        let ratio = f(p, "ours_over_fio");
+        assert!((ratio - f(p, "mb_s") / f(fio, "mb_s")).abs() < 1e-9 * ratio.max(1.0), "{p}");
+    }
+    assert!(stdout.contains("fio MB/s") && stdout.contains("ours/fio"));
+}
+
+#[test]
+fn qd_sweep_with_bs_reads_the_data_region_and_bad_options_are_refused() {
+    let s = store();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let json = dir.path().join("bs.json");
+    let store_arg = s.to_str().unwrap();
+    ok(&[
+        "bench",
+        "qd-sweep",
+        "--store",
+        store_arg,
+        "--engines",
+        "psync-direct",
+        "--qd",
+        "2",
+        "--threads",
+        "1",
+        "--bs",
+        "16K",
+        "--bytes",
+        "512K",
+        "--no-fio",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let r = report(&json);
+    let res = &r["results"];
+    assert_eq!(u(res, "bs"), 16_384);
+    assert_eq!(res["region"]["pattern"], "bs-aligned offsets");
+    assert_eq!(u(&res["region"], "offset"), 8192, "the data region starts after the superblock and index blocks");
+    assert_eq!(u(&res["region"], "candidates"), 16 * 57_344 / 16_384);
+    check_point(&res["points"][0], Some(16_384));
+    assert!(res["skipped"].to_string().contains("--no-fio"));
+    for (args, want) in [
+        (vec!["--bs", "1000"], "must be a positive multiple of 4096"),
+        (vec!["--qd", "0"], "at least 1"),
+        (vec!["--duration=-1"], "must be a positive number of seconds"),
+    ] {
+        let mut a = vec!["bench", "qd-sweep", "--store", store_arg, "--no-fio"];
+        a.extend(args);
+        let o = picchio(&a);
+        assert_eq!(o.status.code(), Some(1));
+        assert!(String::from_utf8_lossy(&o.stderr).contains(want), "{want}");
+    }
+    let o = picchio(&["bench", "qd-sweep", "--store", "auto"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("bench reads a .picchioflat image"));
+}
+
+#[test]
+fn layout_reads_the_same_bytes_scattered_and_contiguous() {
+    let s = store();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let json = dir.path().join("layout.json");
+    ok(&[
+        "bench",
+        "layout",
+        "--store",
+        s.to_str().unwrap(),
+        "--engines",
+        "psync-direct,uring",
+        "--qd",
+        "1,4",
+        "--threads",
+        "1",
+        "--bytes",
+        "1M",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let r = report(&json);
+    check_envelope(&r, "layout", s);
+    let res = &r["results"];
+    assert_eq!((u(res, "hidden"), u(res, "moe_intermediate")), (256, 128));
+    let splits = res["splits"].as_array().unwrap();
+    assert_eq!(splits.len(), 2);
+    let expert_bytes = |pieces: u64| {
+        let sp = splits.iter().find(|s| u(s, "pieces") == pieces).unwrap();
+        let reads: Vec<u64> = sp["read_bytes"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+        assert_eq!(reads.len() as u64, pieces);
+        assert!(reads.iter().all(|b| b % 4096 == 0));
+        assert_eq!(reads.iter().sum::<u64>(), u(sp, "expert_bytes"));
+        u(sp, "expert_bytes")
+    };
+    // 3 pieces of 9·H·I/16 = 18,432 bytes, each read as 20,480.
+    assert_eq!(expert_bytes(3), 3 * 20_480);
+    let points = res["points"].as_array().unwrap();
+    assert_eq!(points.len(), 2 * 2 * 2 * 2, "splits × engines × QDs × variants");
+    for p in points {
+        check_point(p, None);
+        let per = u(p, "reads_per_expert");
+        assert_eq!(per, if p["variant"] == "contiguous" { 1 } else { u(p, "pieces") });
+        assert_eq!(u(p, "reads"), u(p, "units") * per, "{p}");
+        assert_eq!(u(p, "bytes"), u(p, "units") * expert_bytes(u(p, "pieces")), "same bytes per expert: {p}");
+    }
+    let cmp = res["comparisons"].as_array().unwrap();
+    assert_eq!(cmp.len(), 2 * 2 * 2);
+    for c in cmp {
+        let ratio = f(c, "contiguous_over_scattered");
+        assert!(
+            (ratio - f(c, "contiguous_experts_per_s") / f(c, "scattered_experts_per_s")).abs() < 1e-9 * ratio,
+            "{c}"
+        );
+    }
+}
+
+#[test]
+fn tiers_table_has_every_tier_of_a_file_store() {
+    let s = store();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let json = dir.path().join("tiers.json");
+    let stdout =
+        ok(&["bench", "tiers", "--store", s.to_str().unwrap(), "--bytes", "1M", "--json", json.to_str().unwrap()]);
+    let r = report(&json);
+    check_envelope(&r, "tiers", s);
+    let res = &r["results"];
+    let rows = res["rows"].as_array().unwrap();
+    let tiers: Vec<&str> = rows.iter().map(|r| r["tier"].as_str().unwrap()).collect();
+    let uring = !res["skipped"].to_string().contains("uring tier");
+    assert_eq!(tiers, if uring { vec!["S1", "S2", "S3", "S5"] } else { vec!["S1", "S2", "S5"] });
+    for row in rows {
+        check_point(row, Some(57_344));
+        assert_eq!((u(row, "threads"), u(row, "qd")), (1, 8));
+    }
+    let s5 = rows.iter().find(|r| r["tier"] == "S5").unwrap();
+    assert_eq!(s5["engine"], "nvme-sim");
+    assert!(s5["name"].as_str().unwrap().contains("controller model"));
+    assert!(res["skipped"].to_string().contains("S4 tier"));
+    assert!(stdout.contains("S5") && stdout.contains("controller model"));
+}
+
+#[test]
+fn tiers_on_a_loop_device_are_s4() {
+    let test = "tiers_on_a_loop_device_are_s4";
+    let s = store();
+    let Some(lo) = loopdev::LoopDevice::attach_or_skip(test, s, loopdev::LoopOptions::default()) else { return };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let json = dir.path().join("raw.json");
+    let uri = format!("raw:{}", lo.dev.display());
+    ok(&["bench", "tiers", "--store", &uri, "--bytes", "512K", "--qd", "2", "--json", json.to_str().unwrap()]);
+    let r = report(&json);
+    let res = &r["results"];
+    let rows = res["rows"].as_array().unwrap();
+    assert!(rows.len() >= 2 && rows.iter().all(|r| r["tier"] == "S4"), "{res}");
+    for row in rows {
+        check_point(row, Some(57_344));
+    }
+    let t = &r["environment"]["target"];
+    assert_eq!(t["kind"], "block device");
+    assert_eq!(u(t, "size_bytes"), std::fs::metadata(s).unwrap().len());
+    assert_eq!(t["device"]["name"].as_str(), Some(lo.name().as_str()));
+    assert!(t["device"]["loop_backing_file"].as_str().is_some_and(|b| b.ends_with("synth.picchioflat")), "{t}");
+}
+
+#[test]
+fn overhead_rows_add_up() {
+    let s = store();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let json = dir.path().join("overhead.json");
+    ok(&[
+        "bench",
+        "overhead",
+        "--store",
+        s.to_str().unwrap(),
+        "--reads",
+        "2000",
+        "--range",
+        "256K",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let r = report(&json);
+    check_envelope(&r, "overhead", s);
+    let res = &r["results"];
+    assert!(f(res, "ticks_per_ns") > 0.0);
+    let rows = res["rows"].as_array().unwrap();
+    let names: Vec<&str> = rows.iter().map(|r| r["engine"].as_str().unwrap()).collect();
+    assert!(names.starts_with(&["null", "psync"]) && names.contains(&"nvme-sim"), "{names:?}");
+    for row in rows {
+        assert_eq!(u(row, "reads"), 2000);
+        for k in ["submit_ns", "complete_ns", "total_ns"] {
+            let c = &row[k];
+            let v: Vec<f64> = ["p50", "p90", "p99", "max"].iter().map(|q| f(c, q)).collect();
+            assert!(v[0] > 0.0 && v.windows(2).all(|w| w[0] <= w[1]), "{k}: {c}");
+        }
+        // Histogram means are exact up to the 3 significant digits of the buckets.
+        let (s_, c_, t_) = (f(&row["submit_ns"], "mean"), f(&row["complete_ns"], "mean"), f(&row["total_ns"], "mean"));
+        assert!((t_ - (s_ + c_)).abs() <= 0.01 * t_, "{row}");
+    }
+    let cached = rows.iter().find(|r| r["engine"] == "psync").unwrap();
+    assert!(f(cached, "resident_before") > 0.5, "the read range was cached first: {cached}");
+}
+
+#[test]
+fn env_report_describes_the_store() {
+    let s = store();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let json = dir.path().join("env.json");
+    let out = ok(&["bench", "env", "--store", s.to_str().unwrap(), "--json", json.to_str().unwrap()]);
+    let r = report(&json);
+    check_envelope(&r, "env", s);
+    assert_eq!(u(&r["environment"]["target"], "size_bytes"), std::fs::metadata(s).unwrap().len());
+    assert!(out.contains("cpu: ") && out.contains("file system: "), "{out}");
+}

@@ -401,14 +401,10 @@ impl SlotAllocator for DmaSlots {
     }
     fn describe(&self) -> String {
         let r = self.pool.region();
-        format!(
-            "nvme DMA pool: {} slots of {} B in {} × {} KiB {} pages",
-            self.pool.count,
-            self.pool.slot_len,
-            r.pages(),
-            r.page_size() >> 10,
-            self.kind
-        )
+        let ps = r.page_size();
+        let size = if ps.is_multiple_of(1 << 20) { format!("{} MiB", ps >> 20) } else { format!("{} KiB", ps >> 10) };
+        let what = if self.kind == "hugepage" { "hugepages".to_string() } else { format!("{} pages", self.kind) };
+        format!("nvme DMA pool: {} slots of {} B in {} × {size} {what}", self.pool.count, self.pool.slot_len, r.pages())
     }
 }
 

@@ -21,7 +21,7 @@
 //! weight) and their gate_up/down biases have no place in format v2 (see docs/format.md,
 //! "Synthetic images").
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use picchio_core::format::{data_offset, round_up, ImageSink};
@@ -262,7 +262,7 @@ pub struct RawSynthReport {
     /// The image written (`dest` is the `raw:` URI).
     pub synth: SynthReport,
     /// The device it went to.
-    pub device: PathBuf,
+    pub device: std::path::PathBuf,
     /// The inspection the write was cleared by.
     pub inspection: picchio_blockdev::raw::Inspection,
     /// The read-back verification (clean, or [`synth_raw`] fails).

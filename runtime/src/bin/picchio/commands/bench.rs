@@ -51,7 +51,7 @@ pub struct Common {
     /// Also write the report as JSON to PATH (the schema: docs/experiments.md).
     #[arg(long, value_name = "PATH")]
     pub json: Option<PathBuf>,
-    /// Draw the report's charts (PNG and SVG) into DIR.
+    /// Draw the report's charts (SVG: no fonts or system libraries needed) into DIR.
     #[arg(long, value_name = "DIR")]
     pub plot: Option<PathBuf>,
 }

@@ -239,6 +239,10 @@ pub fn open_nvme_sim(path: &std::path::Path, qd: u32) -> Result<(Box<dyn IoQueue
     Ok((Box::new(SimQueue { queue, _sim: sim }), bytes))
 }
 
+/// The controller model is part of picchio-nvme, which is Linux-only: always an error here.
+///
+/// # Errors
+/// [`Error::Invalid`] saying so.
 #[cfg(not(target_os = "linux"))]
 pub fn open_nvme_sim(path: &std::path::Path, _qd: u32) -> Result<(Box<dyn IoQueue>, u64)> {
     Err(Error::Invalid(format!("nvme-sim:{}: picchio-nvme is Linux-only", path.display())))

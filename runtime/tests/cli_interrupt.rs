@@ -30,6 +30,7 @@ fn run_and_signal(signals: &[i32]) -> (Option<i32>, String) {
         .args(["-vv", "run", "--model"])
         .arg(&model)
         .args(["--store", &store, "--prompt-ids", &prompt_ids(), "-n", "480", "--json"])
+        .env_remove("RUST_LOG") // -vv must decide the level: the test waits for a debug line
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -556,6 +556,67 @@ mod tests {
         }
     }
 
+    /// Hands out heap slots, at most `left` of them, and records their addresses.
+    struct CountingAlloc {
+        left: usize,
+        given: std::sync::Arc<std::sync::Mutex<Vec<usize>>>,
+    }
+
+    impl SlotAllocator for CountingAlloc {
+        fn alloc(&mut self, len: usize) -> picchio_core::Result<AlignedBuf> {
+            if self.left == 0 {
+                return Err(picchio_core::Error::Alloc { len, align: 4096, hugepages: true, cause: None });
+            }
+            self.left -= 1;
+            let b = AlignedBuf::new(len, 4096)?;
+            self.given.lock().unwrap().push(b.addr());
+            Ok(b)
+        }
+        fn describe(&self) -> String {
+            "counting test allocator".into()
+        }
+    }
+
+    /// A [`FakeLoader`] whose engine offers `slots` slots of memory.
+    struct PoolLoader(FakeLoader, usize, std::sync::Arc<std::sync::Mutex<Vec<usize>>>);
+
+    impl ExpertLoader for PoolLoader {
+        fn describe(&self) -> String {
+            "fake with a slot pool".into()
+        }
+        fn load(&mut self, layer: u32, requests: Vec<(u32, AlignedBuf)>, ready: &mut dyn FnMut(Loaded)) {
+            self.0.load(layer, requests, ready)
+        }
+        fn slot_allocator(&mut self, count: usize, len: usize) -> Option<Box<dyn SlotAllocator>> {
+            assert_eq!((count, len), (3, 8192), "asked for capacity × slot_len");
+            Some(Box::new(CountingAlloc { left: self.1, given: self.2.clone() }))
+        }
+    }
+
+    #[test]
+    fn slots_come_from_the_loaders_allocator_and_fall_back_to_the_heap() {
+        // No allocator (every kernel engine): heap slots, as before.
+        let mut c = ExpertCache::new(3, 5000).unwrap();
+        let mut l = FakeLoader::new();
+        assert!(c.use_slots_from(&mut l).is_none());
+        fetch(&mut c, &mut l, 0, &[1, 2]).unwrap();
+        assert_eq!((c.allocated(), c.slots_from_allocator()), (2, 0));
+        // An allocator with room for 2 of the 3 slots: 2 from it, the third from the heap.
+        let given = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut c = ExpertCache::new(3, 5000).unwrap();
+        let mut l = PoolLoader(FakeLoader::new(), 2, given.clone());
+        assert_eq!(c.use_slots_from(&mut l).as_deref(), Some("counting test allocator"));
+        let mut seen = Vec::new();
+        c.fetch(0, &[4, 5, 6], &mut l, &mut |i, p| {
+            seen.push((i, p.as_ptr() as usize));
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!((c.allocated(), c.slots_from_allocator()), (3, 2));
+        let from_pool = seen.iter().filter(|(_, a)| given.lock().unwrap().contains(a)).count();
+        assert_eq!(from_pool, 2, "two experts were computed straight from allocator slots");
+    }
+
     fn check_payload(layer: u32, experts: &[u32], i: usize, p: &[u8]) {
         assert_eq!(p.len(), 5000);
         assert_eq!(p.as_ptr() as usize % 4096, 0);

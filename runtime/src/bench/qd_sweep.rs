@@ -28,7 +28,7 @@ pub struct QdSweepOptions {
     pub bs: Option<u32>,
     /// Per point: stop after this duration or byte count.
     pub stop: Stop,
-    /// Seed of the offsets (and fio's `--randseed`).
+    /// Seed of our offsets (fio's are not seeded: see [`super::fio`]).
     pub seed: u64,
     /// Do not drop the page cache before buffered points.
     pub warm: bool,
@@ -206,7 +206,6 @@ pub fn run(store: &BenchStore, opts: &QdSweepOptions, progress: &mut dyn FnMut(&
                                 offset: base + region.offset,
                                 size: region.len,
                                 stop: opts.stop,
-                                seed: opts.seed,
                             })?
                         }
                     }

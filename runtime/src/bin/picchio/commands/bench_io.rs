@@ -78,7 +78,8 @@ pub struct QdSweepArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub stop: StopArgs,
-    /// Seed of the random offsets (and fio's --randseed).
+    /// Seed of our random offsets (fio runs with --randrepeat=0: seeded, its parallel jobs would all
+    /// read the same offsets).
     #[arg(long, value_name = "S", default_value_t = 0)]
     pub seed: u64,
     /// Keep the page cache as it is before buffered points (default: dropped, so figures are the

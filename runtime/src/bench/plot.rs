@@ -456,7 +456,7 @@ fn qd_sweep_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
         x_scale: Scale::Log2,
         y_scale: Scale::Linear,
         y_range: None,
-        legend: SeriesLabelPosition::LowerRight,
+        legend: SeriesLabelPosition::UpperLeft,
         series,
     }
     .draw(&thr)?;
@@ -537,7 +537,7 @@ fn layout_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
             x_scale: Scale::Log2,
             y_scale: Scale::Linear,
             y_range: None,
-            legend: SeriesLabelPosition::LowerRight,
+            legend: SeriesLabelPosition::UpperLeft,
             series,
         }
         .draw(&path)?;

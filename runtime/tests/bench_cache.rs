@@ -92,6 +92,7 @@ fn cache_sweep_is_consistent_and_matches_the_trace_simulation() {
     let r: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!((r["schema"].as_str(), r["experiment"].as_str()), (Some("picchio-bench/1"), Some("cache")));
     assert_eq!(r["flags"]["ecaps"], serde_json::json!([48, 1, 12, 4]));
+    assert_eq!((r["flags"]["io"]["engine"].as_str(), u(&r["flags"]["io"]["threads"])), (Some("psync"), 1));
     assert!(r["environment"]["target"]["uri"].as_str().unwrap().ends_with("experts.picchioflat"));
     let res = &r["results"];
     let (layers, k, total, slot) =

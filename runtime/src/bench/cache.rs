@@ -64,10 +64,8 @@ pub struct CacheOptions {
     #[serde(serialize_with = "display")]
     pub store: StoreUri,
     /// Engine settings (`direct` is set per point from `modes`).
-    #[serde(skip)]
+    #[serde(serialize_with = "io_flags")]
     pub io: IoOptions,
-    /// The engine as the command line named it (for the report's flags).
-    pub engine: String,
     /// Expert-cache capacities to measure, experts.
     pub ecaps: Vec<usize>,
     /// Read modes to measure at each capacity.
@@ -78,6 +76,23 @@ pub struct CacheOptions {
     pub tokens: usize,
     /// Drop the image's pages from the page cache before each point.
     pub drop_page_cache: bool,
+}
+
+/// The engine settings as the report's flags record them.
+fn io_flags<S: serde::Serializer>(io: &IoOptions, s: S) -> std::result::Result<S::Ok, S::Error> {
+    serde::Serialize::serialize(
+        &serde_json::json!({
+            "engine": io.engine.to_string(),
+            "qd": io.qd,
+            "threads": io.threads,
+            "sqpoll": io.sqpoll,
+            "iopoll": io.iopoll,
+            "register_files": io.register_files,
+            "async_moe": io.async_moe,
+            "verify": io.verify,
+        }),
+        s,
+    )
 }
 
 fn display<S: serde::Serializer>(v: &StoreUri, s: S) -> std::result::Result<S::Ok, S::Error> {
@@ -396,7 +411,6 @@ mod tests {
             model_dir: "m".into(),
             store: StoreUri::Safetensors,
             io: IoOptions::default(),
-            engine: "psync".into(),
             ecaps: vec![],
             modes: vec![ReadMode::Direct],
             prompt: vec![1],

@@ -242,7 +242,6 @@ pub fn cache(a: CacheArgs) -> anyhow::Result<()> {
         model_dir: model.clone(),
         store: store.clone(),
         io: a.engine.apply(IoOptions { threads: usize::from(a.io_threads), ..IoOptions::default() }),
-        engine: a.engine.io.to_string(),
         ecaps,
         modes,
         prompt: a.prompt_ids.clone().unwrap_or_else(|| default_prompt(cfg.vocab_size)),

@@ -534,11 +534,13 @@ impl IoQueue for NvmeQueue {
             Err(e) => {
                 let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
                 let pages = bytes.div_ceil(2 << 20);
-                tracing::warn!(
-                    "{}: {}",
-                    self.label,
-                    hugepage_shortfall(pages, count, slot_len, &meminfo, &e.to_string())
-                );
+                let mut why = e.to_string();
+                let mut cause = std::error::Error::source(&e);
+                while let Some(c) = cause {
+                    why = format!("{why}: {c}");
+                    cause = c.source();
+                }
+                tracing::warn!("{}: {}", self.label, hugepage_shortfall(pages, count, slot_len, &meminfo, &why));
                 None
             }
         }

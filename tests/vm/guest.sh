@@ -144,6 +144,31 @@ pack_nvme_ns1_checks() {
   run_picchio picchio-nvme-after-pack "nvme:$BDF" ""
   check_zero_copy picchio-nvme-after-pack-zero-copy
 }
+# Too few hugepages for the expert cache: with nr_hugepages at the smallest count the driver can start
+# with (found by trying 1, 2, ...; every page is then taken by its queues and bounce buffers), the run
+# must warn once with the pages needed and the nr_hugepages command, read through bounce buffers
+# (bounce_bytes = bytes_read > 0), and still give the tokens. nr_hugepages is restored afterwards.
+zero_copy_shortfall_check() {
+  [ $HAVE_CLI = 1 ] || { skip nvme-hugepage-shortfall "no picchio binary packed"; return 0; }
+  n=1; ok=0
+  while [ $n -le 24 ] && [ $ok = 0 ]; do
+    echo "$n" > /proc/sys/vm/nr_hugepages
+    if timeout "$TEST_TIMEOUT" /test/bin/picchio run --model /fixture --store "nvme:$BDF" --prompt-ids "$PROMPT_IDS" \
+      -n 16 --json > /tmp/picchio.json 2> /tmp/picchio.err; then ok=1; else n=$((n + 1)); fi
+  done
+  echo "$HUGEPAGES" > /proc/sys/vm/nr_hugepages
+  toks="$(tr -d ' \n\r\t' < /tmp/picchio.json | sed -n 's/.*"tokens":\[\([0-9,]*\)\].*/\1/p' | tr ',' ' ')"
+  warns="$(grep -c 'zero-copy NVMe reads need the expert cache in DMA memory' /tmp/picchio.err)"
+  bb="$(json_num bounce_bytes)"; br="$(json_num bytes_read)"
+  grep -m1 'zero-copy NVMe reads need' /tmp/picchio.err | sed 's/^/shortfall warning: /'
+  if [ $ok = 0 ]; then fail nvme-hugepage-shortfall "picchio run never started with up to 24 hugepages: $(tail -n 1 /tmp/picchio.err)"
+  elif [ "$toks" != "$EXPECT_TOKENS" ]; then fail nvme-hugepage-shortfall "tokens '$toks' with $n hugepages"
+  elif [ "$warns" != 1 ]; then fail nvme-hugepage-shortfall "$warns shortfall warnings with $n hugepages, want exactly 1"
+  elif ! grep -q '1 × 2 MiB hugepages for 48 slots.*echo [0-9]* > /proc/sys/vm/nr_hugepages' /tmp/picchio.err; then
+    fail nvme-hugepage-shortfall "the warning does not name the pages needed and the nr_hugepages command"
+  elif [ -z "$bb" ] || [ "$bb" = 0 ] || [ "$bb" != "$br" ]; then fail nvme-hugepage-shortfall "bounce_bytes '$bb' != bytes_read '$br' (> 0)"
+  else pass nvme-hugepage-shortfall "with $n hugepages: one warning, $bb expert bytes bounced, tokens match"; fi
+}
 # ---- end of zero-copy / pack sections ------------------------------------------------------------------
 
 echo "PICCHIO-VM: CASE $CASE mode=$MODE namespaces=$NAMESPACES lba=$LBA_SIZE"
@@ -282,6 +307,7 @@ run_tests /test/tests test "$TEST_ARGS"
 if [ -x /test/bin/picchio ]; then run_picchio picchio-nvme "nvme:$BDF" ""; check_zero_copy picchio-nvme-zero-copy
 else skip picchio-nvme "no picchio binary packed"; fi
 pack_nvme_ns1_checks
+zero_copy_shortfall_check
 
 # 6b. Driver resilience against the emulated controller (nvme_fault_probe, built with the crate's
 # fault-injection feature): Abort + controller reset with reads before and after; in cases whose

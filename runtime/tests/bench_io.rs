@@ -442,3 +442,37 @@ fn env_report_describes_the_store() {
     assert_eq!(u(&r["environment"]["target"], "size_bytes"), std::fs::metadata(s).unwrap().len());
     assert!(out.contains("cpu: ") && out.contains("file system: "), "{out}");
 }
+
+#[test]
+fn synth_writes_a_block_device_after_inspecting_it_and_refuses_a_file_system() {
+    let test = "synth_writes_a_block_device_after_inspecting_it_and_refuses_a_file_system";
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let file = loopdev::sparse_file(&dir.path().join("dev.img"), 4 << 20);
+    let Some(lo) = loopdev::LoopDevice::attach_or_skip(test, &file, loopdev::LoopOptions::default()) else { return };
+    let uri = format!("raw:{}@4096", lo.dev.display());
+    let geometry =
+        ["--arch", "custom", "--hidden", "256", "--moe-intermediate", "128", "--experts", "8", "--model-layers", "2"];
+    let mut args = vec!["synth"];
+    args.extend(geometry);
+    args.extend(["--seed", "7", "--out", &uri, "--no-progress"]);
+    let out = ok(&args);
+    assert!(out.contains("index and 16 payload hashes OK"), "{out}");
+    let out = ok(&["verify", &uri, "--no-progress"]);
+    assert!(out.contains("16 entries") && out.contains("OK"), "{out}");
+    // The image on the device is the file image shifted by 4096 bytes, byte for byte (same seed).
+    let want = std::fs::read(store()).unwrap();
+    let dev = std::fs::read(&file).unwrap();
+    let (same_layers, n) = (&dev[4096..4096 + want.len()], want.len());
+    // store() has 4 model layers in its superblock, this one 2: compare the payload region only.
+    assert_eq!(same_layers[8192..], want[8192..n], "payloads and their placement");
+    if !loopdev::have("mkfs.ext4", &["-V"]) {
+        return eprintln!("SKIPPED {test} (refusal part): mkfs.ext4 not found");
+    }
+    loopdev::mkfs_ext4(&lo.dev).unwrap();
+    let before = std::fs::read(&file).unwrap();
+    let o = picchio(&args);
+    assert_eq!(o.status.code(), Some(1));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("refusing to write") && e.contains("ext2/3/4 file system"), "{e}");
+    assert!(std::fs::read(&file).unwrap() == before, "a refused device is not written");
+}

@@ -653,7 +653,9 @@ impl DmaPool for HugepageDma {
         Err(Error::DmaMap {
             addr: addr as usize,
             len,
-            why: "VFIO reads must target the DMA pool; see NvmeQueue::with_bounce_buffer".into(),
+            why: "VFIO DMA must target the hugepage pool (a slot from IoQueue::slot_allocator, or a bounce \
+                  buffer: see NvmeQueue::with_bounce_buffer)"
+                .into(),
         })
     }
     fn unmap_external(&self, _iova: Iova, _len: usize) {}

@@ -187,9 +187,11 @@ impl NvmeQueue {
         Self::build(ctrlr, nsid, timeout, label.into(), false)
     }
 
-    /// **Interim for VFIO**: like [`NvmeQueue::new`], but every command reads into a per-CID bounce
-    /// buffer allocated from the controller's [`DmaPool`] (at most 128 KiB per command), copied into
-    /// the request's `AlignedBuf` on completion. Use until cache slots come from the DMA pool.
+    /// The VFIO data path: like [`NvmeQueue::new`], but a buffer that is not a slot of this queue's
+    /// DMA pool ([`IoQueue::slot_allocator`]) is served through per-CID bounce buffers allocated from
+    /// the controller's [`DmaPool`] (at most 128 KiB per command), copied on completion (reads) or
+    /// before submission (writes) and counted in [`NvmeQueueStats::bounce_bytes`]; pool slots are
+    /// read and written with no copy. (The hugepage pool cannot map arbitrary heap memory.)
     ///
     /// # Errors
     /// As [`NvmeQueue::new`], plus [`Error::DmaAlloc`].

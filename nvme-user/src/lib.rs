@@ -39,9 +39,11 @@
 //! # Real controllers (VFIO, Linux)
 //! Bind the controller to `vfio-pci`, reserve 2 MiB hugepages, then
 //! `vfio::open_controller(bdf, opts)` maps BAR0, enables bus mastering and initializes the controller
-//! with [`dma::HugepageDma`] memory; wrap it with [`NvmeQueue::with_bounce_buffer`] (the interim data
-//! path until cache slots are allocated from the DMA pool). `examples/nvme_probe.rs` does exactly
-//! that and prints what Identify reports.
+//! with [`dma::HugepageDma`] memory; wrap it with [`NvmeQueue::with_bounce_buffer`] (the VFIO data
+//! path). Buffers from the queue's [`picchio_core::IoQueue::slot_allocator`] (the expert cache's
+//! slots, in one hugepage [`dma::DmaRegion`] mapped once) are read with no copy; any other buffer
+//! goes through bounce buffers, counted. `examples/nvme_probe.rs` opens a controller this way and
+//! prints what Identify reports.
 //!
 //! # Cargo feature `fault-injection`
 //! Only for the VM harness (tests/vm): `Controller::submit_raw_for_fault_test` submits a command

@@ -14,7 +14,7 @@
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
-use std::sync::{Arc, Barrier};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
@@ -500,8 +500,7 @@ pub fn run_point(
         opened.push(open(store, spec.engine, qd)?);
     }
     let engine_detail = opened[0].queue.describe();
-    let start_barrier = Arc::new(Barrier::new(threads as usize + 1));
-    let end_barrier = Arc::new(Barrier::new(threads as usize + 1));
+    let gate = Arc::new(StartGate::default());
     let per_thread_bytes = match spec.stop {
         Stop::Bytes(b) => Some(b.div_ceil(u64::from(threads)).max(1)),
         Stop::Duration(_) => None,
@@ -510,43 +509,46 @@ pub fn run_point(
         Stop::Duration(s) => Some(Duration::from_secs_f64(s.max(0.0))),
         Stop::Bytes(_) => None,
     };
-    let handles: Vec<_> = opened
-        .into_iter()
-        .enumerate()
-        .map(|(t, o)| {
-            let (sb, eb) = (start_barrier.clone(), end_barrier.clone());
-            let source = make_source(t as u32);
-            let seed = spec.seed;
-            std::thread::Builder::new()
-                .name(format!("picchio-bench-{t}"))
-                .spawn(move || {
-                    thread_loop(
-                        o.queue,
-                        source,
-                        SplitMix64::new(seed, t as u64),
-                        qd,
-                        max_read,
-                        duration,
-                        per_thread_bytes,
-                        &sb,
-                        &eb,
-                    )
-                })
-                .map_err(|e| Error::Invalid(format!("bench: cannot start thread {t}: {e}")))
-        })
-        .collect::<Result<_>>()?;
-    start_barrier.wait();
-    let t0 = Instant::now();
+    let mut handles = Vec::with_capacity(threads as usize);
+    for (t, o) in opened.into_iter().enumerate() {
+        let g = gate.clone();
+        let source = make_source(t as u32);
+        let seed = spec.seed;
+        let spawned = std::thread::Builder::new().name(format!("picchio-bench-{t}")).spawn(move || {
+            thread_loop(o.queue, source, SplitMix64::new(seed, t as u64), qd, max_read, duration, per_thread_bytes, &g)
+        });
+        match spawned {
+            Ok(h) => handles.push(h),
+            Err(e) => {
+                // The threads already started are told not to measure, and end.
+                gate.open(false);
+                handles.into_iter().for_each(|h| drop(h.join()));
+                return Err(Error::Invalid(format!("bench: cannot start measuring thread {t}: {e}")));
+            }
+        }
+    }
+    // Every thread has its queue and buffers (or ended early: then nobody measures).
+    if !gate.wait_ready(&handles) {
+        gate.open(false);
+        handles.into_iter().for_each(|h| drop(h.join()));
+        return Err(Error::Invalid("bench: a measuring thread ended before the start".into()));
+    }
     let ru0 = rusage();
-    end_barrier.wait();
+    let t0 = Instant::now();
+    gate.open(true);
+    // Threads hand their queues back, so no queue is torn down (psync joins its workers, io_uring
+    // drains, the NVMe driver shuts down) inside the measured CPU time.
+    let joined: Vec<_> = handles.into_iter().map(|h| h.join()).collect();
     let ru1 = rusage();
     let mut reads_h = histogram();
     let mut units_h = histogram();
     let (mut reads, mut bytes, mut units) = (0u64, 0u64, 0u64);
     let mut end = t0;
     let mut first_error = None;
-    for h in handles {
-        let r = h.join().map_err(|_| Error::Invalid("bench: a measuring thread panicked".into()))?;
+    let mut queues = Vec::with_capacity(joined.len());
+    for j in joined {
+        let (r, queue) = j.map_err(|_| Error::Invalid("bench: a measuring thread panicked".into()))?;
+        queues.push(queue);
         match r {
             Ok(s) => {
                 reads += s.reads;
@@ -611,9 +613,8 @@ fn thread_loop(
     max_read: u32,
     duration: Option<Duration>,
     byte_budget: Option<u64>,
-    start: &Barrier,
-    end: &Barrier,
-) -> std::result::Result<ThreadStats, String> {
+    gate: &StartGate,
+) -> (std::result::Result<ThreadStats, String>, Box<dyn IoQueue>) {
     // Buffers first (from the engine's zero-copy memory when it has some), outside the clock.
     let mut bufs: Vec<AlignedBuf> = Vec::with_capacity(qd as usize);
     let mut alloc = queue.slot_allocator(qd as usize, max_read as usize);
@@ -632,13 +633,55 @@ fn thread_loop(
             }
         }
     }
-    start.wait();
+    if !gate.arrive_and_wait() {
+        return (Err("the point was called off before the start".into()), queue);
+    }
     let result = match setup_error {
         Some(e) => Err(e),
         None => measure(&mut *queue, &mut *source, &mut rng, bufs, duration, byte_budget),
     };
-    end.wait();
-    result
+    (result, queue)
+}
+
+/// The start line of a point: measuring threads arrive when ready and wait; the coordinator waits
+/// until all have arrived, then lets them go (or calls the point off).
+#[derive(Default)]
+struct StartGate {
+    /// (threads arrived, the decision: `Some(true)` go, `Some(false)` called off).
+    state: Mutex<(usize, Option<bool>)>,
+    cv: Condvar,
+}
+
+impl StartGate {
+    /// A measuring thread: counts itself ready and waits for the decision.
+    fn arrive_and_wait(&self) -> bool {
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        st.0 += 1;
+        self.cv.notify_all();
+        while st.1.is_none() {
+            st = self.cv.wait(st).unwrap_or_else(PoisonError::into_inner);
+        }
+        st.1 == Some(true)
+    }
+
+    /// The coordinator: waits until every thread of `handles` has arrived; `false` if one of them
+    /// ended first (a setup panic), so the wait never hangs.
+    fn wait_ready<T>(&self, handles: &[std::thread::JoinHandle<T>]) -> bool {
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        while st.0 < handles.len() {
+            if handles.iter().any(std::thread::JoinHandle::is_finished) {
+                return false;
+            }
+            st = self.cv.wait_timeout(st, Duration::from_millis(20)).unwrap_or_else(PoisonError::into_inner).0;
+        }
+        true
+    }
+
+    /// The coordinator: go (`true`) or call the point off (`false`).
+    fn open(&self, go: bool) {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner).1 = Some(go);
+        self.cv.notify_all();
+    }
 }
 
 fn measure(

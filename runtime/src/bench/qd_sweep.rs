@@ -161,7 +161,8 @@ fn fio_target(store: &BenchStore) -> Option<(std::path::PathBuf, u64)> {
 /// Runs the sweep; `progress` is called after each point with the point (for a live table).
 ///
 /// # Errors
-/// Opening the store or an engine, a failed read ([`measure::run_point`]), a failed fio run.
+/// Opening the store or an engine, a failed read ([`measure::run_point`]). A failed fio run is
+/// listed in `skipped` and leaves that point's `fio` empty.
 pub fn run(store: &BenchStore, opts: &QdSweepOptions, progress: &mut dyn FnMut(&QdPoint)) -> Result<QdSweepResults> {
     if opts.qds.is_empty() || opts.threads.is_empty() || opts.qds.contains(&0) || opts.threads.contains(&0) {
         return Err(Error::Invalid("--qd and --threads need at least one value, each at least 1".into()));
@@ -206,7 +207,16 @@ pub fn run(store: &BenchStore, opts: &QdSweepOptions, progress: &mut dyn FnMut(&
                                 offset: base + region.offset,
                                 size: region.len,
                                 stop: opts.stop,
-                            })?
+                            })
+                            .unwrap_or_else(|e| {
+                                // fio failing (an option this fio lacks, a job error) does not void
+                                // our measurement: the point keeps `fio: null` and says why.
+                                skipped.push(Skipped {
+                                    what: format!("fio beside {engine} at {threads} × QD {qd}"),
+                                    reason: e.to_string(),
+                                });
+                                None
+                            })
                         }
                     }
                     _ => None,

@@ -191,9 +191,15 @@ fn qd_sweep_report_is_consistent_and_fio_sits_beside_it() {
         "2M",
         "--json",
         json.to_str().unwrap(),
+        "--plot",
+        dir.path().join("plots").to_str().unwrap(),
     ]);
     let r = report(&json);
     check_envelope(&r, "qd-sweep", s);
+    for chart in ["qd-sweep-throughput.svg", "qd-sweep-latency.svg"] {
+        let svg = std::fs::read_to_string(dir.path().join("plots").join(chart)).unwrap();
+        assert!(svg.starts_with("<svg") || svg.starts_with("<?xml"), "{chart}");
+    }
     let res = &r["results"];
     assert_eq!(u(res, "bs"), 57_344, "one padded expert entry");
     assert_eq!(res["region"]["pattern"], "expert entries");

@@ -187,4 +187,9 @@ fn cache_percent_and_bad_capacities() {
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(!o.status.success() && err.contains(want), "{extra:?}: {err}");
     }
+    let o = picchio(&["bench", "cache", "--synthetic-gb", "0", "--workdir", dir.path().to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("--synthetic-gb must be in (0, 4096]"), "{err}");
+    let o = picchio(&["bench", "cache", "--model", m.to_str().unwrap(), "--synthetic-gb", "1"]);
+    assert!(!o.status.success(), "--model and --synthetic-gb conflict");
 }

@@ -48,7 +48,7 @@ pub struct TraceArgs {
     #[arg(long, value_name = "IDS", value_delimiter = ',', requires = "model")]
     pub prompt_ids: Option<Vec<u32>>,
     /// With --model: tokens to generate.
-    #[arg(short = 'n', long, value_name = "N", default_value_t = 64, requires = "model")]
+    #[arg(short = 'n', long = "max-new-tokens", value_name = "N", default_value_t = 64, requires = "model")]
     pub n: usize,
     /// Cache capacities (experts) to simulate, comma-separated [default: k, 2k, and 5-100% of all
     /// routed experts].
@@ -72,7 +72,8 @@ pub struct CacheArgs {
     /// Where --synthetic-gb models are written.
     #[arg(long, value_name = "DIR", default_value = WORKDIR)]
     pub workdir: PathBuf,
-    /// Where routed experts come from [default: auto: DIR/experts.picchioflat when present].
+    /// Where routed experts come from: `auto` (DIR/experts.picchioflat when present, else
+    /// safetensors), `safetensors`, `file:PATH`, `raw:/dev/X[@BYTES]` or `nvme:BDF[/NSID]`.
     #[arg(long, value_name = "URI", default_value = "auto")]
     pub store: StoreUri,
     /// Expert-cache capacities to measure, in experts, comma-separated.
@@ -96,7 +97,7 @@ pub struct CacheArgs {
     #[arg(long, value_name = "IDS", value_delimiter = ',')]
     pub prompt_ids: Option<Vec<u32>>,
     /// Tokens to generate per point (decode figures are over the n - 1 forward passes after the first).
-    #[arg(short = 'n', long, value_name = "N", default_value_t = 32)]
+    #[arg(short = 'n', long = "max-new-tokens", value_name = "N", default_value_t = 32)]
     pub n: usize,
     /// Keep the image's pages in the page cache between points (by default each point starts cold:
     /// posix_fadvise DONTNEED on the image).

@@ -138,6 +138,8 @@ struct LineChart<'a> {
     y_range: Option<(f64, f64)>,
     /// Where the legend goes (a corner the data leaves free).
     legend: SeriesLabelPosition,
+    /// A labelled vertical line at this x (before scaling).
+    marker: Option<(f64, String)>,
     series: Vec<Series>,
 }
 
@@ -213,6 +215,19 @@ impl LineChart<'_> {
             .light_line_style(BLACK.mix(0.06))
             .draw()
             .map_err(|e| err(e.to_string()))?;
+        if let Some((x, label)) = &self.marker {
+            let x = xs.to_axis(*x);
+            if (x0..=x1).contains(&x) {
+                let grey = BLACK.mix(0.45);
+                chart
+                    .draw_series(DashedLineSeries::new([(x, y0), (x, y1)], 4, 4, grey.stroke_width(1)))
+                    .map_err(|e| err(e.to_string()))?;
+                let style = ("sans-serif", 13).into_font().color(&grey);
+                chart
+                    .draw_series(std::iter::once(Text::new(format!(" {label}"), (x, y1 - 0.04 * (y1 - y0)), style)))
+                    .map_err(|e| err(e.to_string()))?;
+            }
+        }
         for (i, s) in self.series.iter().enumerate() {
             let color = COLORS[self.color_of(i) % COLORS.len()];
             let line: Vec<(f64, f64)> = s
@@ -292,6 +307,13 @@ fn trace_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
         header.get("top_k").and_then(Value::as_u64).unwrap_or(0),
         r.get("tokens").and_then(Value::as_u64).unwrap_or(0)
     );
+    let total = header.get("moe_layers").and_then(Value::as_array).map_or(0, Vec::len) as f64
+        * header.get("num_experts").and_then(Value::as_f64).unwrap_or(0.0);
+    let marker = r
+        .get("working_set")
+        .and_then(Value::as_f64)
+        .filter(|_| total > 0.0)
+        .map(|ws| (100.0 * ws / total, format!("one token's experts ({ws} = layers × k)")));
     let hit = dir.join("trace-hit-rate.svg");
     LineChart {
         title: format!("Expert-cache hit rate: LRU vs Belady (MIN) — {shape}"),
@@ -302,6 +324,7 @@ fn trace_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
         y_scale: Scale::Linear,
         y_range: Some((0.0, 100.0)),
         legend: SeriesLabelPosition::LowerRight,
+        marker,
         series: vec![Series::new("LRU (the runtime's policy)", lru, false), Series::new("Belady (optimal)", opt, true)],
     }
     .draw(&hit)?;
@@ -329,6 +352,7 @@ fn trace_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
         y_scale: Scale::Linear,
         y_range: None,
         legend: SeriesLabelPosition::UpperRight,
+        marker: None,
         series,
     }
     .draw(&pop)?;
@@ -389,6 +413,7 @@ fn cache_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
         y_scale: Scale::Linear,
         y_range: None,
         legend: SeriesLabelPosition::LowerRight,
+        marker: None,
         series: tok,
     }
     .draw(&t)?;
@@ -402,6 +427,7 @@ fn cache_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
         y_scale: Scale::Linear,
         y_range: None,
         legend: SeriesLabelPosition::UpperRight,
+        marker: None,
         series: bytes,
     }
     .draw(&b)?;
@@ -457,6 +483,7 @@ fn qd_sweep_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
         y_scale: Scale::Linear,
         y_range: None,
         legend: SeriesLabelPosition::UpperLeft,
+        marker: None,
         series,
     }
     .draw(&thr)?;
@@ -485,6 +512,7 @@ fn qd_sweep_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
             y_scale: Scale::Linear,
             y_range: Some((0.0, 100.0)),
             legend: SeriesLabelPosition::LowerRight,
+            marker: None,
             series: cdf,
         }
         .draw(&lat)?;
@@ -538,6 +566,7 @@ fn layout_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
             y_scale: Scale::Linear,
             y_range: None,
             legend: SeriesLabelPosition::UpperLeft,
+            marker: None,
             series,
         }
         .draw(&path)?;
@@ -573,6 +602,7 @@ mod tests {
             y_scale: Scale::Linear,
             y_range: None,
             legend: SeriesLabelPosition::UpperLeft,
+            marker: None,
             series: vec![
                 Series::new("a", vec![(1.0, 1.0), (2.0, 3.0), (4.0, 2.0)], false),
                 Series::new("b", vec![(1.0, 2.0), (4.0, 2.5)], true),
@@ -593,6 +623,7 @@ mod tests {
             y_scale: Scale::Linear,
             y_range: None,
             legend: SeriesLabelPosition::UpperLeft,
+            marker: None,
             series: vec![],
         };
         assert!(empty.draw(&dir.path().join("e.svg")).is_err());

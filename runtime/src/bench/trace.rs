@@ -432,6 +432,10 @@ pub struct TraceResults {
     pub reuse: Option<f64>,
     /// k / E.
     pub reuse_uniform: f64,
+    /// Experts one token uses: MoE layers × k. Every token walks the layers in the same order, so
+    /// an LRU cache smaller than this evicts each expert before the next token's same layer could
+    /// reuse it (LRU on a loop) and gets almost no hits.
+    pub working_set: usize,
     /// Per MoE layer, ascending.
     pub layers: Vec<LayerStats>,
     /// One point per capacity, ascending.
@@ -548,6 +552,7 @@ pub fn analyse(path: &Path, trace: &RoutingTrace, capacities: &[usize]) -> Resul
         tokens: positions.len() as u64,
         reuse: (pairs > 0).then(|| pair_sum / pairs as f64),
         reuse_uniform: k / e as f64,
+        working_set: h.moe_layers.len() * h.top_k,
         layers,
         capacities,
     })
@@ -643,7 +648,7 @@ mod tests {
             ],
         };
         let r = analyse(Path::new("t"), &trace, &[2, 8]).unwrap();
-        assert_eq!((r.records, r.tokens), (6, 3));
+        assert_eq!((r.records, r.tokens, r.working_set), (6, 3, 4));
         assert_eq!(r.layers[0].reuse, Some((0.5 + 1.0) / 2.0));
         assert_eq!(r.layers[1].reuse, Some((1.0 + 0.0) / 2.0));
         assert_eq!(r.reuse, Some(2.5 / 4.0));

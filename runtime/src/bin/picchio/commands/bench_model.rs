@@ -166,6 +166,11 @@ pub fn trace(a: TraceArgs) -> anyhow::Result<()> {
             100.0 * l.entropy_norm
         );
     }
+    println!(
+        "one token uses {} experts (MoE layers x k): an LRU cache smaller than that evicts each expert before \
+         the next token's same layer could reuse it",
+        results.working_set
+    );
     println!("{:>9} {:>7} {:>10} {:>10} {:>12} {:>12}", "capacity", "%", "LRU hits", "Belady", "LRU MB", "Belady MB");
     for c in &results.capacities {
         println!(

@@ -148,6 +148,7 @@ fn check_trace_report(r: &Value, want_caps: &[u64]) {
     let res = &r["results"];
     let (k, e) = (res["header"]["top_k"].as_u64().unwrap(), res["header"]["num_experts"].as_u64().unwrap());
     let records = res["records"].as_u64().unwrap();
+    assert_eq!(res["working_set"].as_u64().unwrap(), 3 * k, "MoE layers x k");
     let expert_bytes = res["header"]["expert_bytes"].as_u64().unwrap();
     let layers = res["layers"].as_array().unwrap();
     assert_eq!(layers.len(), 3);

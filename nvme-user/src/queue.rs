@@ -465,7 +465,7 @@ mod tests {
         assert_eq!(q.capacity(), 3);
         let a = q.alloc_cid().unwrap();
         let b = q.alloc_cid().unwrap();
-        // SAFETY (these tests): the fake BAR is no device; nothing executes the commands.
+        // SAFETY: (these tests) the fake BAR is no device; nothing executes the commands.
         unsafe { q.submit(a, 10, |c| *c = Command::rw(2, 999, 1, crate::spec::Lba(5), 1)) }.unwrap();
         // SAFETY: as above.
         unsafe { q.submit(b, 11, |c| c.nsid = 1) }.unwrap();

@@ -480,7 +480,7 @@ fn sim_admin_commands_follow_the_spec() {
     let dma = HeapDma::new();
     let sim = Sim::start(SimConfig::single(&p, 512), dma.registry()).unwrap();
     let mut c = Controller::init(sim.bar(), Arc::new(dma), CtrlrOptions::default()).unwrap();
-    // SAFETY (this test): the sim reaches only registered DMA memory (its "IOMMU"); the one command
+    // SAFETY: (this test) the sim reaches only registered DMA memory (its "IOMMU"); the one command
     // pointing elsewhere (0x1000) is refused by it, which is what this test checks.
     let mut admin = |what: &str, cmd: Command| unsafe { c.admin(what, |c| *c = cmd) };
     let status = |r: Result<picchio_nvme::spec::Completion, Error>| match r {

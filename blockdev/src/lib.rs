@@ -23,6 +23,7 @@ mod align;
 mod error;
 #[cfg(windows)]
 mod iocp;
+pub mod mountinfo;
 mod psync;
 #[cfg(target_os = "linux")]
 pub mod raw;

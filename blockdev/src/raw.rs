@@ -29,6 +29,8 @@ use picchio_core::io::read_blocking;
 use picchio_core::{AlignedBuf, ByteOffset, Completion, IoQueue, ReadReq};
 
 use crate::error::{Error, Result};
+use crate::mountinfo::unescape;
+pub use crate::mountinfo::DevNum;
 use crate::psync::{PsyncOptions, PsyncQueue};
 use crate::sys::{self, rawdev};
 
@@ -40,30 +42,6 @@ pub struct Lba(pub u64);
 impl fmt::Display for Lba {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "LBA {}", self.0)
-    }
-}
-
-/// A block device number, `major:minor` (as in `/proc/self/mountinfo` and `/sys/dev/block`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct DevNum {
-    /// Major number (the driver: 7 is loop, 8 is sd, 259 is blkext/NVMe).
-    pub major: u32,
-    /// Minor number (the device of that driver).
-    pub minor: u32,
-}
-
-impl fmt::Display for DevNum {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}", self.major, self.minor)
-    }
-}
-
-impl std::str::FromStr for DevNum {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        let (a, b) = s.trim().split_once(':').ok_or_else(|| format!("{s:?} is not major:minor"))?;
-        let n = |x: &str| x.parse::<u32>().map_err(|_| format!("{s:?} is not major:minor"));
-        Ok(DevNum { major: n(a)?, minor: n(b)? })
     }
 }
 
@@ -1091,27 +1069,21 @@ impl Host {
     }
 }
 
-/// Parses `/proc/self/mountinfo`: `ID PARENT MAJ:MIN ROOT MOUNT_POINT OPTIONS [OPTIONAL...] - TYPE
-/// SOURCE SUPER_OPTIONS`, with `\ooo` octal escapes in paths. `resolve` maps a source path to its
-/// block device number.
+/// The mount table ([`crate::mountinfo::parse`]) with the devices each mount uses: its `MAJ:MIN`
+/// and, when the source is a path, the block device `resolve` maps it to.
 fn parse_mountinfo(text: &str, resolve: &dyn Fn(&Path) -> Option<DevNum>) -> Vec<Mount> {
-    let mut out = Vec::new();
-    for line in text.lines() {
-        let f: Vec<&str> = line.split(' ').collect();
-        let Some(sep) = f.iter().position(|&x| x == "-") else { continue };
-        if f.len() < 5 || sep < 6 || f.len() < sep + 3 {
-            continue;
-        }
-        let mut devices: Vec<DevNum> = f[2].parse().ok().into_iter().collect();
-        let source = unescape(f[sep + 2]);
-        if source.starts_with('/') {
-            if let Some(d) = resolve(Path::new(&source)).filter(|d| !devices.contains(d)) {
-                devices.push(d);
+    crate::mountinfo::parse(text)
+        .into_iter()
+        .map(|e| {
+            let mut devices: Vec<DevNum> = e.devnum.into_iter().collect();
+            if e.source.starts_with('/') {
+                if let Some(d) = resolve(Path::new(&e.source)).filter(|d| !devices.contains(d)) {
+                    devices.push(d);
+                }
             }
-        }
-        out.push(Mount { devices, mount_point: unescape(f[4]).into(), fs_type: unescape(f[sep + 1]) });
-    }
-    out
+            Mount { devices, mount_point: e.mount_point, fs_type: e.fs_type }
+        })
+        .collect()
 }
 
 /// Parses `/proc/swaps` (a header line, then `FILENAME TYPE SIZE USED PRIORITY`) into the block
@@ -1122,27 +1094,6 @@ fn parse_swaps(text: &str, resolve: &dyn Fn(&Path) -> Option<DevNum>) -> Vec<Dev
         .filter_map(|l| l.split_whitespace().next())
         .filter_map(|name| resolve(Path::new(&unescape(name))))
         .collect()
-}
-
-/// Undoes the `\ooo` octal escapes of `/proc` tables (space, tab, newline, backslash).
-fn unescape(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        let oct = b.get(i + 1..i + 4).filter(|d| d.iter().all(|c| (b'0'..=b'7').contains(c)));
-        match (b[i], oct) {
-            (b'\\', Some(d)) => {
-                out.push((d[0] - b'0') * 64 + (d[1] - b'0') * 8 + (d[2] - b'0'));
-                i += 4;
-            }
-            (c, _) => {
-                out.push(c);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Read-only queries of a sysfs tree (`/sys`, or a fake one in tests).

@@ -191,27 +191,23 @@ struct Mount {
     point: String,
 }
 
-/// Parses `/proc/self/mountinfo` (`ID PARENT MAJ:MIN ROOT MOUNT_POINT ... - TYPE SOURCE ...`). A
-/// source under `/dev/` is also resolved to its `major:minor` through `SYSFS/class/block/NAME/dev`
-/// (btrfs reports an anonymous `0:N` in the third field).
+/// The mount table ([`picchio_blockdev::mountinfo::parse`]) with the devices each mount uses: its
+/// `MAJ:MIN`, and for a source under `/dev/` the `major:minor` read from `SYSFS/class/block/NAME/dev`
+/// (btrfs reports an anonymous `0:N` in `MAJ:MIN`).
 fn parse_mountinfo(sysfs: &Path, text: &str) -> Vec<Mount> {
-    let mut out = Vec::new();
-    for line in text.lines() {
-        let f: Vec<&str> = line.split(' ').collect();
-        let Some(sep) = f.iter().position(|&x| x == "-") else { continue };
-        if sep < 6 || f.len() < sep + 3 {
-            continue;
-        }
-        let mut devs = vec![f[2].to_string()];
-        if let Some(name) = f[sep + 2].strip_prefix("/dev/") {
-            let name = name.rsplit('/').next().unwrap_or(name);
-            if let Ok(d) = std::fs::read_to_string(sysfs.join("class/block").join(name).join("dev")) {
-                devs.push(d.trim().to_string());
+    picchio_blockdev::mountinfo::parse(text)
+        .into_iter()
+        .map(|e| {
+            let mut devs: Vec<String> = e.devnum.iter().map(ToString::to_string).collect();
+            if let Some(name) = e.source.strip_prefix("/dev/") {
+                let name = name.rsplit('/').next().unwrap_or(name);
+                if let Ok(d) = std::fs::read_to_string(sysfs.join("class/block").join(name).join("dev")) {
+                    devs.push(d.trim().to_string());
+                }
             }
-        }
-        out.push(Mount { devs, point: f[4].replace("\\040", " ") });
-    }
-    out
+            Mount { devs, point: e.mount_point.display().to_string() }
+        })
+        .collect()
 }
 
 fn read_trim(p: &Path) -> Option<String> {

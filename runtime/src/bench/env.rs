@@ -421,23 +421,6 @@ fn block_device_in(sys: &Path, major: u32, minor: u32) -> Option<BlockDevice> {
     })
 }
 
-/// `/proc/self/mountinfo` octal escapes (`\040` for a space, …) decoded.
-fn unescape(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
-            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
-            i += 4;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
 /// The mount holding `path` in a mountinfo text: among lines whose mount point is a prefix of `path`,
 /// those of device `dev` when any match (bind mounts and stacked mounts share prefixes), then the
 /// longest mount point; the last such line wins (later mounts hide earlier ones).
@@ -446,26 +429,17 @@ fn mount_of(mountinfo: &str, dev: Option<(u32, u32)>, path: &Path) -> Option<Fil
         devnum: String,
         fs: FileSystem,
     }
-    let lines: Vec<Line> = mountinfo
-        .lines()
-        .filter_map(|l| {
-            // id parent major:minor root mount_point options [optional...] - fstype source super_options
-            let (left, right) = l.split_once(" - ")?;
-            let f: Vec<&str> = left.split(' ').collect();
-            let r: Vec<&str> = right.split(' ').collect();
-            if f.len() < 6 || r.len() < 3 {
-                return None;
-            }
-            Some(Line {
-                devnum: f[2].to_string(),
-                fs: FileSystem {
-                    fstype: r[0].into(),
-                    source: unescape(r[1]),
-                    mount_point: unescape(f[4]),
-                    mount_options: f[5].into(),
-                    super_options: r[2].into(),
-                },
-            })
+    let lines: Vec<Line> = picchio_blockdev::mountinfo::parse(mountinfo)
+        .into_iter()
+        .map(|e| Line {
+            devnum: e.devnum.map(|d| d.to_string()).unwrap_or_default(),
+            fs: FileSystem {
+                fstype: e.fs_type,
+                source: e.source,
+                mount_point: e.mount_point.display().to_string(),
+                mount_options: e.mount_options,
+                super_options: e.super_options,
+            },
         })
         .filter(|l| path.starts_with(&l.fs.mount_point))
         .collect();

@@ -36,7 +36,7 @@ pub use align::DioAlign;
 pub use error::{Error, Result};
 #[cfg(windows)]
 pub use iocp::{IocpOptions, IocpQueue};
-pub use psync::{PsyncOptions, PsyncQueue, DEFAULT_THREADS, MIN_REPORTED_BLOCK_SIZE};
+pub use psync::{PsyncOptions, PsyncQueue, DEFAULT_THREADS, MAX_THREADS, MIN_REPORTED_BLOCK_SIZE};
 pub use store::open_store;
 #[cfg(target_os = "linux")]
 pub use uring::{UringOptions, UringQueue, DEFAULT_QD, MAX_QD};

@@ -29,6 +29,12 @@ use crate::sys::{self, TargetKind};
 /// Worker threads when `--io-threads` is not given.
 pub const DEFAULT_THREADS: usize = 2;
 
+/// The most worker threads a [`PsyncQueue`] starts (`--io-threads`, and `picchio bench`'s psync
+/// engines with one thread per read in flight). Each worker is an OS thread with its own stack, so
+/// an unbounded count exhausts the process's threads or memory (100 000 workers fail with "failed
+/// to set up alternative stack guard page"); 256 reads in flight already saturate NVMe devices.
+pub const MAX_THREADS: usize = 256;
+
 /// The smallest value [`IoQueue::block_size`] reports, even for buffered reads (see
 /// [`PsyncQueue`]'s documentation for why).
 pub const MIN_REPORTED_BLOCK_SIZE: u32 = 512;
@@ -36,7 +42,8 @@ pub const MIN_REPORTED_BLOCK_SIZE: u32 = 512;
 /// How to open a [`PsyncQueue`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PsyncOptions {
-    /// Worker threads, each with at most one read in the kernel (`--io-threads`; at least 1).
+    /// Worker threads, each with at most one read in the kernel (`--io-threads`; 1 to
+    /// [`MAX_THREADS`]).
     pub threads: usize,
     /// Unbuffered reads (`O_DIRECT`), bypassing the page cache (`--direct`, the default for flat
     /// stores); `false` reads through the page cache (`--buffered`).
@@ -119,7 +126,7 @@ impl PsyncQueue {
     /// Opens `path` (a regular file or a block device) read-only and starts `opts.threads` workers.
     ///
     /// # Errors
-    /// [`Error::InvalidOptions`] for zero threads; [`Error::Open`]; [`Error::DirectUnsupported`] when
+    /// [`Error::InvalidOptions`] for zero threads or more than [`MAX_THREADS`]; [`Error::Open`]; [`Error::DirectUnsupported`] when
     /// the file system refuses `O_DIRECT` (e.g. tmpfs on older kernels: use `--buffered`);
     /// [`Error::Stat`], [`Error::Ioctl`], [`Error::UnsupportedTarget`] while probing;
     /// [`Error::Spawn`].
@@ -127,6 +134,15 @@ impl PsyncQueue {
         let path = path.as_ref();
         if opts.threads == 0 {
             return Err(Error::InvalidOptions { message: "--io-threads must be at least 1 (got 0)".into() });
+        }
+        if opts.threads > MAX_THREADS {
+            return Err(Error::InvalidOptions {
+                message: format!(
+                    "{}: {} psync worker threads requested; at most {MAX_THREADS} (one OS thread per read in flight)",
+                    path.display(),
+                    opts.threads
+                ),
+            });
         }
         let file = sys::open(path, opts.direct)?;
         let probe = sys::probe(&file, path, opts.direct)?;
@@ -379,6 +395,15 @@ mod tests {
         let mut out = Vec::new();
         assert_eq!(q.reap(1, &mut out), 1);
         out.pop().unwrap()
+    }
+
+    #[test]
+    fn too_many_threads_is_refused_before_any_starts() {
+        let (_d, path, _) = file_with(10);
+        let e = PsyncQueue::open(&path, PsyncOptions::buffered(100_000)).unwrap_err();
+        assert!(matches!(e, Error::InvalidOptions { .. }), "{e}");
+        assert!(e.to_string().contains("100000") && e.to_string().contains("256"), "{e}");
+        assert_eq!(PsyncQueue::open(&path, PsyncOptions::buffered(MAX_THREADS)).unwrap().threads(), MAX_THREADS);
     }
 
     #[test]

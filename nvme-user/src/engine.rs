@@ -56,7 +56,10 @@ pub use recovery::{ReadFailure, RecoveryPolicy};
 pub struct NvmeQueueOptions {
     /// Namespace to read.
     pub nsid: u32,
-    /// Commands in flight at once (the I/O queue has `qd + 1` entries).
+    /// Commands in flight at once (the I/O queue has `qd + 1` entries). The controller caps the
+    /// queue at CAP.MQES + 1 entries (NVMe base spec 2.0, §3.1.3.1; at most 4096 here), so the depth
+    /// used is at most CAP.MQES: a larger `qd` is clamped with a warning
+    /// ([`NvmeQueue::queue_depth`] says what was used); further reads wait inside the queue.
     pub qd: u16,
     /// Per-command timeout.
     pub timeout: Duration,
@@ -271,7 +274,32 @@ impl NvmeQueue {
         let sim = Sim::start(cfg, dma.registry())?;
         let ctrlr = Controller::init(sim.bar(), Arc::new(dma), opts.ctrlr_options())?;
         let label = if bounce { "sim, vfio data path" } else { "sim" };
-        Ok((Self::build(ctrlr, opts.nsid, opts.timeout, label.into(), bounce)?, sim))
+        let queue = Self::build(ctrlr, opts.nsid, opts.timeout, label.into(), bounce)?;
+        queue.warn_if_clamped(opts.qd);
+        Ok((queue, sim))
+    }
+
+    /// Commands this engine keeps in flight at most: the I/O queue's entries − 1 (one slot stays
+    /// empty so a full SQ is told from an empty one), i.e. at most CAP.MQES.
+    pub fn queue_depth(&self) -> usize {
+        self.qd
+    }
+
+    /// Logs a warning when `requested` (an [`NvmeQueueOptions::qd`]) is above what the controller
+    /// granted (CAP.MQES + 1 entries, one kept empty): reads beyond it wait in the driver's backlog.
+    /// Returns whether it was clamped.
+    pub fn warn_if_clamped(&self, requested: u16) -> bool {
+        let clamped = usize::from(requested) > self.qd;
+        if clamped {
+            tracing::warn!(
+                "{}: queue depth {requested} requested, but the controller's I/O queue holds {} commands \
+                 (CAP.MQES + 1 entries, one kept empty): using {}",
+                self.label,
+                self.qd,
+                self.qd
+            );
+        }
+        clamped
     }
 
     /// The namespace being read.
@@ -726,5 +754,25 @@ impl Drop for NvmeQueue {
 impl std::fmt::Debug for NvmeQueue {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.describe())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qd_above_the_controllers_queue_capacity_is_clamped_and_said() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ns.img");
+        std::fs::write(&path, vec![7u8; 64 * 512]).unwrap();
+        let mut cfg = SimConfig::single(&path, 512);
+        cfg.mqes = 15; // 16 entries: 15 commands in flight at most
+        let opts = NvmeQueueOptions { qd: 1000, ..NvmeQueueOptions::default() };
+        let (q, _sim) = NvmeQueue::open_sim(cfg, &opts).unwrap();
+        assert_eq!(q.queue_depth(), 15);
+        assert!(q.warn_if_clamped(1000));
+        assert!(!q.warn_if_clamped(15));
+        assert!(q.describe().contains("qd 15"), "{}", q.describe());
     }
 }

@@ -50,6 +50,8 @@ pub mod sys {
     pub const DEVICE_GET_REGION_INFO: u32 = io(8);
     /// VFIO_DEVICE_RESET.
     pub const DEVICE_RESET: u32 = io(11);
+    /// VFIO_IOMMU_GET_INFO.
+    pub const IOMMU_GET_INFO: u32 = io(12);
     /// VFIO_IOMMU_MAP_DMA.
     pub const IOMMU_MAP_DMA: u32 = io(13);
     /// VFIO_IOMMU_UNMAP_DMA.
@@ -76,6 +78,12 @@ pub mod sys {
     pub const PCI_CONFIG_REGION_INDEX: u32 = 7;
     /// VFIO_DMA_MAP_FLAG_READ | VFIO_DMA_MAP_FLAG_WRITE.
     pub const DMA_MAP_FLAG_RW: u32 = 3;
+    /// VFIO_IOMMU_INFO_CAPS: `cap_offset` of vfio_iommu_type1_info is valid.
+    pub const IOMMU_INFO_CAPS: u32 = 1 << 1;
+    /// VFIO_IOMMU_TYPE1_INFO_CAP_IOVA_RANGE.
+    pub const IOMMU_TYPE1_INFO_CAP_IOVA_RANGE: u16 = 1;
+    /// size of struct vfio_iommu_type1_info (argsz, flags, iova_pgsizes, cap_offset, pad).
+    pub const IOMMU_TYPE1_INFO_LEN: u32 = 24;
 
     /// struct vfio_group_status.
     #[repr(C)]
@@ -135,6 +143,23 @@ pub mod sys {
         pub size: u64,
     }
 
+    /// struct vfio_iommu_type1_info (fixed part; capabilities follow within `argsz`).
+    #[repr(C)]
+    #[derive(Default, Debug, Clone, Copy)]
+    pub struct IommuType1Info {
+        /// argsz.
+        pub argsz: u32,
+        /// flags (VFIO_IOMMU_INFO_PGSIZES, VFIO_IOMMU_INFO_CAPS).
+        pub flags: u32,
+        /// Bitmap of supported IOMMU page sizes.
+        pub iova_pgsizes: u64,
+        /// Offset of the first capability header from the start of the struct (0: none).
+        pub cap_offset: u32,
+        /// pad.
+        pub pad: u32,
+    }
+
+    const _: () = assert!(std::mem::size_of::<IommuType1Info>() == IOMMU_TYPE1_INFO_LEN as usize);
     const _: () = assert!(std::mem::size_of::<RegionInfo>() == 32);
     const _: () = assert!(std::mem::size_of::<DmaMap>() == 32);
     const _: () = assert!(std::mem::size_of::<DmaUnmap>() == 24);
@@ -221,6 +246,67 @@ pub struct VfioDevice {
     device: File,
     noiommu: bool,
     config: sys::RegionInfo,
+    /// Usable IOVA ranges reported by the type1 IOMMU (inclusive ends); empty in no-IOMMU mode or
+    /// when the kernel reports none (before Linux 5.4), in which case MAP_DMA alone decides.
+    iova_ranges: Vec<IovaRange>,
+}
+
+/// One usable IOVA range of the IOMMU, `start..=end` (struct vfio_iova_range, linux/vfio.h). Its
+/// ends reflect the IOMMU's address width (e.g. `end` = 2^39 − 1 for a 39-bit Intel VT-d) and the
+/// holes it reserves (the MSI window at 0xfee00000, RMRRs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IovaRange {
+    /// First usable IOVA.
+    pub start: u64,
+    /// Last usable IOVA (inclusive).
+    pub end: u64,
+}
+
+impl IovaRange {
+    /// Whether `iova .. iova + len` lies inside this range (`len` > 0, no overflow).
+    pub fn contains(&self, iova: u64, len: u64) -> bool {
+        len > 0 && iova >= self.start && iova.checked_add(len - 1).is_some_and(|last| last <= self.end)
+    }
+}
+
+/// Parses the VFIO_IOMMU_TYPE1_INFO_CAP_IOVA_RANGE capability out of a vfio_iommu_type1_info
+/// buffer (`buf` = the `argsz` bytes the kernel filled): the capability chain starts at
+/// `cap_offset` (byte 16); each header is `id: u16, version: u16, next: u32`; the IOVA-range
+/// capability then holds `nr_iovas: u32, reserved: u32` and `nr_iovas` × `{start: u64, end: u64}`.
+/// Chains that point outside `buf` or loop are cut short, never followed out of bounds.
+pub fn parse_iova_ranges(buf: &[u8]) -> Vec<IovaRange> {
+    let u16at = |o: usize| buf.get(o..o + 2).map(|b| u16::from_le_bytes([b[0], b[1]]));
+    let u32at = |o: usize| buf.get(o..o + 4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")));
+    let u64at = |o: usize| buf.get(o..o + 8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")));
+    let mut out = Vec::new();
+    let Some(flags) = u32at(4) else { return out };
+    if flags & sys::IOMMU_INFO_CAPS == 0 {
+        return out;
+    }
+    let mut off = u32at(16).unwrap_or(0) as usize;
+    let mut hops = 0;
+    while off != 0 && hops < 16 {
+        hops += 1;
+        let (Some(id), Some(next)) = (u16at(off), u32at(off + 4)) else { break };
+        if id == sys::IOMMU_TYPE1_INFO_CAP_IOVA_RANGE {
+            let n = u32at(off + 8).unwrap_or(0) as usize;
+            for i in 0..n {
+                let a = off + 16 + i * 16;
+                match (u64at(a), u64at(a + 8)) {
+                    (Some(start), Some(end)) if start <= end => out.push(IovaRange { start, end }),
+                    _ => break,
+                }
+            }
+        }
+        off = next as usize;
+    }
+    out
+}
+
+/// `ranges` as `[0x0-0xfedfffff, 0xfef00000-0x7fffffffff]` for error messages.
+fn describe_ranges(ranges: &[IovaRange]) -> String {
+    let parts: Vec<String> = ranges.iter().map(|r| format!("{:#x}-{:#x}", r.start, r.end)).collect();
+    format!("[{}]", parts.join(", "))
 }
 
 impl VfioDevice {
@@ -268,10 +354,36 @@ impl VfioDevice {
         sys::ioctl_val(&container, sys::SET_IOMMU, iommu)
             .map_err(vfio_err("VFIO_SET_IOMMU", format!("type {iommu}")))?;
         let device = sys::group_get_device_fd(&group, bdf).map_err(vfio_err("VFIO_GROUP_GET_DEVICE_FD", bdf))?;
-        let mut d =
-            VfioDevice { bdf: bdf.to_string(), container, _group: group, device, noiommu, config: Default::default() };
+        let iova_ranges = if noiommu { Vec::new() } else { iommu_iova_ranges(&container)? };
+        if !iova_ranges.is_empty() {
+            tracing::debug!(bdf, ranges = %describe_ranges(&iova_ranges), "IOMMU usable IOVA ranges");
+            if !iova_ranges.iter().any(|r| r.contains(IOVA_BASE.0, HUGEPAGE_LEN)) {
+                return Err(Error::Unsupported {
+                    what: format!(
+                        "the IOMMU behind {bdf} has no usable IOVA at {:#x} (first DMA chunk); its ranges are {}",
+                        IOVA_BASE.0,
+                        describe_ranges(&iova_ranges)
+                    ),
+                });
+            }
+        }
+        let mut d = VfioDevice {
+            bdf: bdf.to_string(),
+            container,
+            _group: group,
+            device,
+            noiommu,
+            config: Default::default(),
+            iova_ranges,
+        };
         d.config = d.region_info(sys::PCI_CONFIG_REGION_INDEX)?.0;
         Ok(d)
+    }
+
+    /// The type1 IOMMU's usable IOVA ranges (empty in no-IOMMU mode or on kernels before 5.4,
+    /// which do not report them).
+    pub fn iova_ranges(&self) -> &[IovaRange] {
+        &self.iova_ranges
     }
 
     /// The PCI address.
@@ -419,6 +531,30 @@ struct VfioMapper {
     dev: Arc<VfioDevice>,
 }
 
+/// Bytes of one DMA chunk (a 2 MiB hugepage), the unit the IOVA check at open uses.
+const HUGEPAGE_LEN: u64 = 2 << 20;
+
+/// VFIO_IOMMU_GET_INFO on a container whose IOMMU type is set: the usable IOVA ranges.
+fn iommu_iova_ranges(container: &File) -> Result<Vec<IovaRange>> {
+    let mut info = sys::IommuType1Info { argsz: sys::IOMMU_TYPE1_INFO_LEN, ..Default::default() };
+    // SAFETY: GET_INFO takes a vfio_iommu_type1_info of `argsz` (24) bytes, which `info` is.
+    unsafe { sys::ioctl_ptr(container, sys::IOMMU_GET_INFO, &mut info) }
+        .map_err(vfio_err("VFIO_IOMMU_GET_INFO", "container"))?;
+    if info.flags & sys::IOMMU_INFO_CAPS == 0 || info.argsz <= sys::IOMMU_TYPE1_INFO_LEN {
+        return Ok(Vec::new());
+    }
+    // The capabilities did not fit: ask again with a buffer of the size the kernel asked for.
+    let mut buf = vec![0u64; (info.argsz as usize).div_ceil(8)];
+    buf[0] = u64::from(info.argsz);
+    // SAFETY: the buffer holds at least `argsz` bytes and starts with a vfio_iommu_type1_info
+    // whose argsz says so (little-endian u32 in the low half of word 0); the kernel writes at most
+    // argsz bytes.
+    unsafe { sys::ioctl_ptr(container, sys::IOMMU_GET_INFO, buf.as_mut_slice()) }
+        .map_err(vfio_err("VFIO_IOMMU_GET_INFO", "container capabilities"))?;
+    let bytes: Vec<u8> = buf.iter().flat_map(|w| w.to_le_bytes()).collect();
+    Ok(parse_iova_ranges(&bytes[..info.argsz as usize]))
+}
+
 fn pagemap_phys(vaddr: *mut u8) -> std::io::Result<u64> {
     let f = File::open("/proc/self/pagemap")?;
     let mut e = [0u8; 8];
@@ -435,6 +571,20 @@ impl IovaMapper for VfioMapper {
     fn map(&self, vaddr: *mut u8, len: usize, iova: Iova) -> Result<Iova> {
         if self.dev.noiommu {
             return pagemap_phys(vaddr).map(Iova).map_err(vfio_err("pagemap", format!("{vaddr:p}")));
+        }
+        let ranges = &self.dev.iova_ranges;
+        if !ranges.is_empty() && !ranges.iter().any(|r| r.contains(iova.0, len as u64)) {
+            return Err(Error::DmaMap {
+                addr: vaddr as usize,
+                len,
+                why: format!(
+                    "IOVA {:#x}..{:#x} is outside the IOMMU's usable ranges {} (its address width or a \
+                     reserved window); the DMA pool is too large for this IOMMU",
+                    iova.0,
+                    iova.0.saturating_add(len as u64),
+                    describe_ranges(ranges)
+                ),
+            });
         }
         let mut m =
             sys::DmaMap { argsz: 32, flags: sys::DMA_MAP_FLAG_RW, vaddr: vaddr as u64, iova: iova.0, size: len as u64 };
@@ -486,8 +636,73 @@ mod tests {
         assert_eq!(sys::GROUP_GET_DEVICE_FD, 0x3B6A);
         assert_eq!(sys::DEVICE_GET_REGION_INFO, 0x3B6C);
         assert_eq!(sys::DEVICE_RESET, 0x3B6F);
+        assert_eq!(sys::IOMMU_GET_INFO, 0x3B70);
         assert_eq!(sys::IOMMU_MAP_DMA, 0x3B71);
         assert_eq!(sys::IOMMU_UNMAP_DMA, 0x3B72);
+    }
+
+    /// A vfio_iommu_type1_info as Linux fills it for a 39-bit VT-d (QEMU intel-iommu's default
+    /// aw-bits): an unrelated capability first (id 2, DMA_AVAIL), then the IOVA ranges around the MSI
+    /// window.
+    fn type1_info_39_bit() -> Vec<u8> {
+        let mut b = vec![0u8; 24];
+        b[0..4].copy_from_slice(&88u32.to_le_bytes()); // argsz
+        b[4..8].copy_from_slice(&(sys::IOMMU_INFO_CAPS | 1).to_le_bytes());
+        b[8..16].copy_from_slice(&0x4020_1000u64.to_le_bytes());
+        b[16..20].copy_from_slice(&24u32.to_le_bytes()); // cap_offset
+                                                         // DMA_AVAIL capability at 24: header {id 3, version 1, next 40}, avail u32, pad.
+        b.extend_from_slice(&3u16.to_le_bytes());
+        b.extend_from_slice(&1u16.to_le_bytes());
+        b.extend_from_slice(&40u32.to_le_bytes());
+        b.extend_from_slice(&65535u32.to_le_bytes());
+        b.extend_from_slice(&0u32.to_le_bytes());
+        // IOVA_RANGE capability at 40: header {id 1, version 1, next 0}, nr_iovas 2, reserved, ranges.
+        b.extend_from_slice(&1u16.to_le_bytes());
+        b.extend_from_slice(&1u16.to_le_bytes());
+        b.extend_from_slice(&0u32.to_le_bytes());
+        b.extend_from_slice(&2u32.to_le_bytes());
+        b.extend_from_slice(&0u32.to_le_bytes());
+        for (s, e) in [(0u64, 0xfedf_ffffu64), (0xfef0_0000, (1 << 39) - 1)] {
+            b.extend_from_slice(&s.to_le_bytes());
+            b.extend_from_slice(&e.to_le_bytes());
+        }
+        assert_eq!(b.len(), 88);
+        b
+    }
+
+    #[test]
+    fn iova_ranges_are_read_from_the_capability_chain() {
+        let r = parse_iova_ranges(&type1_info_39_bit());
+        assert_eq!(
+            r,
+            vec![IovaRange { start: 0, end: 0xfedf_ffff }, IovaRange { start: 0xfef0_0000, end: (1 << 39) - 1 }]
+        );
+        assert!(r[1].contains(IOVA_BASE.0, HUGEPAGE_LEN));
+        assert!(!r[0].contains(0xfee0_0000 - 4096, 8192), "straddles the MSI window");
+        assert!(r[1].contains((1 << 39) - HUGEPAGE_LEN, HUGEPAGE_LEN), "last chunk below 2^39");
+        assert!(!r[1].contains((1 << 39) - HUGEPAGE_LEN + 4096, HUGEPAGE_LEN), "crosses the address width");
+        assert!(!r[1].contains(u64::MAX - 10, 4096), "overflow is outside, not a wrap");
+        assert_eq!(describe_ranges(&r), "[0x0-0xfedfffff, 0xfef00000-0x7fffffffff]");
+    }
+
+    #[test]
+    fn iova_range_parse_survives_truncated_and_looping_chains() {
+        let full = type1_info_39_bit();
+        // Cut inside the second range: only the first survives.
+        assert_eq!(parse_iova_ranges(&full[..72]), vec![IovaRange { start: 0, end: 0xfedf_ffff }]);
+        // No CAPS flag: nothing is read.
+        let mut no_caps = full.clone();
+        no_caps[4..8].copy_from_slice(&1u32.to_le_bytes());
+        assert!(parse_iova_ranges(&no_caps).is_empty());
+        // A chain pointing back at itself stops after a bounded number of hops.
+        let mut looped = full.clone();
+        looped[28..32].copy_from_slice(&24u32.to_le_bytes());
+        assert!(parse_iova_ranges(&looped).is_empty());
+        // cap_offset past the end.
+        let mut far = full;
+        far[16..20].copy_from_slice(&4000u32.to_le_bytes());
+        assert!(parse_iova_ranges(&far).is_empty());
+        assert!(parse_iova_ranges(&[]).is_empty());
     }
 
     #[test]

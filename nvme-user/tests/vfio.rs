@@ -91,3 +91,25 @@ fn vfio_flat_store_loads_every_expert_with_verified_hashes() {
     assert!(loaded > 0);
     eprintln!("{loaded} experts loaded and verified over {}", store.queue().describe());
 }
+
+/// With a type1 IOMMU (kernel ≥ 5.4 reports the capability), the usable IOVA ranges are read at
+/// open and the DMA pool's first chunk lies inside them; in no-IOMMU mode there are none (IOVAs are
+/// physical addresses).
+#[test]
+fn vfio_iommu_iova_ranges_cover_the_dma_pool_base() {
+    let Some((bdf, _)) = env() else { return };
+    let dev = picchio_nvme::vfio::VfioDevice::open(&bdf).unwrap_or_else(|e| panic!("{e}"));
+    let ranges = dev.iova_ranges();
+    eprintln!("{bdf}: noiommu {}, IOVA ranges {ranges:x?}", dev.noiommu());
+    if dev.noiommu() {
+        assert!(ranges.is_empty());
+        return;
+    }
+    assert!(!ranges.is_empty(), "the guest kernel (6.1) reports VFIO_IOMMU_TYPE1_INFO_CAP_IOVA_RANGE");
+    let base = picchio_nvme::vfio::IOVA_BASE.0;
+    assert!(ranges.iter().any(|r| r.contains(base, 2 << 20)), "IOVA_BASE {base:#x} outside {ranges:x?}");
+    assert!(
+        !ranges.iter().any(|r| r.contains(0xfee0_0000, 4096)),
+        "the x86 MSI window 0xfee00000 is reserved by the IOMMU: {ranges:x?}"
+    );
+}

@@ -534,6 +534,26 @@ struct VfioMapper {
 /// Bytes of one DMA chunk (a 2 MiB hugepage), the unit the IOVA check at open uses.
 const HUGEPAGE_LEN: u64 = 2 << 20;
 
+/// What to do when VFIO_IOMMU_MAP_DMA fails with ENOMEM: the type1 IOMMU driver pins the pages and
+/// charges them to the process's RLIMIT_MEMLOCK unless it has CAP_IPC_LOCK (vfio_iommu_type1.c,
+/// `vfio_pin_pages_remote`), so a non-root user with the default 8 MiB limit hits it first.
+fn memlock_hint() -> String {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes one rlimit into `lim`, which lives for the call.
+    let ok = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) } == 0;
+    let cur = if !ok {
+        "unknown".to_string()
+    } else if lim.rlim_cur == libc::RLIM_INFINITY {
+        "unlimited".to_string()
+    } else {
+        format!("{} KiB", lim.rlim_cur / 1024)
+    };
+    format!(
+        " (ENOMEM: VFIO pins DMA memory against RLIMIT_MEMLOCK, now {cur}; raise it with `ulimit -l` / \
+         limits.conf, or run with CAP_IPC_LOCK)"
+    )
+}
+
 /// VFIO_IOMMU_GET_INFO on a container whose IOMMU type is set: the usable IOVA ranges.
 fn iommu_iova_ranges(container: &File) -> Result<Vec<IovaRange>> {
     let mut info = sys::IommuType1Info { argsz: sys::IOMMU_TYPE1_INFO_LEN, ..Default::default() };
@@ -590,8 +610,14 @@ impl IovaMapper for VfioMapper {
             sys::DmaMap { argsz: 32, flags: sys::DMA_MAP_FLAG_RW, vaddr: vaddr as u64, iova: iova.0, size: len as u64 };
         // SAFETY: MAP_DMA takes a vfio_iommu_type1_dma_map (argsz 32 = its size). The memory stays
         // mapped for the device until `unmap`, called before the chunk is munmapped.
-        unsafe { sys::ioctl_ptr(&self.dev.container, sys::IOMMU_MAP_DMA, &mut m) }
-            .map_err(vfio_err("VFIO_IOMMU_MAP_DMA", format!("iova {:#x} + {len:#x}", iova.0)))?;
+        unsafe { sys::ioctl_ptr(&self.dev.container, sys::IOMMU_MAP_DMA, &mut m) }.map_err(|e| {
+            let mut what = format!("iova {:#x} + {len:#x}", iova.0);
+            if e.raw_os_error() == Some(libc::ENOMEM) {
+                // type1 pins the pages and charges them to RLIMIT_MEMLOCK (unless CAP_IPC_LOCK).
+                what.push_str(&memlock_hint());
+            }
+            Error::Vfio { op: "VFIO_IOMMU_MAP_DMA", what, source: e }
+        })?;
         Ok(iova)
     }
     fn translates(&self) -> bool {

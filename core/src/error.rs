@@ -23,7 +23,10 @@ pub enum Error {
         cause: std::io::Error,
     },
     /// The image is shorter than a structure it must contain.
-    #[error("{source_name}: truncated: {what} needs bytes {offset:#x}..{end:#x} but the image is {len:#x} bytes")]
+    #[error(
+        "{source_name}: truncated: {what} needs bytes {offset:#x}..{end:#x}: expected at least {end} \
+         bytes, found {len} bytes"
+    )]
     Truncated {
         /// The store.
         source_name: String,
@@ -116,6 +119,24 @@ pub enum Error {
         path: PathBuf,
         /// What went wrong.
         message: String,
+    },
+    /// An image would break a limit of the format (docs/format.md, "Limits"): a payload longer than
+    /// the index entry's u32 `padded_len` can record, more entries than the u32 `n_entries`, or an
+    /// image whose end does not fit the u64 offsets.
+    #[error("{path}: {entry}: {what} is {value} bytes, over the format's limit of {limit} bytes ({field})")]
+    FormatLimit {
+        /// The image being planned or written.
+        path: PathBuf,
+        /// The entry at fault (`entry 7 (layer 0, expert 7)`, or `the image` for the total).
+        entry: String,
+        /// What is too large ("the payload", "the image").
+        what: &'static str,
+        /// Its size in bytes.
+        value: u128,
+        /// The largest size the format allows, in bytes.
+        limit: u64,
+        /// The field that bounds it, as docs/format.md names it.
+        field: &'static str,
     },
     /// A store URI could not be parsed.
     #[error("bad store URI {uri:?}: {message}")]

@@ -265,7 +265,14 @@ impl<Q: IoQueue> FlatStore<Q> {
         let sb_buf = rd(&mut queue, "superblock", 0, bs)?;
         let sb = Superblock::decode(sb_buf.as_slice(), &source_name, opts.image_len)?;
         let index_read = round_up(sb.index_len.max(1), u64::from(bs));
-        let index_buf = rd(&mut queue, "index", sb.index_offset, index_read as u32)?;
+        let index_read = u32::try_from(index_read).map_err(|_| Error::BadField {
+            source_name: source_name.clone(),
+            field: "index_len",
+            offset: 48,
+            expected: format!("an index this reader can read in one request (at most {} bytes)", u32::MAX),
+            found: sb.index_len,
+        })?;
+        let index_buf = rd(&mut queue, "index", sb.index_offset, index_read)?;
         let index_bytes = &index_buf.as_slice()[..sb.index_len as usize];
         let digest = index_sha256(index_bytes);
         if digest != sb.index_sha256 {

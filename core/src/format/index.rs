@@ -65,7 +65,9 @@ impl ExpertLoc {
         if u64::from(self.padded_len) != super::round_up(u64::from(self.len), bs) {
             return Err(format!("padded_len {} is not len {} rounded up to {bs}", self.padded_len, self.len));
         }
-        let end = self.offset + u64::from(self.padded_len);
+        let Some(end) = self.offset.checked_add(u64::from(self.padded_len)) else {
+            return Err(format!("payload at {:#x} of {} bytes ends past 2^64", self.offset, self.padded_len));
+        };
         if end > image_len {
             return Err(format!("payload {:#x}..{end:#x} ends past the image end {image_len:#x}", self.offset));
         }
@@ -117,6 +119,9 @@ mod tests {
         assert!(e.contains("padded_len"), "{e}");
         let e = ExpertLoc { offset: 4096, ..ok }.check(4096, 8192, 1 << 20).unwrap_err();
         assert!(e.contains("before the data region"), "{e}");
+        // An offset near 2^64 is named, not wrapped around into range.
+        let e = ExpertLoc { offset: u64::MAX - 4095, ..ok }.check(4096, 8192, 1 << 20).unwrap_err();
+        assert!(e.contains("past 2^64"), "{e}");
     }
 
     proptest! {

@@ -12,7 +12,7 @@ mod writer;
 
 pub use index::{decode_index, encode_index, index_sha256, payload_hash, ExpertLoc, EXPERT_LOC_SIZE};
 pub use superblock::{Superblock, MAGIC, SUPERBLOCK_ENCODED_LEN, VERSION};
-pub use writer::{data_offset, FileSink, FlatWriter, ImageSink};
+pub use writer::{check_payload_len, data_offset, plan_image_len, FileSink, FlatWriter, ImageSink, MAX_PAYLOAD_LEN};
 
 /// The block size of every `.picchioflat` image: all offsets and padded lengths are multiples of it.
 pub const BLOCK_SIZE: u32 = 4096;

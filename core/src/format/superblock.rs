@@ -175,6 +175,8 @@ impl Superblock {
                 sb.index_len,
             ));
         }
+        // Offsets are checked in dependency order — index_offset, then the index end, then
+        // data_offset — with checked arithmetic, so the first wrong field is the one named.
         let bs = u64::from(sb.block_size);
         if sb.index_offset < bs || !sb.index_offset.is_multiple_of(bs) {
             return Err(bad(
@@ -184,21 +186,40 @@ impl Superblock {
                 sb.index_offset,
             ));
         }
-        if !sb.data_offset.is_multiple_of(bs) || sb.data_offset < sb.index_offset + sb.index_len {
+        // Every writer puts the index right after the superblock block; one elsewhere and past the
+        // end is a wrong field (an image cut off right after its superblock is reported below).
+        if sb.index_offset != bs && sb.index_offset >= image_len {
+            return Err(bad(
+                "index_offset",
+                off::INDEX_OFFSET,
+                format!("an offset inside the image of {image_len} bytes (writers use {bs})"),
+                sb.index_offset,
+            ));
+        }
+        let Some(index_end) = sb.index_offset.checked_add(sb.index_len) else {
+            return Err(bad(
+                "index_offset",
+                off::INDEX_OFFSET,
+                format!("an offset whose index of {} bytes ends below 2^64", sb.index_len),
+                sb.index_offset,
+            ));
+        };
+        if !sb.data_offset.is_multiple_of(bs) || sb.data_offset < index_end {
             return Err(bad(
                 "data_offset",
                 off::DATA_OFFSET,
-                format!("a multiple of {bs} at or after the index end {:#x}", sb.index_offset + sb.index_len),
+                format!("a multiple of {bs} at or after the index end {index_end:#x}"),
                 sb.data_offset,
             ));
         }
-        let index_end = sb.index_offset + sb.index_len;
-        if index_end > image_len {
+        // The index region runs to data_offset (padded with zeros), and every image is at least
+        // that long: a shorter one was cut off (the payloads, if any, start at data_offset).
+        if sb.data_offset > image_len {
             return Err(Error::Truncated {
                 source_name: source_name.into(),
-                what: "index",
+                what: "the image is shorter than its superblock says: the index region (index_offset..data_offset)",
                 offset: sb.index_offset,
-                end: index_end,
+                end: sb.data_offset,
                 len: image_len,
             });
         }
@@ -255,5 +276,34 @@ mod tests {
         assert!(e.contains("version") && e.contains("0x8") && e.contains("found 3"), "{e}");
         let e = Superblock::decode(&sample().encode(), "img", 4096).unwrap_err().to_string();
         assert!(e.contains("truncated") && e.contains("index"), "{e}");
+    }
+
+    #[test]
+    fn names_the_first_wrong_offset_field() {
+        // index_offset corrupted to 2^63: blamed on index_offset, not on data_offset.
+        let mut sb = sample();
+        sb.index_offset = 0x8000_0000_0000_0000;
+        let e = Superblock::decode(&sb.encode(), "img", 1 << 20).unwrap_err().to_string();
+        assert!(e.contains("`index_offset` at offset 0x28") && e.contains("inside the image of 1048576 bytes"), "{e}");
+        // index_offset + index_len past 2^64: no wrap-around into a valid-looking range.
+        let mut sb = sample();
+        (sb.n_layers, sb.n_experts, sb.n_entries) = (65536, 65536, u32::MAX);
+        sb.index_len = u64::from(u32::MAX) * 24;
+        sb.index_offset = u64::MAX - 4095;
+        let e = Superblock::decode(&sb.encode(), "img", u64::MAX).unwrap_err().to_string();
+        assert!(e.contains("`index_offset`") && e.contains("2^64"), "{e}");
+        // data_offset inside the index: data_offset is the first wrong field.
+        let mut sb = sample();
+        sb.data_offset = 4096;
+        let e = Superblock::decode(&sb.encode(), "img", 1 << 20).unwrap_err().to_string();
+        assert!(e.contains("`data_offset`") && e.contains("index end 0x1480"), "{e}");
+    }
+
+    #[test]
+    fn a_cut_off_image_says_how_long_it_should_be() {
+        // An image of 48 entries truncated to 5000 bytes: the index region runs to 8192.
+        let e = Superblock::decode(&sample().encode(), "img.pf", 5000).unwrap_err().to_string();
+        assert!(e.contains("img.pf") && e.contains("shorter than its superblock says"), "{e}");
+        assert!(e.contains("0x1000..0x2000") && e.contains("at least 8192 bytes, found 5000 bytes"), "{e}");
     }
 }

@@ -85,6 +85,92 @@ pub fn data_offset(n_entries: u32) -> u64 {
     round_up(bs + u64::from(n_entries) * EXPERT_LOC_SIZE as u64, bs)
 }
 
+/// The longest payload an image can hold, in bytes: the index entry's `padded_len` is a u32 and
+/// must be the payload length rounded up to [`BLOCK_SIZE`], so 2^32 − 4096 = 4,294,963,200 bytes
+/// (docs/format.md, "Limits"). `len` (also a u32) is never the binding limit.
+pub const MAX_PAYLOAD_LEN: u64 = (u32::MAX as u64 / BLOCK_SIZE as u64) * BLOCK_SIZE as u64;
+
+/// Names entry `i` of an image with `n_experts` experts per layer: `entry 7 (layer 0, expert 7)`.
+fn entry_name(i: u64, n_experts: u32) -> String {
+    let e = u64::from(n_experts.max(1));
+    format!("entry {i} (layer {}, expert {})", i / e, i % e)
+}
+
+/// Checks the payload of entry `entry` against the format's limits and returns its padded length
+/// (a multiple of [`BLOCK_SIZE`], at most [`MAX_PAYLOAD_LEN`]).
+///
+/// # Errors
+/// [`Error::FormatLimit`] naming `dest`, the entry and the `padded_len` limit for a payload over
+/// [`MAX_PAYLOAD_LEN`]; [`Error::WriterMisuse`] for an empty payload.
+pub fn check_payload_len(dest: &Path, dims: StoreDims, entry: u64, len: u64) -> Result<u64> {
+    if len == 0 {
+        return Err(Error::WriterMisuse {
+            path: dest.into(),
+            message: format!("{}: an empty payload (a payload has at least 1 byte)", entry_name(entry, dims.n_experts)),
+        });
+    }
+    if len > MAX_PAYLOAD_LEN {
+        return Err(Error::FormatLimit {
+            path: dest.into(),
+            entry: entry_name(entry, dims.n_experts),
+            what: "the payload",
+            value: len.into(),
+            limit: MAX_PAYLOAD_LEN,
+            field: "the index entry's u32 padded_len, a multiple of 4096",
+        });
+    }
+    Ok(round_up(len, u64::from(BLOCK_SIZE)))
+}
+
+/// The size in bytes of an image of `n_entries` entries whose payloads have the lengths
+/// `payload_lens` yields (in entry order; it may yield fewer, the last length then stands for the
+/// rest), checked against every limit of the format before a byte is written: each payload as
+/// [`check_payload_len`], `n_entries <= n_layers × n_experts`, and the image end within the u64
+/// offsets. Computed with checked arithmetic throughout.
+///
+/// # Errors
+/// [`Error::FormatLimit`] naming the entry (or `the image`) and the limit; [`Error::WriterMisuse`] for
+/// too many entries or an empty payload.
+pub fn plan_image_len(
+    dest: &Path,
+    dims: StoreDims,
+    n_entries: u32,
+    payload_lens: impl IntoIterator<Item = u64>,
+) -> Result<u64> {
+    check_entries(dest, dims, n_entries)?;
+    let mut total = u128::from(data_offset(n_entries));
+    let mut lens = payload_lens.into_iter();
+    let mut last = None;
+    let mut i = 0u64;
+    while i < u64::from(n_entries) {
+        match lens.next() {
+            Some(len) => {
+                total += u128::from(check_payload_len(dest, dims, i, len)?);
+                last = Some(len);
+                i += 1;
+            }
+            None => {
+                let Some(len) = last else { break };
+                // The rest share the last length: one multiplication, not one step per entry.
+                let padded = check_payload_len(dest, dims, i, len)?;
+                total += u128::from(padded) * u128::from(u64::from(n_entries) - i);
+                break;
+            }
+        }
+    }
+    if total > u128::from(u64::MAX) {
+        return Err(Error::FormatLimit {
+            path: dest.into(),
+            entry: format!("the image of {n_entries} entries"),
+            what: "the image",
+            value: total,
+            limit: u64::MAX,
+            field: "the u64 offsets of the superblock and index",
+        });
+    }
+    Ok(total as u64)
+}
+
 /// [`ImageSink`] for a file: a temporary file `<path>.tmp-<pid>` beside the destination, synced and
 /// renamed over `path` by [`ImageSink::commit`], and removed if the sink is dropped uncommitted.
 pub struct FileSink {
@@ -246,21 +332,24 @@ impl<S: ImageSink> FlatWriter<S> {
     /// Appends the next expert's payload (in (layer, expert) order) and returns its index entry.
     ///
     /// # Errors
-    /// [`Error::WriterMisuse`] past `n_entries` or for an empty payload; [`Error::Write`] on I/O failure.
+    /// [`Error::WriterMisuse`] past `n_entries` or for an empty payload; [`Error::FormatLimit`] for a
+    /// payload over [`MAX_PAYLOAD_LEN`] or one that would end past 2^64; [`Error::Write`] on I/O failure.
     pub fn push(&mut self, payload: &[u8]) -> Result<ExpertLoc> {
-        if self.entries.len() >= self.n_entries as usize || payload.is_empty() || payload.len() > u32::MAX as usize {
+        if self.entries.len() >= self.n_entries as usize {
             return Err(Error::WriterMisuse {
                 path: self.sink.dest().into(),
-                message: format!(
-                    "payload {} of {} has {} bytes (must be 1..=u32::MAX, and at most n_entries payloads)",
-                    self.entries.len(),
-                    self.n_entries,
-                    payload.len()
-                ),
+                message: format!("payload {} pushed, but only {} entries declared", self.entries.len(), self.n_entries),
             });
         }
-        let bs = u64::from(BLOCK_SIZE);
-        let padded = round_up(payload.len() as u64, bs);
+        let padded = check_payload_len(self.sink.dest(), self.dims, self.entries.len() as u64, payload.len() as u64)?;
+        let end = self.next_offset.checked_add(padded).ok_or_else(|| Error::FormatLimit {
+            path: self.sink.dest().into(),
+            entry: entry_name(self.entries.len() as u64, self.dims.n_experts),
+            what: "the image",
+            value: u128::from(self.next_offset) + u128::from(padded),
+            limit: u64::MAX,
+            field: "the index entry's u64 offset",
+        })?;
         let loc = ExpertLoc {
             offset: self.next_offset,
             len: payload.len() as u32,
@@ -269,13 +358,13 @@ impl<S: ImageSink> FlatWriter<S> {
         };
         let zeros = [0u8; BLOCK_SIZE as usize];
         let pad = &zeros[..(padded - payload.len() as u64) as usize];
-        let end = loc.offset + payload.len() as u64;
+        let payload_end = loc.offset + payload.len() as u64;
         let result = self.sink.write_at(loc.offset, payload).and_then(|()| match pad.is_empty() {
             true => Ok(()),
-            false => self.sink.write_at(end, pad),
+            false => self.sink.write_at(payload_end, pad),
         });
         result.map_err(self.werr("payload"))?;
-        self.next_offset += padded;
+        self.next_offset = end;
         self.entries.push(loc);
         Ok(loc)
     }
@@ -431,5 +520,61 @@ mod tests {
         assert!(e.to_string().starts_with("mem: writing superblock: "), "{e}");
         let e = FlatWriter::with_sink(Recorder::default(), dims, 2).err().unwrap();
         assert!(e.to_string().contains("2 entries exceed"), "{e}");
+    }
+
+    #[test]
+    fn oversize_geometry_is_refused_before_writing_naming_entry_and_limit() {
+        let dest = Path::new("cx.pf");
+        // `synth --arch custom --hidden 65536 --moe-intermediate 65536 --experts 100000
+        // --model-layers 1000`: 27·H·I/16 = 7,247,757,312-byte payloads.
+        let dims = StoreDims { hidden: 65536, n_layers: 1000, n_experts: 100_000, topk: 8, moe_inter: 131_072 };
+        let e = plan_image_len(dest, dims, 100_000_000, [7_247_757_312]).unwrap_err();
+        assert!(matches!(e, Error::FormatLimit { what: "the payload", limit: MAX_PAYLOAD_LEN, .. }), "{e}");
+        let s = e.to_string();
+        assert!(s.starts_with("cx.pf: entry 0 (layer 0, expert 0): the payload is 7247757312 bytes"), "{s}");
+        assert!(s.contains("4294963200") && s.contains("padded_len"), "{s}");
+        // The largest payload is accepted; one byte more is not (its padded_len would not fit a u32).
+        let one = StoreDims { n_layers: 1, n_experts: 1, ..dims };
+        assert_eq!(plan_image_len(dest, one, 1, [MAX_PAYLOAD_LEN]).unwrap(), 8192 + MAX_PAYLOAD_LEN);
+        assert!(plan_image_len(dest, one, 1, [MAX_PAYLOAD_LEN + 1]).is_err());
+        // With u32 entries of at most MAX_PAYLOAD_LEN the image end always fits the u64 offsets.
+        let big = StoreDims { n_layers: 65536, n_experts: 65536, ..dims };
+        let max = plan_image_len(dest, big, u32::MAX, [MAX_PAYLOAD_LEN]).unwrap();
+        assert_eq!(u128::from(max), u128::from(data_offset(u32::MAX)) + u128::from(u32::MAX) * 4_294_963_200);
+        // The error names the entry whose length is wrong, not the first one.
+        let e = plan_image_len(dest, StoreDims { n_experts: 4, ..one }, 3, [4096, 4096, 0]).unwrap_err();
+        assert!(e.to_string().contains("entry 2 (layer 0, expert 2): an empty payload"), "{e}");
+        // A uniform geometry is sized in one step: data offset plus n × padded payload.
+        assert_eq!(plan_image_len(dest, StoreDims { n_experts: 3, ..one }, 3, [5000]).unwrap(), 8192 + 3 * 8192);
+    }
+
+    /// A sink that accepts and forgets everything, to push payloads past the format's limits
+    /// without storing them.
+    struct Discard;
+
+    impl ImageSink for Discard {
+        fn dest(&self) -> &Path {
+            Path::new("discard")
+        }
+        fn write_at(&mut self, _: u64, _: &[u8]) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn commit(&mut self, _: u64) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn push_refuses_what_the_index_cannot_record() {
+        let dims = StoreDims { hidden: 64, n_layers: 1, n_experts: 2, topk: 1, moe_inter: 128 };
+        let mut w = FlatWriter::with_sink(Discard, dims, 2).unwrap();
+        let e = w.push(&[]).unwrap_err().to_string();
+        assert!(e.contains("entry 0 (layer 0, expert 0): an empty payload"), "{e}");
+        // A payload one byte over the limit (4 GiB of zeros, never written: the limit is checked
+        // before the sink sees a byte).
+        let huge = vec![0u8; MAX_PAYLOAD_LEN as usize + 1];
+        let e = w.push(&huge).unwrap_err();
+        assert!(matches!(e, Error::FormatLimit { what: "the payload", .. }), "{e}");
+        assert!(e.to_string().contains("entry 0 (layer 0, expert 0)"), "{e}");
     }
 }

@@ -82,8 +82,11 @@ impl std::str::FromStr for StoreUri {
             }
             return Ok(StoreUri::Nvme { bdf: bdf.into(), nsid });
         }
-        if s.contains(':') && !s.starts_with('/') && !s.starts_with('.') {
-            return Err(bad("unknown scheme: use auto, safetensors, file:PATH, raw:/dev/X or nvme:BDF[/NSID]".into()));
+        if let Some((scheme, _)) = s.split_once(':').filter(|_| !s.starts_with('/') && !s.starts_with('.')) {
+            return Err(bad(format!(
+                "unknown scheme \"{scheme}:\": use auto, safetensors, file:PATH, raw:/dev/X[@BYTES] or \
+                 nvme:BDF[/NSID]; a file name containing ':' is written file:PATH or ./PATH"
+            )));
         }
         if s.is_empty() {
             return Err(bad("empty store".into()));
@@ -130,6 +133,9 @@ mod tests {
             let e = p(s).unwrap_err().to_string();
             assert!(e.contains("bad store URI"), "{s}: {e}");
         }
+        let e = p("nvme-sim:x.pf").unwrap_err().to_string();
+        assert!(e.contains("unknown scheme \"nvme-sim:\"") && e.contains("file:PATH or ./PATH"), "{e}");
+        assert_eq!(p("./a:b").unwrap(), StoreUri::File("./a:b".into()));
         for s in ["auto", "safetensors", "file:/a", "raw:/dev/sdb@4096", "nvme:0000:03:00.0/2"] {
             assert_eq!(p(s).unwrap().to_string(), s);
         }

@@ -140,16 +140,18 @@ pub enum Error {
     /// A user request cannot be satisfied (bad flag combination, empty prompt, ...).
     #[error("{0}")]
     Invalid(String),
-    /// SIGINT or SIGTERM asked the run to stop ([`crate::interrupt`]); what was open is closed as
-    /// the error unwinds.
-    #[error("interrupted by {signal} after {done} of {wanted} tokens")]
+    /// SIGINT or SIGTERM asked the command to stop ([`crate::interrupt`]); what was open is closed
+    /// as the error unwinds (an image writer removes its temporary file).
+    #[error("interrupted by {signal} after {done} of {wanted} {unit}")]
     Interrupted {
         /// `SIGINT`, `SIGTERM`.
         signal: String,
-        /// Tokens generated before the stop.
+        /// Units done before the stop.
         done: usize,
-        /// Tokens asked for.
+        /// Units asked for.
         wanted: usize,
+        /// What was counted: `tokens` (run), `payloads` (synth, pack), `tensors` (convert).
+        unit: &'static str,
     },
 }
 

@@ -7,6 +7,10 @@
 //! ends the process at once with `128 + signal` (for a run that does not react). What polls the flag:
 //! - [`Session::generate`](crate::run::Session::generate), before every forward pass, returning
 //!   [`Error::Interrupted`](crate::Error::Interrupted);
+//! - the image writers — `picchio synth`, `pack` and `convert` — between payloads (tensors), through
+//!   [`check`]: the [`Error::Interrupted`](crate::Error::Interrupted) unwinds and drops the writer,
+//!   which removes its temporary file (`picchio_core::format::FileSink`), so a stopped write leaves
+//!   nothing behind;
 //! - the `nvme:` engine's waiting loops (`NvmeQueue::set_interrupt`): in-flight reads fail with
 //!   `ErrorKind::Interrupted` and the queue stops, so a read stuck on a dead device cannot keep the
 //!   process from exiting.
@@ -73,6 +77,18 @@ pub fn install() -> std::io::Result<()> {
     }
     tracing::debug!("SIGINT/SIGTERM handlers installed");
     Ok(())
+}
+
+/// Returns [`Error::Interrupted`](crate::Error::Interrupted) (`done` of `wanted` `unit`) once a
+/// stop was requested, for loops that poll between units of work.
+///
+/// # Errors
+/// [`Error::Interrupted`](crate::Error::Interrupted) after SIGINT/SIGTERM (or [`request`]).
+pub fn check(done: usize, wanted: usize, unit: &'static str) -> crate::Result<()> {
+    match requested() {
+        true => Err(crate::Error::Interrupted { signal: signal_name(), done, wanted, unit }),
+        false => Ok(()),
+    }
 }
 
 /// Raises the stop request by hand, as a signal would (for tests and embedders).

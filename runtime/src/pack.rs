@@ -21,8 +21,8 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use picchio_core::format::{data_offset, round_up, ImageSink};
-use picchio_core::{FlatWriter, Superblock, BLOCK_SIZE};
+use picchio_core::format::{plan_image_len, ImageSink};
+use picchio_core::{FlatWriter, Superblock};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -142,15 +142,18 @@ impl Source {
         Ok(Source { cfg, store, layout, layers, n_entries })
     }
 
-    /// The image size: superblock and index blocks, then one padded payload per entry (a dense
-    /// layer's slots one block each).
-    fn image_len(&self) -> u64 {
-        let bs = u64::from(BLOCK_SIZE);
-        let payload = round_up(self.layout.len() as u64, bs);
-        let moe = (0..self.layers).filter(|&l| self.cfg.is_moe_layer(l)).count() as u64;
-        let dense = self.layers as u64 - moe;
-        let experts = self.cfg.num_experts as u64;
-        data_offset(self.n_entries) + moe * experts * payload + dense * experts * round_up(32, bs)
+    /// The image size — superblock and index blocks, then one padded payload per entry (a dense
+    /// layer's slots one block each) — checked against the format's limits before anything is
+    /// written ([`picchio_core::format::plan_image_len`]), `dest` named in the error.
+    fn plan(&self, dest: &Path) -> Result<u64> {
+        let experts = self.cfg.num_experts;
+        let payload = self.layout.len() as u64;
+        let placeholder = DENSE_LAYER_PLACEHOLDER.len() as u64;
+        let lens = (0..self.layers).flat_map(|l| {
+            let len = if self.cfg.is_moe_layer(l) { payload } else { placeholder };
+            std::iter::repeat_n(len, experts)
+        });
+        Ok(plan_image_len(dest, store_dims(&self.cfg), self.n_entries, lens)?)
     }
 
     /// Writes every payload through `w` and finishes the image; returns (superblock, experts,
@@ -159,9 +162,12 @@ impl Source {
         let bar = progress::bar(u64::from(self.n_entries), "pack", !progress);
         let mut payload = vec![0u8; self.layout.len()];
         let (mut experts, mut placeholders) = (0, 0);
+        let wanted = self.n_entries as usize;
         for l in 0..self.layers {
             let moe = self.cfg.is_moe_layer(l);
             for e in 0..self.cfg.num_experts {
+                // SIGINT/SIGTERM: the error drops `w`, which removes its temporary file.
+                crate::interrupt::check(experts + placeholders, wanted, "payloads")?;
                 if moe {
                     self.layout.payload_from_store(&self.store, l, e, &mut payload)?;
                     w.push(&payload)?;
@@ -190,12 +196,14 @@ impl Source {
 /// file there is unchanged.
 pub fn pack(model_dir: &Path, out: &Path, opts: &PackOptions) -> Result<PackReport> {
     let t0 = Instant::now();
-    check_replaceable(out)?;
+    check_replaceable(out, "pack")?;
     let src = Source::open(model_dir, opts)?;
+    let image_len = src.plan(out)?;
+    check_free_space(out, image_len)?;
     let w = FlatWriter::create(out, store_dims(&src.cfg), src.n_entries)?;
     let (superblock, experts, placeholders) = src.write(w, opts.progress)?;
     let bytes = std::fs::metadata(out).map_err(Error::io(out, "stat the packed image"))?.len();
-    debug_assert_eq!(bytes, src.image_len(), "the image size pack_raw plans for a device");
+    debug_assert_eq!(bytes, image_len, "the image size pack_raw plans for a device");
     Ok(PackReport {
         model_dir: model_dir.into(),
         path: out.into(),
@@ -210,14 +218,15 @@ pub fn pack(model_dir: &Path, out: &Path, opts: &PackOptions) -> Result<PackRepo
     })
 }
 
-/// Refuses an `out` that [`pack`] must not replace: anything but a missing path, an empty regular
+/// Refuses an `out` that [`pack`] (or `command`, as messages name it: `pack`, `synth`) must not replace: anything but a missing path, an empty regular
 /// file, or a regular file starting with the image magic `PCHIOFL1` (a previous image: re-packing
 /// replaces it). So `--out MODEL/model.safetensors` or `--out MODEL/config.json` fails before any
 /// work instead of destroying a model file.
 ///
 /// # Errors
-/// [`Error::Invalid`] naming `out` and what it is; [`Error::Io`] when it exists but cannot be read.
-pub fn check_replaceable(out: &Path) -> Result<()> {
+/// [`Error::Invalid`] naming `out`, what it is and `command`; [`Error::Io`] when it exists but cannot
+/// be read.
+pub fn check_replaceable(out: &Path, command: &str) -> Result<()> {
     use std::io::Read;
     let md = match std::fs::metadata(out) {
         Ok(md) => md,
@@ -226,7 +235,7 @@ pub fn check_replaceable(out: &Path) -> Result<()> {
     };
     let refuse = |what: &str| {
         Err(Error::Invalid(format!(
-            "{}: {what}; pack will not replace it: remove it or choose another --out",
+            "{}: {what}; {command} will not replace it: remove it or choose another --out",
             out.display()
         )))
     };
@@ -247,6 +256,113 @@ pub fn check_replaceable(out: &Path) -> Result<()> {
         return refuse("exists and is not a .picchioflat image (it does not start with PCHIOFL1)");
     }
     Ok(())
+}
+
+/// Where `picchio pack --out` and `picchio synth --out` write an image.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OutTarget {
+    /// A file, written atomically (temporary file + rename).
+    File(PathBuf),
+    /// A block device from byte `offset` on (`raw:/dev/X[@BYTES]`).
+    Raw {
+        /// The device node.
+        device: PathBuf,
+        /// Byte offset of the image.
+        offset: u64,
+    },
+    /// Namespace `nsid` of the NVMe controller `bdf`, through the user-space driver.
+    Nvme {
+        /// PCI address `DDDD:BB:DD.F`.
+        bdf: String,
+        /// Namespace id.
+        nsid: u32,
+    },
+}
+
+/// Parses an `--out` value with the same parser as `--store` ([`picchio_core::StoreUri`]), so every
+/// scheme is either a place to write or refused by name — never taken for a file name: `file:PATH`
+/// or a path, `raw:/dev/X[@BYTES]`, `nvme:BDF[/NSID]`. `auto` and `safetensors` choose what a run
+/// reads and are refused; so is `nvme-sim:PATH` (`picchio bench`'s software controller reading an
+/// image file: write the file, then measure `nvme-sim:` it).
+///
+/// # Errors
+/// [`Error::Invalid`] naming the value and the scheme; [`Error::Store`] ([`picchio_core::Error::BadUri`])
+/// for an unknown scheme, which also says that a path containing ':' is written `file:PATH` or `./PATH`.
+pub fn parse_out(s: &str) -> Result<OutTarget> {
+    if let Some(path) = s.strip_prefix("nvme-sim:") {
+        return Err(Error::Invalid(format!(
+            "--out {s}: nvme-sim: is a read target of `picchio bench` (an image file served by the software \
+             NVMe controller), not a place to write: write --out file:{path} and measure --store {s} \
+             (a file name containing ':' is written file:PATH or ./PATH)"
+        )));
+    }
+    match s.parse::<picchio_core::StoreUri>()? {
+        picchio_core::StoreUri::File(p) => Ok(OutTarget::File(p)),
+        picchio_core::StoreUri::Raw { device, offset } => Ok(OutTarget::Raw { device, offset }),
+        picchio_core::StoreUri::Nvme { bdf, nsid } => Ok(OutTarget::Nvme { bdf, nsid }),
+        other @ (picchio_core::StoreUri::Auto | picchio_core::StoreUri::Safetensors) => Err(Error::Invalid(format!(
+            "--out {other}: `{other}` chooses what `picchio run --store` reads, it is not a place to write an image: \
+             give a path (file:PATH or ./PATH for a name like this one), raw:/dev/X[@BYTES] or nvme:BDF[/NSID]"
+        ))),
+    }
+}
+
+/// Refuses to start writing an image of `needed` bytes at the file `out` when the file system that
+/// will hold it (the one of `out`'s directory, where the temporary file goes) has fewer bytes
+/// available to us (`statvfs`: `f_bavail × f_frsize`, what an unprivileged writer may use). The old
+/// image, if any, stays until the rename, so all `needed` bytes must be free. On targets without
+/// `statvfs` (Windows) nothing is checked and a full disk shows as the write error.
+///
+/// # Errors
+/// [`Error::Invalid`] naming `out`, the bytes needed and the bytes available; [`Error::Io`] when the
+/// file system cannot be queried.
+pub fn check_free_space(out: &Path, needed: u64) -> Result<()> {
+    let dir = match out.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let Some(available) = free_space::available_bytes(dir).map_err(Error::io(dir, "query the free space (statvfs)"))?
+    else {
+        return Ok(());
+    };
+    if needed > available {
+        return Err(Error::Invalid(format!(
+            "{}: the image needs {needed} bytes ({:.2} GB) but its file system has {available} bytes ({:.2} GB) \
+             available: free space or choose another --out",
+            out.display(),
+            needed as f64 / 1e9,
+            available as f64 / 1e9
+        )));
+    }
+    Ok(())
+}
+
+/// `statvfs(3)`, the one unsafe call of [`check_free_space`].
+mod free_space {
+    use std::path::Path;
+
+    /// Bytes available to an unprivileged writer on the file system holding `dir`.
+    #[cfg(unix)]
+    pub(super) fn available_bytes(dir: &Path) -> std::io::Result<Option<u64>> {
+        use std::os::unix::ffi::OsStrExt;
+        let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "path contains a NUL byte"))?;
+        let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+        // SAFETY: `c` is a NUL-terminated path that outlives the call, and `st` points to writable
+        // memory of the size of `struct statvfs`, which `statvfs` fills completely on success.
+        if unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: statvfs returned 0, so it initialised `st`.
+        let st = unsafe { st.assume_init() };
+        #[allow(clippy::useless_conversion)] // the field widths differ between libcs
+        Ok(Some(u64::from(st.f_bavail).saturating_mul(u64::from(st.f_frsize))))
+    }
+
+    #[cfg(not(unix))]
+    pub(super) fn available_bytes(_: &Path) -> std::io::Result<Option<u64>> {
+        Ok(None)
+    }
 }
 
 /// Options of [`pack_raw`].
@@ -323,7 +439,7 @@ pub fn pack_raw(
 
     let t0 = Instant::now();
     let src = Source::open(model_dir, &opts.pack)?;
-    let image_len = src.image_len();
+    let image_len = src.plan(device)?;
     let target = RawTarget::open(device, picchio_core::ByteOffset(offset))?;
     let inspection = target.inspect(image_len)?;
     announce(&inspection);
@@ -534,7 +650,7 @@ pub fn pack_nvme(
 /// Refuses a controller that is not bound to `vfio-pci` according to `sysfs`, naming its driver
 /// and the command that binds it.
 #[cfg(target_os = "linux")]
-fn require_vfio(sysfs: &Path, bdf: &str, name: &str) -> Result<()> {
+pub(crate) fn require_vfio(sysfs: &Path, bdf: &str, name: &str) -> Result<()> {
     let bdf = crate::nvme_admin::Bdf::parse(bdf).map_err(|e| Error::Invalid(format!("{name}: {e}")))?;
     let ctrl = crate::nvme_admin::controller(sysfs, "", &bdf).map_err(|e| Error::Invalid(format!("{name}: {e}")))?;
     match ctrl.driver.as_deref() {
@@ -570,7 +686,7 @@ pub fn pack_nvme_queue(
 ) -> Result<NvmePackReport> {
     let t0 = Instant::now();
     let src = Source::open(model_dir, &opts.pack)?;
-    let image_len = src.image_len();
+    let image_len = src.plan(Path::new(name))?;
     let inspection = NvmeInspection::read(queue, name, image_len)?;
     announce(&inspection);
     inspection.permit(opts.force)?;
@@ -605,7 +721,7 @@ pub fn pack_nvme_queue(
 
 /// The [`ImageSink`] that writes an image onto an NVMe namespace through [`picchio_nvme::NvmeQueue`].
 #[cfg(target_os = "linux")]
-mod nvme_sink {
+pub(crate) mod nvme_sink {
     use std::io;
     use std::path::{Path, PathBuf};
 
@@ -620,7 +736,7 @@ mod nvme_sink {
 
     /// Gathers contiguous writes into 4 MiB aligned runs and writes each with
     /// [`NvmeQueue::submit_write`]; [`ImageSink::barrier`] waits for every run and issues a Flush.
-    pub(super) struct NvmeSink<'q> {
+    pub(crate) struct NvmeSink<'q> {
         queue: &'q mut NvmeQueue,
         dest: PathBuf,
         limit: u64,
@@ -637,7 +753,7 @@ mod nvme_sink {
     impl<'q> NvmeSink<'q> {
         /// A sink for an image of `limit` bytes at LBA 0; zeroes the first image block and flushes
         /// before returning, so the old superblock (ours or a file system's) is gone first.
-        pub(super) fn open(queue: &'q mut NvmeQueue, name: &str, limit: u64) -> io::Result<NvmeSink<'q>> {
+        pub(crate) fn open(queue: &'q mut NvmeQueue, name: &str, limit: u64) -> io::Result<NvmeSink<'q>> {
             let lba = queue.block_size() as usize;
             let mut sink = NvmeSink {
                 queue,
@@ -810,19 +926,38 @@ mod tests {
     }
 
     #[test]
+    fn out_goes_through_the_store_uri_parser() {
+        assert_eq!(parse_out("x.pf").unwrap(), OutTarget::File("x.pf".into()));
+        assert_eq!(parse_out("file:a:b.pf").unwrap(), OutTarget::File("a:b.pf".into()));
+        assert_eq!(parse_out("./a:b.pf").unwrap(), OutTarget::File("./a:b.pf".into()));
+        assert_eq!(parse_out("raw:/dev/sdz@4096").unwrap(), OutTarget::Raw { device: "/dev/sdz".into(), offset: 4096 });
+        assert_eq!(parse_out("nvme:0000:99:00.0").unwrap(), OutTarget::Nvme { bdf: "0000:99:00.0".into(), nsid: 1 });
+        let e = parse_out("nvme-sim:x.pf").unwrap_err().to_string();
+        assert!(e.contains("nvme-sim:") && e.contains("file:x.pf") && e.contains("./PATH"), "{e}");
+        let e = parse_out("s3:bucket/x").unwrap_err().to_string();
+        assert!(e.contains("unknown scheme \"s3:\"") && e.contains("file:PATH or ./PATH"), "{e}");
+        let e = parse_out("nvme:99:00.0").unwrap_err().to_string();
+        assert!(e.contains("not a PCI address"), "{e}");
+        for s in ["auto", "safetensors"] {
+            let e = parse_out(s).unwrap_err().to_string();
+            assert!(e.contains("not a place to write"), "{e}");
+        }
+    }
+
+    #[test]
     fn only_a_missing_path_an_empty_file_or_an_image_may_be_replaced() {
         let dir = tempfile::tempdir().unwrap();
         let p = |n: &str| dir.path().join(n);
-        assert!(check_replaceable(&p("missing")).is_ok());
+        assert!(check_replaceable(&p("missing"), "pack").is_ok());
         std::fs::write(p("empty"), b"").unwrap();
-        assert!(check_replaceable(&p("empty")).is_ok());
+        assert!(check_replaceable(&p("empty"), "pack").is_ok());
         let mut image = picchio_core::format::MAGIC.to_vec();
         image.resize(4096, 0);
         std::fs::write(p("old.picchioflat"), &image).unwrap();
-        assert!(check_replaceable(&p("old.picchioflat")).is_ok());
+        assert!(check_replaceable(&p("old.picchioflat"), "pack").is_ok());
         for (name, bytes) in [("config.json", &b"{\"model_type\": \"qwen3_moe\"}"[..]), ("short", b"PCHIO")] {
             std::fs::write(p(name), bytes).unwrap();
-            let e = check_replaceable(&p(name)).unwrap_err().to_string();
+            let e = check_replaceable(&p(name), "pack").unwrap_err().to_string();
             assert!(
                 e.contains(&p(name).display().to_string())
                     && e.contains("is not a .picchioflat image")
@@ -830,7 +965,7 @@ mod tests {
                 "{e}"
             );
         }
-        let e = check_replaceable(dir.path()).unwrap_err().to_string();
+        let e = check_replaceable(dir.path(), "pack").unwrap_err().to_string();
         assert!(e.contains("is a directory"), "{e}");
     }
 }

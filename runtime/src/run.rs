@@ -210,8 +210,12 @@ impl Session {
 
         let t0 = Instant::now();
         let mut pos = 0;
-        let interrupted =
-            |done| Error::Interrupted { signal: crate::interrupt::signal_name(), done, wanted: opts.max_new };
+        let interrupted = |done| Error::Interrupted {
+            signal: crate::interrupt::signal_name(),
+            done,
+            wanted: opts.max_new,
+            unit: "tokens",
+        };
         for &t in prompt_ids {
             if crate::interrupt::requested() {
                 return Err(interrupted(0));

@@ -24,9 +24,9 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use picchio_core::format::{data_offset, round_up, ImageSink};
+use picchio_core::format::{plan_image_len, ImageSink};
 use picchio_core::loader::StoreDims;
-use picchio_core::{FlatWriter, Superblock, BLOCK_SIZE};
+use picchio_core::{FlatWriter, Superblock};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
@@ -37,8 +37,9 @@ use crate::progress;
 pub struct Geometry {
     /// Superblock dimensions (n_layers is the model's, whatever `--layers` writes).
     pub dims: StoreDims,
-    /// Bytes of one expert payload (`len` of every index entry).
-    pub expert_bytes: u32,
+    /// Bytes of one expert payload (`len` of every index entry). Held as u64 so that a geometry
+    /// over the format's limit is reported ([`SynthOptions::plan`]), not wrapped into range.
+    pub expert_bytes: u64,
 }
 
 impl Geometry {
@@ -61,11 +62,12 @@ impl Geometry {
     }
 
     /// A geometry whose payload is our Q4 layout for hidden size `hidden` and expert width
-    /// `moe_intermediate` (27·H·I/16 bytes; both multiples of 64).
+    /// `moe_intermediate` (27·H·I/16 bytes; both multiples of 64). `moe_inter` (2·I) saturates at
+    /// u32::MAX; such a geometry's payload is far over the format's limit anyway.
     pub fn q4(hidden: u32, n_layers: u32, n_experts: u32, topk: u32, moe_intermediate: u32) -> Self {
-        let expert_bytes = (27 * u64::from(hidden) * u64::from(moe_intermediate) / 16) as u32;
+        let expert_bytes = 27 * u64::from(hidden) * u64::from(moe_intermediate) / 16;
         Geometry {
-            dims: StoreDims { hidden, n_layers, n_experts, topk, moe_inter: 2 * moe_intermediate },
+            dims: StoreDims { hidden, n_layers, n_experts, topk, moe_inter: moe_intermediate.saturating_mul(2) },
             expert_bytes,
         }
     }
@@ -93,11 +95,11 @@ impl Geometry {
     pub fn check(&self) -> Result<()> {
         let d = &self.dims;
         for (name, v) in [
-            ("--hidden", d.hidden),
-            ("--model-layers", d.n_layers),
-            ("--experts", d.n_experts),
-            ("--topk", d.topk),
-            ("--moe-intermediate", d.moe_inter),
+            ("--hidden", u64::from(d.hidden)),
+            ("--model-layers", u64::from(d.n_layers)),
+            ("--experts", u64::from(d.n_experts)),
+            ("--topk", u64::from(d.topk)),
+            ("--moe-intermediate", u64::from(d.moe_inter)),
             ("--expert-bytes", self.expert_bytes),
         ] {
             if v == 0 {
@@ -132,7 +134,7 @@ pub struct SynthReport {
     /// Its superblock.
     pub superblock: Superblock,
     /// Bytes of each payload.
-    pub expert_bytes: u32,
+    pub expert_bytes: u64,
     /// Image size in bytes.
     pub bytes: u64,
     /// The payload seed.
@@ -179,13 +181,17 @@ impl SynthOptions {
             .map_err(|_| Error::Invalid(format!("{layers} layers × {} experts exceed u32 entries", d.n_experts)))
     }
 
-    /// The image size in bytes: superblock and index blocks, then one padded payload per entry.
+    /// The size in bytes of the image to be written to `dest` — superblock and index blocks, then
+    /// one padded payload per entry — checked against the format's limits
+    /// ([`picchio_core::format::plan_image_len`]) before anything is written.
     ///
     /// # Errors
-    /// As [`Geometry::check`], and `layers` out of range.
-    pub fn image_len(&self) -> Result<u64> {
+    /// As [`Geometry::check`]; [`Error::Invalid`] for `layers` out of range or more entries than a
+    /// u32 holds; [`Error::Store`] ([`picchio_core::Error::FormatLimit`]) for a payload over
+    /// [`picchio_core::format::MAX_PAYLOAD_LEN`], naming `dest`, the entry and the limit.
+    pub fn plan(&self, dest: &Path) -> Result<u64> {
         let n = self.n_entries()?;
-        Ok(data_offset(n) + u64::from(n) * round_up(u64::from(self.geometry.expert_bytes), u64::from(BLOCK_SIZE)))
+        Ok(plan_image_len(dest, self.geometry.dims, n, [self.geometry.expert_bytes])?)
     }
 }
 
@@ -210,17 +216,26 @@ pub fn fill_payload(seed: u64, index: u32, out: &mut [u8]) {
     rest.copy_from_slice(&last[..rest.len()]);
 }
 
-/// Generates the payloads in parallel batches and pushes them in (layer, expert) order.
+/// Bytes of payload buffers [`write_payloads`] keeps at most (beyond one payload).
+const BATCH_BYTES: usize = 256 << 20;
+
+/// Generates the payloads in parallel batches and pushes them in (layer, expert) order, polling
+/// [`crate::interrupt`] before each push: on SIGINT/SIGTERM the error drops `w`, which removes its
+/// temporary file.
 fn write_payloads<S: ImageSink>(mut w: FlatWriter<S>, opts: &SynthOptions, n_entries: u32) -> Result<Superblock> {
     let bar = progress::bar(u64::from(n_entries), "synth", !opts.progress);
-    let len = opts.geometry.expert_bytes as usize;
-    let batch = rayon::current_num_threads().max(1) * 2;
+    let len = usize::try_from(opts.geometry.expert_bytes).map_err(|_| {
+        Error::Invalid(format!("{}-byte payloads do not fit this machine's memory", opts.geometry.expert_bytes))
+    })?;
+    // Two payloads per thread, but never gigabytes of buffers for huge payloads.
+    let batch = (rayon::current_num_threads().max(1) * 2).min((BATCH_BYTES / len.max(1)).max(1));
     let mut bufs: Vec<Vec<u8>> = (0..batch.min(n_entries as usize)).map(|_| vec![0u8; len]).collect();
     let mut next = 0u32;
     while next < n_entries {
         let n = (n_entries - next).min(batch as u32) as usize;
         bufs[..n].par_iter_mut().enumerate().for_each(|(i, b)| fill_payload(opts.seed, next + i as u32, b));
-        for b in &bufs[..n] {
+        for (i, b) in bufs[..n].iter().enumerate() {
+            crate::interrupt::check(next as usize + i, n_entries as usize, "payloads")?;
             w.push(b)?;
             bar.inc(1);
         }
@@ -234,17 +249,22 @@ fn write_payloads<S: ImageSink>(mut w: FlatWriter<S>, opts: &SynthOptions, n_ent
 /// Writes a synthetic image to the file `out`, atomically (temporary file + rename).
 ///
 /// # Errors
-/// [`Error::Invalid`] for a bad geometry or `layers`, or an `out` that [`crate::pack`] would not
-/// replace either ([`crate::pack::check_replaceable`]: only a missing path, an empty file or an
-/// earlier image); [`Error::Store`] when writing fails (nothing is left at `out` then).
+/// [`Error::Invalid`] for a bad geometry or `layers`, an `out` that may not be replaced
+/// ([`crate::pack::check_replaceable`]: only a missing path, an empty file or an earlier image), or
+/// a file system without room for the image ([`crate::pack::check_free_space`]); [`Error::Store`]
+/// for a geometry over the format's limits ([`SynthOptions::plan`]) or when writing fails;
+/// [`Error::Interrupted`] after SIGINT/SIGTERM. Nothing is left at `out` (nor a temporary file)
+/// after an error.
 pub fn synth(out: &Path, opts: &SynthOptions) -> Result<SynthReport> {
     let t0 = Instant::now();
     let n_entries = opts.n_entries()?;
-    crate::pack::check_replaceable(out)?;
+    let image_len = opts.plan(out)?;
+    crate::pack::check_replaceable(out, "synth")?;
+    crate::pack::check_free_space(out, image_len)?;
     let w = FlatWriter::create(out, opts.geometry.dims, n_entries)?;
     let superblock = write_payloads(w, opts, n_entries)?;
     let bytes = std::fs::metadata(out).map_err(Error::io(out, "stat the synthesized image"))?.len();
-    debug_assert_eq!(Some(bytes), opts.image_len().ok());
+    debug_assert_eq!(bytes, image_len);
     Ok(SynthReport {
         dest: out.display().to_string(),
         superblock,
@@ -312,7 +332,7 @@ pub fn synth_raw(
 
     let t0 = Instant::now();
     let n_entries = opts.n_entries()?;
-    let image_len = opts.image_len()?;
+    let image_len = opts.plan(device)?;
     let target = RawTarget::open(device, picchio_core::ByteOffset(offset))?;
     let inspection = target.inspect(image_len)?;
     announce(&inspection);
@@ -339,6 +359,99 @@ pub fn synth_raw(
     Ok(RawSynthReport { synth, device: device.into(), inspection, verify })
 }
 
+/// What [`synth_nvme`] did.
+#[cfg(target_os = "linux")]
+#[derive(Debug)]
+pub struct NvmeSynthReport {
+    /// The image written (`dest` is `nvme:BDF/NSID`).
+    pub synth: SynthReport,
+    /// The inspection the write was cleared by.
+    pub inspection: crate::pack::NvmeInspection,
+    /// The read-back verification through the driver (clean, or [`synth_nvme`] fails).
+    pub verify: crate::verify::VerifyReport,
+}
+
+#[cfg(target_os = "linux")]
+impl std::fmt::Display for NvmeSynthReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "{}", self.synth)?;
+        write!(
+            f,
+            "  at LBA 0 of namespace {} ({} B LBAs) through the user-space driver; read back through {}: index \
+             and {} payload hashes OK",
+            self.inspection.namespace.nsid, self.inspection.namespace.lba_size, self.verify.engine, self.verify.entries
+        )
+    }
+}
+
+/// Writes a synthetic image onto namespace `nsid` of the NVMe controller `bdf` (bound to
+/// `vfio-pci`, checked in `sysfs`), through the same driver path as
+/// [`crate::pack::pack_nvme`]: `picchio synth --out nvme:BDF[/NSID]`. See [`synth_nvme_queue`].
+///
+/// # Errors
+/// [`Error::Invalid`] when the controller is not bound to `vfio-pci` or cannot be opened; as
+/// [`synth_nvme_queue`] otherwise.
+#[cfg(target_os = "linux")]
+pub fn synth_nvme(
+    sysfs: &Path,
+    bdf: &str,
+    nsid: u32,
+    opts: &SynthOptions,
+    force: bool,
+    announce: &mut dyn FnMut(&crate::pack::NvmeInspection),
+) -> Result<NvmeSynthReport> {
+    let name = picchio_core::StoreUri::Nvme { bdf: bdf.into(), nsid }.to_string();
+    crate::pack::require_vfio(sysfs, bdf, &name)?;
+    let mut queue = crate::store::open_nvme_queue(&name, bdf, nsid, 32)?;
+    synth_nvme_queue(&mut queue, &name, opts, force, announce)
+}
+
+/// Writes a synthetic image onto the namespace `queue` drives (a VFIO controller, or the controller
+/// model in tests), named `name`, exactly as [`crate::pack::pack_nvme_queue`] writes a packed one:
+/// plan and check the size against the namespace, inspect its first blocks and `announce` them,
+/// refuse a signature unless `force`, zero the first block, write payloads and index with NVM Write
+/// commands, Flush, write the superblock, Flush, then read the image back and check every hash.
+///
+/// # Errors
+/// As [`synth`] for the options; [`Error::Engine`] for a refusal (too small, signatures); [`Error::Store`]
+/// when a Write or Flush fails; [`Error::Interrupted`] after SIGINT/SIGTERM (the first block stays
+/// zeroed: no valid-looking image is left); [`Error::Invalid`] when the read-back finds a problem.
+#[cfg(target_os = "linux")]
+pub fn synth_nvme_queue(
+    queue: &mut picchio_nvme::NvmeQueue,
+    name: &str,
+    opts: &SynthOptions,
+    force: bool,
+    announce: &mut dyn FnMut(&crate::pack::NvmeInspection),
+) -> Result<NvmeSynthReport> {
+    let t0 = Instant::now();
+    let n_entries = opts.n_entries()?;
+    let image_len = opts.plan(Path::new(name))?;
+    let inspection = crate::pack::NvmeInspection::read(queue, name, image_len)?;
+    announce(&inspection);
+    inspection.permit(force)?;
+    let mut sink = crate::pack::nvme_sink::NvmeSink::open(queue, name, image_len).map_err(|cause| {
+        Error::Store(picchio_core::Error::Write { path: name.into(), what: "the first block", cause })
+    })?;
+    let w = FlatWriter::with_sink(&mut sink, opts.geometry.dims, n_entries)?;
+    let superblock = write_payloads(w, opts, n_entries)?;
+    drop(sink);
+    let vopts = crate::verify::VerifyOptions { io_threads: 1, direct: true, progress: opts.progress };
+    let verify = crate::verify::verify_queue(queue, name, image_len, None, &vopts)?;
+    if !verify.is_clean() || verify.entries != n_entries as usize {
+        return Err(Error::Invalid(format!("{name}: the image was written but reading it back failed:\n{verify}")));
+    }
+    let synth = SynthReport {
+        dest: name.into(),
+        superblock,
+        expert_bytes: opts.geometry.expert_bytes,
+        bytes: image_len,
+        seed: opts.seed,
+        elapsed: t0.elapsed(),
+    };
+    Ok(NvmeSynthReport { synth, inspection, verify })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -355,6 +468,45 @@ mod tests {
         // Qwen3's payload is the one docs/format.md gives, 648 blocks exactly.
         assert_eq!(u64::from(q.expert_bytes) % 4096, 0);
         assert!(Geometry::named("llama").is_err());
+    }
+
+    #[test]
+    fn oversize_geometry_is_refused_before_anything_is_written() {
+        // `synth --arch custom --hidden 65536 --moe-intermediate 65536 --experts 100000
+        // --model-layers 1000`: 7,247,757,312-byte payloads, 7×10^17 bytes in all.
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("cx.pf");
+        let geometry = Geometry::q4(65536, 1000, 100_000, 8, 65536);
+        assert_eq!(geometry.expert_bytes, 7_247_757_312, "not wrapped to a u32");
+        let opts = SynthOptions { geometry, layers: None, seed: 0, progress: false };
+        let e = synth(&out, &opts).unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                Error::Store(picchio_core::Error::FormatLimit { what: "the payload", value: 7_247_757_312, .. })
+            ),
+            "{e}"
+        );
+        let s = e.to_string();
+        assert!(s.contains("cx.pf: entry 0 (layer 0, expert 0)") && s.contains("4294963200"), "{s}");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "nothing written, no temporary file");
+    }
+
+    #[test]
+    fn an_image_larger_than_the_free_space_is_refused_naming_both() {
+        // 3.6×10^9 payloads of 4.29 GB each (1.5×10^19 bytes, within the format's limits) fit no
+        // file system: the check refuses before a byte is written.
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("big.pf");
+        let mut geometry = Geometry::q4(64, 60_000, 60_000, 2, 64);
+        geometry.expert_bytes = picchio_core::format::MAX_PAYLOAD_LEN;
+        let opts = SynthOptions { geometry, layers: None, seed: 0, progress: false };
+        let needed = opts.plan(&out).unwrap();
+        let e = synth(&out, &opts).unwrap_err().to_string();
+        if cfg!(unix) {
+            assert!(e.contains(&format!("needs {needed} bytes")) && e.contains("available"), "{e}");
+        }
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "nothing written, no temporary file");
     }
 
     #[test]
@@ -381,7 +533,7 @@ mod tests {
         let geometry = Geometry::q4(128, 4, 8, 2, 64);
         let opts = SynthOptions { geometry, layers: Some(2), seed: 1, progress: false };
         let r = synth(&out, &opts).unwrap();
-        assert_eq!((r.superblock.n_entries, r.superblock.n_layers, r.bytes), (16, 4, opts.image_len().unwrap()));
+        assert_eq!((r.superblock.n_entries, r.superblock.n_layers, r.bytes), (16, 4, opts.plan(&out).unwrap()));
         let v =
             crate::verify::verify(&out, None, &crate::verify::VerifyOptions { progress: false, ..Default::default() })
                 .unwrap();
@@ -393,7 +545,7 @@ mod tests {
         let cfg = dir.path().join("config.json");
         std::fs::write(&cfg, b"{}").unwrap();
         let e = synth(&cfg, &opts).unwrap_err().to_string();
-        assert!(e.contains("is not a .picchioflat image"), "{e}");
+        assert!(e.contains("is not a .picchioflat image") && e.contains("synth will not replace it"), "{e}");
         let e = synth(&out, &SynthOptions { layers: Some(5), ..opts.clone() }).unwrap_err().to_string();
         assert!(e.contains("--layers 5"), "{e}");
     }

@@ -259,7 +259,13 @@ fn write_shard(
     let per_expert = shard::expert_tensors(layout, 0, 0).len() as u64;
     let chunk = (4 * rayon::current_num_threads()).max(16);
     let mut written = 0u64;
+    // SIGINT/SIGTERM: the error unwinds to `convert`, whose `TempDir` removes the partial output.
+    let stop = || {
+        let (done, wanted) = (bar.position() as usize, bar.length().unwrap_or_default() as usize);
+        crate::interrupt::check(done, wanted, "tensors")
+    };
     for c in s.experts.chunks(chunk) {
+        stop()?;
         let payloads = c
             .par_iter()
             .map(|&(l, e)| {
@@ -275,6 +281,7 @@ fn write_shard(
         }
     }
     for name in &s.dense {
+        stop()?;
         let t = store.get(name)?;
         w.write_all(t.bytes).map_err(Error::io(path, "write"))?;
         written += t.bytes.len() as u64;

@@ -2,6 +2,8 @@
 
 use std::path::PathBuf;
 
+use anyhow::Context;
+
 use picchio_runtime::convert::{convert, ConvertOptions};
 use picchio_runtime::quant::QuantKind;
 
@@ -27,6 +29,8 @@ pub struct Args {
 }
 
 pub fn exec(a: Args) -> anyhow::Result<()> {
+    // SIGINT/SIGTERM stop the conversion between tensors; the temporary directory is removed.
+    picchio_runtime::interrupt::install().context("installing the SIGINT/SIGTERM handlers")?;
     let report = convert(
         &a.src,
         &a.dst,

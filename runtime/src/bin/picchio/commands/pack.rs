@@ -2,9 +2,8 @@
 
 use std::path::PathBuf;
 
-use anyhow::bail;
-use picchio_core::StoreUri;
-use picchio_runtime::pack::{pack, PackOptions};
+use anyhow::{bail, Context};
+use picchio_runtime::pack::{pack, parse_out, OutTarget, PackOptions};
 use picchio_runtime::store::DEFAULT_IMAGE;
 
 /// Options of `picchio pack`.
@@ -13,8 +12,9 @@ pub struct Args {
     /// Converted model directory (from `picchio convert`, or one written by Picchio (C)).
     #[arg(value_name = "MODEL_DIR")]
     pub model: PathBuf,
-    /// Where to write the image [default: MODEL_DIR/experts.picchioflat]. A path (or file:PATH) is
-    /// written atomically (temporary file + rename). raw:/dev/X or raw:/dev/X@BYTES writes a block
+    /// Where to write the image [default: MODEL_DIR/experts.picchioflat]. A path (or file:PATH; a
+    /// name containing ':' must be written file:PATH or ./PATH) is written atomically (temporary
+    /// file + rename) after checking that its file system has room. raw:/dev/X or raw:/dev/X@BYTES writes a block
     /// device from byte BYTES on (a whole number of logical blocks; default 0): the device is
     /// inspected first and refused if it is mounted, in use, or carries a partition table or
     /// file-system signature; what will be overwritten is printed, and the image is read back and
@@ -44,17 +44,14 @@ pub struct Args {
 
 pub fn exec(a: Args) -> anyhow::Result<()> {
     let opts = PackOptions { layers: a.layers, progress: !a.no_progress };
-    let out = match a.out.as_deref() {
+    // SIGINT/SIGTERM stop the write between payloads: a file's temporary file is removed, a device
+    // is left without a valid superblock.
+    picchio_runtime::interrupt::install().context("installing the SIGINT/SIGTERM handlers")?;
+    let out = match a.out.as_deref().map(parse_out).transpose()? {
         None => a.model.join(DEFAULT_IMAGE),
-        Some(s) if s.starts_with("raw:") => {
-            let StoreUri::Raw { device, offset } = s.parse::<StoreUri>()? else { unreachable!("raw: parses as Raw") };
-            return pack_raw(&a, &device, offset, opts);
-        }
-        Some(s) if s.starts_with("nvme:") => {
-            let StoreUri::Nvme { bdf, nsid } = s.parse::<StoreUri>()? else { unreachable!("nvme: parses as Nvme") };
-            return pack_nvme(&a, &bdf, nsid, opts);
-        }
-        Some(s) => PathBuf::from(s.strip_prefix("file:").unwrap_or(s)),
+        Some(OutTarget::File(path)) => path,
+        Some(OutTarget::Raw { device, offset }) => return pack_raw(&a, &device, offset, opts),
+        Some(OutTarget::Nvme { bdf, nsid }) => return pack_nvme(&a, &bdf, nsid, opts),
     };
     if a.force {
         bail!("--force only applies to --out raw:/dev/X or nvme:BDF (a file image is replaced atomically anyway)");

@@ -1,9 +1,7 @@
 //! `picchio synth`.
 
-use std::path::PathBuf;
-
-use anyhow::bail;
-use picchio_core::StoreUri;
+use anyhow::{bail, Context};
+use picchio_runtime::pack::{parse_out, OutTarget};
 use picchio_runtime::synth::{synth, Geometry, SynthOptions};
 
 /// Options of `picchio synth`.
@@ -14,11 +12,14 @@ pub struct Args {
     /// --moe-intermediate, --experts, --model-layers, [--topk], [--expert-bytes]).
     #[arg(long, value_name = "ARCH")]
     pub arch: String,
-    /// Where to write the image. A path (or file:PATH) is written atomically; an existing file is
-    /// replaced only if it is empty or an earlier image. raw:/dev/X[@BYTES] writes a block device
-    /// after inspecting it (refused if mounted, in use, or carrying a partition table or file-system
-    /// signature, unless --force; never the device behind /), then reads it back and checks it.
-    #[arg(long, value_name = "PATH|raw:/dev/X[@BYTES]")]
+    /// Where to write the image. A path (or file:PATH; a name containing ':' must be written
+    /// file:PATH or ./PATH) is written atomically, after checking the file system has room; an
+    /// existing file is replaced only if it is empty or an earlier image. raw:/dev/X[@BYTES] writes a
+    /// block device after inspecting it (refused if too small, mounted, in use, or carrying a
+    /// partition table or file-system signature, unless --force; never the device behind /), then
+    /// reads it back and checks it. nvme:BDF[/NSID] writes the namespace through the user-space
+    /// driver exactly as `picchio pack --out nvme:` does (the controller bound to vfio-pci first).
+    #[arg(long, value_name = "PATH|raw:/dev/X[@BYTES]|nvme:BDF[/NSID]")]
     pub out: String,
     /// Write only the first N layers' entries (the superblock still records the model's layers).
     #[arg(long, value_name = "N")]
@@ -41,9 +42,10 @@ pub struct Args {
     /// custom: experts per token [default: min(8, E)].
     #[arg(long, value_name = "K")]
     pub topk: Option<u32>,
-    /// custom: bytes of one expert payload [default: the Q4 payload of H × I, 27·H·I/16].
+    /// custom: bytes of one expert payload [default: the Q4 payload of H × I, 27·H·I/16]; at most
+    /// 4,294,963,200 (the format's u32 padded_len).
     #[arg(long, value_name = "BYTES")]
-    pub expert_bytes: Option<u32>,
+    pub expert_bytes: Option<u64>,
     /// With --out raw:, write the device although it carries a partition table or a file-system
     /// signature, or is found mounted or in use. Never the device backing /.
     #[arg(long)]
@@ -88,14 +90,22 @@ fn geometry(a: &Args) -> anyhow::Result<Geometry> {
 
 pub fn exec(a: Args) -> anyhow::Result<()> {
     let opts = SynthOptions { geometry: geometry(&a)?, layers: a.layers, seed: a.seed, progress: !a.no_progress };
-    if a.out.starts_with("raw:") {
-        let StoreUri::Raw { device, offset } = a.out.parse::<StoreUri>()? else { unreachable!("raw: parses as Raw") };
-        return synth_raw(&a, &device, offset, &opts);
-    }
+    let out = match parse_out(&a.out)? {
+        OutTarget::File(path) => path,
+        OutTarget::Raw { device, offset } => {
+            picchio_runtime::interrupt::install().context("installing the SIGINT/SIGTERM handlers")?;
+            return synth_raw(&a, &device, offset, &opts);
+        }
+        OutTarget::Nvme { bdf, nsid } => {
+            picchio_runtime::interrupt::install().context("installing the SIGINT/SIGTERM handlers")?;
+            return synth_nvme(&a, &bdf, nsid, &opts);
+        }
+    };
     if a.force {
-        bail!("--force only applies to --out raw:/dev/X (a file image is replaced atomically anyway)");
+        bail!("--force only applies to --out raw:/dev/X or nvme:BDF (a file image is replaced atomically anyway)");
     }
-    let out = PathBuf::from(a.out.strip_prefix("file:").unwrap_or(&a.out));
+    // SIGINT/SIGTERM stop the write between payloads; the temporary file is removed on the way out.
+    picchio_runtime::interrupt::install().context("installing the SIGINT/SIGTERM handlers")?;
     let report = synth(&out, &opts)?;
     println!("{report}");
     Ok(())
@@ -113,4 +123,17 @@ fn synth_raw(a: &Args, device: &std::path::Path, offset: u64, opts: &SynthOption
 #[cfg(not(target_os = "linux"))]
 fn synth_raw(_: &Args, device: &std::path::Path, _: u64, _: &SynthOptions) -> anyhow::Result<()> {
     bail!("--out raw:{}: writing block devices is supported on Linux only", device.display())
+}
+
+#[cfg(target_os = "linux")]
+fn synth_nvme(a: &Args, bdf: &str, nsid: u32, opts: &SynthOptions) -> anyhow::Result<()> {
+    let sysfs = std::path::Path::new("/sys");
+    let report = picchio_runtime::synth::synth_nvme(sysfs, bdf, nsid, opts, a.force, &mut |plan| eprintln!("{plan}"))?;
+    println!("{report}");
+    Ok(())
+}
+
+#[cfg(not(target_os = "linux"))]
+fn synth_nvme(_: &Args, bdf: &str, _: u32, _: &SynthOptions) -> anyhow::Result<()> {
+    bail!("--out nvme:{bdf}: the user-space NVMe driver needs Linux VFIO")
 }

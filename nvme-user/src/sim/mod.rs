@@ -215,7 +215,8 @@ impl Sim {
     /// ([`HeapDma::registry`](crate::dma::HeapDma::registry)).
     ///
     /// # Errors
-    /// [`Error::SimBacking`] if a file cannot be opened; [`Error::Unsupported`] for a bad LBA size.
+    /// [`Error::SimBacking`] if a file cannot be opened or is shorter than one LBA (naming the file,
+    /// its size and the minimum); [`Error::Unsupported`] for a bad LBA size.
     pub fn start(cfg: SimConfig, registry: Arc<DmaRegistry>) -> Result<Sim> {
         let mut ns = Vec::new();
         for (i, n) in cfg.namespaces.iter().enumerate() {
@@ -226,6 +227,18 @@ impl Sim {
             let backing = |source| Error::SimBacking { nsid, path: n.path.clone(), source };
             let file = std::fs::OpenOptions::new().read(true).write(n.writable).open(&n.path).map_err(backing)?;
             let len = file.metadata().map_err(backing)?.len();
+            // A file shorter than one LBA would be a namespace of 0 blocks, which a controller does
+            // not report as active: say what is wrong with the file instead of "namespace not found".
+            if len < u64::from(n.lba_size) {
+                return Err(backing(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!(
+                        "{len} bytes, shorter than one {}-byte LBA (the minimum; a .picchioflat image has at \
+                         least 8192 bytes): not a namespace image",
+                        n.lba_size
+                    ),
+                )));
+            }
             ns.push(SimNs { file, lba_size: n.lba_size, blocks: len / u64::from(n.lba_size), writable: n.writable });
         }
         let model = Model {

@@ -424,7 +424,7 @@ pub fn hugepage_shortfall(needed_pages: usize, slots: usize, slot_len: usize, me
     format!(
         "zero-copy NVMe reads need the expert cache in DMA memory: {needed_pages} × 2 MiB hugepages for {slots} \
          slots of {slot_len} B, but {have} ({cause}); expert reads will be copied through bounce buffers instead \
-         (bounce_bytes in `picchio run --json`). Reserve them before the run, as root: \
+         (counted as bounce_bytes in the engine statistics and reports). Reserve them before the run, as root: \
          echo {target} > /proc/sys/vm/nr_hugepages"
     )
 }

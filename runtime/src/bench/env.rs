@@ -166,6 +166,11 @@ pub struct BlockDevice {
     pub max_sectors_kb: Option<u32>,
     /// For a loop device, `loop/backing_file`.
     pub loop_backing_file: Option<String>,
+    /// For a loop device, `loop/dio`: whether it reads its backing file with direct I/O. Without it
+    /// (`false`), every read of the loop device — O_DIRECT ones included — goes through the backing
+    /// file's page cache, so figures include that cache (see the target's `note`).
+    #[serde(default)]
+    pub loop_direct_io: Option<bool>,
 }
 
 /// The mount holding a file (one `/proc/self/mountinfo` line).
@@ -302,6 +307,16 @@ fn describe_target(spec: &TargetSpec) -> Target {
         }
         TargetSpec::BlockDevice { uri, path } => {
             let dev = devnum_of(path, true);
+            let device = dev.and_then(|(maj, min)| block_device(maj, min));
+            let note = device.as_ref().filter(|d| d.loop_direct_io == Some(false)).map(|d| {
+                format!(
+                    "loop device without direct I/O (loop/dio 0): reads of {} go through the page cache of its \
+                     backing file {}, so figures (buffered, and O_DIRECT too) include that cache, not only the \
+                     disk below; `losetup --direct-io=on` avoids it",
+                    d.name,
+                    d.loop_backing_file.as_deref().unwrap_or("?")
+                )
+            });
             Target {
                 uri: uri.clone(),
                 kind: "block device".into(),
@@ -312,10 +327,10 @@ fn describe_target(spec: &TargetSpec) -> Target {
                         .and_then(|s| s.parse::<u64>().ok())
                         .map(|n| n * 512)
                 }),
-                device: dev.and_then(|(maj, min)| block_device(maj, min)),
+                device,
                 filesystem: None,
                 pci: None,
-                note: None,
+                note,
             }
         }
         TargetSpec::NvmeSim { uri, backing } => {
@@ -418,6 +433,7 @@ fn block_device_in(sys: &Path, major: u32, minor: u32) -> Option<BlockDevice> {
         read_ahead_kb: num("read_ahead_kb"),
         max_sectors_kb: num("max_sectors_kb"),
         loop_backing_file: read_trim(disk_dir.join("loop/backing_file")),
+        loop_direct_io: read_trim(disk_dir.join("loop/dio")).map(|s| s == "1"),
     })
 }
 

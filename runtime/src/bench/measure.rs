@@ -115,6 +115,35 @@ fn uring_unavailable() -> Option<String> {
     Some("io_uring is Linux-only".into())
 }
 
+/// The most reads in flight per queue a bench point runs (`--qd`): as `picchio run --qd`, and
+/// what io_uring accepts ([`picchio_blockdev::MAX_QD`]); the psync engines start one worker thread
+/// per read in flight, capped by [`picchio_blockdev::MAX_THREADS`].
+pub const MAX_QD: u32 = 256;
+
+/// The most submitting threads of a bench point (`--threads`), each with its own queue (and, for
+/// `nvme-sim`, its own controller model): as `picchio run --io-threads`.
+pub const MAX_THREADS: u32 = 256;
+
+/// Above this fraction of the image's pages resident just after `posix_fadvise(DONTNEED)`, the drop
+/// is reported as not having taken effect (`drop-ineffective`): tmpfs and ramfs pages *are* the
+/// file and cannot be evicted, and pages mapped or locked by another process stay.
+pub const DROP_INEFFECTIVE_ABOVE: f64 = 0.01;
+
+/// Checks a point's `threads` and `qd` against [`MAX_THREADS`] and [`MAX_QD`] (both at least 1),
+/// before any thread or queue is made.
+///
+/// # Errors
+/// [`Error::Invalid`] naming the option, the value and the bound.
+pub fn check_depth(threads: u32, qd: u32) -> Result<()> {
+    if !(1..=MAX_THREADS).contains(&threads) {
+        return Err(Error::Invalid(format!("--threads {threads}: must be 1 to {MAX_THREADS} (a queue per thread)")));
+    }
+    if !(1..=MAX_QD).contains(&qd) {
+        return Err(Error::Invalid(format!("--qd {qd}: must be 1 to {MAX_QD} reads in flight per thread")));
+    }
+    Ok(())
+}
+
 /// A queue opened on the store, reading image offsets (a `raw:` image's base is added inside).
 pub struct Opened {
     /// The queue.
@@ -138,7 +167,8 @@ fn location(store: &BenchStore) -> (Option<PathBuf>, u64) {
 /// [`Error::Invalid`] when the engine cannot read this kind of store; the engine's open errors.
 pub fn open(store: &BenchStore, engine: Engine, qd: u32) -> Result<Opened> {
     let (path, base) = location(store);
-    let qd = qd.max(1);
+    check_depth(1, qd)?;
+    check_raw(store)?;
     let need_path = || {
         path.clone().ok_or_else(|| Error::Invalid(format!("engine {engine} reads a file or block device, not {store}")))
     };
@@ -168,6 +198,23 @@ pub fn open(store: &BenchStore, engine: Engine, qd: u32) -> Result<Opened> {
         b => offset_queue(queue, b),
     };
     Ok(Opened { queue, image_len: target_len - base })
+}
+
+/// For a `raw:` store, the check `picchio run` and `picchio verify` make
+/// ([`picchio_blockdev::raw::RawTarget::open`]): the path is a block device (a regular file given as
+/// `raw:` is refused, never read as a device) and the offset a whole number of its logical blocks
+/// inside it. Other stores pass.
+///
+/// # Errors
+/// [`Error::Engine`] from the check.
+pub fn check_raw(store: &BenchStore) -> Result<()> {
+    #[cfg(target_os = "linux")]
+    if let BenchStore::Raw { device, offset } = store {
+        picchio_blockdev::raw::RawTarget::open(device, ByteOffset(*offset))?;
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = store;
+    Ok(())
 }
 
 #[cfg(target_os = "linux")]
@@ -232,7 +279,7 @@ pub fn open_nvme_sim(path: &std::path::Path, qd: u32) -> Result<(Box<dyn IoQueue
     use picchio_nvme::{sim::SimConfig, NvmeQueue, NvmeQueueOptions};
     let len = std::fs::metadata(path).map_err(Error::io(path, "stat the controller model's backing file"))?.len();
     let lba = if len.is_multiple_of(4096) { 4096 } else { 512 };
-    let opts = NvmeQueueOptions { qd: qd.min(1023) as u16, ..NvmeQueueOptions::default() };
+    let opts = NvmeQueueOptions { qd: u16::try_from(qd).unwrap_or(u16::MAX), ..NvmeQueueOptions::default() };
     let (queue, sim) = NvmeQueue::open_sim(SimConfig::single(path, lba), &opts)
         .map_err(|e| Error::Invalid(format!("nvme-sim:{}: {e}", path.display())))?;
     let bytes = queue.namespace().bytes();
@@ -251,10 +298,11 @@ pub fn open_nvme_sim(path: &std::path::Path, _qd: u32) -> Result<(Box<dyn IoQueu
 #[cfg(target_os = "linux")]
 fn open_nvme(bdf: &str, nsid: u32, qd: u32) -> Result<(Box<dyn IoQueue>, u64)> {
     use picchio_nvme::{NvmeQueue, NvmeQueueOptions};
-    let opts = NvmeQueueOptions { nsid, qd: qd.min(1023) as u16, ..NvmeQueueOptions::default() };
+    let opts = NvmeQueueOptions { nsid, qd: u16::try_from(qd).unwrap_or(u16::MAX), ..NvmeQueueOptions::default() };
     let fail = |e: picchio_nvme::Error| Error::Invalid(format!("nvme:{bdf}/{nsid}: {e}"));
     let ctrlr = picchio_nvme::vfio::open_controller(bdf, opts.ctrlr_options()).map_err(fail)?;
     let queue = NvmeQueue::with_bounce_buffer(ctrlr, nsid, opts.timeout, format!("vfio {bdf}")).map_err(fail)?;
+    queue.warn_if_clamped(opts.qd);
     let bytes = queue.namespace().bytes();
     Ok((Box::new(queue), bytes))
 }
@@ -298,6 +346,42 @@ impl StoreLayout {
             return Err(Error::Invalid(format!("{store}: the image has no usable entry to read")));
         }
         Ok(StoreLayout { superblock: sb, entries, image_len })
+    }
+
+    /// [`StoreLayout::read`] through the engine that reads any store of this kind (psync buffered
+    /// for a file, psync O_DIRECT for a `raw:` block device, the driver for `nvme-sim:` and
+    /// `nvme:`): what every experiment does first, so a missing path, a directory, a regular file
+    /// given as `raw:` or a file that is not an image is refused before anything is measured.
+    ///
+    /// # Errors
+    /// As [`StoreLayout::read`].
+    pub fn of(store: &BenchStore) -> Result<Self> {
+        let engine = match store {
+            BenchStore::File(_) => Engine::PsyncBuffered,
+            BenchStore::Raw { .. } => Engine::PsyncDirect,
+            BenchStore::NvmeSim(_) => Engine::NvmeSim,
+            BenchStore::Nvme { .. } => Engine::Nvme,
+        };
+        if let BenchStore::File(p) | BenchStore::NvmeSim(p) = store {
+            match std::fs::metadata(p) {
+                Ok(m) if m.is_file() => {}
+                Ok(_) => {
+                    return Err(Error::Invalid(format!(
+                        "{store}: is not a regular file (a .picchioflat image; for a block device use raw:)"
+                    )))
+                }
+                Err(e) => return Err(Error::io(p, "open the store")(e)),
+            }
+        }
+        Self::read(store, engine)
+    }
+
+    /// The payload area: image bytes from the superblock's `data_offset` to the end of the last
+    /// entry (what `overhead` and `qd-sweep --bs` draw reads from).
+    pub fn payload(&self) -> (u64, u64) {
+        let lo = self.superblock.data_offset;
+        let hi = self.entries.iter().map(|&(o, l)| o + u64::from(l)).max().unwrap_or(lo);
+        (lo, hi.saturating_sub(lo))
     }
 
     /// The most common padded length among the entries (the expert read size; dense-layer
@@ -434,9 +518,12 @@ pub struct CpuTime {
 /// The page cache before a point.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct CacheState {
-    /// `dropped` (posix_fadvise DONTNEED on the target before the point), `bypassed` (O_DIRECT or
-    /// the NVMe driver), `warm` (`--warm`: left as it was), or `model` (the controller model reads
-    /// its backing file through the page cache, whatever we do).
+    /// `dropped` (posix_fadvise DONTNEED on the target before the point), `drop-ineffective` (the
+    /// same was asked, but more than [`DROP_INEFFECTIVE_ABOVE`] of the image stayed resident — tmpfs
+    /// or ramfs, whose pages are the file, or pages another process maps — so the point read
+    /// memory, not the device), `bypassed` (O_DIRECT or the NVMe driver), `warm` (`--warm`: left as
+    /// it was), or `model` (the controller model reads its backing file through the page cache,
+    /// whatever we do).
     pub action: String,
     /// Fraction of the image's pages in the page cache just before the point (`mincore`), for a
     /// file; `null` for a device or where it cannot be measured.
@@ -491,8 +578,8 @@ pub fn run_point(
     max_read: u32,
     make_source: &dyn Fn(u32) -> UnitSource,
 ) -> Result<PointResult> {
-    let threads = spec.threads.max(1);
-    let qd = spec.qd.max(1);
+    check_depth(spec.threads, spec.qd)?;
+    let (threads, qd) = (spec.threads, spec.qd);
     let page_cache = prepare_cache(store, spec)?;
     // Open every queue before starting the clock; an open error ends the point before it starts.
     let mut opened = Vec::with_capacity(threads as usize);
@@ -802,7 +889,18 @@ fn prepare_cache(store: &BenchStore, spec: &PointSpec) -> Result<CacheState> {
             if let Some(p) = &path {
                 drop_cache(p)?;
             }
-            CacheState { action: "dropped".into(), resident_before: resident(&path) }
+            let resident_before = resident(&path);
+            let action = if resident_before.is_some_and(|r| r > DROP_INEFFECTIVE_ABOVE) {
+                tracing::warn!(
+                    "{store}: {:.0}% of the image is still in the page cache after posix_fadvise(DONTNEED) \
+                     (tmpfs/ramfs, or mapped elsewhere): the psync-buffered point reads memory, not the device",
+                    resident_before.unwrap_or(0.0) * 100.0
+                );
+                "drop-ineffective"
+            } else {
+                "dropped"
+            };
+            CacheState { action: action.into(), resident_before }
         }
         Engine::NvmeSim => CacheState { action: "model".into(), resident_before: resident(&path) },
         _ => CacheState { action: "bypassed".into(), resident_before: resident(&path) },

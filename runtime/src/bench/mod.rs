@@ -17,6 +17,7 @@ pub mod fio;
 pub mod layout;
 pub mod measure;
 pub mod null;
+pub mod output;
 pub mod overhead;
 pub mod plot;
 pub mod qd_sweep;
@@ -150,10 +151,14 @@ impl<R: Serialize> Report<R> {
     }
 
     /// Writes the report as JSON to `path` (atomically: a temporary file beside it, then rename).
+    /// An existing `path` is replaced only when it is an earlier report
+    /// ([`output::check_replaceable`] with [`output::is_bench_report`]): never the store, a text
+    /// file, a directory or a device node.
     ///
     /// # Errors
-    /// [`Error::Io`] naming the path.
+    /// [`Error::Invalid`] when `path` may not be replaced; [`Error::Io`] naming the path.
     pub fn write_json(&self, path: &Path) -> Result<()> {
+        output::check_replaceable(path, "--json", "a picchio-bench report", output::is_bench_report)?;
         let mut name = path.file_name().unwrap_or_default().to_os_string();
         name.push(format!(".tmp-{}", std::process::id()));
         let tmp = path.with_file_name(name);
@@ -179,6 +184,24 @@ impl<R: Serialize> Report<R> {
             results: serde_json::to_value(&self.results).expect("report types serialize"),
         }
     }
+}
+
+/// The `flags` of a report: every option of the command line (`cli`, e.g. the clap arguments with
+/// `store`, `json` and `plot`), overlaid with the options as the experiment resolved them
+/// (`resolved`: defaults filled in, e.g. the thread list or the clamped read range). Both must
+/// serialize to JSON objects; a key in both takes `resolved`'s value.
+///
+/// # Errors
+/// [`Error::Invalid`] when either does not serialize to an object (a bug in the options type).
+pub fn flags(cli: &impl Serialize, resolved: &impl Serialize) -> Result<serde_json::Value> {
+    let object = |v: serde_json::Result<serde_json::Value>| match v {
+        Ok(serde_json::Value::Object(m)) => Ok(m),
+        Ok(other) => Err(Error::Invalid(format!("bench flags: {other} is not an object"))),
+        Err(e) => Err(Error::Invalid(format!("bench flags: {e}"))),
+    };
+    let mut m = object(serde_json::to_value(cli))?;
+    m.extend(object(serde_json::to_value(resolved))?);
+    Ok(serde_json::Value::Object(m))
 }
 
 /// Draws the charts of `report` into `dir` (`--plot DIR`) and returns the files written; the

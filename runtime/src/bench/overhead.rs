@@ -35,10 +35,50 @@ pub struct OverheadOptions {
     pub reads: u64,
     /// Read size, bytes (a multiple of 4096).
     pub bs: u32,
-    /// Bytes at the start of the image that reads are drawn from (read once first to cache them).
-    pub range: u64,
+    /// Bytes at the start of the image that reads are drawn from (read once first to cache them):
+    /// `None` is [`DEFAULT_RANGE`] clamped to the image (its end: the end of the last entry of the
+    /// payload area); an explicit range larger than the image is refused.
+    pub range: Option<u64>,
     /// Seed of the offsets.
     pub seed: u64,
+}
+
+/// The read range when none is given: 64 MiB, or the whole image when it is smaller.
+pub const DEFAULT_RANGE: u64 = 64 << 20;
+
+impl OverheadOptions {
+    /// Checks `bs`, `reads` and `range` against the image (`image_end`: bytes from the image's
+    /// first byte to the end of its payload area, [`super::measure::StoreLayout::payload`]) and
+    /// returns the read range to use, a whole number of reads. Called before anything is measured.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the option that is wrong: `--bs` zero or not a multiple of 4096,
+    /// `--reads` zero, or `--range` smaller than one read or larger than the image (naming its size).
+    pub fn resolve_range(&self, image_end: u64) -> Result<u64> {
+        if self.bs == 0 || !self.bs.is_multiple_of(4096) {
+            return Err(Error::Invalid(format!("overhead: --bs {}: must be a positive multiple of 4096", self.bs)));
+        }
+        if self.reads == 0 {
+            return Err(Error::Invalid("overhead: --reads 0: must be positive".into()));
+        }
+        let range = match self.range {
+            None => DEFAULT_RANGE.min(image_end),
+            Some(r) if r > image_end => {
+                return Err(Error::Invalid(format!(
+                    "overhead: --range {r}: larger than the image ({image_end} bytes up to the end of its payload)"
+                )))
+            }
+            Some(r) => r,
+        };
+        let bs = u64::from(self.bs);
+        if range < bs {
+            return Err(Error::Invalid(format!(
+                "overhead: --range {range} is smaller than one read of --bs {bs} bytes{}",
+                if self.range.is_none() { " (the whole image)" } else { "" }
+            )));
+        }
+        Ok(range - range % bs)
+    }
 }
 
 impl Default for OverheadOptions {
@@ -47,7 +87,7 @@ impl Default for OverheadOptions {
             engines: ["null", "psync", "uring", "nvme-sim"].map(String::from).to_vec(),
             reads: 100_000,
             bs: 4096,
-            range: 64 << 20,
+            range: None,
             seed: 0,
         }
     }
@@ -113,6 +153,9 @@ pub struct OverheadResults {
     pub ticks_per_ns: f64,
     /// Read size, bytes.
     pub bs: u32,
+    /// Bytes at the start of the image the reads were drawn from (`--range`, or its default clamped
+    /// to the image).
+    pub range: u64,
     /// Every engine measured.
     pub rows: Vec<OverheadRow>,
     /// Engines not run, with the reason.
@@ -183,11 +226,7 @@ struct Target {
     resident_before: Option<f64>,
 }
 
-fn open_target(
-    engine: &str,
-    store: &BenchStore,
-    opts: &OverheadOptions,
-) -> Result<std::result::Result<Target, String>> {
+fn open_target(engine: &str, store: &BenchStore, range: u64) -> Result<std::result::Result<Target, String>> {
     let path = match store {
         BenchStore::File(p) | BenchStore::NvmeSim(p) => Some(p.clone()),
         BenchStore::Raw { device, .. } => Some(device.clone()),
@@ -198,7 +237,7 @@ fn open_target(
         use std::io::Read;
         let mut f = std::fs::File::open(p).map_err(Error::io(p, "open to warm the page cache"))?;
         let mut buf = vec![0u8; 1 << 20];
-        let mut left = opts.range;
+        let mut left = range;
         while left > 0 {
             let n =
                 f.read(&mut buf[..left.min(1 << 20) as usize]).map_err(Error::io(p, "read to warm the page cache"))?;
@@ -302,24 +341,21 @@ pub fn run(
     opts: &OverheadOptions,
     progress: &mut dyn FnMut(&OverheadRow),
 ) -> Result<OverheadResults> {
-    if opts.bs == 0 || !opts.bs.is_multiple_of(4096) || opts.reads == 0 || opts.range < u64::from(opts.bs) {
-        return Err(Error::Invalid(format!(
-            "overhead: --bs {} must be a positive multiple of 4096, --reads positive, and the range at least one read",
-            opts.bs
-        )));
-    }
+    let layout = super::measure::StoreLayout::of(store)?;
+    let (data, payload) = layout.payload();
+    let range = opts.resolve_range(data + payload)?;
     let clock = Clock::new(Duration::from_millis(100));
     let mut rows = Vec::new();
     let mut skipped = Vec::new();
     for engine in &opts.engines {
-        let mut t = match open_target(engine, store, opts)? {
+        let mut t = match open_target(engine, store, range)? {
             Ok(t) => t,
             Err(reason) => {
                 skipped.push(Skipped { what: engine.clone(), reason });
                 continue;
             }
         };
-        let row = measure_engine(engine, &mut t, opts, &clock)?;
+        let row = measure_engine(engine, &mut t, opts, range, &clock)?;
         progress(&row);
         rows.push(row);
     }
@@ -329,16 +365,23 @@ pub fn run(
             .into(),
         ticks_per_ns: clock.ticks_per_ns,
         bs: opts.bs,
+        range,
         rows,
         skipped,
     })
 }
 
-fn measure_engine(engine: &str, t: &mut Target, opts: &OverheadOptions, clock: &Clock) -> Result<OverheadRow> {
+fn measure_engine(
+    engine: &str,
+    t: &mut Target,
+    opts: &OverheadOptions,
+    range: u64,
+    clock: &Clock,
+) -> Result<OverheadRow> {
     let hist = || Histogram::<u64>::new_with_bounds(1, 1_000_000_000_000, 3).expect("valid bounds");
     let (mut hs, mut hc, mut ht) = (hist(), hist(), hist());
     let mut rng = SplitMix64::new(opts.seed, 0);
-    let slots = opts.range / u64::from(opts.bs);
+    let slots = range / u64::from(opts.bs);
     let mut buf = Some(AlignedBuf::new(opts.bs as usize, 4096)?);
     let mut out: Vec<Completion> = Vec::with_capacity(1);
     let warmup = opts.reads / 10;
@@ -390,6 +433,22 @@ fn measure_engine(engine: &str, t: &mut Target, opts: &OverheadOptions, clock: &
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn range_defaults_to_the_image_and_each_bad_option_is_named() {
+        let o = |bs, reads, range| OverheadOptions { bs, reads, range, ..OverheadOptions::default() };
+        // A 128 KiB image: the 64 MiB default is clamped to it.
+        assert_eq!(o(4096, 10, None).resolve_range(128 << 10).unwrap(), 128 << 10);
+        assert_eq!(o(4096, 10, None).resolve_range(1 << 30).unwrap(), DEFAULT_RANGE);
+        assert_eq!(o(8192, 10, Some(20_000)).resolve_range(1 << 20).unwrap(), 16_384);
+        let err = |o: OverheadOptions, end| o.resolve_range(end).unwrap_err().to_string();
+        let e = err(o(4096, 10, Some(64 << 20)), 128 << 10);
+        assert!(e.contains("--range 67108864") && e.contains("131072 bytes"), "{e}");
+        assert!(err(o(1000, 10, None), 1 << 20).contains("--bs 1000"));
+        assert!(err(o(4096, 0, None), 1 << 20).contains("--reads 0"));
+        let e = err(o(8192, 10, Some(4096)), 1 << 20);
+        assert!(e.contains("--range 4096") && e.contains("smaller than one read"), "{e}");
+    }
 
     #[test]
     fn clock_ticks_forward_at_a_calibrated_rate() {

@@ -26,7 +26,8 @@ use crate::error::{Error, Result};
 /// Experiments [`render`] draws charts for.
 pub const PLOTTED: &[&str] = &["trace", "cache", "qd-sweep", "layout"];
 
-/// Draws `report`'s charts into `dir` (created if missing) and returns the files written.
+/// Draws `report`'s charts into `dir` (created if missing; its parent must exist, see
+/// [`super::output::create_plot_dir`]) and returns the files written.
 ///
 /// # Errors
 /// [`Error::Invalid`] when the experiment has no charts or its results lack a field a chart needs
@@ -39,7 +40,7 @@ pub fn render(report: &Report<Value>, dir: &Path) -> Result<Vec<PathBuf>> {
             PLOTTED.join(", ")
         )));
     }
-    std::fs::create_dir_all(dir).map_err(Error::io(dir, "create the plot directory"))?;
+    super::output::create_plot_dir(dir)?;
     let r = &report.results;
     let subtitle = subtitle(report);
     match report.experiment.as_str() {
@@ -244,7 +245,14 @@ impl LineChart<'_> {
             } else {
                 chart.draw_series(LineSeries::new(line.iter().copied(), style)).map_err(|e| err(e.to_string()))?
             };
-            anno.label(s.name.clone()).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color));
+            // The legend sample is drawn in the series' style: two segments that meet for a solid
+            // line, with a gap for a dashed one (fio, Belady), so the two can be told apart.
+            let gap = if s.dashed { 5 } else { 0 };
+            anno.label(s.name.clone()).legend(move |(x, y)| {
+                EmptyElement::at((x, y))
+                    + PathElement::new(vec![(0, 0), (9 - gap / 2 - gap % 2, 0)], style)
+                    + PathElement::new(vec![(9 + gap / 2, 0), (18, 0)], style)
+            });
             // Points are marked where there are few enough to tell apart.
             if line.len() <= 40 {
                 chart

@@ -49,14 +49,25 @@ impl std::str::FromStr for BenchStore {
             }
             return Ok(BenchStore::NvmeSim(p.into()));
         }
-        match s.parse::<StoreUri>()? {
+        let forms = "give file:PATH (or a path), raw:/dev/X[@BYTES], nvme-sim:PATH or nvme:BDF[/NSID] \
+                     (a .picchioflat image: `picchio synth` or `picchio pack` writes one)";
+        let uri = s.parse::<StoreUri>().map_err(|e| match e {
+            // StoreUri's list of schemes names `auto` and `safetensors`, which bench does not read,
+            // and not `nvme-sim:`, which only bench reads.
+            picchio_core::Error::BadUri { message, .. }
+                if message.starts_with("unknown scheme") || message.starts_with("empty store") =>
+            {
+                Error::Invalid(format!("--store {s:?}: {message_ours}", message_ours = forms))
+            }
+            other => Error::from(other),
+        })?;
+        match uri {
             StoreUri::File(p) => Ok(BenchStore::File(p)),
             StoreUri::Raw { device, offset } => Ok(BenchStore::Raw { device, offset }),
             StoreUri::Nvme { bdf, nsid } => Ok(BenchStore::Nvme { bdf, nsid }),
-            StoreUri::Auto | StoreUri::Safetensors => Err(Error::Invalid(format!(
-                "--store {s}: bench reads a .picchioflat image: give file:PATH, raw:/dev/X[@BYTES], nvme-sim:PATH \
-                 or nvme:BDF[/NSID] (`picchio synth` writes one)"
-            ))),
+            StoreUri::Auto | StoreUri::Safetensors => {
+                Err(Error::Invalid(format!("--store {s}: bench reads a .picchioflat image: {forms}")))
+            }
         }
     }
 }
@@ -98,7 +109,10 @@ mod tests {
         }
         assert_eq!("x.picchioflat".parse::<BenchStore>().unwrap(), BenchStore::File("x.picchioflat".into()));
         for s in ["auto", "safetensors", "nvme-sim:", "s3:x"] {
-            assert!(s.parse::<BenchStore>().is_err(), "{s}");
+            let e = s.parse::<BenchStore>().unwrap_err().to_string();
+            if s != "nvme-sim:" {
+                assert!(e.contains("nvme-sim:PATH") && !e.contains("safetensors,") && !e.contains("auto,"), "{s}: {e}");
+            }
         }
     }
 }

@@ -115,18 +115,7 @@ impl TraceWriter {
     /// # Errors
     /// [`Error::Invalid`] when `path` exists and is not a trace; [`Error::Io`] naming the path.
     pub fn create(path: &Path, header: &TraceHeader) -> Result<Self> {
-        match std::fs::metadata(path) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(Error::io(path, "stat the --trace path")(e)),
-            Ok(m) if m.is_file() && starts_like_trace(path) => {}
-            Ok(_) => {
-                return Err(Error::Invalid(format!(
-                    "{}: exists and is not a {TRACE_FORMAT} trace; --trace will not replace it: remove it or \
-                     choose another path",
-                    path.display()
-                )))
-            }
-        }
+        super::output::check_replaceable(path, "--trace", &format!("a {TRACE_FORMAT} trace"), starts_like_trace)?;
         let file = File::create(path).map_err(Error::io(path, "create the trace file"))?;
         let mut out = BufWriter::with_capacity(1 << 16, file);
         serde_json::to_writer(&mut out, header)
@@ -432,14 +421,25 @@ pub struct TraceResults {
     pub reuse: Option<f64>,
     /// k / E.
     pub reuse_uniform: f64,
-    /// Experts one token uses: MoE layers × k. Every token walks the layers in the same order, so
-    /// an LRU cache smaller than this evicts each expert before the next token's same layer could
-    /// reuse it (LRU on a loop) and gets almost no hits.
+    /// Experts one token uses: MoE layers × k.
     pub working_set: usize,
+    /// The largest capacity at which LRU can get no hit at all: (MoE layers − 1) × k =
+    /// `working_set − k` ([`lru_no_hit_capacity`]). Every token routes each MoE layer once, in
+    /// layer order (prefill too runs one position at a time), so between two uses of an expert of
+    /// layer l every other MoE layer is visited at least once: at least (layers − 1) × k other
+    /// experts are used in between, and an LRU cache that holds no more than that has evicted it.
+    /// Above it LRU can hit (e.g. 13% at capacity 3 with 2 layers × top-2).
+    pub lru_no_hit_capacity: usize,
     /// Per MoE layer, ascending.
     pub layers: Vec<LayerStats>,
     /// One point per capacity, ascending.
     pub capacities: Vec<CapacityPoint>,
+}
+
+/// The largest LRU capacity with no hit on any token-by-token trace of `moe_layers` layers at
+/// top-`k`: `(moe_layers − 1) × k` (see [`TraceResults::lru_no_hit_capacity`] for why).
+pub fn lru_no_hit_capacity(moe_layers: usize, k: usize) -> usize {
+    moe_layers.saturating_sub(1) * k
 }
 
 /// Default capacities of the sweep: k, 2k, then 5, 10, 20, 30, 50, 75 and 100% of all experts
@@ -553,6 +553,7 @@ pub fn analyse(path: &Path, trace: &RoutingTrace, capacities: &[usize]) -> Resul
         reuse: (pairs > 0).then(|| pair_sum / pairs as f64),
         reuse_uniform: k / e as f64,
         working_set: h.moe_layers.len() * h.top_k,
+        lru_no_hit_capacity: lru_no_hit_capacity(h.moe_layers.len(), h.top_k),
         layers,
         capacities,
     })
@@ -711,6 +712,47 @@ mod tests {
         }
         std::fs::write(&p, "{\"format\":\"other/1\"}\n").unwrap();
         assert!(RoutingTrace::read(&p).unwrap_err().to_string().contains("line 1"));
+    }
+
+    /// A token-by-token trace: each token routes every layer once, in order, to `k` experts drawn
+    /// from `e` (a fixed generator; reuse between tokens is frequent with few experts).
+    fn token_by_token(layers: u32, e: u32, k: usize, tokens: usize, seed: u64) -> Vec<Vec<Key>> {
+        let mut x = seed;
+        let mut next = || {
+            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            (x >> 33) as u32
+        };
+        let mut out = Vec::new();
+        for _ in 0..tokens {
+            for l in 0..layers {
+                let mut req: Vec<Key> = Vec::new();
+                while req.len() < k {
+                    let key = (l, next() % e);
+                    if !req.contains(&key) {
+                        req.push(key);
+                    }
+                }
+                out.push(req);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn lru_has_no_hit_up_to_layers_minus_one_times_k_and_hits_above() {
+        for (layers, e, k) in [(2u32, 4u32, 2usize), (3, 6, 2), (4, 5, 1), (3, 8, 3), (1, 4, 2)] {
+            let bound = lru_no_hit_capacity(layers as usize, k);
+            let mut hit_above = false;
+            for seed in 0..20 {
+                let reqs = token_by_token(layers, e, k, 60, seed);
+                for cap in 1..=bound {
+                    assert_eq!(simulate_lru(&reqs, cap).hits, 0, "{layers} layers, top-{k}, capacity {cap}");
+                }
+                hit_above |= simulate_lru(&reqs, bound + 1).hits > 0;
+            }
+            // The bound is tight: one more slot and LRU hits (few experts, so reuse is common).
+            assert!(hit_above, "{layers} layers, {e} experts, top-{k}: no hit at capacity {}", bound + 1);
+        }
     }
 
     fn requests_strategy() -> impl Strategy<Value = (Vec<Vec<Key>>, usize)> {

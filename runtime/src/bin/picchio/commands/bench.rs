@@ -1,10 +1,11 @@
 //! `picchio bench <experiment>`: one subcommand per experiment, each writing a `picchio-bench/1`
 //! report (docs/experiments.md).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::Subcommand;
-use picchio_runtime::bench::{self, env::Environment, target::BenchStore, Report};
+use picchio_runtime::bench::measure::StoreLayout;
+use picchio_runtime::bench::{self, env::Environment, output, target::BenchStore, Report};
 use serde::Serialize;
 
 /// Options of `picchio bench`.
@@ -17,7 +18,8 @@ pub struct Args {
 #[derive(Subcommand, Debug)]
 enum Experiment {
     /// Record only the environment (CPU, kernel, memory, load, and the store's device and file
-    /// system): what every other experiment's report carries in `environment`.
+    /// system) after checking the store is a readable image: what every other experiment's report
+    /// carries in `environment`.
     Env(EnvArgs),
     /// Random reads (expert-sized or --bs) at each queue depth × thread count × engine: MB/s and
     /// IOPS from wall time, latency percentiles, CPU s/GB, page cache dropped unless --warm; fio's
@@ -37,21 +39,29 @@ enum Experiment {
     /// Decode tok/s, misses and bytes per token against the expert-cache budget (--ecap sweep),
     /// O_DIRECT vs buffered reads, from real runs of the model.
     Cache(super::bench_model::CacheArgs),
-    /// Redraw the charts of a saved report (`--json`) as SVG.
+    /// Redraw the charts of a saved report (`--json`) as SVG (reports of qd-sweep, layout, trace,
+    /// cache).
     Plot(super::bench_model::PlotArgs),
 }
 
-/// Options every experiment has: where to read, where the report goes.
+/// Options every storage experiment has: where to read, where the report goes.
 #[derive(clap::Args, Debug, Clone, Serialize)]
 pub struct Common {
     /// The image to measure: file:PATH (or a path), raw:/dev/X[@BYTES], nvme-sim:PATH (the image
     /// served by picchio-nvme's controller model) or nvme:BDF[/NSID]. `picchio synth` writes one.
     #[arg(long, value_name = "URI")]
     pub store: String,
-    /// Also write the report as JSON to PATH (the schema: docs/experiments.md).
+    /// Also write the report as JSON to PATH (the schema: docs/experiments.md). An existing PATH is
+    /// replaced only when it is an earlier picchio-bench report; its directory must exist.
     #[arg(long, value_name = "PATH")]
     pub json: Option<PathBuf>,
-    /// Draw the report's charts (SVG: no fonts or system libraries needed) into DIR.
+}
+
+/// `--plot`, on the experiments that have charts (qd-sweep, layout; trace and cache have their own).
+#[derive(clap::Args, Debug, Clone, Serialize)]
+pub struct PlotArg {
+    /// Draw the report's charts (SVG: no fonts or system libraries needed) into DIR (created if
+    /// missing; its parent must exist).
     #[arg(long, value_name = "DIR")]
     pub plot: Option<PathBuf>,
 }
@@ -67,12 +77,11 @@ pub struct EnvArgs {
 pub fn exec(a: Args) -> anyhow::Result<()> {
     match a.experiment {
         Experiment::Env(a) => {
-            let store: BenchStore = a.common.store.parse()?;
-            before_run("env", &a.common)?;
+            let (store, _) = before_run("env", &a.common, None)?;
             let run = bench::Run::start("env", &a, Some(&store.target_spec()))?;
             let report = run.finish(serde_json::json!({}));
             println!("{}", describe_environment(&report.environment));
-            after_run(&report, &a.common)
+            after_run(&report, &a.common, None)
         }
         Experiment::QdSweep(a) => super::bench_io::qd_sweep(a),
         Experiment::Layout(a) => super::bench_io::layout(a),
@@ -84,24 +93,43 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
     }
 }
 
-/// Checks made before measuring anything, so a long run is not lost to a refusal at the end.
-pub(super) fn before_run(experiment: &str, c: &Common) -> anyhow::Result<()> {
-    if c.plot.is_some() {
+/// Checks made before measuring or printing anything, so a long run is not lost to a refusal at
+/// the end: the `--store` parses and opens as an image (as every experiment then reads it), `--json`
+/// may be written (an earlier report or a new file in an existing directory, never the store) and
+/// `--plot` may be created. Returns the store and its layout.
+pub(super) fn before_run(
+    experiment: &str,
+    c: &Common,
+    plot: Option<&Path>,
+) -> anyhow::Result<(BenchStore, StoreLayout)> {
+    let store: BenchStore = c.store.parse()?;
+    if let Some(dir) = plot {
         bench::check_plot_supported(experiment)?;
+        output::check_plot_dir(dir)?;
     }
-    Ok(())
+    if let Some(path) = &c.json {
+        output::check_report_path(path, store_file(&store))?;
+    }
+    let layout = StoreLayout::of(&store)?;
+    Ok((store, layout))
+}
+
+/// The file or device node a store reads (what `--json` must never be).
+fn store_file(store: &BenchStore) -> Option<&Path> {
+    match store {
+        BenchStore::File(p) | BenchStore::NvmeSim(p) => Some(p),
+        BenchStore::Raw { device, .. } => Some(device),
+        BenchStore::Nvme { .. } => None,
+    }
 }
 
 /// Writes the JSON report and the charts a run asked for.
-pub(super) fn after_run<R: Serialize>(report: &Report<R>, c: &Common) -> anyhow::Result<()> {
+pub(super) fn after_run<R: Serialize>(report: &Report<R>, c: &Common, plot: Option<&Path>) -> anyhow::Result<()> {
     if let Some(path) = &c.json {
         report.write_json(path)?;
         eprintln!("report: {}", path.display());
     }
-    if let Some(dir) = &c.plot {
-        // HOOK: charts are drawn by picchio_runtime::bench::render_plots (plot.rs).
-        std::fs::create_dir_all(dir)
-            .map_err(|e| anyhow::anyhow!("{}: create the plot directory: {e}", dir.display()))?;
+    if let Some(dir) = plot {
         for f in bench::render_plots(&report.to_value_report(), dir)? {
             eprintln!("chart: {}", f.display());
         }

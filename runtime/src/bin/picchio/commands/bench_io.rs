@@ -3,11 +3,10 @@
 use anyhow::bail;
 use picchio_runtime::bench::measure::{Engine, PointResult, Stop};
 use picchio_runtime::bench::qd_sweep::{self, QdPoint, QdSweepOptions};
-use picchio_runtime::bench::target::BenchStore;
 use picchio_runtime::bench::{self};
 use serde::Serialize;
 
-use super::bench::{after_run, before_run, describe_environment, Common};
+use super::bench::{after_run, before_run, describe_environment, Common, PlotArg};
 
 /// How long each point runs.
 #[derive(clap::Args, Debug, Clone, Serialize)]
@@ -55,25 +54,52 @@ fn parse_size(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("{s:?} is not a byte count such as 65536, 64K or 1G"))
 }
 
+/// A read size: a byte count (as [`parse_size`]) that is a positive multiple of 4096 — the
+/// O_DIRECT alignment every engine and store here needs — and below 4 GiB.
+fn parse_bs(s: &str) -> Result<u64, String> {
+    let b = parse_size(s)?;
+    if b == 0 || b % 4096 != 0 {
+        return Err(format!("{b} is not a positive multiple of 4096 bytes (the block size reads are aligned to)"));
+    }
+    if b > u64::from(u32::MAX) {
+        return Err(format!("{b} bytes: at most 4 GiB - 4096 per read"));
+    }
+    Ok(b)
+}
+
+/// `--qd` (reads in flight per queue): 1 to [`bench::measure::MAX_QD`], as `picchio run --qd`.
+fn qd_parser() -> clap::builder::RangedI64ValueParser<u32> {
+    clap::value_parser!(u32).range(1..=i64::from(bench::measure::MAX_QD))
+}
+
+/// `--threads`: 1 to [`bench::measure::MAX_THREADS`], as `picchio run --io-threads`.
+fn threads_parser() -> clap::builder::RangedI64ValueParser<u32> {
+    clap::value_parser!(u32).range(1..=i64::from(bench::measure::MAX_THREADS))
+}
+
 /// Options of `picchio bench qd-sweep`.
 #[derive(clap::Args, Debug, Serialize)]
 pub struct QdSweepArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub common: Common,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub plot: PlotArg,
     /// Engines, comma-separated: psync-buffered, psync-direct, uring, nvme-sim, nvme [default:
     /// every engine that can read the store].
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     pub engines: Option<Vec<Engine>>,
-    /// Queue depths (reads in flight per thread), comma-separated.
-    #[arg(long = "qd", value_name = "LIST", value_delimiter = ',', default_value = "1,2,4,8,16,32,64,128,256")]
+    /// Queue depths (reads in flight per thread, 1-256), comma-separated.
+    #[arg(long = "qd", value_name = "LIST", value_delimiter = ',', default_value = "1,2,4,8,16,32,64,128,256",
+          value_parser = qd_parser())]
     pub qd: Vec<u32>,
-    /// Submitting threads (each with its own queue), comma-separated [default: 1 up to the CPUs
-    /// available].
-    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    /// Submitting threads (each with its own queue; 1-256), comma-separated [default: 1 up to the
+    /// CPUs available].
+    #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = threads_parser())]
     pub threads: Option<Vec<u32>>,
     /// Read size in bytes, a multiple of 4096 [default: one expert entry per read].
-    #[arg(long, value_name = "BYTES", value_parser = parse_size)]
+    #[arg(long, value_name = "BYTES", value_parser = parse_bs)]
     pub bs: Option<u64>,
     #[command(flatten)]
     #[serde(flatten)]
@@ -92,9 +118,8 @@ pub struct QdSweepArgs {
 }
 
 pub fn qd_sweep(a: QdSweepArgs) -> anyhow::Result<()> {
-    let store: BenchStore = a.common.store.parse()?;
-    before_run("qd-sweep", &a.common)?;
-    let bs = a.bs.map(|b| u32::try_from(b).map_err(|_| anyhow::anyhow!("--bs {b}: at most 4 GiB - 1"))).transpose()?;
+    let (store, _) = before_run("qd-sweep", &a.common, a.plot.plot.as_deref())?;
+    let bs = a.bs.map(|b| u32::try_from(b).expect("parse_bs bounds --bs"));
     let opts = QdSweepOptions {
         engines: a.engines.clone(),
         qds: a.qd.clone(),
@@ -105,7 +130,7 @@ pub fn qd_sweep(a: QdSweepArgs) -> anyhow::Result<()> {
         warm: a.warm,
         fio: !a.no_fio,
     };
-    let run = bench::Run::start("qd-sweep", &opts, Some(&store.target_spec()))?;
+    let run = bench::Run::start("qd-sweep", &bench::flags(&a, &opts)?, Some(&store.target_spec()))?;
     eprintln!("{}", describe_environment(run.environment()));
     println!("{}", point_header(true));
     let results = qd_sweep::run(&store, &opts, &mut |p: &QdPoint| {
@@ -122,7 +147,7 @@ pub fn qd_sweep(a: QdSweepArgs) -> anyhow::Result<()> {
         report.results.region.candidates,
         load(report.environment.load_avg_end)
     );
-    after_run(&report, &a.common)
+    after_run(&report, &a.common, a.plot.plot.as_deref())
 }
 
 fn load(l: Option<[f64; 3]>) -> String {
@@ -163,6 +188,9 @@ pub struct LayoutArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub common: Common,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub plot: PlotArg,
     /// Engines, comma-separated [default: every engine that can read the store].
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     pub engines: Option<Vec<Engine>>,
@@ -170,11 +198,11 @@ pub struct LayoutArgs {
     /// (weight/scales/biases of each, as MLX/GPT-OSS-style safetensors).
     #[arg(long, value_name = "LIST", value_delimiter = ',', default_value = "3,9")]
     pub pieces: Vec<u32>,
-    /// Queue depths (reads in flight per thread), comma-separated.
-    #[arg(long = "qd", value_name = "LIST", value_delimiter = ',', default_value = "1,4,16,64")]
+    /// Queue depths (reads in flight per thread, 1-256), comma-separated.
+    #[arg(long = "qd", value_name = "LIST", value_delimiter = ',', default_value = "1,4,16,64", value_parser = qd_parser())]
     pub qd: Vec<u32>,
-    /// Submitting threads, comma-separated [default: 1 up to the CPUs available].
-    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    /// Submitting threads (1-256), comma-separated [default: 1 up to the CPUs available].
+    #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = threads_parser())]
     pub threads: Option<Vec<u32>>,
     #[command(flatten)]
     #[serde(flatten)]
@@ -189,8 +217,7 @@ pub struct LayoutArgs {
 
 pub fn layout(a: LayoutArgs) -> anyhow::Result<()> {
     use picchio_runtime::bench::layout::{self, LayoutOptions, LayoutPoint};
-    let store: BenchStore = a.common.store.parse()?;
-    before_run("layout", &a.common)?;
+    let (store, _) = before_run("layout", &a.common, a.plot.plot.as_deref())?;
     let opts = LayoutOptions {
         engines: a.engines.clone(),
         pieces: a.pieces.clone(),
@@ -200,7 +227,7 @@ pub fn layout(a: LayoutArgs) -> anyhow::Result<()> {
         seed: a.seed,
         warm: a.warm,
     };
-    let run = bench::Run::start("layout", &opts, Some(&store.target_spec()))?;
+    let run = bench::Run::start("layout", &bench::flags(&a, &opts)?, Some(&store.target_spec()))?;
     eprintln!("{}", describe_environment(run.environment()));
     println!(
         "{:<6} {:<10} {:<15} {:>3} {:>3} {:>9} {:>9} {:>11} {:>11} {:>8}",
@@ -240,7 +267,7 @@ pub fn layout(a: LayoutArgs) -> anyhow::Result<()> {
     }
     let report = run.finish(results);
     println!("load average at end {}", load(report.environment.load_avg_end));
-    after_run(&report, &a.common)
+    after_run(&report, &a.common, a.plot.plot.as_deref())
 }
 
 /// Options of `picchio bench tiers`.
@@ -249,11 +276,11 @@ pub struct TiersArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub common: Common,
-    /// Submitting threads of every row.
-    #[arg(long, value_name = "N", default_value_t = 1)]
+    /// Submitting threads of every row (1-256).
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = threads_parser())]
     pub threads: u32,
-    /// Reads in flight per thread of every row.
-    #[arg(long, value_name = "N", default_value_t = 8)]
+    /// Reads in flight per thread of every row (1-256).
+    #[arg(long, value_name = "N", default_value_t = 8, value_parser = qd_parser())]
     pub qd: u32,
     #[command(flatten)]
     #[serde(flatten)]
@@ -265,10 +292,9 @@ pub struct TiersArgs {
 
 pub fn tiers(a: TiersArgs) -> anyhow::Result<()> {
     use picchio_runtime::bench::tiers::{self, TierRow, TiersOptions};
-    let store: BenchStore = a.common.store.parse()?;
-    before_run("tiers", &a.common)?;
+    let (store, _) = before_run("tiers", &a.common, None)?;
     let opts = TiersOptions { threads: a.threads, qd: a.qd, stop: a.stop.stop(3.0)?, seed: a.seed };
-    let run = bench::Run::start("tiers", &opts, Some(&store.target_spec()))?;
+    let run = bench::Run::start("tiers", &bench::flags(&a, &opts)?, Some(&store.target_spec()))?;
     eprintln!("{}", describe_environment(run.environment()));
     println!("{:<4} {}", "tier", point_header(false));
     let results = tiers::run(&store, &opts, &mut |r: &TierRow| {
@@ -285,7 +311,7 @@ pub fn tiers(a: TiersArgs) -> anyhow::Result<()> {
         a.qd,
         load(report.environment.load_avg_end)
     );
-    after_run(&report, &a.common)
+    after_run(&report, &a.common, None)
 }
 
 /// Options of `picchio bench overhead`.
@@ -295,17 +321,19 @@ pub struct OverheadArgs {
     #[serde(flatten)]
     pub common: Common,
     /// Engines, comma-separated: null, psync, uring, nvme-sim.
-    #[arg(long, value_name = "LIST", value_delimiter = ',', default_value = "null,psync,uring,nvme-sim")]
+    #[arg(long, value_name = "LIST", value_delimiter = ',', default_value = "null,psync,uring,nvme-sim",
+          value_parser = ["null", "psync", "uring", "nvme-sim"])]
     pub engines: Vec<String>,
     /// Timed reads per engine (plus a tenth as untimed warm-up).
-    #[arg(long, value_name = "N", default_value_t = 100_000)]
+    #[arg(long, value_name = "N", default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub reads: u64,
     /// Read size in bytes (a multiple of 4096).
-    #[arg(long, value_name = "BYTES", default_value = "4096", value_parser = parse_size)]
+    #[arg(long, value_name = "BYTES", default_value = "4096", value_parser = parse_bs)]
     pub bs: u64,
-    /// Bytes at the start of the image the reads are drawn from (read once first, so cached).
-    #[arg(long, value_name = "BYTES", default_value = "64M", value_parser = parse_size)]
-    pub range: u64,
+    /// Bytes at the start of the image the reads are drawn from (read once first, so cached)
+    /// [default: 64M, or the whole image when smaller]. At most the image's size.
+    #[arg(long, value_name = "BYTES", value_parser = parse_size)]
+    pub range: Option<u64>,
     /// Seed of the offsets.
     #[arg(long, value_name = "S", default_value_t = 0)]
     pub seed: u64,
@@ -313,16 +341,18 @@ pub struct OverheadArgs {
 
 pub fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
     use picchio_runtime::bench::overhead::{self, OverheadOptions, OverheadRow};
-    let store: BenchStore = a.common.store.parse()?;
-    before_run("overhead", &a.common)?;
+    let (store, layout) = before_run("overhead", &a.common, None)?;
     let opts = OverheadOptions {
         engines: a.engines.clone(),
         reads: a.reads,
-        bs: u32::try_from(a.bs).map_err(|_| anyhow::anyhow!("--bs {}: at most 4 GiB - 1", a.bs))?,
+        bs: u32::try_from(a.bs).expect("parse_bs bounds --bs"),
         range: a.range,
         seed: a.seed,
     };
-    let run = bench::Run::start("overhead", &opts, Some(&store.target_spec()))?;
+    let (data, payload) = layout.payload();
+    let range = opts.resolve_range(data + payload)?;
+    let resolved = OverheadOptions { range: Some(range), ..opts.clone() };
+    let run = bench::Run::start("overhead", &bench::flags(&a, &resolved)?, Some(&store.target_spec()))?;
     eprintln!("{}", describe_environment(run.environment()));
     println!(
         "{:<9} {:>10} {:>10} {:>10} {:>10} {:>10}  complete includes",
@@ -345,12 +375,14 @@ pub fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
     }
     let report = run.finish(results);
     println!(
-        "means over {} reads of {} B at QD 1; clock {} ({:.3} ticks/ns); load average at end {}",
+        "means over {} reads of {} B drawn from the image's first {} B, at QD 1; clock {} ({:.3} ticks/ns); \
+         load average at end {}",
         a.reads,
         a.bs,
+        report.results.range,
         report.results.clock,
         report.results.ticks_per_ns,
         load(report.environment.load_avg_end)
     );
-    after_run(&report, &a.common)
+    after_run(&report, &a.common, None)
 }

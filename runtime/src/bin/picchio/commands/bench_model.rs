@@ -24,12 +24,28 @@ const WORKDIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/picchio-de
 /// Where the report and its charts go.
 #[derive(clap::Args, Debug, Clone, Serialize)]
 pub struct Output {
-    /// Also write the report as JSON to PATH (the schema: docs/experiments.md).
+    /// Also write the report as JSON to PATH (the schema: docs/experiments.md). An existing PATH is
+    /// replaced only when it is an earlier picchio-bench report; its directory must exist.
     #[arg(long, value_name = "PATH")]
     pub json: Option<PathBuf>,
-    /// Draw the report's charts (SVG) into DIR.
+    /// Draw the report's charts (SVG) into DIR (created if missing; its parent must exist).
     #[arg(long, value_name = "DIR")]
     pub plot: Option<PathBuf>,
+}
+
+impl Output {
+    /// Checks `--json` and `--plot` before the run (see `bench::before_run`); `store` is the image
+    /// file read, which `--json` must not be.
+    fn check(&self, experiment: &str, store: Option<&Path>) -> anyhow::Result<()> {
+        if let Some(dir) = &self.plot {
+            bench::check_plot_supported(experiment)?;
+            bench::output::check_plot_dir(dir)?;
+        }
+        if let Some(path) = &self.json {
+            bench::output::check_report_path(path, store)?;
+        }
+        Ok(())
+    }
 }
 
 /// Options of `picchio bench trace`.
@@ -110,10 +126,10 @@ pub struct CacheArgs {
 /// Options of `picchio bench plot`.
 #[derive(clap::Args, Debug)]
 pub struct PlotArgs {
-    /// A saved report (`--json` of any experiment with charts: trace, cache, qd-sweep).
+    /// A saved report (`--json` of any experiment with charts: qd-sweep, layout, trace, cache).
     #[arg(value_name = "REPORT.json")]
     pub report: PathBuf,
-    /// Directory for the SVG charts.
+    /// Directory for the SVG charts (created if missing; its parent must exist).
     #[arg(long, value_name = "DIR")]
     pub out: PathBuf,
 }
@@ -125,9 +141,7 @@ fn default_prompt(vocab: usize) -> Vec<u32> {
 
 /// `picchio bench trace`.
 pub fn trace(a: TraceArgs) -> anyhow::Result<()> {
-    if a.out.plot.is_some() {
-        bench::check_plot_supported("trace")?;
-    }
+    a.out.check("trace", None)?;
     let run = bench::Run::start("trace", &a, None)?;
     if let Some(model) = &a.model {
         record_trace(&a, model)?;
@@ -167,9 +181,9 @@ pub fn trace(a: TraceArgs) -> anyhow::Result<()> {
         );
     }
     println!(
-        "one token uses {} experts (MoE layers x k): an LRU cache smaller than that evicts each expert before \
-         the next token's same layer could reuse it",
-        results.working_set
+        "one token uses {} experts (MoE layers x k); between two uses of an expert every other MoE layer runs, so \
+         LRU gets no hit at all with capacity <= (MoE layers - 1) x k = {} and can hit only above that",
+        results.working_set, results.lru_no_hit_capacity
     );
     println!("{:>9} {:>7} {:>10} {:>10} {:>12} {:>12}", "capacity", "%", "LRU hits", "Belady", "LRU MB", "Belady MB");
     for c in &results.capacities {
@@ -216,9 +230,8 @@ fn record_trace(a: &TraceArgs, model: &Path) -> anyhow::Result<()> {
 
 /// `picchio bench cache`.
 pub fn cache(a: CacheArgs) -> anyhow::Result<()> {
-    if a.out.plot.is_some() {
-        bench::check_plot_supported("cache")?;
-    }
+    // Before a synthetic model is written (minutes); again below with the image, once it is known.
+    a.out.check("cache", None)?;
     if a.reads.is_empty() {
         bail!("--reads needs at least one of direct, buffered");
     }
@@ -254,8 +267,10 @@ pub fn cache(a: CacheArgs) -> anyhow::Result<()> {
         tokens: a.n,
         drop_page_cache: !a.warm,
     };
-    let target = image_of(&store, &model).map(|path| TargetSpec::File { uri: store.to_string(), path });
-    let run = bench::Run::start("cache", &opts, target.as_ref())?;
+    let image = image_of(&store, &model);
+    a.out.check("cache", image.as_deref())?;
+    let target = image.map(|path| TargetSpec::File { uri: store.to_string(), path });
+    let run = bench::Run::start("cache", &bench::flags(&a.out, &opts)?, target.as_ref())?;
     let n_points = opts.ecaps.len() * opts.modes.len();
     let bar = picchio_runtime::progress::bar(n_points as u64, "cache points", false);
     let results = run_cache(&opts, &mut |done, _| bar.set_position(done as u64))?;

@@ -286,8 +286,8 @@ pub enum OutTarget {
 /// image file: write the file, then measure `nvme-sim:` it).
 ///
 /// # Errors
-/// [`Error::Invalid`] naming the value and the scheme; [`Error::Store`] ([`picchio_core::Error::BadUri`])
-/// for an unknown scheme, which also says that a path containing ':' is written `file:PATH` or `./PATH`.
+/// [`Error::Invalid`] naming the value and the scheme (for an unknown scheme it also says that a
+/// path containing ':' is written `file:PATH` or `./PATH`).
 pub fn parse_out(s: &str) -> Result<OutTarget> {
     if let Some(path) = s.strip_prefix("nvme-sim:") {
         return Err(Error::Invalid(format!(
@@ -296,7 +296,11 @@ pub fn parse_out(s: &str) -> Result<OutTarget> {
              (a file name containing ':' is written file:PATH or ./PATH)"
         )));
     }
-    match s.parse::<picchio_core::StoreUri>()? {
+    let uri = s.parse::<picchio_core::StoreUri>().map_err(|e| match e {
+        picchio_core::Error::BadUri { message, .. } => Error::Invalid(format!("--out {s:?}: {message}")),
+        other => Error::Store(other),
+    })?;
+    match uri {
         picchio_core::StoreUri::File(p) => Ok(OutTarget::File(p)),
         picchio_core::StoreUri::Raw { device, offset } => Ok(OutTarget::Raw { device, offset }),
         picchio_core::StoreUri::Nvme { bdf, nsid } => Ok(OutTarget::Nvme { bdf, nsid }),

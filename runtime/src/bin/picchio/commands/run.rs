@@ -17,7 +17,11 @@ pub struct Args {
     #[arg(long, value_name = "DIR")]
     pub model: PathBuf,
     /// Where routed experts come from: `auto` (DIR/experts.picchioflat when present and valid, else
-    /// safetensors), `safetensors`, or `file:PATH` (a .picchioflat image).
+    /// safetensors), `safetensors`, `file:PATH` or a path (a .picchioflat image in a file; a name
+    /// containing ':' is written file:PATH or ./PATH), `raw:/dev/X[@BYTES]` (an image on a block
+    /// device from byte BYTES, default 0, as `pack --out raw:` wrote it), or `nvme:BDF[/NSID]` (an
+    /// image at LBA 0 of namespace NSID, default 1, of the NVMe controller BDF, read through the
+    /// user-space driver; bind it first with `picchio nvme bind BDF`).
     #[arg(long, value_name = "URI", default_value = "auto")]
     pub store: StoreUri,
     /// Read flat stores with O_DIRECT, bypassing the page cache (the default).

@@ -466,7 +466,7 @@ mod tests {
         assert_eq!((g.dims.n_layers, g.dims.n_experts, g.expert_bytes), (36, 128, 13_996_800));
         assert_eq!((g.dims.hidden, g.dims.topk, g.dims.moe_inter), (2880, 4, 5760));
         // Qwen3's payload is the one docs/format.md gives, 648 blocks exactly.
-        assert_eq!(u64::from(q.expert_bytes) % 4096, 0);
+        assert_eq!(q.expert_bytes % 4096, 0);
         assert!(Geometry::named("llama").is_err());
     }
 

@@ -278,19 +278,26 @@ fn qd_sweep_with_bs_reads_the_data_region_and_bad_options_are_refused() {
     assert_eq!(u(&res["region"], "candidates"), 16 * 57_344 / 16_384);
     check_point(&res["points"][0], Some(16_384));
     assert!(res["skipped"].to_string().contains("--no-fio"));
-    for (args, want) in [
-        (vec!["--bs", "1000"], "must be a positive multiple of 4096"),
-        (vec!["--qd", "0"], "at least 1"),
-        (vec!["--duration=-1"], "must be a positive number of seconds"),
+    // Refused before anything is measured or printed (usage errors exit 2, others 1).
+    for (args, want, code) in [
+        (vec!["--bs", "1000"], "not a positive multiple of 4096", 2),
+        (vec!["--qd", "0"], "not in 1..=256", 2),
+        (vec!["--qd", "100000"], "not in 1..=256", 2),
+        (vec!["--threads", "100000"], "not in 1..=256", 2),
+        (vec!["--duration=-1"], "must be a positive number of seconds", 1),
     ] {
         let mut a = vec!["bench", "qd-sweep", "--store", store_arg, "--no-fio"];
         a.extend(args);
         let o = picchio(&a);
-        assert_eq!(o.status.code(), Some(1));
+        assert_eq!(o.status.code(), Some(code));
         assert!(String::from_utf8_lossy(&o.stderr).contains(want), "{want}");
+        assert!(o.stdout.is_empty(), "nothing measured");
     }
     let o = picchio(&["bench", "qd-sweep", "--store", "auto"]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("bench reads a .picchioflat image"));
+    let o = picchio(&["bench", "qd-sweep", "--store", "s3:bucket"]);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("nvme-sim:PATH") && !e.contains("auto,"), "{e}");
 }
 
 #[test]
@@ -396,6 +403,18 @@ fn tiers_on_a_loop_device_are_s4() {
     assert_eq!(u(t, "size_bytes"), std::fs::metadata(s).unwrap().len());
     assert_eq!(t["device"]["name"].as_str(), Some(lo.name().as_str()));
     assert!(t["device"]["loop_backing_file"].as_str().is_some_and(|b| b.ends_with("synth.picchioflat")), "{t}");
+    // Attached with --direct-io=on (when the backing file system allows it): recorded as sysfs says.
+    let dio = std::fs::read_to_string(format!("/sys/block/{}/loop/dio", lo.name())).unwrap();
+    assert_eq!(t["device"]["loop_direct_io"].as_bool(), Some(dio.trim() == "1"), "{t}");
+    assert_eq!(t["note"].is_string(), dio.trim() == "0", "a non-dio loop device is warned about: {t}");
+    drop(lo);
+    // Without direct I/O the environment warns that figures include the backing file's page cache.
+    let opts = loopdev::LoopOptions { direct_io: false, ..loopdev::LoopOptions::default() };
+    let Some(lo) = loopdev::LoopDevice::attach_or_skip(test, s, opts) else { return };
+    ok(&["bench", "env", "--store", &format!("raw:{}", lo.dev.display()), "--json", json.to_str().unwrap()]);
+    let t = &report(&json)["environment"]["target"];
+    assert_eq!(t["device"]["loop_direct_io"].as_bool(), Some(false), "{t}");
+    assert!(t["note"].as_str().is_some_and(|n| n.contains("page cache of its backing file")), "{t}");
 }
 
 #[test]
@@ -481,4 +500,195 @@ fn synth_writes_a_block_device_after_inspecting_it_and_refuses_a_file_system() {
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(e.contains("refusing to write") && e.contains("ext2/3/4 file system"), "{e}");
     assert!(std::fs::read(&file).unwrap() == before, "a refused device is not written");
+}
+
+/// `picchio bench …` refused with exit `code`, `want` in stderr, and nothing measured or printed.
+fn refused(args: &[&str], want: &str, code: i32) {
+    let o = picchio(args);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(code), "{e}");
+    assert!(e.contains(want), "want {want:?} in {e}");
+    assert!(o.stdout.is_empty(), "refused before measuring or printing: {}", String::from_utf8_lossy(&o.stdout));
+}
+
+#[test]
+fn json_replaces_only_an_earlier_report_and_never_the_store() {
+    let s = store();
+    let store_arg = s.to_str().unwrap();
+    let image = std::fs::read(s).unwrap();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let text = dir.path().join("notes.txt");
+    std::fs::write(&text, "keep me\n").unwrap();
+    let link = dir.path().join("store-link.json");
+    std::fs::hard_link(s, &link).unwrap();
+    let missing = dir.path().join("no/such/dir/r.json");
+    for (json, want) in [
+        (store_arg, "is the store being measured"),
+        (link.to_str().unwrap(), "is the store being measured"),
+        (text.to_str().unwrap(), "exists and is not a picchio-bench report"),
+        ("/dev/null", "is not a regular file"),
+        (dir.path().to_str().unwrap(), "is a directory"),
+        (missing.to_str().unwrap(), "does not exist"),
+    ] {
+        refused(&["bench", "env", "--store", store_arg, "--json", json], want, 1);
+        // A long experiment is refused the same way, before its first point.
+        let qd =
+            ["bench", "qd-sweep", "--store", store_arg, "--engines", "psync-direct", "--qd", "1", "--threads", "1"];
+        let mut a = qd.to_vec();
+        a.extend(["--bytes", "64K", "--no-fio", "--json", json]);
+        refused(&a, want, 1);
+    }
+    assert_eq!(std::fs::read(s).unwrap(), image, "the store is untouched");
+    assert_eq!(std::fs::read_to_string(&text).unwrap(), "keep me\n");
+    assert!(!dir.path().join("no").exists());
+    // An earlier report is replaced (atomically, by rename), and so is a missing file.
+    let json = dir.path().join("env.json");
+    ok(&["bench", "env", "--store", store_arg, "--json", json.to_str().unwrap()]);
+    let first = report(&json)["started_at"].clone();
+    ok(&["bench", "env", "--store", store_arg, "--json", json.to_str().unwrap()]);
+    let r = report(&json);
+    assert!(r["started_at"].as_str() >= first.as_str());
+    // Every experiment records every option, store and outputs included.
+    assert_eq!(r["flags"]["store"], store_arg);
+    assert_eq!(r["flags"]["json"], json.to_str().unwrap());
+}
+
+#[test]
+fn out_of_range_qd_and_threads_are_usage_errors_everywhere() {
+    let s = store().to_str().unwrap();
+    let want = "not in 1..=256";
+    refused(&["bench", "qd-sweep", "--store", s, "--qd", "100000"], want, 2);
+    refused(&["bench", "layout", "--store", s, "--threads", "0"], want, 2);
+    refused(&["bench", "tiers", "--store", s, "--qd", "100000"], want, 2);
+    refused(&["bench", "tiers", "--store", s, "--threads", "100000"], want, 2);
+    refused(&["bench", "tiers", "--store", &format!("nvme-sim:{s}"), "--threads", "100000"], want, 2);
+    refused(&["verify", s, "--io-threads", "100000"], want, 2);
+    refused(&["verify", s, "--io-threads", "0"], want, 2);
+}
+
+#[test]
+fn raw_on_a_regular_file_and_unusable_stores_are_refused() {
+    let s = store().to_str().unwrap();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let not_image = dir.path().join("zeros.bin");
+    std::fs::write(&not_image, vec![0u8; 1 << 16]).unwrap();
+    let raw_file = format!("raw:{s}");
+    refused(&["bench", "tiers", "--store", &raw_file, "--bytes", "64K"], "not a block device", 1);
+    refused(&["bench", "qd-sweep", "--store", &raw_file, "--no-fio"], "not a block device", 1);
+    refused(&["bench", "env", "--store", &raw_file], "not a block device", 1);
+    refused(&["bench", "env", "--store", "/nonexistent"], "/nonexistent", 1);
+    refused(&["bench", "env", "--store", "raw:/dev/nonexistent"], "/dev/nonexistent", 1);
+    refused(&["bench", "env", "--store", "nvme-sim:/nonexistent"], "/nonexistent", 1);
+    refused(&["bench", "env", "--store", dir.path().to_str().unwrap()], "not a regular file", 1);
+    refused(&["bench", "env", "--store", not_image.to_str().unwrap()], "zeros.bin", 1);
+}
+
+#[test]
+fn plot_is_checked_first_and_offered_only_where_there_are_charts() {
+    let s = store().to_str().unwrap();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let deep = dir.path().join("a/b");
+    let args = |plot: &str| {
+        [
+            "bench",
+            "qd-sweep",
+            "--store",
+            s,
+            "--engines",
+            "psync-direct",
+            "--qd",
+            "1",
+            "--threads",
+            "1",
+            "--bytes",
+            "64K",
+        ]
+        .iter()
+        .map(|a| a.to_string())
+        .chain(["--no-fio".into(), "--plot".into(), plot.into()])
+        .collect::<Vec<String>>()
+    };
+    let a = args(file.to_str().unwrap());
+    refused(&a.iter().map(String::as_str).collect::<Vec<_>>(), "exists and is not a directory", 1);
+    let a = args(deep.to_str().unwrap());
+    refused(&a.iter().map(String::as_str).collect::<Vec<_>>(), "does not exist", 1);
+    assert!(!dir.path().join("a").exists(), "no chain of directories is created");
+    for exp in ["tiers", "overhead", "env"] {
+        refused(&["bench", exp, "--store", s, "--plot", dir.path().to_str().unwrap()], "--plot", 2);
+        let help = ok(&["bench", exp, "--help"]);
+        assert!(!help.contains("--plot"), "{exp} --help offers --plot: {help}");
+    }
+    let help = ok(&["bench", "--help"]);
+    for exp in ["env", "qd-sweep", "layout", "tiers", "overhead", "trace", "cache", "plot"] {
+        assert!(help.contains(exp), "{exp} missing from bench --help");
+    }
+    let help = ok(&["bench", "plot", "--help"]);
+    assert!(help.contains("layout") && help.contains("qd-sweep"), "{help}");
+}
+
+#[test]
+fn overhead_defaults_to_a_small_images_size_and_names_the_bad_option() {
+    let s = store();
+    let store_arg = s.to_str().unwrap();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let json = dir.path().join("overhead.json");
+    // The store is under 1 MiB: the 64 MiB default range is clamped to it.
+    ok(&[
+        "bench",
+        "overhead",
+        "--store",
+        store_arg,
+        "--engines",
+        "null,psync",
+        "--reads",
+        "200",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let r = report(&json);
+    let range = u(&r["results"], "range");
+    let end = 8192 + 16 * 57_344;
+    assert!(range > 0 && range <= end && range % 4096 == 0 && range + 4096 > end, "{range}");
+    assert_eq!(u(&r["flags"], "range"), range, "flags record the range used");
+    refused(&["bench", "overhead", "--store", store_arg, "--range", "64M"], &format!("({end} bytes"), 1);
+    refused(&["bench", "overhead", "--store", store_arg, "--range", "4K", "--bs", "8K"], "smaller than one read", 1);
+    refused(&["bench", "overhead", "--store", store_arg, "--bs", "1000"], "--bs", 2);
+    refused(&["bench", "overhead", "--store", store_arg, "--reads", "0"], "--reads", 2);
+    refused(&["bench", "overhead", "--store", store_arg, "--engines", "bogus"], "bogus", 2);
+}
+
+#[test]
+fn a_cache_drop_that_cannot_take_on_tmpfs_is_labelled_so() {
+    let shm = Path::new("/dev/shm");
+    if !shm.is_dir() {
+        eprintln!("SKIPPED: no /dev/shm tmpfs here");
+        return;
+    }
+    let dir = tempfile::tempdir_in(shm).unwrap();
+    let image = dir.path().join("synth.picchioflat");
+    std::fs::copy(store(), &image).unwrap();
+    let json = dir.path().join("qd.json");
+    let out = ok(&[
+        "bench",
+        "qd-sweep",
+        "--store",
+        image.to_str().unwrap(),
+        "--engines",
+        "psync-buffered",
+        "--qd",
+        "1",
+        "--threads",
+        "1",
+        "--bytes",
+        "256K",
+        "--no-fio",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let p = &report(&json)["results"]["points"][0];
+    assert!(f(&p["page_cache"], "resident_before") > 0.99, "tmpfs pages are the file: {p}");
+    assert_eq!(p["page_cache"]["action"], "drop-ineffective", "{p}");
+    assert!(out.contains("drop-ineffective"), "{out}");
 }

@@ -149,6 +149,15 @@ fn check_trace_report(r: &Value, want_caps: &[u64]) {
     let (k, e) = (res["header"]["top_k"].as_u64().unwrap(), res["header"]["num_experts"].as_u64().unwrap());
     let records = res["records"].as_u64().unwrap();
     assert_eq!(res["working_set"].as_u64().unwrap(), 3 * k, "MoE layers x k");
+    // LRU cannot hit at a capacity of at most (MoE layers - 1) x k: every other layer runs between
+    // two uses of an expert.
+    let no_hit = res["lru_no_hit_capacity"].as_u64().unwrap();
+    assert_eq!(no_hit, 2 * k);
+    for c in res["capacities"].as_array().unwrap() {
+        if c["capacity"].as_u64().unwrap() <= no_hit {
+            assert_eq!(c["lru_hit_rate"].as_f64().unwrap(), 0.0, "{c}");
+        }
+    }
     let expert_bytes = res["header"]["expert_bytes"].as_u64().unwrap();
     let layers = res["layers"].as_array().unwrap();
     assert_eq!(layers.len(), 3);

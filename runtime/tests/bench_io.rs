@@ -670,7 +670,7 @@ fn a_cache_drop_that_cannot_take_on_tmpfs_is_labelled_so() {
     let image = dir.path().join("synth.picchioflat");
     std::fs::copy(store(), &image).unwrap();
     let json = dir.path().join("qd.json");
-    let out = ok(&[
+    let o = picchio(&[
         "bench",
         "qd-sweep",
         "--store",
@@ -687,6 +687,11 @@ fn a_cache_drop_that_cannot_take_on_tmpfs_is_labelled_so() {
         "--json",
         json.to_str().unwrap(),
     ]);
+    assert!(o.status.success());
+    let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    // The warning is plain text: stderr is a pipe here, not a terminal.
+    assert!(err.contains("WARN") && err.contains("still in the page cache"), "{err}");
+    assert!(!err.contains('\x1b'), "ANSI escapes in a piped log: {err:?}");
     let p = &report(&json)["results"]["points"][0];
     assert!(f(&p["page_cache"], "resident_before") > 0.99, "tmpfs pages are the file: {p}");
     assert_eq!(p["page_cache"]["action"], "drop-ineffective", "{p}");

@@ -42,7 +42,8 @@ enum Command {
     Demo(demo::Args),
     /// List NVMe controllers, hand one to vfio-pci for the user-space driver and back, identify it.
     Nvme(nvme::Args),
-    /// Storage experiments with a JSON report (docs/experiments.md): qd-sweep, layout, tiers, overhead, env.
+    /// Experiments with a JSON report (docs/experiments.md): env, qd-sweep, layout, tiers, overhead,
+    /// trace, cache; plot redraws a report's charts.
     Bench(bench::Args),
     /// Write a .picchioflat image with a real model's expert geometry and seeded random payloads.
     Synth(synth::Args),

@@ -120,24 +120,10 @@ pub enum Error {
         /// What went wrong.
         message: String,
     },
-    /// An image would break a limit of the format (docs/format.md, "Limits"): a payload longer than
-    /// the index entry's u32 `padded_len` can record, more entries than the u32 `n_entries`, or an
-    /// image whose end does not fit the u64 offsets.
-    #[error("{path}: {entry}: {what} is {value} bytes, over the format's limit of {limit} bytes ({field})")]
-    FormatLimit {
-        /// The image being planned or written.
-        path: PathBuf,
-        /// The entry at fault (`entry 7 (layer 0, expert 7)`, or `the image` for the total).
-        entry: String,
-        /// What is too large ("the payload", "the image").
-        what: &'static str,
-        /// Its size in bytes.
-        value: u128,
-        /// The largest size the format allows, in bytes.
-        limit: u64,
-        /// The field that bounds it, as docs/format.md names it.
-        field: &'static str,
-    },
+    /// An image would break a limit of the format (docs/format.md, "Limits"); boxed, so that the
+    /// error stays small.
+    #[error("{0}")]
+    FormatLimit(Box<FormatLimit>),
     /// A store URI could not be parsed.
     #[error("bad store URI {uri:?}: {message}")]
     BadUri {
@@ -146,6 +132,39 @@ pub enum Error {
         /// What is wrong and what would be accepted.
         message: String,
     },
+}
+
+/// The details of [`Error::FormatLimit`]: a payload longer than the index entry's u32 `padded_len`
+/// can record, or an image whose end does not fit the u64 offsets.
+#[derive(Debug)]
+pub struct FormatLimit {
+    /// The image being planned or written.
+    pub path: PathBuf,
+    /// The entry at fault (`entry 7 (layer 0, expert 7)`, or `the image of N entries`).
+    pub entry: String,
+    /// What is too large ("the payload", "the image").
+    pub what: &'static str,
+    /// Its size in bytes.
+    pub value: u128,
+    /// The largest size the format allows, in bytes.
+    pub limit: u64,
+    /// The field that bounds it, as docs/format.md names it.
+    pub field: &'static str,
+}
+
+impl std::fmt::Display for FormatLimit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: {}: {} is {} bytes, over the format's limit of {} bytes ({})",
+            self.path.display(),
+            self.entry,
+            self.what,
+            self.value,
+            self.limit,
+            self.field
+        )
+    }
 }
 
 #[cfg(test)]

@@ -483,7 +483,7 @@ mod tests {
         assert!(
             matches!(
                 &e,
-                Error::Store(picchio_core::Error::FormatLimit { what: "the payload", value: 7_247_757_312, .. })
+                Error::Store(picchio_core::Error::FormatLimit(l)) if l.what == "the payload" && l.value == 7_247_757_312
             ),
             "{e}"
         );

@@ -110,14 +110,14 @@ pub fn check_payload_len(dest: &Path, dims: StoreDims, entry: u64, len: u64) -> 
         });
     }
     if len > MAX_PAYLOAD_LEN {
-        return Err(Error::FormatLimit {
+        return Err(Error::FormatLimit(Box::new(crate::error::FormatLimit {
             path: dest.into(),
             entry: entry_name(entry, dims.n_experts),
             what: "the payload",
             value: len.into(),
             limit: MAX_PAYLOAD_LEN,
             field: "the index entry's u32 padded_len, a multiple of 4096",
-        });
+        })));
     }
     Ok(round_up(len, u64::from(BLOCK_SIZE)))
 }
@@ -159,14 +159,14 @@ pub fn plan_image_len(
         }
     }
     if total > u128::from(u64::MAX) {
-        return Err(Error::FormatLimit {
+        return Err(Error::FormatLimit(Box::new(crate::error::FormatLimit {
             path: dest.into(),
             entry: format!("the image of {n_entries} entries"),
             what: "the image",
             value: total,
             limit: u64::MAX,
             field: "the u64 offsets of the superblock and index",
-        });
+        })));
     }
     Ok(total as u64)
 }
@@ -342,13 +342,15 @@ impl<S: ImageSink> FlatWriter<S> {
             });
         }
         let padded = check_payload_len(self.sink.dest(), self.dims, self.entries.len() as u64, payload.len() as u64)?;
-        let end = self.next_offset.checked_add(padded).ok_or_else(|| Error::FormatLimit {
-            path: self.sink.dest().into(),
-            entry: entry_name(self.entries.len() as u64, self.dims.n_experts),
-            what: "the image",
-            value: u128::from(self.next_offset) + u128::from(padded),
-            limit: u64::MAX,
-            field: "the index entry's u64 offset",
+        let end = self.next_offset.checked_add(padded).ok_or_else(|| {
+            Error::FormatLimit(Box::new(crate::error::FormatLimit {
+                path: self.sink.dest().into(),
+                entry: entry_name(self.entries.len() as u64, self.dims.n_experts),
+                what: "the image",
+                value: u128::from(self.next_offset) + u128::from(padded),
+                limit: u64::MAX,
+                field: "the index entry's u64 offset",
+            }))
         })?;
         let loc = ExpertLoc {
             offset: self.next_offset,
@@ -529,7 +531,7 @@ mod tests {
         // --model-layers 1000`: 27·H·I/16 = 7,247,757,312-byte payloads.
         let dims = StoreDims { hidden: 65536, n_layers: 1000, n_experts: 100_000, topk: 8, moe_inter: 131_072 };
         let e = plan_image_len(dest, dims, 100_000_000, [7_247_757_312]).unwrap_err();
-        assert!(matches!(e, Error::FormatLimit { what: "the payload", limit: MAX_PAYLOAD_LEN, .. }), "{e}");
+        assert!(matches!(&e, Error::FormatLimit(l) if l.what == "the payload" && l.limit == MAX_PAYLOAD_LEN), "{e}");
         let s = e.to_string();
         assert!(s.starts_with("cx.pf: entry 0 (layer 0, expert 0): the payload is 7247757312 bytes"), "{s}");
         assert!(s.contains("4294963200") && s.contains("padded_len"), "{s}");
@@ -574,7 +576,7 @@ mod tests {
         // before the sink sees a byte).
         let huge = vec![0u8; MAX_PAYLOAD_LEN as usize + 1];
         let e = w.push(&huge).unwrap_err();
-        assert!(matches!(e, Error::FormatLimit { what: "the payload", .. }), "{e}");
+        assert!(matches!(&e, Error::FormatLimit(l) if l.what == "the payload"), "{e}");
         assert!(e.to_string().contains("entry 0 (layer 0, expert 0)"), "{e}");
     }
 }

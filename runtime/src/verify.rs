@@ -264,7 +264,8 @@ pub fn verify_nvme(bdf: &str, nsid: u32, model: Option<&Path>, opts: &VerifyOpti
 /// [`verify`]. Nothing else may be in flight on `queue`.
 ///
 /// # Errors
-/// [`Error::Io`] when the superblock or index cannot be read; [`Error::Store`] for a superblock that
+/// [`Error::Store`] ([`picchio_core::Error::Read`], naming the offset) when the superblock or index
+/// cannot be read; [`Error::Store`] for a superblock that
 /// cannot be decoded (bad magic, version, block size, dimensions, index past the end); the errors of
 /// opening `model` (config, safetensors, [`ExpertLayout::detect`]).
 pub fn verify_queue<Q: IoQueue + ?Sized>(
@@ -286,14 +287,19 @@ pub fn verify_queue<Q: IoQueue + ?Sized>(
         }
         .into());
     }
-    let rd = |queue: &mut Q, what: &'static str, offset: u64, len: u64| {
-        read_blocking(queue, offset, len as u32).map_err(Error::io(source_name, what))
+    // Read errors name the store, the structure and its offset (a short read says how many bytes came).
+    let rd = |queue: &mut Q, what: &'static str, offset: u64, len: u64| -> Result<_> {
+        let read_err = |cause| picchio_core::Error::Read { source_name: source_name.into(), what, offset, cause };
+        let len = u32::try_from(len).map_err(|_| {
+            read_err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{len} bytes is over one read")))
+        })?;
+        Ok(read_blocking(queue, offset, len).map_err(read_err)?)
     };
-    let sb_buf = rd(queue, "read the superblock", 0, u64::from(bs))?;
+    let sb_buf = rd(queue, "the superblock", 0, u64::from(bs))?;
     let sb = Superblock::decode(sb_buf.as_slice(), source_name, image_len)?;
     let index_buf = match sb.index_len {
         0 => None,
-        n => Some(rd(queue, "read the index", sb.index_offset, round_up(n, u64::from(bs)))?),
+        n => Some(rd(queue, "the index", sb.index_offset, round_up(n, u64::from(bs)))?),
     };
     let index = index_buf.as_ref().map_or(&[][..], |b| &b.as_slice()[..sb.index_len as usize]);
     let mut store_problems = Vec::new();

@@ -1,0 +1,26 @@
+//! Read errors while opening an image name the store, the structure and its offset — also when the
+//! image is shorter than the length the caller was told (a device whose image was cut, a file that
+//! shrank after it was measured) and the superblock's own length checks cannot see it.
+
+use picchio_blockdev::{PsyncOptions, PsyncQueue};
+use picchio_core::loader::StoreDims;
+use picchio_core::FlatWriter;
+use picchio_runtime::verify::{verify_queue, VerifyOptions};
+
+#[test]
+fn a_short_index_read_names_the_store_and_the_offset() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("img.pf");
+    let dims = StoreDims { hidden: 64, n_layers: 1, n_experts: 2, topk: 1, moe_inter: 128 };
+    let mut w = FlatWriter::create(&img, dims, 2).unwrap();
+    w.push(&[1u8; 4096]).unwrap();
+    w.push(&[2u8; 4096]).unwrap();
+    w.finish().unwrap();
+    let bytes = std::fs::read(&img).unwrap();
+    std::fs::write(&img, &bytes[..5000]).unwrap();
+    let mut q = PsyncQueue::open(&img, PsyncOptions { threads: 1, direct: false }).unwrap();
+    // Told the image is 16384 bytes (as a stale length would say): the index read comes up short.
+    let opts = VerifyOptions { io_threads: 1, direct: false, progress: false };
+    let e = verify_queue(&mut q, "img.pf", 16384, None, &opts).unwrap_err().to_string();
+    assert!(e.contains("img.pf: reading the index at offset 0x1000") && e.contains("short read"), "{e}");
+}

@@ -930,6 +930,21 @@ mod tests {
     }
 
     #[test]
+    fn free_space_is_checked_on_the_output_file_system() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("e.picchioflat");
+        assert!(check_free_space(&out, 4096).is_ok());
+        let r = check_free_space(&out, u64::MAX);
+        if cfg!(unix) {
+            let e = r.unwrap_err().to_string();
+            assert!(e.contains(&out.display().to_string()) && e.contains(&format!("needs {} bytes", u64::MAX)), "{e}");
+            assert!(e.contains("bytes") && e.contains("available"), "{e}");
+        }
+        // A bare file name is checked in the current directory.
+        assert!(check_free_space(Path::new("e.picchioflat"), 1).is_ok());
+    }
+
+    #[test]
     fn out_goes_through_the_store_uri_parser() {
         assert_eq!(parse_out("x.pf").unwrap(), OutTarget::File("x.pf".into()));
         assert_eq!(parse_out("file:a:b.pf").unwrap(), OutTarget::File("a:b.pf".into()));

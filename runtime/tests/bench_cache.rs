@@ -193,3 +193,44 @@ fn cache_percent_and_bad_capacities() {
     let o = picchio(&["bench", "cache", "--model", m.to_str().unwrap(), "--synthetic-gb", "1"]);
     assert!(!o.status.success(), "--model and --synthetic-gb conflict");
 }
+
+/// The first buffered point after a cold start reads every expert it misses from the device: the
+/// drop before it also catches the session's own readahead still in flight (which once landed after
+/// the drop and left half of a small image cached, so the device showed fewer bytes than the
+/// distinct experts read). With a cache of every expert, each miss is a distinct expert.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_cold_buffered_point_reads_every_missed_expert_from_the_device() {
+    let image_path = model().join("experts.picchioflat");
+    let dir = scratch();
+    let json = dir.path().join("cold.json");
+    for _ in 0..3 {
+        assert!(picchio_runtime::bench::cache::drop_page_cache(&image_path));
+        let m = model();
+        ok(&[
+            "bench",
+            "cache",
+            "--model",
+            m.to_str().unwrap(),
+            "--store",
+            &image(),
+            "--cache-percent",
+            "100",
+            "--reads",
+            "buffered",
+            "--prompt-ids",
+            PROMPT,
+            "-n",
+            "4",
+            "--json",
+            json.to_str().unwrap(),
+        ]);
+        let r: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let slot = u(&r["results"]["slot_bytes"]);
+        let p = &r["results"]["points"][0];
+        let misses = u(&p["prefill"]["misses"]) + u(&p["decode"]["misses"]);
+        let device = u(&p["prefill"]["device_bytes"]) + u(&p["decode"]["device_bytes"]);
+        assert!(misses > 0);
+        assert!(device >= misses * slot, "{misses} distinct experts of {slot} B, but {device} device bytes: {p}");
+    }
+}

@@ -190,20 +190,9 @@ pub fn device_read_bytes() -> Option<u64> {
 /// Drops `path`'s clean pages from the page cache (`posix_fadvise(POSIX_FADV_DONTNEED)` over the
 /// whole file). Returns whether it was done (false off Linux, or for a path that cannot be opened).
 pub fn drop_page_cache(path: &Path) -> bool {
-    #[cfg(target_os = "linux")]
-    {
-        use std::os::fd::AsRawFd;
-        let Ok(f) = std::fs::File::open(path) else { return false };
-        // SAFETY: `f` is an open file descriptor for the duration of the call; posix_fadvise only
-        // gives the kernel advice about its page cache and touches no memory of ours.
-        let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
-        rc == 0
-    }
-    #[cfg(not(target_os = "linux"))]
-    {
-        let _ = path;
-        false
-    }
+    // The same drop as the storage experiments', which first waits for reads still in flight (the
+    // session's open starts readahead of the image that would otherwise land after the drop).
+    cfg!(target_os = "linux") && super::measure::drop_cache(path).is_ok()
 }
 
 /// Runs every (mode, capacity) point of `opts`, calling `progress(done, total)` after each.

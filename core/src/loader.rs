@@ -255,7 +255,10 @@ impl<Q: IoQueue> FlatStore<Q> {
             });
         }
         let rd = |queue: &mut Q, what: &'static str, offset: u64, len: u32| {
-            read_blocking(queue, opts.base_offset + offset, len).map_err(|cause| Error::Read {
+            let at = opts.base_offset.checked_add(offset).ok_or_else(|| {
+                std::io::Error::new(std::io::ErrorKind::InvalidInput, "base offset + offset is past 2^64")
+            });
+            at.and_then(|at| read_blocking(queue, at, len)).map_err(|cause| Error::Read {
                 source_name: source_name.clone(),
                 what,
                 offset,

@@ -650,7 +650,7 @@ fn overhead_defaults_to_a_small_images_size_and_names_the_bad_option() {
     let r = report(&json);
     let range = u(&r["results"], "range");
     let end = 8192 + 16 * 57_344;
-    assert!(range > 0 && range <= end && range % 4096 == 0 && range + 4096 > end, "{range}");
+    assert!(range > 0 && range <= end && range.is_multiple_of(4096) && range + 4096 > end, "{range}");
     assert_eq!(u(&r["flags"], "range"), range, "flags record the range used");
     refused(&["bench", "overhead", "--store", store_arg, "--range", "64M"], &format!("({end} bytes"), 1);
     refused(&["bench", "overhead", "--store", store_arg, "--range", "4K", "--bs", "8K"], "smaller than one read", 1);

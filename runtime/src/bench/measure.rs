@@ -969,6 +969,8 @@ fn in_memory_fs(f: &std::fs::File) -> bool {
     if rc != 0 {
         return false;
     }
+    // `f_type` is i64 on x86-64 glibc but another width elsewhere (u32 on s390x, i32 on musl arm).
+    #[allow(clippy::unnecessary_cast)]
     // SAFETY: fstatfs returned 0, so it filled `st`.
     let t = unsafe { st.assume_init() }.f_type as i64;
     t == TMPFS_MAGIC || t == RAMFS_MAGIC

@@ -58,7 +58,7 @@ fn parse_size(s: &str) -> Result<u64, String> {
 /// O_DIRECT alignment every engine and store here needs — and below 4 GiB.
 fn parse_bs(s: &str) -> Result<u64, String> {
     let b = parse_size(s)?;
-    if b == 0 || b % 4096 != 0 {
+    if b == 0 || !b.is_multiple_of(4096) {
         return Err(format!("{b} is not a positive multiple of 4096 bytes (the block size reads are aligned to)"));
     }
     if b > u64::from(u32::MAX) {

@@ -652,6 +652,46 @@ mod tests {
             .collect()
     }
 
+    /// Horizontal two-point `polyline`s of an SVG: (y, x0, x1) with x0 < x1.
+    fn svg_segments(path: &Path) -> Vec<(i64, i64, i64)> {
+        let svg = std::fs::read_to_string(path).unwrap();
+        let doc = roxmltree::Document::parse(&svg).unwrap();
+        doc.descendants()
+            .filter(|n| n.tag_name().name() == "polyline")
+            .filter_map(|n| {
+                let pts: Vec<(i64, i64)> = n
+                    .attribute("points")?
+                    .split_whitespace()
+                    .filter_map(|p| p.split_once(',').and_then(|(x, y)| Some((x.parse().ok()?, y.parse().ok()?))))
+                    .collect();
+                match pts[..] {
+                    [(x0, y0), (x1, y1)] if y0 == y1 && x0 < x1 => Some((y0, x0, x1)),
+                    _ => None,
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn legend_samples_are_drawn_in_the_series_style() {
+        let results = serde_json::json!({"points": [
+            {"engine": "uring", "threads": 1, "qd": 1, "mb_s": 900.0, "latency_us": {"p50": 1.0, "p99": 2.0},
+             "fio": {"mb_s": 950.0}},
+            {"engine": "uring", "threads": 1, "qd": 4, "mb_s": 1800.0, "latency_us": {"p50": 1.0, "p99": 2.0},
+             "fio": {"mb_s": 1850.0}}
+        ]});
+        let dir = tempfile::tempdir().unwrap();
+        let files = render(&report("qd-sweep", results), dir.path()).unwrap();
+        let segs = svg_segments(&files[0]);
+        // The legend sample of a series is two 18-px-wide pieces on one line: touching for a solid
+        // series (ours), 5 px apart for a dashed one (fio).
+        let pair = |gap: i64| {
+            segs.iter().any(|&(y, a0, a1)| segs.iter().any(|&(y2, b0, b1)| y2 == y && b0 == a1 + gap && b1 - a0 == 18))
+        };
+        assert!(pair(0), "a solid legend sample: {segs:?}");
+        assert!(pair(5), "a dashed legend sample: {segs:?}");
+    }
+
     #[test]
     fn qd_sweep_and_layout_charts_read_their_result_types() {
         use crate::bench::fio::FioResult;

@@ -285,7 +285,8 @@ fn online_cpus() -> Option<usize> {
     None
 }
 
-fn memory() -> Option<Memory> {
+/// Memory as `/proc/meminfo` reports it now (`None` off Linux or when unreadable).
+pub fn memory() -> Option<Memory> {
     let s = std::fs::read_to_string("/proc/meminfo").ok()?;
     let kib = |key: &str| -> Option<u64> {
         let line = s.lines().find(|l| l.split(':').next() == Some(key))?;

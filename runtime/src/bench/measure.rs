@@ -144,6 +144,24 @@ pub fn check_depth(threads: u32, qd: u32) -> Result<()> {
     Ok(())
 }
 
+/// Checks that a point's read buffers — `threads × qd × max_read` bytes, allocated before the
+/// clock starts — fit in half of `available` memory (`MemAvailable`; unchecked when unknown), so
+/// a large expert at 256 × 256 is refused with the figure instead of driving the machine out of
+/// memory.
+///
+/// # Errors
+/// [`Error::Invalid`] naming the threads, depth, read size and the bytes needed and available.
+pub fn check_buffer_memory(threads: u32, qd: u32, max_read: u32, available: Option<u64>) -> Result<()> {
+    let need = u64::from(threads) * u64::from(qd) * u64::from(max_read);
+    match available {
+        Some(avail) if need > avail / 2 => Err(Error::Invalid(format!(
+            "{threads} threads × QD {qd} × {max_read}-byte reads need {need} bytes of read buffers, more than half \
+             of the {avail} bytes of memory available: use fewer --threads or a lower --qd"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// A queue opened on the store, reading image offsets (a `raw:` image's base is added inside).
 pub struct Opened {
     /// The queue.
@@ -580,6 +598,7 @@ pub fn run_point(
 ) -> Result<PointResult> {
     check_depth(spec.threads, spec.qd)?;
     let (threads, qd) = (spec.threads, spec.qd);
+    check_buffer_memory(threads, qd, max_read, super::env::memory().map(|m| m.available_bytes))?;
     let page_cache = prepare_cache(store, spec)?;
     // Open every queue before starting the clock; an open error ends the point before it starts.
     let mut opened = Vec::with_capacity(threads as usize);
@@ -1024,6 +1043,19 @@ pub fn resident_fraction(_path: &std::path::Path) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn depth_and_buffer_memory_are_bounded() {
+        assert!(check_depth(1, 1).is_ok() && check_depth(MAX_THREADS, MAX_QD).is_ok());
+        for (t, q) in [(0, 1), (1, 0), (MAX_THREADS + 1, 1), (1, MAX_QD + 1), (100_000, 1)] {
+            assert!(check_depth(t, q).is_err(), "{t} × {q}");
+        }
+        // 256 × 256 reads of a 2.6 MB expert: 174 GB of buffers, refused with 24 GiB available.
+        let e = check_buffer_memory(256, 256, 2_654_208, Some(24 << 30)).unwrap_err().to_string();
+        assert!(e.contains("256 threads × QD 256") && e.contains("173946175488 bytes"), "{e}");
+        assert!(check_buffer_memory(2, 32, 2_654_208, Some(24 << 30)).is_ok());
+        assert!(check_buffer_memory(256, 256, 2_654_208, None).is_ok());
+    }
 
     #[test]
     fn engine_names_round_trip() {

@@ -1010,9 +1010,10 @@ pub fn resident_fraction(path: &std::path::Path) -> Option<f64> {
     Some(present.iter().filter(|&&p| p).count() as f64 / present.len() as f64)
 }
 
-/// Which 4 KiB pages of the regular file `f` are in the page cache (`mincore(2)` over a read-only
-/// mapping; a page whose read is still in flight counts), or `None` for anything else, an empty
-/// file, or on failure.
+/// Which pages (of the system page size) of the regular file `f` are in the page cache
+/// (`mincore(2)` over a read-only mapping: only up-to-date pages count, a page whose read is still
+/// in flight does not — which is why [`drop_cache`] repeats until the count stays quiet), or `None`
+/// for anything else, an empty file, or on failure.
 #[cfg(target_os = "linux")]
 fn resident_pages(f: &std::fs::File) -> Option<Vec<bool>> {
     let md = f.metadata().ok()?;
@@ -1022,7 +1023,8 @@ fn resident_pages(f: &std::fs::File) -> Option<Vec<bool>> {
     // SAFETY: a read-only shared mapping of a file we only read; it is never dereferenced here,
     // only passed to mincore, and the file is not truncated by us while mapped.
     let map = unsafe { memmap2::Mmap::map(f) }.ok()?;
-    let page = 4096usize;
+    // SAFETY: sysconf has no memory effects; it returns -1 on failure, handled below.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).ok().filter(|&p| p > 0)?;
     let pages = map.len().div_ceil(page);
     let mut vec = vec![0u8; pages];
     // SAFETY: `map` is a live mapping of `map.len()` bytes starting at a page-aligned address, and

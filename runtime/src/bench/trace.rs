@@ -98,10 +98,14 @@ pub struct TraceRecord {
 
 /// A [`RoutingObserver`] that writes each decision as a line of a `picchio-trace/1` file.
 ///
-/// The file is written through a buffer as the model runs; the first write error is kept and
-/// returned by [`RoutingObserver::finish`] (the forward pass does not stop for it).
+/// The file is written through a buffer as the model runs, into `PATH.tmp-PID` beside the target,
+/// and renamed over `PATH` by [`RoutingObserver::finish`]: a run that fails or is interrupted leaves
+/// no partial trace that a later analysis would accept (the temporary file is removed on drop). The
+/// first write error is kept and returned by `finish` (the forward pass does not stop for it).
 pub struct TraceWriter {
     path: PathBuf,
+    tmp: PathBuf,
+    done: bool,
     out: BufWriter<File>,
     records: u64,
     error: Option<std::io::Error>,
@@ -116,13 +120,24 @@ impl TraceWriter {
     /// [`Error::Invalid`] when `path` exists and is not a trace; [`Error::Io`] naming the path.
     pub fn create(path: &Path, header: &TraceHeader) -> Result<Self> {
         super::output::check_replaceable(path, "--trace", &format!("a {TRACE_FORMAT} trace"), starts_like_trace)?;
-        let file = File::create(path).map_err(Error::io(path, "create the trace file"))?;
-        let mut out = BufWriter::with_capacity(1 << 16, file);
-        serde_json::to_writer(&mut out, header)
+        let mut tmp = path.as_os_str().to_owned();
+        tmp.push(format!(".tmp-{}", std::process::id()));
+        let tmp = PathBuf::from(tmp);
+        let file = File::create(&tmp).map_err(Error::io(&tmp, "create the trace file"))?;
+        let mut w = TraceWriter {
+            path: path.to_path_buf(),
+            tmp,
+            done: false,
+            out: BufWriter::with_capacity(1 << 16, file),
+            records: 0,
+            error: None,
+            line: Vec::with_capacity(256),
+        };
+        serde_json::to_writer(&mut w.out, header)
             .map_err(std::io::Error::other)
-            .and_then(|()| out.write_all(b"\n"))
-            .map_err(Error::io(path, "write the trace header"))?;
-        Ok(TraceWriter { path: path.to_path_buf(), out, records: 0, error: None, line: Vec::with_capacity(256) })
+            .and_then(|()| w.out.write_all(b"\n"))
+            .map_err(Error::io(&w.tmp, "write the trace header"))?;
+        Ok(w)
     }
 
     /// Records written so far.
@@ -159,11 +174,27 @@ impl RoutingObserver for TraceWriter {
     }
 
     fn finish(&mut self) -> Result<()> {
+        if self.done {
+            return Ok(());
+        }
         let r = match self.error.take() {
             Some(e) => Err(e),
             None => self.out.flush().and_then(|()| self.out.get_ref().sync_all()),
         };
-        r.map_err(Error::io(&self.path, "write the trace"))
+        r.map_err(Error::io(&self.path, "write the trace"))?;
+        std::fs::rename(&self.tmp, &self.path)
+            .map_err(Error::io(&self.path, "rename the finished trace into place"))?;
+        self.done = true;
+        Ok(())
+    }
+}
+
+impl Drop for TraceWriter {
+    fn drop(&mut self) {
+        if !self.done {
+            // Best effort: an unfinished trace is never left where a later run would read it.
+            let _ = std::fs::remove_file(&self.tmp);
+        }
     }
 }
 
@@ -675,6 +706,31 @@ mod tests {
         assert!(c.windows(2).all(|w| w[0] < w[1]));
         let c = default_capacities(&header(4, 2, vec![0]));
         assert_eq!(c, [1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn an_unfinished_trace_leaves_no_file_and_keeps_the_previous_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.jsonl");
+        let h = header(8, 2, vec![0, 2]);
+        // Nothing at the path: a writer dropped before finish (a failed or interrupted run) leaves
+        // neither the target nor its temporary file.
+        let mut w = TraceWriter::create(&p, &h).unwrap();
+        w.routed(0, 0, &[3, 1], &[0.75, 0.25]);
+        drop(w);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "nothing left behind");
+        // A finished trace, then an unfinished second recording over it: the first stays whole.
+        let mut w = TraceWriter::create(&p, &h).unwrap();
+        w.routed(0, 0, &[3, 1], &[0.75, 0.25]);
+        w.finish().unwrap();
+        w.finish().unwrap(); // idempotent
+        let before = std::fs::read(&p).unwrap();
+        let mut w = TraceWriter::create(&p, &h).unwrap();
+        w.routed(2, 0, &[7, 0], &[0.5, 0.5]);
+        drop(w);
+        assert_eq!(std::fs::read(&p).unwrap(), before);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+        assert_eq!(RoutingTrace::read(&p).unwrap().records.len(), 1);
     }
 
     #[test]

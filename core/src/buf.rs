@@ -33,9 +33,16 @@ enum Backing {
 /// block back when its buffer is dropped; e.g. the NVMe driver's DMA pool, whose blocks the device can
 /// write directly.
 pub trait BufPool: Send + Sync {
-    /// Takes back the `len` bytes at `ptr` that [`AlignedBuf::from_pool`] wrapped. Called exactly once
-    /// per such buffer, from its `Drop`, when no reference to the bytes remains.
-    fn give_back(&self, ptr: NonNull<u8>, len: usize);
+    /// Takes back the `len` bytes at `ptr` that [`AlignedBuf::from_pool`] wrapped, so the pool may
+    /// lend them again.
+    ///
+    /// # Safety
+    /// Only the `Drop` of the [`AlignedBuf`] that wraps `ptr`/`len` may call this, exactly once, when
+    /// no reference to the bytes remains: afterwards the pool may hand them to a new owner (and a
+    /// device may write them), so any other call would leave two owners of the same memory.
+    /// Implementations should still check what they can (e.g. that the block is lent, not free) and
+    /// panic on a violation rather than lend a block twice.
+    unsafe fn give_back(&self, ptr: NonNull<u8>, len: usize);
 
     /// A short name for logs and `Debug` (e.g. `nvme DMA slots`).
     fn name(&self) -> &str;
@@ -183,10 +190,12 @@ impl AlignedBuf {
         AlignedBuf { ptr, len, align, backing: Backing::Pool(pool) }
     }
 
-    /// The pool this buffer's memory was lent by, if any (`None` for heap and hugepage-mapped buffers).
-    pub fn pool(&self) -> Option<&Arc<dyn BufPool>> {
+    /// The name ([`BufPool::name`]) of the pool this buffer's memory was lent by, if any (`None` for
+    /// heap and hugepage-mapped buffers). The pool itself is not exposed: only this buffer's `Drop`
+    /// may give its memory back.
+    pub fn pool_name(&self) -> Option<&str> {
         match &self.backing {
-            Backing::Pool(p) => Some(p),
+            Backing::Pool(p) => Some(p.name()),
             _ => None,
         }
     }
@@ -202,8 +211,9 @@ impl Drop for AlignedBuf {
             Backing::Mmap(map_len) => unsafe {
                 libc::munmap(self.ptr.as_ptr().cast(), *map_len);
             },
-            // Once, with no reference left (we are in `drop`), as `from_pool`'s contract says.
-            Backing::Pool(pool) => pool.give_back(self.ptr, self.len),
+            // SAFETY: this is the `Drop` of the buffer that wraps `ptr`/`len` (lent by `pool` through
+            // `from_pool`), running once, with no reference to the bytes left — `give_back`'s contract.
+            Backing::Pool(pool) => unsafe { pool.give_back(self.ptr, self.len) },
         }
     }
 }
@@ -248,7 +258,7 @@ mod tests {
     // SAFETY: as for `Send`; `returned` is behind a mutex.
     unsafe impl Sync for TestPool {}
     impl BufPool for TestPool {
-        fn give_back(&self, ptr: NonNull<u8>, len: usize) {
+        unsafe fn give_back(&self, ptr: NonNull<u8>, len: usize) {
             self.returned.lock().unwrap().push((ptr.as_ptr() as usize - self.base.as_ptr() as usize, len));
         }
         fn name(&self) -> &str {
@@ -277,8 +287,8 @@ mod tests {
             )
         };
         assert_eq!((a.len(), a.align(), a.addr()), (8192, 4096, base.as_ptr() as usize));
-        assert_eq!(a.pool().unwrap().name(), "test pool");
-        assert!(AlignedBuf::new(10, 512).unwrap().pool().is_none());
+        assert_eq!(a.pool_name(), Some("test pool"));
+        assert_eq!(AlignedBuf::new(10, 512).unwrap().pool_name(), None);
         a.as_mut_slice()[8191] = 7;
         assert_eq!(a.as_slice()[8191], 7);
         assert!(format!("{a:?}").contains("test pool"));

@@ -120,6 +120,8 @@ pub struct Controller {
     max_transfer: usize,
     enabled: bool,
     shut_down: bool,
+    /// A shutdown's CC.EN = 0 did not clear CSTS.RDY: the device may still DMA.
+    not_stopped: bool,
     resets: u64,
 }
 
@@ -147,6 +149,7 @@ impl Controller {
             max_transfer: PAGE,
             enabled: false,
             shut_down: false,
+            not_stopped: false,
             resets: 0,
         }
     }
@@ -203,7 +206,15 @@ impl Controller {
     pub fn bar(&self) -> &Arc<dyn Bar> {
         &self.bar
     }
-    /// The DMA allocator.
+    /// True when the controller is known not to DMA: it was never enabled, or CC.EN = 0 was
+    /// confirmed by CSTS.RDY = 0 (NVMe base spec 2.0, §3.5.2). False while it runs, and after a
+    /// shutdown or reset whose CSTS.RDY never cleared ([`Error::NotStopped`]): memory the device was
+    /// given must then be leaked, not freed.
+    pub fn dma_stopped(&self) -> bool {
+        !self.enabled && !self.not_stopped
+    }
+
+    /// The DMA allocator the controller's queues come from.
     pub fn dma(&self) -> &Arc<dyn DmaPool> {
         &self.dma
     }
@@ -296,12 +307,14 @@ impl Controller {
                 let cc = Cc(self.bar.read32(regs::CC));
                 if cc.en() {
                     self.bar.write32(regs::CC, cc.with_en(false).0);
+                    self.not_stopped = true; // until CSTS.RDY = 0 confirms it
                 }
                 self.enabled = false;
                 self.enter(WaitReady0);
             }
             WaitReady0 => {
                 if self.wait_rdy(false)? {
+                    self.not_stopped = false;
                     self.enter(ProgramAdminQueues);
                 }
             }
@@ -647,10 +660,25 @@ impl Controller {
                 std::thread::sleep(Duration::from_micros(100));
             }
         }
-        // Reset so the device stops all DMA before the queues' memory is freed.
+        // Reset so the device stops all DMA before the queues' memory is freed. Only CSTS.RDY = 0
+        // confirms it did (also on the CSTS.CFS path, which skips CC.SHN): otherwise say so, and
+        // `dma_stopped` stays false so owners of DMA memory leak it rather than free it.
         self.bar.write32(regs::CC, Cc(self.bar.read32(regs::CC)).with_en(false).with_shn(Shn::None).0);
         let deadline = Instant::now() + self.cap.timeout();
-        while Csts(self.bar.read32(regs::CSTS)).rdy() && Instant::now() < deadline {
+        loop {
+            let csts = Csts(self.bar.read32(regs::CSTS));
+            if !csts.rdy() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                self.not_stopped = true;
+                let e = Error::NotStopped { csts: csts.0, waited_ms: self.cap.timeout().as_millis() as u64 };
+                // Reported in place of an earlier failure: it is the one that matters for memory safety.
+                if let Some(prev) = first.replace(e) {
+                    tracing::warn!(error = %prev, "nvme shutdown");
+                }
+                break;
+            }
             std::thread::sleep(Duration::from_micros(100));
         }
         self.enabled = false;
@@ -665,6 +693,19 @@ impl Drop for Controller {
     fn drop(&mut self) {
         if let Err(e) = self.shutdown() {
             tracing::warn!(error = %e, "nvme shutdown");
+        }
+        if !self.dma_stopped() {
+            // The device may still read the SQs and write the CQs and scratch page: leak them.
+            tracing::error!(
+                "nvme {}: the controller did not confirm it stopped (CSTS.RDY = 1 after CC.EN = 0); leaking its \
+                 queue memory (admin and I/O SQ/CQ rings, PRP lists, scratch page) instead of freeing memory it \
+                 may still DMA into",
+                self.bar.kind()
+            );
+            std::mem::forget(self.admin.take());
+            std::mem::forget(self.io.take());
+            std::mem::forget(self.scratch.take());
+            std::mem::forget(self.dma.clone());
         }
     }
 }

@@ -299,7 +299,14 @@ pub struct SlotPool {
     region: DmaRegion,
     slot_len: usize,
     count: usize,
-    free: Mutex<Vec<usize>>,
+    free: Mutex<FreeSlots>,
+}
+
+/// The free list of a [`SlotPool`] and, per slot, whether it is on it (to refuse a double return).
+#[derive(Debug)]
+struct FreeSlots {
+    list: Vec<usize>,
+    is_free: Vec<bool>,
 }
 
 impl SlotPool {
@@ -313,7 +320,7 @@ impl SlotPool {
         if need.is_none() {
             return Err(Error::DmaAlloc { len: slot_len.saturating_mul(count), hugepages: false, cause: None });
         }
-        let free = Mutex::new((0..count).rev().collect());
+        let free = Mutex::new(FreeSlots { list: (0..count).rev().collect(), is_free: vec![true; count] });
         Ok(SlotPool { region, slot_len, count, free })
     }
     /// The region.
@@ -330,11 +337,16 @@ impl SlotPool {
     }
     /// Slots not lent out.
     pub fn free_slots(&self) -> usize {
-        self.free.lock().expect("slot pool").len()
+        self.free.lock().expect("slot pool").list.len()
     }
     /// Lends a zeroed slot, or `None` when all are lent.
     pub fn take(self: &Arc<Self>) -> Option<AlignedBuf> {
-        let i = self.free.lock().expect("slot pool").pop()?;
+        let i = {
+            let mut free = self.free.lock().expect("slot pool");
+            let i = free.list.pop()?;
+            free.is_free[i] = false;
+            i
+        };
         let off = i * self.slot_len;
         // SAFETY: `off + slot_len <= region.len()` (checked in `new`), so the pointer is in bounds.
         let p = unsafe { self.region.ptr.as_ptr().add(off) };
@@ -351,10 +363,31 @@ impl SlotPool {
 }
 
 impl BufPool for SlotPool {
-    fn give_back(&self, ptr: NonNull<u8>, len: usize) {
-        let off = self.region.locate(ptr.as_ptr() as usize, len).expect("a slot of this pool");
-        debug_assert!(off.is_multiple_of(self.slot_len) && len == self.slot_len);
-        self.free.lock().expect("slot pool").push(off / self.slot_len);
+    /// Puts the slot back on the free list.
+    ///
+    /// # Panics
+    /// When `ptr`/`len` is not exactly one slot of this pool, or the slot is already free (a
+    /// violation of the caller's contract: lending it twice would give two owners of memory the
+    /// device writes, so this refuses loudly instead).
+    unsafe fn give_back(&self, ptr: NonNull<u8>, len: usize) {
+        let addr = ptr.as_ptr() as usize;
+        let off = self
+            .region
+            .locate(addr, len)
+            .unwrap_or_else(|| panic!("nvme DMA slots: {len} bytes at {addr:#x} are not in this pool's region"));
+        assert!(
+            off.is_multiple_of(self.slot_len) && len == self.slot_len && off / self.slot_len < self.count,
+            "nvme DMA slots: {len} bytes at region offset {off} are not one slot of {} bytes",
+            self.slot_len
+        );
+        let i = off / self.slot_len;
+        let mut free = self.free.lock().expect("slot pool");
+        if free.is_free[i] {
+            drop(free); // panic with the lock released: the pool stays usable
+            panic!("nvme DMA slots: slot {i} (region offset {off}) given back twice");
+        }
+        free.is_free[i] = true;
+        free.list.push(i);
     }
     fn name(&self) -> &str {
         "nvme DMA slots"
@@ -787,6 +820,31 @@ mod tests {
         drop(a);
         assert_eq!(pool.free_slots(), 1);
         assert!(SlotPool::new(HeapDma::new().alloc_region(PAGE).unwrap(), PAGE, 2).is_err());
+    }
+
+    #[test]
+    #[should_panic(expected = "given back twice")]
+    fn a_double_give_back_panics() {
+        let pool = Arc::new(SlotPool::new(HeapDma::new().alloc_region(2 * PAGE).unwrap(), PAGE, 2).unwrap());
+        let a = pool.take().unwrap();
+        let (ptr, len) = (NonNull::new(a.addr() as *mut u8).unwrap(), a.len());
+        drop(a); // the one legitimate give_back
+        assert_eq!(pool.free_slots(), 2);
+        // SAFETY: deliberately violates `give_back`'s contract (a second return of a slot no buffer
+        // owns) to test that the pool refuses it with a panic instead of lending the slot twice; no
+        // memory is touched before the check.
+        unsafe { pool.give_back(ptr, len) };
+    }
+
+    #[test]
+    #[should_panic(expected = "not one slot")]
+    fn a_give_back_of_part_of_a_slot_panics() {
+        let pool = Arc::new(SlotPool::new(HeapDma::new().alloc_region(4 * PAGE).unwrap(), 2 * PAGE, 2).unwrap());
+        let a = pool.take().unwrap();
+        let ptr = NonNull::new((a.addr() + PAGE) as *mut u8).unwrap();
+        // SAFETY: deliberately violates `give_back`'s contract (a range that is not a lent slot) to
+        // test the check; it panics before touching the free list or the memory.
+        unsafe { pool.give_back(ptr, PAGE) };
     }
 
     #[test]

@@ -735,8 +735,13 @@ impl NvmeQueue {
 impl Drop for NvmeQueue {
     fn drop(&mut self) {
         // Stop the device before lent buffers (in flight or quarantined) are unmapped and freed.
-        if let Err(e) = self.ctrlr.shutdown() {
+        let shutdown = self.ctrlr.shutdown();
+        if let Err(e) = &shutdown {
             tracing::warn!(error = %e, "nvme shutdown");
+        }
+        if !self.ctrlr.dma_stopped() {
+            self.leak_dma_memory(shutdown.err());
+            return;
         }
         for r in self.reqs.iter().flatten() {
             if let Some(iova) = r.iova {
@@ -748,6 +753,42 @@ impl Drop for NvmeQueue {
                 self.dma.unmap_external(iova, len);
             }
         }
+    }
+}
+
+impl NvmeQueue {
+    /// The slot pools lent out by [`IoQueue::slot_allocator`], in creation order (e.g. to check how
+    /// many slots are free with [`SlotPool::free_slots`]).
+    pub fn slot_pools(&self) -> &[Arc<SlotPool>] {
+        &self.slot_pools
+    }
+
+    /// The controller may still DMA (its shutdown did not clear CSTS.RDY): leaks, rather than frees
+    /// or returns to a pool, every buffer the device was given — in-flight requests', quarantined
+    /// ones, bounce buffers — and the slot pools and DMA allocator (so no region is unmapped), and
+    /// says how much in one error.
+    fn leak_dma_memory(&mut self, why: Option<Error>) {
+        let reqs = std::mem::take(&mut self.reqs);
+        let quarantine = std::mem::take(&mut self.quarantine);
+        let bounce = std::mem::replace(&mut self.path, DataPath::Direct);
+        let slot_pools = std::mem::take(&mut self.slot_pools);
+        let mut bytes: usize = reqs.iter().flatten().map(|r| r.buf.len()).sum();
+        bytes += quarantine.iter().map(|(b, _)| b.len()).sum::<usize>();
+        if let DataPath::Bounce(b) = &bounce {
+            bytes += b.iter().map(DmaBuf::len).sum::<usize>();
+        }
+        let slot_bytes: usize = slot_pools.iter().map(|p| p.region().len()).sum();
+        tracing::error!(
+            "{}: leaking {bytes} bytes of request, quarantined and bounce buffers and {slot_bytes} bytes of \
+             slot-pool DMA memory: the controller did not confirm it stopped ({}), so it may still DMA into them",
+            self.label,
+            why.map_or_else(|| "CSTS.RDY did not clear after CC.EN = 0".to_string(), |e| e.to_string())
+        );
+        std::mem::forget(reqs);
+        std::mem::forget(quarantine);
+        std::mem::forget(bounce);
+        std::mem::forget(slot_pools);
+        std::mem::forget(self.dma.clone());
     }
 }
 

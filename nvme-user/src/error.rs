@@ -15,6 +15,18 @@ pub enum Error {
         /// How long it waited.
         waited_ms: u64,
     },
+    /// At shutdown, CSTS.RDY did not clear within CAP.TO after CC.EN was set to 0 (NVMe base spec
+    /// 2.0, §3.5.2): the controller has not confirmed it stopped, so it may still DMA into host memory.
+    #[error(
+        "NVMe controller did not stop: CSTS.RDY still 1 {waited_ms} ms after CC.EN = 0 (CSTS = {csts:#x}, \
+         CAP.TO deadline); it may still DMA"
+    )]
+    NotStopped {
+        /// The last CSTS value read.
+        csts: u32,
+        /// How long it waited.
+        waited_ms: u64,
+    },
     /// The controller reported Controller Fatal Status (CSTS.CFS = 1).
     #[error("NVMe controller fatal status (CSTS.CFS = 1, CSTS = {csts:#x}) during {during}")]
     ControllerFatal {

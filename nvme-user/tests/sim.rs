@@ -711,3 +711,38 @@ fn flat_store_over_nvme_falls_back_for_the_reads_a_fault_failed() {
         assert_eq!(sim.stats().resets, u64::from(layer > 0), "hold: Abort only; drop and CFS: one reset");
     }
 }
+
+#[test]
+fn shutdown_fails_when_csts_rdy_never_clears() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, _) = backing(dir.path(), "a", 1 << 20, 1);
+    let mut cfg = SimConfig::single(&a, 512);
+    cfg.to = 1; // CAP.TO = 500 ms
+    let dma = HeapDma::new();
+    let sim = Sim::start(cfg, dma.registry()).unwrap();
+    let mut c = Controller::init(sim.bar(), Arc::new(dma), CtrlrOptions::default()).unwrap();
+    assert!(!c.dma_stopped(), "a running controller may DMA");
+    sim.ignore_disable(true);
+    let e = c.shutdown().unwrap_err();
+    assert!(matches!(e, Error::NotStopped { waited_ms: 500, .. }), "{e}");
+    assert!(e.to_string().contains("CSTS.RDY still 1"), "{e}");
+    assert!(!c.dma_stopped(), "an unconfirmed stop is not a stop");
+    assert_eq!(sim.bar().read32(regs::CSTS) & 1, 1, "CSTS.RDY is still set");
+    c.shutdown().unwrap(); // idempotent; the controller stays marked as possibly running
+    assert!(!c.dma_stopped());
+    drop(c); // leaks its queue memory (logged) instead of freeing it
+}
+
+#[test]
+fn a_normal_shutdown_confirms_dma_stopped() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, _) = backing(dir.path(), "a", 1 << 20, 1);
+    let dma = HeapDma::new();
+    let reg = dma.registry();
+    let sim = Sim::start(SimConfig::single(&a, 512), dma.registry()).unwrap();
+    let mut c = Controller::init(sim.bar(), Arc::new(dma), CtrlrOptions::default()).unwrap();
+    c.shutdown().unwrap();
+    assert!(c.dma_stopped());
+    drop(c);
+    assert_eq!(reg.count(), 0, "every DMA range released");
+}

@@ -69,7 +69,7 @@ fn slots_from_the_pool_are_read_with_no_copy_and_heap_buffers_bounce() {
         assert!(q.describe().contains("zero-copy slots"), "{}", q.describe());
         let slots: Vec<AlignedBuf> = (0..3).map(|_| alloc.alloc(SLOT).unwrap()).collect();
         for s in &slots {
-            assert_eq!(s.pool().map(|p| p.name()), Some("nvme DMA slots"));
+            assert_eq!(s.pool_name(), Some("nvme DMA slots"));
             assert_eq!((s.len(), s.addr() % 4096), (SLOT, 0));
         }
         let e = alloc.alloc(SLOT).unwrap_err();
@@ -84,7 +84,7 @@ fn slots_from_the_pool_are_read_with_no_copy_and_heap_buffers_bounce() {
         let after = q.stats();
         for (c, &o) in done.iter().zip(&offsets) {
             assert_eq!(*c.result.as_ref().unwrap(), SLOT as u32);
-            assert!(c.buf.pool().is_some(), "the slot came back");
+            assert_eq!(c.buf.pool_name(), Some("nvme DMA slots"), "the slot came back");
             assert!(c.buf.as_slice() == &file[o as usize..o as usize + SLOT], "lba {lba} offset {o}");
         }
         assert_eq!(after.bounce_bytes, before.bounce_bytes, "no byte of a pool slot was copied");
@@ -246,4 +246,100 @@ fn a_write_protected_namespace_fails_the_write_with_the_status() {
     assert_eq!(std::fs::read(&path).unwrap(), file, "the backing file is unchanged");
     assert_eq!(q.stats().errors, 1);
     q.flush().expect("flush still works");
+}
+
+/// Waits (without a deadline: the sim fetches it as soon as the doorbell rings) until the sim has
+/// fired `n` faults in total.
+fn wait_faults(sim: &picchio_nvme::sim::Sim, n: u64) {
+    while sim.stats().faults_fired < n {
+        std::thread::yield_now();
+    }
+}
+
+#[test]
+fn a_slot_in_flight_when_the_queue_stops_is_quarantined_until_shutdown() {
+    use picchio_nvme::engine::RecoveryPolicy;
+    use picchio_nvme::sim::Fault;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let dir = tempfile::tempdir().unwrap();
+    let (path, file) = backing(dir.path(), 1 << 20, 77);
+    // A per-command timeout far beyond the test: only the interrupt flag stops the queue.
+    let o = NvmeQueueOptions { qd: 4, timeout: Duration::from_secs(600), ..Default::default() };
+    let (mut q, sim) = NvmeQueue::open_sim_with(SimConfig::single(&path, 4096), &o, HeapDma::new(), true).unwrap();
+    q.set_recovery(RecoveryPolicy { abort_timeout: Duration::from_secs(60), ..RecoveryPolicy::default() });
+    let flag = Arc::new(AtomicBool::new(false));
+    q.set_interrupt(flag.clone());
+    let mut alloc = q.slot_allocator(2, 8192).unwrap();
+    let pool = q.slot_pools()[0].clone();
+    let slot = alloc.alloc(8192).unwrap();
+    let slot_addr = slot.addr();
+    assert_eq!(pool.free_slots(), 1);
+
+    sim.inject(Fault::io_hold(sim.io_count() + 1));
+    let fired = sim.stats().faults_fired;
+    q.submit(ReadReq { offset: ByteOffset(0), len: 8192, buf: slot, tag: Tag(5) });
+    wait_faults(&sim, fired + 1); // the device holds the read: the slot is in flight
+    flag.store(true, Ordering::Relaxed);
+    let mut got = vec![];
+    q.reap(1, &mut got);
+    let c = got.pop().unwrap();
+    assert_eq!(c.result.as_ref().unwrap_err().kind(), std::io::ErrorKind::Interrupted);
+    assert_ne!(c.buf.addr(), slot_addr, "a fresh buffer comes back, not the slot the device may still write");
+    assert_eq!((c.buf.pool_name(), c.buf.len()), (None, 8192));
+    assert_eq!(pool.free_slots(), 1, "the slot is quarantined, not back on the free list");
+
+    // The hung device finally does its DMA: into the quarantined slot, not the returned buffer.
+    assert_eq!(sim.release_held(), 1);
+    assert!(c.buf.as_slice().iter().all(|&b| b == 0), "the returned buffer was not written");
+    // SAFETY: the quarantined slot's 8192 bytes at `slot_addr` stay allocated (the queue holds them, and
+    // `pool` keeps the region mapped); the sim's write finished inside `release_held`, and nothing
+    // writes them until the queue is dropped, so reading them here races with nothing.
+    let quarantined = unsafe { std::slice::from_raw_parts(slot_addr as *const u8, 8192) };
+    assert!(quarantined == &file[..8192], "the late DMA landed in the quarantined slot");
+
+    drop(q); // shutdown confirms the controller stopped: the slot goes back
+    assert_eq!(pool.free_slots(), 2);
+    drop(c);
+    assert_eq!(pool.free_slots(), 2, "the returned heap buffer was never a slot");
+}
+
+#[test]
+fn a_controller_that_never_stops_leaks_the_slots_it_may_still_write() {
+    use picchio_nvme::engine::RecoveryPolicy;
+    use picchio_nvme::sim::Fault;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    // Whether the queue stopped first (slot quarantined) or was dropped with the read in flight.
+    for stop_first in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, _) = backing(dir.path(), 1 << 20, 78);
+        let mut cfg = SimConfig::single(&path, 4096);
+        cfg.to = 1; // CAP.TO = 500 ms: how long shutdown waits for CSTS.RDY = 0
+        let o = NvmeQueueOptions { qd: 4, timeout: Duration::from_secs(600), ..Default::default() };
+        let (mut q, sim) = NvmeQueue::open_sim_with(cfg, &o, HeapDma::new(), true).unwrap();
+        q.set_recovery(RecoveryPolicy { abort_timeout: Duration::from_secs(60), ..RecoveryPolicy::default() });
+        let flag = Arc::new(AtomicBool::new(false));
+        q.set_interrupt(flag.clone());
+        let mut alloc = q.slot_allocator(3, 8192).unwrap();
+        let pool = q.slot_pools()[0].clone();
+        let idle = alloc.alloc(8192).unwrap();
+        sim.inject(Fault::io_hold(sim.io_count() + 1));
+        let fired = sim.stats().faults_fired;
+        q.submit(ReadReq { offset: ByteOffset(0), len: 8192, buf: alloc.alloc(8192).unwrap(), tag: Tag(1) });
+        wait_faults(&sim, fired + 1);
+        if stop_first {
+            flag.store(true, Ordering::Relaxed);
+            let mut got = vec![];
+            q.reap(1, &mut got);
+            assert_eq!(got[0].buf.pool_name(), None, "a fresh buffer came back");
+        }
+        assert_eq!(pool.free_slots(), 1);
+        sim.ignore_disable(true);
+        drop(q); // CC.EN = 0 never clears CSTS.RDY: the error is logged and the slot leaked
+        assert_eq!(pool.free_slots(), 1, "stop_first {stop_first}: the slot the device may write was not returned");
+        drop(idle); // a slot the device was never given still comes back
+        assert_eq!(pool.free_slots(), 2);
+        assert_eq!(sim.bar().read32(picchio_nvme::spec::regs::CSTS) & 1, 1, "CSTS.RDY never cleared");
+    }
 }

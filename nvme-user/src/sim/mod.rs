@@ -136,6 +136,10 @@ pub(crate) struct Model {
     pub(crate) scratch: Vec<u8>,
     /// Commands held outstanding by [`FaultAction::Hold`], as `(sqid, cid)`.
     pub(crate) held: Vec<(u16, u16)>,
+    /// The commands behind `held` (by SQ ID), for [`Sim::release_held`].
+    held_cmds: Vec<(u16, Command)>,
+    /// [`Sim::ignore_disable`]: CC.EN 1 → 0 leaves CSTS.RDY = 1 and the controller's state as is.
+    ignore_disable: bool,
 }
 
 pub(crate) struct Shared {
@@ -259,6 +263,8 @@ impl Sim {
             queues_granted: (MAX_QUEUES - 1) as u16,
             scratch: Vec::new(),
             held: Vec::new(),
+            held_cmds: Vec::new(),
+            ignore_disable: false,
         };
         let shared = Arc::new(Shared {
             model: Mutex::new(model),
@@ -284,6 +290,29 @@ impl Sim {
     /// Adds a one-shot fault.
     pub fn inject(&self, f: Fault) {
         self.shared.model().faults.push(f);
+    }
+
+    /// Makes the controller ignore CC.EN 1 → 0 (`on`): CSTS.RDY stays 1, so a shutdown cannot
+    /// confirm that DMA stopped, and held commands stay held — a device that hangs in reset.
+    pub fn ignore_disable(&self, on: bool) {
+        self.shared.model().ignore_disable = on;
+    }
+
+    /// Executes the data transfer of every command held by [`Fault::io_hold`] — as a hung device
+    /// finally doing the DMA it was given — without posting completions (the driver gave up on
+    /// them). Returns how many commands ran.
+    pub fn release_held(&self) -> usize {
+        let mut m = self.shared.model();
+        let held = std::mem::take(&mut m.held);
+        let cmds = std::mem::take(&mut m.held_cmds);
+        let mut ran = 0;
+        for (sqid, cid) in held {
+            if let Some((_, cmd)) = cmds.iter().find(|(q, c)| (*q, c.cid()) == (sqid, cid)) {
+                let _ = m.dispatch(&self.shared, sqid, cmd);
+                ran += 1;
+            }
+        }
+        ran
     }
 
     /// Counters.
@@ -394,7 +423,12 @@ impl Model {
                         status,
                     ),
                     Outcome::Drop => self.stats.dropped += 1,
-                    Outcome::Hold => self.held.push((qid as u16, cmd.cid())),
+                    Outcome::Hold => {
+                        let key = (qid as u16, cmd.cid());
+                        self.held_cmds.retain(|(q, c)| (*q, c.cid()) != key);
+                        self.held_cmds.push((key.0, cmd));
+                        self.held.push(key);
+                    }
                 }
             }
         }
@@ -476,10 +510,14 @@ impl Model {
             self.sqs[0] = Some(Sq { base: self.asq, entries: sqs, head: 0, cqid: 0 });
             self.cqs[0] = Some(Cq { base: self.acq, entries: cqs, tail: 0, phase: true });
             self.csts = Csts::build(true, false, Shst::Normal);
+        } else if old.en() && !new.en() && self.ignore_disable {
+            // A controller that never stops (test knob): CSTS.RDY stays 1, held commands stay held.
+            tracing::warn!("sim: ignoring CC.EN = 0 (CSTS.RDY stays 1)");
         } else if old.en() && !new.en() {
             // Controller reset: queues deleted, held commands dropped, doorbells and status (CFS too)
             // cleared.
             self.held.clear();
+            self.held_cmds.clear();
             self.stats.resets += 1;
             for q in &mut self.sqs {
                 *q = None;

@@ -9,8 +9,10 @@
 //! 2. CSTS.CFS: the controller is reset;
 //! 3. commands outstanding longer than the per-command timeout: each gets an **Abort** (admin
 //!    opcode 08h with its SQID and CID, NVMe base spec 2.0 §5.1) with its own timeout
-//!    ([`RecoveryPolicy::abort_timeout`]); if its completion then arrives (Command Abort Requested,
-//!    or even success), only its request is affected ([`ReadFailure::Aborted`]). If the Abort fails,
+//!    ([`RecoveryPolicy::abort_timeout`]); if its completion then arrives, only its request is
+//!    affected: an error status (Command Abort Requested, or any other) fails it with
+//!    [`ReadFailure::Aborted`], while a late *success* completes it normally — the controller has
+//!    transferred all of its data, so its bytes are whole. If the Abort fails,
 //!    times out, or its command's completion still does not come, the controller is **reset**.
 //!
 //! A reset ([`Controller::reset`](crate::Controller::reset)) clears CC.EN, waits for CSTS.RDY = 0

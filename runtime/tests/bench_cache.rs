@@ -4,41 +4,13 @@
 //! the LRU simulation of the same run's routing trace, O_DIRECT reads all reach the device, and the
 //! charts are valid SVG. Structure and consistency only, never speeds.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
+use common::{image, model, ok, picchio, scratch};
+
+use std::path::Path;
 
 use picchio_runtime::bench::trace::{simulate_lru, RoutingTrace};
 use serde_json::Value;
-
-fn model() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/picchio_c/qwen3_moe")
-}
-
-fn image() -> String {
-    format!("file:{}", model().join("experts.picchioflat").display())
-}
-
-fn scratch() -> tempfile::TempDir {
-    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
-}
-
-fn picchio(args: &[&str]) -> Output {
-    let out = Command::new(env!("CARGO_BIN_EXE_picchio")).args(args).output().expect("run picchio");
-    eprintln!(
-        "$ picchio {}\n[{}]\n{}{}",
-        args.join(" "),
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
-
-fn ok(args: &[&str]) -> String {
-    let o = picchio(args);
-    assert!(o.status.success(), "picchio {args:?} failed");
-    String::from_utf8(o.stdout).unwrap()
-}
 
 fn u(v: &Value) -> u64 {
     v.as_u64().unwrap_or_else(|| panic!("not a count: {v}"))

@@ -5,32 +5,16 @@
 //! is installed (CI installs it); otherwise that check prints SKIPPED with the reason.
 #![cfg(target_os = "linux")]
 
+mod common;
 #[path = "../../blockdev/tests/common/loopdev.rs"]
 mod loopdev;
+use common::{ok, picchio};
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 use std::sync::OnceLock;
 
 use serde_json::Value;
-
-fn picchio(args: &[&str]) -> Output {
-    let out = Command::new(env!("CARGO_BIN_EXE_picchio")).args(args).output().expect("run picchio");
-    eprintln!(
-        "$ picchio {}\n[{}]\n{}{}",
-        args.join(" "),
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
-
-fn ok(args: &[&str]) -> String {
-    let o = picchio(args);
-    assert!(o.status.success(), "picchio {} failed", args.join(" "));
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
 
 /// A 2-layer synthetic store (of a 4-layer model: 8 experts of H 256 × I 128, 55,296-byte Q4
 /// payloads) shared by the tests of this file, on the target directory's file system.

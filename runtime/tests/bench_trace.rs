@@ -4,41 +4,13 @@
 //! `picchio bench trace` / `picchio bench plot` produce a consistent report and valid SVG charts.
 //! Structure and internal consistency only, never speeds.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
+use common::{image, model, ok, picchio, scratch};
+
+use std::path::Path;
 
 use picchio_runtime::bench::trace::{simulate_belady, simulate_lru, RoutingTrace, TRACE_FORMAT};
 use serde_json::Value;
-
-fn model() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/picchio_c/qwen3_moe")
-}
-
-fn image() -> String {
-    format!("file:{}", model().join("experts.picchioflat").display())
-}
-
-fn scratch() -> tempfile::TempDir {
-    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
-}
-
-fn picchio(args: &[&str]) -> Output {
-    let out = Command::new(env!("CARGO_BIN_EXE_picchio")).args(args).output().expect("run picchio");
-    eprintln!(
-        "$ picchio {}\n[{}]\n{}{}",
-        args.join(" "),
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
-
-fn ok(args: &[&str]) -> String {
-    let o = picchio(args);
-    assert!(o.status.success(), "picchio {args:?} failed");
-    String::from_utf8(o.stdout).unwrap()
-}
 
 const PROMPT: &str = "1,2,3,4,5";
 const N: usize = 12;

@@ -374,6 +374,62 @@ pub enum Verdict {
     RefuseAlways,
 }
 
+/// The write decision over a target's findings, shared by every writer (`raw:` devices here, NVMe
+/// namespaces through the user-space driver): refused when any finding is
+/// [`Verdict::RefuseAlways`], or when any is [`Verdict::Refuse`] and `force` is false.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// Write. `overridden` holds the reasons `--force` overrode (empty without such findings); the
+    /// caller logs them.
+    Write {
+        /// [`Finding::reason`] of each [`Verdict::Refuse`] finding that `force` overrode.
+        overridden: Vec<String>,
+    },
+    /// Do not write.
+    Refuse {
+        /// The reasons, `; `-joined, the always-refused ones first.
+        reasons: String,
+        /// Whether `--force` cannot change it (a [`Verdict::RefuseAlways`] finding).
+        always: bool,
+    },
+}
+
+/// Decides whether findings allow a write; see [`Decision`].
+pub fn decide(findings: &[Finding], force: bool) -> Decision {
+    let reasons =
+        |v: Verdict| -> Vec<String> { findings.iter().filter(|f| f.verdict() == v).map(Finding::reason).collect() };
+    let always = reasons(Verdict::RefuseAlways);
+    let unless_forced = reasons(Verdict::Refuse);
+    if !always.is_empty() || (!force && !unless_forced.is_empty()) {
+        let mut all = always.clone();
+        if !force {
+            all.extend(unless_forced);
+        }
+        return Decision::Refuse { reasons: all.join("; "), always: !always.is_empty() };
+    }
+    Decision::Write { overridden: if force { unless_forced } else { Vec::new() } }
+}
+
+/// Writes the findings as `\n  found: …` lines, each with its verdict, or `\n  found: nothing
+/// (<nothing>)` — the listing `pack --out raw:|nvme:` prints before writing.
+///
+/// # Errors
+/// The formatter's.
+pub fn write_findings(f: &mut fmt::Formatter<'_>, findings: &[Finding], nothing: &str) -> fmt::Result {
+    if findings.is_empty() {
+        return write!(f, "\n  found: nothing ({nothing})");
+    }
+    for finding in findings {
+        let verdict = match finding.verdict() {
+            Verdict::Note => "",
+            Verdict::Refuse => " [refused without --force]",
+            Verdict::RefuseAlways => " [refused, even with --force]",
+        };
+        write!(f, "\n  found: {finding}{verdict}")?;
+    }
+    Ok(())
+}
+
 impl Finding {
     /// What this finding means for writing; see [`Inspection::permit`].
     pub fn verdict(&self) -> Verdict {
@@ -642,30 +698,23 @@ impl Inspection {
                 size: dev.size,
             });
         }
-        let reasons = |v: Verdict| -> Vec<String> {
-            self.findings.iter().filter(|f| f.verdict() == v).map(Finding::reason).collect()
-        };
-        let always = reasons(Verdict::RefuseAlways);
-        let unless_forced = reasons(Verdict::Refuse);
-        if !always.is_empty() || (!force && !unless_forced.is_empty()) {
-            let mut reasons = always.clone();
-            if !force {
-                reasons.extend(unless_forced);
-            }
-            return Err(Error::Refused {
+        match decide(&self.findings, force) {
+            Decision::Refuse { reasons, always } => Err(Error::Refused {
                 path: dev.path.clone(),
-                reasons: reasons.join("; "),
-                hint: if always.is_empty() {
-                    "if this is the device you mean, unmount or release it and wipe it (wipefs -a), or pass --force"
-                } else {
+                reasons,
+                hint: if always {
                     "the device backing / is never written, not even with --force"
+                } else {
+                    "if this is the device you mean, unmount or release it and wipe it (wipefs -a), or pass --force"
                 },
-            });
+            }),
+            Decision::Write { overridden } => {
+                if !overridden.is_empty() {
+                    tracing::warn!("{}: --force: overwriting although {}", dev.path.display(), overridden.join("; "));
+                }
+                Ok(WritePermit { target: self.target, image_len: self.image_len })
+            }
         }
-        if force && !unless_forced.is_empty() {
-            tracing::warn!("{}: --force: overwriting although {}", dev.path.display(), unless_forced.join("; "));
-        }
-        Ok(WritePermit { target: self.target, image_len: self.image_len })
     }
 }
 
@@ -685,18 +734,7 @@ impl fmt::Display for Inspection {
             end.div_ceil(u64::from(lbs)),
             t.device.lbas(),
         )?;
-        if self.findings.is_empty() {
-            return write!(f, "\n  found: nothing (no mount, swap, holder, partition table or known signature)");
-        }
-        for finding in &self.findings {
-            let verdict = match finding.verdict() {
-                Verdict::Note => "",
-                Verdict::Refuse => " [refused without --force]",
-                Verdict::RefuseAlways => " [refused, even with --force]",
-            };
-            write!(f, "\n  found: {finding}{verdict}")?;
-        }
-        Ok(())
+        write_findings(f, &self.findings, "no mount, swap, holder, partition table or known signature")
     }
 }
 
@@ -1186,6 +1224,25 @@ fn human(n: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn decide_refuses_always_before_force_and_reports_what_force_overrode() {
+        let swap = Finding::Swap { device: "sdb1".into() };
+        let root = Finding::BacksRoot { device: "vda".into(), root: "/ is on vda".into() };
+        assert_eq!(decide(&[], false), Decision::Write { overridden: vec![] });
+        assert_eq!(
+            decide(std::slice::from_ref(&swap), false),
+            Decision::Refuse { reasons: swap.reason(), always: false }
+        );
+        assert_eq!(decide(std::slice::from_ref(&swap), true), Decision::Write { overridden: vec![swap.reason()] });
+        for force in [false, true] {
+            let Decision::Refuse { reasons, always } = decide(&[swap.clone(), root.clone()], force) else {
+                panic!("the root device is refused even with --force={force}")
+            };
+            assert!(always && reasons.starts_with(&root.reason()), "{reasons}");
+            assert_eq!(reasons.contains(&swap.reason()), !force, "{reasons}");
+        }
+    }
     use std::os::unix::fs::symlink;
 
     fn head() -> Vec<u8> {

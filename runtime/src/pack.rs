@@ -529,7 +529,7 @@ impl NvmeInspection {
     /// [`Error::Engine`] wrapping [`picchio_blockdev::Error::ImageTooLarge`] or
     /// [`picchio_blockdev::Error::Refused`] (naming every reason).
     pub fn permit(&self, force: bool) -> Result<()> {
-        use picchio_blockdev::raw::Verdict;
+        use picchio_blockdev::raw::{decide, Decision};
         let path = PathBuf::from(&self.name);
         let size = self.namespace.bytes();
         if self.image_len > size {
@@ -542,24 +542,24 @@ impl NvmeInspection {
             };
             return Err(e.into());
         }
-        let reasons: Vec<String> =
-            self.findings.iter().filter(|f| f.verdict() != Verdict::Note).map(|f| f.reason()).collect();
-        if reasons.is_empty() {
-            return Ok(());
+        match decide(&self.findings, force) {
+            Decision::Refuse { reasons, .. } => {
+                let hint = "if this is the namespace you mean, pass --force (everything on it is lost)";
+                Err(picchio_blockdev::Error::Refused { path, reasons, hint }.into())
+            }
+            Decision::Write { overridden } => {
+                if !overridden.is_empty() {
+                    tracing::warn!("{}: --force: overwriting although {}", self.name, overridden.join("; "));
+                }
+                Ok(())
+            }
         }
-        if !force {
-            let hint = "if this is the namespace you mean, pass --force (everything on it is lost)";
-            return Err(picchio_blockdev::Error::Refused { path, reasons: reasons.join("; "), hint }.into());
-        }
-        tracing::warn!("{}: --force: overwriting although {}", self.name, reasons.join("; "));
-        Ok(())
     }
 }
 
 #[cfg(target_os = "linux")]
 impl std::fmt::Display for NvmeInspection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        use picchio_blockdev::raw::Verdict;
         let ns = &self.namespace;
         let lbs = u64::from(ns.lba_size);
         writeln!(
@@ -579,18 +579,7 @@ impl std::fmt::Display for NvmeInspection {
             self.image_len.div_ceil(lbs),
             ns.blocks
         )?;
-        if self.findings.is_empty() {
-            return write!(f, "\n  found: nothing (no partition table or known signature)");
-        }
-        for finding in &self.findings {
-            let verdict = match finding.verdict() {
-                Verdict::Note => "",
-                Verdict::Refuse => " [refused without --force]",
-                Verdict::RefuseAlways => " [refused, even with --force]",
-            };
-            write!(f, "\n  found: {finding}{verdict}")?;
-        }
-        Ok(())
+        picchio_blockdev::raw::write_findings(f, &self.findings, "no partition table or known signature")
     }
 }
 

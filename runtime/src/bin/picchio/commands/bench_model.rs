@@ -10,10 +10,8 @@ use picchio_runtime::bench::cache::{ecaps_for_percents, run_cache, CacheOptions,
 use picchio_runtime::bench::env::TargetSpec;
 use picchio_runtime::bench::trace::{analyse, default_capacities, RoutingTrace, TraceHeader, TraceWriter};
 use picchio_runtime::bench::{self, Report};
-use picchio_runtime::pack::{pack, PackOptions};
 use picchio_runtime::run::{GenerateOptions, Session, SessionOptions};
 use picchio_runtime::store::{IoOptions, DEFAULT_IMAGE};
-use picchio_runtime::synthetic::{write_synthetic, SyntheticSpec};
 use picchio_runtime::tokenizer::Tokenizer;
 use serde::Serialize;
 
@@ -239,7 +237,7 @@ pub fn cache(a: CacheArgs) -> anyhow::Result<()> {
     let (model, store) = match (&a.model, a.synthetic_gb) {
         (Some(m), _) => (m.clone(), a.store.clone()),
         (None, Some(gb)) => {
-            let (m, image) = synthetic_model(&a.workdir, gb)?;
+            let (_, m, image) = super::demo::synthetic_model(&a.workdir, gb, false)?;
             let store = if a.store == StoreUri::Auto { StoreUri::File(image) } else { a.store.clone() };
             (m, store)
         }
@@ -315,37 +313,6 @@ fn image_of(store: &StoreUri, model: &Path) -> Option<PathBuf> {
         StoreUri::Auto => Some(model.join(DEFAULT_IMAGE)).filter(|p| p.exists()),
         _ => None,
     }
-}
-
-/// The random-weight model of `picchio demo --synthetic-gb GB` under `workdir` (written and packed
-/// once) and its image.
-fn synthetic_model(workdir: &Path, gb: f64) -> anyhow::Result<(PathBuf, PathBuf)> {
-    if !(gb > 0.0 && gb <= 4096.0) {
-        bail!("--synthetic-gb must be in (0, 4096], got {gb}");
-    }
-    std::fs::create_dir_all(workdir).with_context(|| format!("creating {}", workdir.display()))?;
-    let workdir = workdir.canonicalize().with_context(|| format!("resolving {}", workdir.display()))?;
-    let spec = SyntheticSpec::with_expert_gb(gb, 0);
-    let model = workdir.join(format!("synthetic-{}l-seed{}", spec.layers, spec.seed));
-    let image = model.join(DEFAULT_IMAGE);
-    if !image.exists() {
-        if model.exists() {
-            std::fs::remove_dir_all(&model).with_context(|| format!("removing incomplete {}", model.display()))?;
-        }
-        eprintln!(
-            "writing a random-weight model: {} layers x {} experts x {} B = {:.2} GB of Q4 experts -> {}",
-            spec.layers,
-            spec.experts,
-            spec.expert_layout().len(),
-            spec.expert_bytes() as f64 / 1e9,
-            model.display()
-        );
-        let bar = picchio_runtime::progress::bar(spec.layers as u64 + 1, "writing shards", false);
-        write_synthetic(&model, &spec, &mut |done, _| bar.set_position(done as u64))?;
-        bar.finish_and_clear();
-        pack(&model, &image, &PackOptions::default())?;
-    }
-    Ok((model, image))
 }
 
 /// `picchio bench plot REPORT.json --out DIR`.

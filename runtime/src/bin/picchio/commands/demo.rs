@@ -3,7 +3,7 @@
 //! from the .picchioflat image), and checks the tokens against transformers' reference. With
 //! `--synthetic-gb N` it instead writes a random-weight model whose experts total N GB.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use picchio_core::StoreUri;
@@ -162,36 +162,7 @@ fn open_session(opts: &SessionOptions, tokenizer: Option<Tokenizer>) -> anyhow::
 }
 
 fn synthetic(a: &Args, gb: f64) -> anyhow::Result<()> {
-    if !(gb > 0.0 && gb <= 4096.0) {
-        bail!("--synthetic-gb must be in (0, 4096], got {gb}");
-    }
-    let spec = SyntheticSpec::with_expert_gb(gb, 0);
-    let model = a.workdir.join(format!("synthetic-{}l-seed{}", spec.layers, spec.seed));
-    let image = model.join(DEFAULT_IMAGE);
-    if image.exists() {
-        eprintln!(
-            "reusing {} ({} layers, {:.2} GB of experts)",
-            model.display(),
-            spec.layers,
-            spec.expert_bytes() as f64 / 1e9
-        );
-    } else {
-        if model.exists() {
-            std::fs::remove_dir_all(&model).with_context(|| format!("removing incomplete {}", model.display()))?;
-        }
-        eprintln!(
-            "writing a random-weight model: {} layers × {} experts × {} B = {:.2} GB of Q4 experts -> {}",
-            spec.layers,
-            spec.experts,
-            spec.expert_layout().len(),
-            spec.expert_bytes() as f64 / 1e9,
-            model.display()
-        );
-        let bar = picchio_runtime::progress::bar(spec.layers as u64 + 1, "writing shards", a.json);
-        write_synthetic(&model, &spec, &mut |done, _| bar.set_position(done as u64))?;
-        bar.finish_and_clear();
-        pack(&model, &image, &PackOptions::default())?;
-    }
+    let (spec, model, image) = synthetic_model(&a.workdir, gb, a.json)?;
     let n = a.n.unwrap_or(32);
     let total = spec.layers * spec.experts;
     let ecap = ecap_for(total, a.cache_percent.unwrap_or(10.0));
@@ -244,4 +215,50 @@ fn report(a: &Args, what: &str, text: &str, g: &picchio_runtime::run::Generation
         st.fallbacks
     );
     Ok(())
+}
+
+/// The random-weight model of `--synthetic-gb GB` under `workdir`: written and packed on first use
+/// (an incomplete earlier attempt is removed first), reused afterwards. Returns its spec, directory
+/// and image. Shared by `picchio demo` and `picchio bench cache|trace --synthetic-gb`.
+///
+/// # Errors
+/// `gb` outside (0, 4096], or the write/pack errors, naming the path.
+pub(super) fn synthetic_model(
+    workdir: &Path,
+    gb: f64,
+    quiet_progress: bool,
+) -> anyhow::Result<(SyntheticSpec, PathBuf, PathBuf)> {
+    if !(gb > 0.0 && gb <= 4096.0) {
+        bail!("--synthetic-gb must be in (0, 4096], got {gb}");
+    }
+    std::fs::create_dir_all(workdir).with_context(|| format!("creating {}", workdir.display()))?;
+    let workdir = workdir.canonicalize().with_context(|| format!("resolving {}", workdir.display()))?;
+    let spec = SyntheticSpec::with_expert_gb(gb, 0);
+    let model = workdir.join(format!("synthetic-{}l-seed{}", spec.layers, spec.seed));
+    let image = model.join(DEFAULT_IMAGE);
+    if image.exists() {
+        eprintln!(
+            "reusing {} ({} layers, {:.2} GB of experts)",
+            model.display(),
+            spec.layers,
+            spec.expert_bytes() as f64 / 1e9
+        );
+    } else {
+        if model.exists() {
+            std::fs::remove_dir_all(&model).with_context(|| format!("removing incomplete {}", model.display()))?;
+        }
+        eprintln!(
+            "writing a random-weight model: {} layers × {} experts × {} B = {:.2} GB of Q4 experts -> {}",
+            spec.layers,
+            spec.experts,
+            spec.expert_layout().len(),
+            spec.expert_bytes() as f64 / 1e9,
+            model.display()
+        );
+        let bar = picchio_runtime::progress::bar(spec.layers as u64 + 1, "writing shards", quiet_progress);
+        write_synthetic(&model, &spec, &mut |done, _| bar.set_position(done as u64))?;
+        bar.finish_and_clear();
+        pack(&model, &image, &PackOptions::default())?;
+    }
+    Ok((spec, model, image))
 }

@@ -5,7 +5,7 @@
 //! charts are valid SVG. Structure and consistency only, never speeds.
 
 mod common;
-use common::{image, model, ok, picchio, scratch};
+use common::{image, model, ok, picchio, private_model, scratch};
 
 use std::path::Path;
 
@@ -170,22 +170,27 @@ fn cache_percent_and_bad_capacities() {
 /// drop before it also catches the session's own readahead still in flight (which once landed after
 /// the drop and left half of a small image cached, so the device showed fewer bytes than the
 /// distinct experts read). With a cache of every expert, each miss is a distinct expert.
+///
+/// The image is this test's own copy: the shared fixture is read buffered by the other tests of this
+/// binary while this one runs, and their reads would put its pages back in the page cache between the
+/// drop and the point (a race that failed this test 3 of 3 in the default parallel mode).
 #[cfg(target_os = "linux")]
 #[test]
 fn a_cold_buffered_point_reads_every_missed_expert_from_the_device() {
-    let image_path = model().join("experts.picchioflat");
     let dir = scratch();
+    let m = private_model(dir.path());
+    let image_path = m.join("experts.picchioflat");
+    let store = format!("file:{}", image_path.display());
     let json = dir.path().join("cold.json");
     for _ in 0..3 {
         assert!(picchio_runtime::bench::cache::drop_page_cache(&image_path));
-        let m = model();
         ok(&[
             "bench",
             "cache",
             "--model",
             m.to_str().unwrap(),
             "--store",
-            &image(),
+            &store,
             "--cache-percent",
             "100",
             "--reads",

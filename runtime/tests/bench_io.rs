@@ -12,41 +12,58 @@ use common::{ok, picchio};
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
 
 use serde_json::Value;
 
 /// A 2-layer synthetic store (of a 4-layer model: 8 experts of H 256 × I 128, 55,296-byte Q4
-/// payloads) shared by the tests of this file, on the target directory's file system.
-fn store() -> &'static Path {
-    static STORE: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
-    let (_, p) = STORE.get_or_init(|| {
-        let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-        let p = dir.path().join("synth.picchioflat");
-        let out = ok(&[
-            "synth",
-            "--arch",
-            "custom",
-            "--hidden",
-            "256",
-            "--moe-intermediate",
-            "128",
-            "--experts",
-            "8",
-            "--model-layers",
-            "4",
-            "--layers",
-            "2",
-            "--seed",
-            "7",
-            "--out",
-            p.to_str().unwrap(),
-            "--no-progress",
-        ]);
-        assert!(out.contains("16 entries (2 of 4 layers × 8 experts) of 55296 bytes"), "{out}");
-        (dir, p)
-    });
-    p
+/// payloads) of the calling test's own, on the target directory's file system, removed when dropped.
+///
+/// Each test has its own image because the experiments drop and fill the image's page cache and
+/// report what was resident: on one shared image, one test's buffered reads (or drop) land between
+/// another test's drop (or warm-up) and its measurement.
+struct Store {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+}
+
+impl std::ops::Deref for Store {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl AsRef<Path> for Store {
+    fn as_ref(&self) -> &Path {
+        &self.path
+    }
+}
+
+fn store() -> Store {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = dir.path().join("synth.picchioflat");
+    let out = ok(&[
+        "synth",
+        "--arch",
+        "custom",
+        "--hidden",
+        "256",
+        "--moe-intermediate",
+        "128",
+        "--experts",
+        "8",
+        "--model-layers",
+        "4",
+        "--layers",
+        "2",
+        "--seed",
+        "7",
+        "--out",
+        path.to_str().unwrap(),
+        "--no-progress",
+    ]);
+    assert!(out.contains("16 entries (2 of 4 layers × 8 experts) of 55296 bytes"), "{out}");
+    Store { _dir: dir, path }
 }
 
 fn report(path: &Path) -> Value {
@@ -140,7 +157,7 @@ fn fio_installed(test: &str) -> bool {
 
 #[test]
 fn synth_image_verifies_and_refuses_what_pack_refuses() {
-    let s = store();
+    let s = &store();
     let out = ok(&["verify", s.to_str().unwrap(), "--no-progress"]);
     assert!(out.contains("16 entries") && out.contains("OK"), "{out}");
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
@@ -159,7 +176,7 @@ fn synth_image_verifies_and_refuses_what_pack_refuses() {
 #[test]
 fn qd_sweep_report_is_consistent_and_fio_sits_beside_it() {
     let test = "qd_sweep_report_is_consistent_and_fio_sits_beside_it";
-    let s = store();
+    let s = &store();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let json = dir.path().join("qd.json");
     let stdout = ok(&[
@@ -231,7 +248,7 @@ fn qd_sweep_report_is_consistent_and_fio_sits_beside_it() {
 
 #[test]
 fn qd_sweep_with_bs_reads_the_data_region_and_bad_options_are_refused() {
-    let s = store();
+    let s = &store();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let json = dir.path().join("bs.json");
     let store_arg = s.to_str().unwrap();
@@ -286,7 +303,7 @@ fn qd_sweep_with_bs_reads_the_data_region_and_bad_options_are_refused() {
 
 #[test]
 fn layout_reads_the_same_bytes_scattered_and_contiguous() {
-    let s = store();
+    let s = &store();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let json = dir.path().join("layout.json");
     ok(&[
@@ -343,7 +360,7 @@ fn layout_reads_the_same_bytes_scattered_and_contiguous() {
 
 #[test]
 fn tiers_table_has_every_tier_of_a_file_store() {
-    let s = store();
+    let s = &store();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let json = dir.path().join("tiers.json");
     let stdout =
@@ -369,7 +386,7 @@ fn tiers_table_has_every_tier_of_a_file_store() {
 #[test]
 fn tiers_on_a_loop_device_are_s4() {
     let test = "tiers_on_a_loop_device_are_s4";
-    let s = store();
+    let s = &store();
     let Some(lo) = loopdev::LoopDevice::attach_or_skip(test, s, loopdev::LoopOptions::default()) else { return };
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let json = dir.path().join("raw.json");
@@ -403,7 +420,7 @@ fn tiers_on_a_loop_device_are_s4() {
 
 #[test]
 fn overhead_rows_add_up() {
-    let s = store();
+    let s = &store();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let json = dir.path().join("overhead.json");
     ok(&[
@@ -442,7 +459,7 @@ fn overhead_rows_add_up() {
 
 #[test]
 fn env_report_describes_the_store() {
-    let s = store();
+    let s = &store();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let json = dir.path().join("env.json");
     let out = ok(&["bench", "env", "--store", s.to_str().unwrap(), "--json", json.to_str().unwrap()]);
@@ -497,7 +514,7 @@ fn refused(args: &[&str], want: &str, code: i32) {
 
 #[test]
 fn json_replaces_only_an_earlier_report_and_never_the_store() {
-    let s = store();
+    let s = &store();
     let store_arg = s.to_str().unwrap();
     let image = std::fs::read(s).unwrap();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
@@ -539,7 +556,8 @@ fn json_replaces_only_an_earlier_report_and_never_the_store() {
 
 #[test]
 fn out_of_range_qd_and_threads_are_usage_errors_everywhere() {
-    let s = store().to_str().unwrap();
+    let st = store();
+    let s = st.to_str().unwrap();
     let want = "not in 1..=256";
     refused(&["bench", "qd-sweep", "--store", s, "--qd", "100000"], want, 2);
     refused(&["bench", "layout", "--store", s, "--threads", "0"], want, 2);
@@ -552,7 +570,8 @@ fn out_of_range_qd_and_threads_are_usage_errors_everywhere() {
 
 #[test]
 fn raw_on_a_regular_file_and_unusable_stores_are_refused() {
-    let s = store().to_str().unwrap();
+    let st = store();
+    let s = st.to_str().unwrap();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let not_image = dir.path().join("zeros.bin");
     std::fs::write(&not_image, vec![0u8; 1 << 16]).unwrap();
@@ -569,7 +588,8 @@ fn raw_on_a_regular_file_and_unusable_stores_are_refused() {
 
 #[test]
 fn plot_is_checked_first_and_offered_only_where_there_are_charts() {
-    let s = store().to_str().unwrap();
+    let st = store();
+    let s = st.to_str().unwrap();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let file = dir.path().join("a-file");
     std::fs::write(&file, "x").unwrap();
@@ -614,7 +634,7 @@ fn plot_is_checked_first_and_offered_only_where_there_are_charts() {
 
 #[test]
 fn overhead_defaults_to_a_small_images_size_and_names_the_bad_option() {
-    let s = store();
+    let s = &store();
     let store_arg = s.to_str().unwrap();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let json = dir.path().join("overhead.json");

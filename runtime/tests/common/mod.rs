@@ -20,6 +20,22 @@ pub fn scratch() -> tempfile::TempDir {
     tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
 }
 
+/// A private copy of Picchio (C)'s fixture model directory in `dir`, written through and `fsync`ed so
+/// its pages are clean. A test whose result depends on the page cache of the image (device bytes of a
+/// cold run, what a drop leaves resident) uses its own copy: the shared fixture's pages are loaded by
+/// every other test reading it at the same time, so its page-cache state is no test's own.
+pub fn private_model(dir: &Path) -> PathBuf {
+    let dst = dir.join("qwen3_moe");
+    std::fs::create_dir_all(&dst).unwrap();
+    for entry in std::fs::read_dir(model()).unwrap() {
+        let src = entry.unwrap().path();
+        let to = dst.join(src.file_name().unwrap());
+        std::fs::copy(&src, &to).unwrap_or_else(|e| panic!("copy {} -> {}: {e}", src.display(), to.display()));
+        std::fs::File::open(&to).and_then(|f| f.sync_all()).unwrap();
+    }
+    dst
+}
+
 /// Runs `picchio ARGS`, echoing the command, its status and its output to the test log.
 pub fn picchio(args: &[&str]) -> Output {
     let out = Command::new(env!("CARGO_BIN_EXE_picchio")).args(args).output().expect("run picchio");

@@ -4,7 +4,7 @@
 //! split across the rayon pool (`matvec_par`).
 //!
 //! Throughput is reported in weight bytes read per second (packed bytes + scales), the number that
-//! matters once experts stream from storage. Run: `cargo bench -p picchio-benches --bench kernels`.
+//! matters once experts stream from storage. Run: `cargo bench -p picchio-bench --bench kernels`.
 
 use std::hint::black_box;
 

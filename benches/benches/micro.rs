@@ -14,7 +14,7 @@
 //!   the psync pool and io_uring, at QD 1 (the kernel's copy included; psync's figure also includes
 //!   handing each read to a pool thread and back).
 //!
-//! Run: `cargo bench -p picchio-benches --bench micro` (add a group name to filter).
+//! Run: `cargo bench -p picchio-bench --bench micro` (add a group name to filter).
 
 use std::hint::black_box;
 
@@ -22,9 +22,9 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use picchio_core::io::read_blocking;
 use picchio_core::loader::StoreDims;
 use picchio_core::{AlignedBuf, FlatStore, FlatStoreOptions, FlatWriter};
-use picchio_runtime::expert::ExpertLayout;
+use picchio_runtime::expert::layout::ExpertLayout;
 use picchio_runtime::kernels::{Kernels, MatRef};
-use picchio_runtime::moe::{expert_forward, ExpertScratch};
+use picchio_runtime::model::moe::{expert_forward, ExpertScratch};
 use picchio_runtime::quant::{quantize_q3, quantize_q4, QuantKind};
 
 const HIDDEN: usize = 2048;

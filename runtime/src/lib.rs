@@ -1,30 +1,24 @@
 //! Picchio runtime: converts Hugging Face Qwen3-MoE checkpoints, packs their routed experts into a
 //! `.picchioflat` image, and runs the model with the experts streamed through an LRU expert cache.
+//!
+//! - [`model`]: the model (config, tensors, tokenizer, forward pass, MoE routing, sampling);
+//! - [`kernels`]: the matrix kernels of the forward pass;
+//! - [`expert`]: routed experts at run time (payload layout, expert cache, opening a `--store`);
+//! - [`image`]: writing and checking `.picchioflat` images (convert, pack, verify, synth);
+//! - [`run`]: a session (model + store) and generation;
+//! - [`nvme_admin`]: host management of NVMe controllers (binding to `vfio-pci` and back).
 #![deny(missing_docs)]
 
-pub mod bench;
-pub mod cache;
-pub mod config;
-pub mod convert;
 pub mod error;
 pub mod expert;
+pub mod image;
 pub mod interrupt;
 pub mod kernels;
 pub mod model;
-pub mod moe;
 pub mod nvme_admin;
-pub mod pack;
 pub mod progress;
 pub mod quant;
-pub mod rope;
 pub mod run;
-pub mod safetensors;
-pub mod sampler;
-pub mod store;
-pub mod synth;
-pub mod synthetic;
-pub mod tokenizer;
-pub mod verify;
 
-pub use config::Config;
 pub use error::{Error, Result};
+pub use model::config::Config;

@@ -7,12 +7,12 @@ use std::time::Instant;
 use picchio_core::{ExpertLoader, IoStats, StoreUri};
 use serde::Serialize;
 
-use crate::cache::ExpertCache;
 use crate::error::{Error, Result};
+use crate::expert::cache::ExpertCache;
+use crate::expert::store::{open_store, IoOptions, StoreInfo};
+use crate::model::sampler::{Sampler, SamplerOptions};
+use crate::model::tokenizer::Tokenizer;
 use crate::model::Model;
-use crate::sampler::{Sampler, SamplerOptions};
-use crate::store::{open_store, IoOptions, StoreInfo};
-use crate::tokenizer::Tokenizer;
 
 /// How to open a model for generation.
 #[derive(Clone, Debug)]
@@ -136,7 +136,7 @@ impl Session {
     /// # Errors
     /// Model loading errors (config, tensors), store errors (see [`open_store`]), allocation.
     pub fn open(opts: &SessionOptions, tokenizer: Option<Tokenizer>) -> Result<Self> {
-        let cfg = crate::config::Config::from_dir(&opts.model_dir)?;
+        let cfg = crate::model::config::Config::from_dir(&opts.model_dir)?;
         if opts.max_seq > cfg.max_position_embeddings {
             return Err(Error::Invalid(format!(
                 "prompt + generated tokens = {} exceed the model's context of {} positions                  (max_position_embeddings in {}): use a shorter prompt or a smaller -n",

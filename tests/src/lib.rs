@@ -4,9 +4,9 @@
 use std::path::{Path, PathBuf};
 
 use picchio_core::StoreUri;
+use picchio_runtime::expert::store::IoOptions;
+use picchio_runtime::model::tokenizer::Tokenizer;
 use picchio_runtime::run::{GenerateOptions, Generation, Session, SessionOptions};
-use picchio_runtime::store::IoOptions;
-use picchio_runtime::tokenizer::Tokenizer;
 
 /// `tests/fixtures/<name>`.
 pub fn fixture(name: &str) -> PathBuf {

@@ -6,9 +6,9 @@
 //! `FlatStore` read by io_uring (psync where io_uring is unavailable, said visibly).
 
 use picchio_core::{AlignedBuf, ExpertLoader, Loaded};
+use picchio_runtime::expert::store::{open_flat_file, IoEngine, IoOptions};
+use picchio_runtime::model::sampler::argmax;
 use picchio_runtime::model::{Model, Trace};
-use picchio_runtime::sampler::argmax;
-use picchio_runtime::store::{open_flat_file, IoEngine, IoOptions};
 use picchio_tests::*;
 
 /// Test double: serves each `load` through the wrapped real loader in random sub-batches, and hands

@@ -13,8 +13,8 @@
 use std::path::{Path, PathBuf};
 
 use picchio_core::{AlignedBuf, ExpertLoader, Loaded};
-use picchio_runtime::cache::ExpertCache;
-use picchio_runtime::convert::{convert, ConvertOptions};
+use picchio_runtime::expert::cache::ExpertCache;
+use picchio_runtime::image::convert::{convert, ConvertOptions};
 use picchio_runtime::model::{Model, Trace};
 use picchio_runtime::quant::QuantKind;
 use safetensors::tensor::{Dtype, SafeTensors};

@@ -9,11 +9,11 @@ use std::time::Duration;
 
 use picchio_nvme::sim::{Sim, SimConfig};
 use picchio_nvme::{HeapDma, NvmeQueue, NvmeQueueOptions};
-use picchio_runtime::cache::ExpertCache;
+use picchio_runtime::expert::cache::ExpertCache;
+use picchio_runtime::expert::store::{open_nvme_flat, with_fallback, IoOptions};
+use picchio_runtime::image::pack::{pack_nvme_queue, PackOptions, RawPackOptions};
 use picchio_runtime::model::Model;
-use picchio_runtime::pack::{pack_nvme_queue, PackOptions, RawPackOptions};
 use picchio_runtime::run::{GenerateOptions, Session};
-use picchio_runtime::store::{open_nvme_flat, with_fallback, IoOptions};
 use picchio_tests::*;
 
 fn queue(ns: &Path, lba: u32) -> (NvmeQueue, Sim) {
@@ -36,7 +36,7 @@ fn pack_to(
     ns: &Path,
     lba: u32,
     force: bool,
-) -> (String, picchio_runtime::Result<picchio_runtime::pack::NvmePackReport>) {
+) -> (String, picchio_runtime::Result<picchio_runtime::image::pack::NvmePackReport>) {
     let (mut q, sim) = queue(ns, lba);
     let mut plan = String::new();
     let r = pack_nvme_queue(&model(), &mut q, "nvme:sim/1", &opts(force), &mut |i| plan = i.to_string());

@@ -9,10 +9,10 @@ use std::time::Duration;
 use picchio_core::StoreUri;
 use picchio_nvme::sim::{Sim, SimConfig};
 use picchio_nvme::{HeapDma, NvmeQueue, NvmeQueueOptions};
-use picchio_runtime::cache::ExpertCache;
+use picchio_runtime::expert::cache::ExpertCache;
+use picchio_runtime::expert::store::{open_nvme_flat, with_fallback, IoOptions};
 use picchio_runtime::model::Model;
 use picchio_runtime::run::{GenerateOptions, Session};
-use picchio_runtime::store::{open_nvme_flat, with_fallback, IoOptions};
 use picchio_tests::*;
 
 const N: usize = 16;

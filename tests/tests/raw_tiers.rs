@@ -14,9 +14,9 @@ use std::path::{Path, PathBuf};
 
 use loopdev::{mkfs_ext4, run, sparse_file, write_gpt_signature, LoopDevice, LoopOptions, Mounted};
 use picchio_core::StoreUri;
-use picchio_runtime::pack::{pack_raw, PackOptions, RawPackOptions, RawPackReport};
-use picchio_runtime::store::{IoEngine, IoOptions};
-use picchio_runtime::verify::{verify_raw, FailureKind, VerifyOptions};
+use picchio_runtime::expert::store::{IoEngine, IoOptions};
+use picchio_runtime::image::pack::{pack_raw, PackOptions, RawPackOptions, RawPackReport};
+use picchio_runtime::image::verify::{verify_raw, FailureKind, VerifyOptions};
 use picchio_tests::*;
 
 const MIB: u64 = 1 << 20;

@@ -5,7 +5,7 @@
 use picchio_blockdev::{PsyncOptions, PsyncQueue};
 use picchio_core::loader::StoreDims;
 use picchio_core::FlatWriter;
-use picchio_runtime::verify::{verify_queue, VerifyOptions};
+use picchio_runtime::image::verify::{verify_queue, VerifyOptions};
 
 #[test]
 fn a_short_index_read_names_the_store_and_the_offset() {

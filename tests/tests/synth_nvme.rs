@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use picchio_nvme::sim::{Sim, SimConfig};
 use picchio_nvme::{HeapDma, NvmeQueue, NvmeQueueOptions};
-use picchio_runtime::synth::{synth, synth_nvme_queue, Geometry, SynthOptions};
+use picchio_runtime::image::synth::{synth, synth_nvme_queue, Geometry, SynthOptions};
 
 fn queue(ns: &Path) -> (NvmeQueue, Sim) {
     let mut cfg = SimConfig::single(ns, 4096);

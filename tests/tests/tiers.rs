@@ -4,8 +4,8 @@
 
 use picchio_core::format::{index_sha256, Superblock};
 use picchio_core::StoreUri;
-use picchio_runtime::pack::{pack, PackOptions};
-use picchio_runtime::store::{IoEngine, IoOptions};
+use picchio_runtime::expert::store::{IoEngine, IoOptions};
+use picchio_runtime::image::pack::{pack, PackOptions};
 use picchio_tests::*;
 
 fn c_prompt() -> Vec<u32> {
@@ -152,7 +152,7 @@ fn whole_store_faults_stop_an_explicit_store_and_auto_falls_back() {
 
 #[test]
 fn an_image_of_another_quantization_is_a_whole_store_mismatch() {
-    use picchio_runtime::convert::{convert, ConvertOptions};
+    use picchio_runtime::image::convert::{convert, ConvertOptions};
     use picchio_runtime::quant::QuantKind;
     let tmp = scratch();
     let q3 = tmp.path().join("q3");

@@ -5,7 +5,7 @@
 //! registered-file variants. Skipped visibly where io_uring is unavailable.
 
 use picchio_core::StoreUri;
-use picchio_runtime::store::{IoEngine, IoOptions};
+use picchio_runtime::expert::store::{IoEngine, IoOptions};
 use picchio_tests::*;
 
 const N: usize = 16;

@@ -5,8 +5,8 @@
 //!
 //! Its own test binary, with one test: the stop request is process-wide and cannot be withdrawn.
 
-use picchio_runtime::convert::{convert, ConvertOptions};
-use picchio_runtime::pack::{pack, PackOptions};
+use picchio_runtime::image::convert::{convert, ConvertOptions};
+use picchio_runtime::image::pack::{pack, PackOptions};
 use picchio_runtime::Error;
 use picchio_tests::*;
 
@@ -36,7 +36,7 @@ fn a_stop_request_ends_every_write_leaving_nothing_behind() {
     {
         use picchio_nvme::sim::SimConfig;
         use picchio_nvme::{HeapDma, NvmeQueue, NvmeQueueOptions};
-        use picchio_runtime::synth::{synth_nvme_queue, Geometry, SynthOptions};
+        use picchio_runtime::image::synth::{synth_nvme_queue, Geometry, SynthOptions};
         // An earlier valid image on the namespace: after the interrupted write its superblock is gone.
         let ns = dir.path().join("ns");
         let mut bytes = picchio_core::format::MAGIC.to_vec();

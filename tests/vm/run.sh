@@ -95,7 +95,7 @@ else
 fi
 log "building picchio (static)"
 PICCHIO_BIN=""
-if out="$(cargo build -p picchio-runtime --bin picchio --release --target "$TARGET" --message-format=json 2>"$VM/build-picchio.log")"; then
+if out="$(cargo build -p picchio --bin picchio --release --target "$TARGET" --message-format=json 2>"$VM/build-picchio.log")"; then
   PICCHIO_BIN="$(json_executables <<<"$out" | grep '/picchio$' | head -n1)"
 else
   tail -n 30 "$VM/build-picchio.log" >&2

@@ -2,7 +2,7 @@
 //! dropped — also when the test panics, since `Drop` runs while unwinding — and a visible skip when
 //! the test cannot have them (not root, no loop support).
 //!
-//! Shared by `blockdev/tests/raw.rs`, `runtime/tests/cli_raw.rs` and `tests/tests/raw_tiers.rs`
+//! Shared by `blockdev/tests/raw.rs`, `cli/tests/cli_raw.rs` and `tests/tests/raw_tiers.rs`
 //! (included with `#[path]`), so it uses nothing but std. It generalizes the read-only `Loop` of
 //! `blockdev/tests/blockdev.rs` (sector size, direct I/O, partition scan, read-write).
 #![allow(dead_code)]

@@ -20,7 +20,7 @@
 //!
 //! A layer is MoE unless it is in `mlp_only_layers` or `(l + 1) % decoder_sparse_step != 0`
 //! ([`Config::is_moe_layer`]). Routed experts come through an [`ExpertCache`] from an
-//! [`ExpertLoader`]; their outputs are summed in canonical router order ([`crate::moe`]).
+//! [`ExpertLoader`]; their outputs are summed in canonical router order ([`crate::model::moe`]).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -30,14 +30,14 @@ use picchio_core::ExpertLoader;
 use rayon::prelude::*;
 use safetensors::Dtype;
 
-use crate::cache::ExpertCache;
-use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::expert::{ExpertLayout, SafetensorsExperts};
+use crate::expert::cache::ExpertCache;
+use crate::expert::layout::{ExpertLayout, SafetensorsExperts};
 use crate::kernels::{self, Kernels, MatRef};
-use crate::moe::{combine_canonical, expert_forward, ExpertScratch, Routing, RoutingObserver};
-use crate::rope::Rope;
-use crate::safetensors::{TensorRef, TensorStore};
+use crate::model::config::Config;
+use crate::model::moe::{combine_canonical, expert_forward, ExpertScratch, Routing, RoutingObserver};
+use crate::model::rope::Rope;
+use crate::model::safetensors::{TensorRef, TensorStore};
 
 /// Attention runs its heads on the rayon pool when `heads * positions * head_dim` reaches this.
 const PAR_ATTENTION_ELEMS: usize = 1 << 16;

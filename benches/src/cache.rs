@@ -1,0 +1,417 @@
+//! The `cache` experiment (`picchio bench cache`): decode throughput, expert-cache misses per token and
+//! bytes read per token against the expert-cache budget (`--ecap`), with the image read O_DIRECT and
+//! buffered — the page-cache-vs-LRU question: buffered reads go through the kernel's page cache, a
+//! second cache behind ours, so the runtime's misses and the bytes the device actually delivered can
+//! differ. Each point is a real run of the runtime ([`Session`]: model, [`picchio_runtime::expert::cache::ExpertCache`],
+//! store, engine) on a converted or synthetic model.
+//!
+//! Per point: a fresh session with that capacity (the cache starts empty), the image's pages dropped
+//! from the page cache first (`posix_fadvise(POSIX_FADV_DONTNEED)` on the whole file; Linux), the
+//! prompt run (prefill), then greedy decoding of `tokens` tokens. Prefill and decode are counted
+//! apart; figures per token are over the decode forward passes only. Device bytes are the
+//! `read_bytes` field of `/proc/self/io` (`proc(5)`: bytes this process caused to be fetched from the
+//! storage layer, counted when the block I/O is submitted; all threads of the process, so io_uring's
+//! and psync's workers are included) — `None` where the file does not exist.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+use picchio_core::StoreUri;
+use picchio_runtime::error::{Error, Result};
+use picchio_runtime::expert::store::IoOptions;
+use picchio_runtime::model::sampler::{Sampler, SamplerOptions};
+use picchio_runtime::run::{Session, SessionOptions};
+
+/// How the image is read at one point.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReadMode {
+    /// O_DIRECT: every miss is a device read.
+    Direct,
+    /// Through the page cache: a miss may be served from memory the kernel kept.
+    Buffered,
+}
+
+impl std::fmt::Display for ReadMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ReadMode::Direct => "direct",
+            ReadMode::Buffered => "buffered",
+        })
+    }
+}
+
+impl std::str::FromStr for ReadMode {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "direct" => Ok(ReadMode::Direct),
+            "buffered" => Ok(ReadMode::Buffered),
+            _ => Err(Error::Invalid(format!("read mode {s:?}: expected `direct` or `buffered`"))),
+        }
+    }
+}
+
+/// What `picchio bench cache` runs.
+#[derive(Clone, Debug, Serialize)]
+pub struct CacheOptions {
+    /// Converted model directory.
+    pub model_dir: PathBuf,
+    /// The expert store (`file:PATH`, `raw:`, `nvme:`, `safetensors`, `auto`).
+    #[serde(serialize_with = "display")]
+    pub store: StoreUri,
+    /// Engine settings (`direct` is set per point from `modes`).
+    #[serde(serialize_with = "io_flags")]
+    pub io: IoOptions,
+    /// Expert-cache capacities to measure, experts.
+    pub ecaps: Vec<usize>,
+    /// Read modes to measure at each capacity.
+    pub modes: Vec<ReadMode>,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Tokens to decode after the prompt.
+    pub tokens: usize,
+    /// Drop the image's pages from the page cache before each point.
+    pub drop_page_cache: bool,
+}
+
+/// The engine settings as the report's flags record them.
+fn io_flags<S: serde::Serializer>(io: &IoOptions, s: S) -> std::result::Result<S::Ok, S::Error> {
+    serde::Serialize::serialize(
+        &serde_json::json!({
+            "engine": io.engine.to_string(),
+            "qd": io.qd,
+            "threads": io.threads,
+            "sqpoll": io.sqpoll,
+            "iopoll": io.iopoll,
+            "register_files": io.register_files,
+            "async_moe": io.async_moe,
+            "verify": io.verify,
+        }),
+        s,
+    )
+}
+
+fn display<S: serde::Serializer>(v: &StoreUri, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.collect_str(v)
+}
+
+/// Counters of one phase (prefill or decode) of one point.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PhaseCounts {
+    /// Forward passes (tokens run).
+    pub forwards: u64,
+    /// Wall time, milliseconds.
+    pub wall_ms: f64,
+    /// Expert uses served by the cache.
+    pub hits: u64,
+    /// Expert uses that needed a load.
+    pub misses: u64,
+    /// Expert reads the store completed.
+    pub reads: u64,
+    /// Bytes the store read (each read is the payload rounded up to 4096 B).
+    pub bytes_read: u64,
+    /// Bytes the device delivered to this process (`/proc/self/io` `read_bytes` delta); `None`
+    /// where unavailable.
+    pub device_bytes: Option<u64>,
+    /// Experts served by the safetensors fallback after a store failure.
+    pub fallbacks: u64,
+}
+
+/// One (read mode, capacity) point.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CachePoint {
+    /// How the image was read.
+    pub mode: ReadMode,
+    /// Expert-cache capacity, experts.
+    pub ecap: usize,
+    /// `ecap` as a percentage of all routed experts.
+    pub cache_percent: f64,
+    /// Memory of the cache's slots at full capacity, bytes (`ecap` × slot size).
+    pub cache_bytes: u64,
+    /// The engine as the runtime describes it (`uring(direct, qd 32)`, …).
+    pub engine: String,
+    /// Whether the image's pages were dropped from the page cache before the point.
+    pub page_cache_dropped: bool,
+    /// The prompt.
+    pub prefill: PhaseCounts,
+    /// The generated tokens after the first (each one forward pass).
+    pub decode: PhaseCounts,
+    /// Decode forward passes per second.
+    pub decode_tok_s: f64,
+    /// Decode misses per decode token.
+    pub misses_per_token: f64,
+    /// Decode store bytes per decode token.
+    pub bytes_per_token: f64,
+    /// Decode device bytes per decode token; `None` where unavailable.
+    pub device_bytes_per_token: Option<f64>,
+    /// Decode hit rate, hits / (hits + misses).
+    pub hit_rate: f64,
+    /// The greedy tokens generated (the same at every point: the cache never changes the output).
+    pub tokens: Vec<u32>,
+}
+
+/// The `results` of `picchio bench cache`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CacheResults {
+    /// The model directory.
+    pub model: String,
+    /// The store as the runtime names it.
+    pub store: String,
+    /// MoE layers.
+    pub moe_layers: usize,
+    /// Experts per MoE layer.
+    pub num_experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// All routed experts (MoE layers × E): the capacity at which everything fits.
+    pub total_experts: usize,
+    /// Bytes of one expert's payload.
+    pub expert_bytes: u64,
+    /// Bytes of one cache slot (the payload rounded up to 4096 B; what a flat-store miss reads).
+    pub slot_bytes: u64,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Tokens generated per point.
+    pub tokens: usize,
+    /// Every point, mode-major, capacities ascending.
+    pub points: Vec<CachePoint>,
+}
+
+/// Bytes this process has caused to be read from storage (`read_bytes` of `/proc/self/io`).
+pub fn device_read_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/io").ok()?;
+    s.lines().find_map(|l| l.strip_prefix("read_bytes:")).and_then(|v| v.trim().parse().ok())
+}
+
+/// Drops `path`'s clean pages from the page cache (`posix_fadvise(POSIX_FADV_DONTNEED)` over the
+/// whole file). Returns whether it was done (false off Linux, or for a path that cannot be opened).
+pub fn drop_page_cache(path: &Path) -> bool {
+    // The same drop as the storage experiments', which first waits for reads still in flight (the
+    // session's open starts readahead of the image that would otherwise land after the drop).
+    cfg!(target_os = "linux") && super::measure::drop_cache(path).is_ok()
+}
+
+/// Runs every (mode, capacity) point of `opts`, calling `progress(done, total)` after each.
+///
+/// # Errors
+/// [`Error::Invalid`] for an empty capacity or mode list, a capacity of 0, an empty prompt or
+/// `tokens` < 2; session errors (model, store, engine); forward-pass errors.
+pub fn run_cache(opts: &CacheOptions, progress: &mut dyn FnMut(usize, usize)) -> Result<CacheResults> {
+    if opts.ecaps.is_empty() || opts.modes.is_empty() {
+        return Err(Error::Invalid("bench cache: needs at least one --ecap and one read mode".into()));
+    }
+    if opts.ecaps.contains(&0) {
+        return Err(Error::Invalid("--ecap 0: the expert cache needs room for at least 1 expert".into()));
+    }
+    if opts.prompt.is_empty() {
+        return Err(Error::Invalid("bench cache: the prompt is empty".into()));
+    }
+    if opts.tokens < 2 {
+        return Err(Error::Invalid(format!("bench cache: -n {}: decode needs at least 2 tokens", opts.tokens)));
+    }
+    let mut ecaps = opts.ecaps.clone();
+    ecaps.sort_unstable();
+    ecaps.dedup();
+    let image = match &opts.store {
+        StoreUri::File(p) => Some(p.clone()),
+        StoreUri::Auto => {
+            Some(opts.model_dir.join(picchio_runtime::expert::store::DEFAULT_IMAGE)).filter(|p| p.exists())
+        }
+        _ => None,
+    };
+    let total_points = ecaps.len() * opts.modes.len();
+    let mut points = Vec::with_capacity(total_points);
+    let mut shape = None;
+    for &mode in &opts.modes {
+        for &ecap in &ecaps {
+            let session_opts = SessionOptions {
+                model_dir: opts.model_dir.clone(),
+                store: opts.store.clone(),
+                io: IoOptions { direct: mode == ReadMode::Direct, ..opts.io },
+                ecap: Some(ecap),
+                max_seq: opts.prompt.len() + opts.tokens,
+            };
+            let mut s = Session::open(&session_opts, None)?;
+            let cfg = s.model.config();
+            let total = cfg.moe_layers().len() * cfg.num_experts;
+            if ecap > total {
+                return Err(Error::Invalid(format!(
+                    "--ecap {ecap}: the model has only {total} routed experts ({} MoE layers × {})",
+                    cfg.moe_layers().len(),
+                    cfg.num_experts
+                )));
+            }
+            shape.get_or_insert_with(|| {
+                (
+                    s.info.store.clone(),
+                    cfg.moe_layers().len(),
+                    cfg.num_experts,
+                    cfg.num_experts_per_tok,
+                    total,
+                    s.model.layout().len() as u64,
+                    s.cache.slot_len() as u64,
+                )
+            });
+            let dropped = opts.drop_page_cache && image.as_deref().is_some_and(drop_page_cache);
+            points.push(run_point(&mut s, opts, mode, ecap, total, dropped)?);
+            progress(points.len(), total_points);
+        }
+    }
+    let (store, moe_layers, num_experts, top_k, total_experts, expert_bytes, slot_bytes) =
+        shape.expect("at least one point ran");
+    Ok(CacheResults {
+        model: opts.model_dir.display().to_string(),
+        store,
+        moe_layers,
+        num_experts,
+        top_k,
+        total_experts,
+        expert_bytes,
+        slot_bytes,
+        prompt_tokens: opts.prompt.len(),
+        tokens: opts.tokens,
+        points,
+    })
+}
+
+/// Counters at one instant, to subtract.
+struct Mark {
+    t: Instant,
+    hits: u64,
+    misses: u64,
+    io: picchio_core::StatsSnapshot,
+    device: Option<u64>,
+}
+
+impl Mark {
+    fn now(s: &Session) -> Mark {
+        Mark {
+            t: Instant::now(),
+            hits: s.cache.hits(),
+            misses: s.cache.misses(),
+            io: s.io_stats.snapshot(),
+            device: device_read_bytes(),
+        }
+    }
+
+    fn since(&self, before: &Mark, forwards: u64) -> PhaseCounts {
+        PhaseCounts {
+            forwards,
+            wall_ms: self.t.duration_since(before.t).as_secs_f64() * 1e3,
+            hits: self.hits - before.hits,
+            misses: self.misses - before.misses,
+            reads: self.io.reads - before.io.reads,
+            bytes_read: self.io.bytes - before.io.bytes,
+            device_bytes: self.device.zip(before.device).map(|(a, b)| a.saturating_sub(b)),
+            fallbacks: self.io.fallbacks - before.io.fallbacks,
+        }
+    }
+}
+
+/// One point: prompt, then `tokens` greedy tokens (`tokens - 1` decode forward passes).
+fn run_point(
+    s: &mut Session,
+    opts: &CacheOptions,
+    mode: ReadMode,
+    ecap: usize,
+    total: usize,
+    dropped: bool,
+) -> Result<CachePoint> {
+    let mut sampler = Sampler::new(SamplerOptions::default());
+    let m0 = Mark::now(s);
+    for (pos, &t) in opts.prompt.iter().enumerate() {
+        s.model.forward(t, pos, &mut s.cache, &mut *s.loader)?;
+    }
+    let m1 = Mark::now(s);
+    let mut tokens = Vec::with_capacity(opts.tokens);
+    let mut pos = opts.prompt.len();
+    loop {
+        let next = sampler.sample(s.model.logits());
+        tokens.push(next);
+        if tokens.len() == opts.tokens {
+            break;
+        }
+        s.model.forward(next, pos, &mut s.cache, &mut *s.loader)?;
+        pos += 1;
+    }
+    let m2 = Mark::now(s);
+    let prefill = m1.since(&m0, opts.prompt.len() as u64);
+    let decode = m2.since(&m1, (opts.tokens - 1) as u64);
+    let n = decode.forwards as f64;
+    Ok(CachePoint {
+        mode,
+        ecap,
+        cache_percent: 100.0 * ecap as f64 / total.max(1) as f64,
+        cache_bytes: (ecap * s.cache.slot_len()) as u64,
+        engine: s.info.engine.clone(),
+        page_cache_dropped: dropped,
+        decode_tok_s: if decode.wall_ms > 0.0 { n / (decode.wall_ms / 1e3) } else { 0.0 },
+        misses_per_token: decode.misses as f64 / n,
+        bytes_per_token: decode.bytes_read as f64 / n,
+        device_bytes_per_token: decode.device_bytes.map(|b| b as f64 / n),
+        hit_rate: decode.hits as f64 / (decode.hits + decode.misses).max(1) as f64,
+        prefill,
+        decode,
+        tokens,
+    })
+}
+
+/// Capacities for `percents` of `total` experts (each rounded, at least 1), ascending, deduplicated.
+pub fn ecaps_for_percents(total: usize, percents: &[f64]) -> Vec<usize> {
+    let mut v: Vec<usize> =
+        percents.iter().map(|p| ((total as f64 * p / 100.0).round() as usize).clamp(1, total.max(1))).collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percents_map_to_capacities() {
+        assert_eq!(ecaps_for_percents(48, &[0.1, 10.0, 25.0, 100.0, 25.0]), [1, 5, 12, 48]);
+    }
+
+    #[test]
+    fn read_modes_parse() {
+        assert_eq!("direct".parse::<ReadMode>().unwrap(), ReadMode::Direct);
+        assert_eq!("buffered".parse::<ReadMode>().unwrap(), ReadMode::Buffered);
+        assert!("cached".parse::<ReadMode>().unwrap_err().to_string().contains("direct"));
+        assert_eq!(serde_json::to_string(&ReadMode::Buffered).unwrap(), "\"buffered\"");
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn proc_io_counts_and_fadvise_runs() {
+        assert!(device_read_bytes().is_some());
+        let f = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(f.path(), vec![7u8; 1 << 16]).unwrap();
+        assert!(drop_page_cache(f.path()));
+        assert!(!drop_page_cache(Path::new("/nonexistent/picchio")));
+    }
+
+    #[test]
+    fn bad_options_are_refused_before_running() {
+        let o = CacheOptions {
+            model_dir: "m".into(),
+            store: StoreUri::Safetensors,
+            io: IoOptions::default(),
+            ecaps: vec![],
+            modes: vec![ReadMode::Direct],
+            prompt: vec![1],
+            tokens: 4,
+            drop_page_cache: true,
+        };
+        assert!(run_cache(&o, &mut |_, _| {}).is_err());
+        let o = CacheOptions { ecaps: vec![0], ..o };
+        assert!(run_cache(&o, &mut |_, _| {}).unwrap_err().to_string().contains("--ecap 0"));
+        let o = CacheOptions { ecaps: vec![1], tokens: 1, ..o };
+        assert!(run_cache(&o, &mut |_, _| {}).unwrap_err().to_string().contains("-n 1"));
+    }
+}

@@ -1,0 +1,1121 @@
+//! The measuring loop every I/O experiment shares: engines opened on the store, a point run by `T`
+//! submitting threads each keeping `QD` reads in flight on its own queue, and what a point reports.
+//!
+//! A point's work is a stream of *units*, each one or more reads (`qd-sweep`: one expert read;
+//! `layout`: the N per-tensor reads of one expert). Each thread draws units from its own seeded
+//! generator, keeps at most `qd` reads submitted, and stops drawing when the point's duration has
+//! passed or its share of the byte budget is submitted; reads in flight are then completed. The
+//! point's wall time runs from the moment every thread is ready (queues opened, buffers allocated)
+//! to the last completion, so throughput = bytes / wall (never a sum of per-read latencies).
+//! Per-read latency is the engine's submit-to-completion time ([`picchio_core::Completion`]'s
+//! `latency_ns`); per-unit latency is the time from a unit's first submit to its last completion.
+//! CPU time is `getrusage(RUSAGE_SELF)` user + system over the same interval (all our threads,
+//! psync workers and io_uring's io-wq workers included).
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use picchio_core::{AlignedBuf, ByteOffset, Completion, IoQueue, ReadReq, Tag};
+use serde::{Deserialize, Serialize};
+
+use super::target::BenchStore;
+use picchio_runtime::error::{Error, Result};
+
+/// An I/O engine a bench point uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Engine {
+    /// `PsyncQueue` through the page cache (cache dropped before each point unless `--warm`).
+    PsyncBuffered,
+    /// `PsyncQueue` with `O_DIRECT`.
+    PsyncDirect,
+    /// `UringQueue` with `O_DIRECT` and a registered file (the runtime's default engine).
+    Uring,
+    /// Our NVMe driver (`NvmeQueue`) against picchio-nvme's software controller model serving the
+    /// image file as namespace 1: the driver's and the model's cost, not a drive's.
+    NvmeSim,
+    /// Our NVMe driver over VFIO on a real controller (`nvme:` stores).
+    Nvme,
+}
+
+impl Engine {
+    /// Every engine, in report order.
+    pub const ALL: [Engine; 5] =
+        [Engine::PsyncBuffered, Engine::PsyncDirect, Engine::Uring, Engine::NvmeSim, Engine::Nvme];
+
+    /// The name used on the command line and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Engine::PsyncBuffered => "psync-buffered",
+            Engine::PsyncDirect => "psync-direct",
+            Engine::Uring => "uring",
+            Engine::NvmeSim => "nvme-sim",
+            Engine::Nvme => "nvme",
+        }
+    }
+
+    /// Whether reads go through the page cache.
+    pub fn buffered(self) -> bool {
+        self == Engine::PsyncBuffered
+    }
+
+    /// The engines that can read `store` by default: the kernel engines for a file or device, the
+    /// driver against the controller model for `nvme-sim:`, the VFIO driver for `nvme:`. io_uring is
+    /// left out (with the reason in `skipped`) where the kernel refuses it.
+    pub fn defaults_for(store: &BenchStore, skipped: &mut Vec<Skipped>) -> Vec<Engine> {
+        match store {
+            BenchStore::File(_) | BenchStore::Raw { .. } => {
+                let mut v = vec![Engine::PsyncBuffered, Engine::PsyncDirect];
+                match uring_unavailable() {
+                    None => v.push(Engine::Uring),
+                    Some(reason) => skipped.push(Skipped { what: "uring".into(), reason }),
+                }
+                v
+            }
+            BenchStore::NvmeSim(_) => vec![Engine::NvmeSim],
+            BenchStore::Nvme { .. } => vec![Engine::Nvme],
+        }
+    }
+}
+
+impl std::fmt::Display for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Engine {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        Engine::ALL.into_iter().find(|e| e.name() == s).ok_or_else(|| {
+            format!("unknown engine {s:?}: expected psync-buffered, psync-direct, uring, nvme-sim or nvme")
+        })
+    }
+}
+
+/// Something an experiment did not run, and why (reported, never silently dropped).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Skipped {
+    /// The engine, tier or comparison.
+    pub what: String,
+    /// Why.
+    pub reason: String,
+}
+
+#[cfg(target_os = "linux")]
+fn uring_unavailable() -> Option<String> {
+    picchio_blockdev::UringQueue::probe().err().map(|e| e.to_string())
+}
+
+#[cfg(not(target_os = "linux"))]
+fn uring_unavailable() -> Option<String> {
+    Some("io_uring is Linux-only".into())
+}
+
+/// The most reads in flight per queue a bench point runs (`--qd`): as `picchio run --qd`, and
+/// what io_uring accepts ([`picchio_blockdev::MAX_QD`]); the psync engines start one worker thread
+/// per read in flight, capped by [`picchio_blockdev::MAX_THREADS`].
+pub const MAX_QD: u32 = 256;
+
+/// The most submitting threads of a bench point (`--threads`), each with its own queue (and, for
+/// `nvme-sim`, its own controller model): as `picchio run --io-threads`.
+pub const MAX_THREADS: u32 = 256;
+
+/// Above this fraction of the image's pages resident just after `posix_fadvise(DONTNEED)`, the drop
+/// is reported as not having taken effect (`drop-ineffective`): tmpfs and ramfs pages *are* the
+/// file and cannot be evicted, and pages mapped or locked by another process stay.
+pub const DROP_INEFFECTIVE_ABOVE: f64 = 0.01;
+
+/// Checks a point's `threads` and `qd` against [`MAX_THREADS`] and [`MAX_QD`] (both at least 1),
+/// before any thread or queue is made.
+///
+/// # Errors
+/// [`Error::Invalid`] naming the option, the value and the bound.
+pub fn check_depth(threads: u32, qd: u32) -> Result<()> {
+    if !(1..=MAX_THREADS).contains(&threads) {
+        return Err(Error::Invalid(format!("--threads {threads}: must be 1 to {MAX_THREADS} (a queue per thread)")));
+    }
+    if !(1..=MAX_QD).contains(&qd) {
+        return Err(Error::Invalid(format!("--qd {qd}: must be 1 to {MAX_QD} reads in flight per thread")));
+    }
+    Ok(())
+}
+
+/// Checks that a point's read buffers — `threads × qd × max_read` bytes, allocated before the
+/// clock starts — fit in half of `available` memory (`MemAvailable`; unchecked when unknown), so
+/// a large expert at 256 × 256 is refused with the figure instead of driving the machine out of
+/// memory.
+///
+/// # Errors
+/// [`Error::Invalid`] naming the threads, depth, read size and the bytes needed and available.
+pub fn check_buffer_memory(threads: u32, qd: u32, max_read: u32, available: Option<u64>) -> Result<()> {
+    let need = u64::from(threads) * u64::from(qd) * u64::from(max_read);
+    match available {
+        Some(avail) if need > avail / 2 => Err(Error::Invalid(format!(
+            "{threads} threads × QD {qd} × {max_read}-byte reads need {need} bytes of read buffers, more than half \
+             of the {avail} bytes of memory available: use fewer --threads or a lower --qd"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// A queue opened on the store, reading image offsets (a `raw:` image's base is added inside).
+pub struct Opened {
+    /// The queue.
+    pub queue: Box<dyn IoQueue>,
+    /// Bytes of the image from its first byte to the end of the target.
+    pub image_len: u64,
+}
+
+/// Where an engine reads the image: the path or controller, and the byte offset of the image there.
+fn location(store: &BenchStore) -> (Option<PathBuf>, u64) {
+    match store {
+        BenchStore::File(p) | BenchStore::NvmeSim(p) => (Some(p.clone()), 0),
+        BenchStore::Raw { device, offset } => (Some(device.clone()), *offset),
+        BenchStore::Nvme { .. } => (None, 0),
+    }
+}
+
+/// Opens `engine` on `store` with `qd` reads in flight (psync: `qd` worker threads).
+///
+/// # Errors
+/// [`Error::Invalid`] when the engine cannot read this kind of store; the engine's open errors.
+pub fn open(store: &BenchStore, engine: Engine, qd: u32) -> Result<Opened> {
+    let (path, base) = location(store);
+    check_depth(1, qd)?;
+    check_raw(store)?;
+    let need_path = || {
+        path.clone().ok_or_else(|| Error::Invalid(format!("engine {engine} reads a file or block device, not {store}")))
+    };
+    let (queue, target_len): (Box<dyn IoQueue>, u64) = match engine {
+        Engine::PsyncBuffered | Engine::PsyncDirect => {
+            let p = need_path()?;
+            let opts = picchio_blockdev::PsyncOptions { threads: qd as usize, direct: engine == Engine::PsyncDirect };
+            let q = picchio_blockdev::PsyncQueue::open(&p, opts)?;
+            let len = q.len();
+            (Box::new(q), len)
+        }
+        Engine::Uring => open_uring(&need_path()?, qd)?,
+        Engine::NvmeSim => match store {
+            BenchStore::NvmeSim(p) => open_nvme_sim(p, qd)?,
+            _ => return Err(Error::Invalid(format!("engine nvme-sim needs an nvme-sim:PATH store, not {store}"))),
+        },
+        Engine::Nvme => match store {
+            BenchStore::Nvme { bdf, nsid } => open_nvme(bdf, *nsid, qd)?,
+            _ => return Err(Error::Invalid(format!("engine nvme needs an nvme:BDF store, not {store}"))),
+        },
+    };
+    if base >= target_len && target_len > 0 {
+        return Err(Error::Invalid(format!("{store}: offset {base} is at or past the end ({target_len} bytes)")));
+    }
+    let queue: Box<dyn IoQueue> = match base {
+        0 => queue,
+        b => offset_queue(queue, b),
+    };
+    Ok(Opened { queue, image_len: target_len - base })
+}
+
+/// For a `raw:` store, the check `picchio run` and `picchio verify` make
+/// ([`picchio_blockdev::raw::RawTarget::open`]): the path is a block device (a regular file given as
+/// `raw:` is refused, never read as a device) and the offset a whole number of its logical blocks
+/// inside it. Other stores pass.
+///
+/// # Errors
+/// [`Error::Engine`] from the check.
+pub fn check_raw(store: &BenchStore) -> Result<()> {
+    #[cfg(target_os = "linux")]
+    if let BenchStore::Raw { device, offset } = store {
+        picchio_blockdev::raw::RawTarget::open(device, ByteOffset(*offset))?;
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = store;
+    Ok(())
+}
+
+#[cfg(target_os = "linux")]
+fn offset_queue(q: Box<dyn IoQueue>, base: u64) -> Box<dyn IoQueue> {
+    Box::new(picchio_blockdev::raw::OffsetQueue::new(q, ByteOffset(base)))
+}
+
+#[cfg(not(target_os = "linux"))]
+fn offset_queue(q: Box<dyn IoQueue>, _base: u64) -> Box<dyn IoQueue> {
+    q
+}
+
+#[cfg(target_os = "linux")]
+fn open_uring(path: &std::path::Path, qd: u32) -> Result<(Box<dyn IoQueue>, u64)> {
+    let q = picchio_blockdev::UringQueue::open(path, picchio_blockdev::UringOptions::direct(qd))?;
+    let len = q.len();
+    Ok((Box::new(q), len))
+}
+
+#[cfg(not(target_os = "linux"))]
+fn open_uring(_path: &std::path::Path, _qd: u32) -> Result<(Box<dyn IoQueue>, u64)> {
+    Err(Error::Invalid("engine uring: io_uring is Linux-only".into()))
+}
+
+/// The driver against the controller model: the model thread lives as long as the queue.
+#[cfg(target_os = "linux")]
+struct SimQueue {
+    // Declared first: the driver shuts the controller down before the model stops.
+    queue: picchio_nvme::NvmeQueue,
+    _sim: picchio_nvme::sim::Sim,
+}
+
+#[cfg(target_os = "linux")]
+impl IoQueue for SimQueue {
+    fn block_size(&self) -> u32 {
+        self.queue.block_size()
+    }
+    fn submit(&mut self, req: ReadReq) {
+        self.queue.submit(req)
+    }
+    fn reap(&mut self, min: usize, out: &mut Vec<Completion>) -> usize {
+        self.queue.reap(min, out)
+    }
+    fn in_flight(&self) -> usize {
+        self.queue.in_flight()
+    }
+    fn describe(&self) -> String {
+        format!("{} against the controller model", self.queue.describe())
+    }
+    fn slot_allocator(&mut self, count: usize, len: usize) -> Option<Box<dyn picchio_core::io::SlotAllocator>> {
+        self.queue.slot_allocator(count, len)
+    }
+    fn bounce_bytes(&self) -> u64 {
+        self.queue.bounce_bytes()
+    }
+}
+
+/// Opens the driver on the controller model serving `path` (4096-byte LBAs when the file is a whole
+/// number of them, else 512).
+#[cfg(target_os = "linux")]
+pub fn open_nvme_sim(path: &std::path::Path, qd: u32) -> Result<(Box<dyn IoQueue>, u64)> {
+    use picchio_nvme::{sim::SimConfig, NvmeQueue, NvmeQueueOptions};
+    let len = std::fs::metadata(path).map_err(Error::io(path, "stat the controller model's backing file"))?.len();
+    let lba = if len.is_multiple_of(4096) { 4096 } else { 512 };
+    let opts = NvmeQueueOptions { qd: u16::try_from(qd).unwrap_or(u16::MAX), ..NvmeQueueOptions::default() };
+    let (queue, sim) = NvmeQueue::open_sim(SimConfig::single(path, lba), &opts)
+        .map_err(|e| Error::Invalid(format!("nvme-sim:{}: {e}", path.display())))?;
+    let bytes = queue.namespace().bytes();
+    Ok((Box::new(SimQueue { queue, _sim: sim }), bytes))
+}
+
+/// The controller model is part of picchio-nvme, which is Linux-only: always an error here.
+///
+/// # Errors
+/// [`Error::Invalid`] saying so.
+#[cfg(not(target_os = "linux"))]
+pub fn open_nvme_sim(path: &std::path::Path, _qd: u32) -> Result<(Box<dyn IoQueue>, u64)> {
+    Err(Error::Invalid(format!("nvme-sim:{}: picchio-nvme is Linux-only", path.display())))
+}
+
+#[cfg(target_os = "linux")]
+fn open_nvme(bdf: &str, nsid: u32, qd: u32) -> Result<(Box<dyn IoQueue>, u64)> {
+    use picchio_nvme::{NvmeQueue, NvmeQueueOptions};
+    let opts = NvmeQueueOptions { nsid, qd: u16::try_from(qd).unwrap_or(u16::MAX), ..NvmeQueueOptions::default() };
+    let fail = |e: picchio_nvme::Error| Error::Invalid(format!("nvme:{bdf}/{nsid}: {e}"));
+    let ctrlr = picchio_nvme::vfio::open_controller(bdf, opts.ctrlr_options()).map_err(fail)?;
+    let queue = NvmeQueue::with_bounce_buffer(ctrlr, nsid, opts.timeout, format!("vfio {bdf}")).map_err(fail)?;
+    queue.warn_if_clamped(opts.qd);
+    let bytes = queue.namespace().bytes();
+    Ok((Box::new(queue), bytes))
+}
+
+#[cfg(not(target_os = "linux"))]
+fn open_nvme(bdf: &str, nsid: u32, _qd: u32) -> Result<(Box<dyn IoQueue>, u64)> {
+    Err(Error::Invalid(format!("nvme:{bdf}/{nsid}: the user-space NVMe driver needs Linux VFIO")))
+}
+
+/// The image's geometry as the bench reads it: the superblock and every usable entry.
+#[derive(Clone, Debug)]
+pub struct StoreLayout {
+    /// The checked superblock.
+    pub superblock: picchio_core::Superblock,
+    /// Byte offset and padded length of each entry that passed the checks at open.
+    pub entries: Vec<(u64, u32)>,
+    /// Image bytes from its first byte to the end of the target.
+    pub image_len: u64,
+}
+
+impl StoreLayout {
+    /// Opens the image through `engine` and reads its superblock and index (checked as
+    /// [`picchio_core::FlatStore::open`] checks them).
+    ///
+    /// # Errors
+    /// The engine's open errors; [`Error::Store`] for a bad superblock or index; [`Error::Invalid`]
+    /// for an image without a usable entry.
+    pub fn read(store: &BenchStore, engine: Engine) -> Result<Self> {
+        let opened = open(store, engine, 1)?;
+        let image_len = opened.image_len;
+        let opts = picchio_core::FlatStoreOptions { image_len, ..Default::default() };
+        let flat = picchio_core::FlatStore::open(opened.queue, store.to_string(), opts)?;
+        let sb = flat.superblock().clone();
+        let entries: Vec<(u64, u32)> = (0..sb.n_entries)
+            .filter_map(|i| {
+                let key = picchio_core::ExpertKey { layer: i / sb.n_experts, expert: i % sb.n_experts };
+                flat.entry(key).ok().map(|l| (l.offset, l.padded_len))
+            })
+            .collect();
+        if entries.is_empty() {
+            return Err(Error::Invalid(format!("{store}: the image has no usable entry to read")));
+        }
+        Ok(StoreLayout { superblock: sb, entries, image_len })
+    }
+
+    /// [`StoreLayout::read`] through the engine that reads any store of this kind (psync buffered
+    /// for a file, psync O_DIRECT for a `raw:` block device, the driver for `nvme-sim:` and
+    /// `nvme:`): what every experiment does first, so a missing path, a directory, a regular file
+    /// given as `raw:` or a file that is not an image is refused before anything is measured.
+    ///
+    /// # Errors
+    /// As [`StoreLayout::read`].
+    pub fn of(store: &BenchStore) -> Result<Self> {
+        let engine = match store {
+            BenchStore::File(_) => Engine::PsyncBuffered,
+            BenchStore::Raw { .. } => Engine::PsyncDirect,
+            BenchStore::NvmeSim(_) => Engine::NvmeSim,
+            BenchStore::Nvme { .. } => Engine::Nvme,
+        };
+        if let BenchStore::File(p) | BenchStore::NvmeSim(p) = store {
+            match std::fs::metadata(p) {
+                Ok(m) if m.is_file() => {}
+                Ok(_) => {
+                    return Err(Error::Invalid(format!(
+                        "{store}: is not a regular file (a .picchioflat image; for a block device use raw:)"
+                    )))
+                }
+                Err(e) => return Err(Error::io(p, "open the store")(e)),
+            }
+        }
+        Self::read(store, engine)
+    }
+
+    /// The payload area: image bytes from the superblock's `data_offset` to the end of the last
+    /// entry (what `overhead` and `qd-sweep --bs` draw reads from).
+    pub fn payload(&self) -> (u64, u64) {
+        let lo = self.superblock.data_offset;
+        let hi = self.entries.iter().map(|&(o, l)| o + u64::from(l)).max().unwrap_or(lo);
+        (lo, hi.saturating_sub(lo))
+    }
+
+    /// The most common padded length among the entries (the expert read size; dense-layer
+    /// placeholders and stray entries are smaller) and the entries that have it.
+    pub fn expert_entries(&self) -> (u32, Vec<u64>) {
+        let mut counts = std::collections::BTreeMap::<u32, usize>::new();
+        for &(_, len) in &self.entries {
+            *counts.entry(len).or_default() += 1;
+        }
+        let (&len, _) = counts.iter().max_by_key(|&(l, n)| (*n, *l)).expect("at least one entry");
+        (len, self.entries.iter().filter(|e| e.1 == len).map(|e| e.0).collect())
+    }
+}
+
+/// splitmix64 (Steele, Lea & Flood, OOPSLA 2014): the bench's seeded offset generator.
+#[derive(Clone, Debug)]
+pub struct SplitMix64(u64);
+
+impl SplitMix64 {
+    /// A generator for stream `stream` of `seed` (streams are independent for practical purposes).
+    pub fn new(seed: u64, stream: u64) -> Self {
+        let mut g = SplitMix64(seed ^ stream.wrapping_add(1).wrapping_mul(0xD1B5_4A32_D192_ED03));
+        g.next_u64();
+        g
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (`n > 0`; Lemire's multiply-shift, bias below 2⁻³² for the n used here).
+    pub fn below(&mut self, n: u64) -> u64 {
+        ((u128::from(self.next_u64()) * u128::from(n)) >> 64) as u64
+    }
+}
+
+/// When a point stops drawing new units.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stop {
+    /// After this much wall time (seconds).
+    Duration(f64),
+    /// After this many bytes have been submitted (over all threads).
+    Bytes(u64),
+}
+
+/// One point: an engine at `threads` × `qd`.
+#[derive(Clone, Debug)]
+pub struct PointSpec {
+    /// The engine.
+    pub engine: Engine,
+    /// Submitting threads, each with its own queue.
+    pub threads: u32,
+    /// Reads in flight per thread.
+    pub qd: u32,
+    /// When to stop.
+    pub stop: Stop,
+    /// Seed of the units drawn.
+    pub seed: u64,
+    /// Leave the page cache as it is (buffered engines; otherwise dropped before the point).
+    pub warm: bool,
+}
+
+/// Draws the next unit's reads into the vector: `(image offset, length)` pairs.
+pub type DrawUnit = dyn FnMut(&mut SplitMix64, &mut Vec<(u64, u32)>) + Send;
+
+/// A thread's [`DrawUnit`].
+pub type UnitSource = Box<DrawUnit>;
+
+/// Latency percentiles in microseconds, from an HDR histogram of nanoseconds (3 significant
+/// digits: each percentile and `max` is the upper end of its bucket, so `p50 <= p90 <= … <= max`,
+/// within 0.1% of the exact value; `min` and `mean` are exact up to the same resolution).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LatencyUs {
+    /// Samples.
+    pub count: u64,
+    /// Smallest.
+    pub min: f64,
+    /// Mean.
+    pub mean: f64,
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// 99.9th percentile.
+    pub p99_9: f64,
+    /// Largest.
+    pub max: f64,
+}
+
+impl LatencyUs {
+    /// The percentiles of `h` (nanoseconds).
+    pub fn of(h: &Histogram<u64>) -> Self {
+        let us = |ns: u64| ns as f64 / 1000.0;
+        if h.is_empty() {
+            return LatencyUs::default();
+        }
+        LatencyUs {
+            count: h.len(),
+            min: us(h.min()),
+            mean: h.mean() / 1000.0,
+            p50: us(h.value_at_quantile(0.5)),
+            p90: us(h.value_at_quantile(0.9)),
+            p99: us(h.value_at_quantile(0.99)),
+            p99_9: us(h.value_at_quantile(0.999)),
+            max: us(h.highest_equivalent(h.max())),
+        }
+    }
+}
+
+/// A histogram of nanoseconds from 1 ns to 100 s at 3 significant digits.
+pub fn histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 100_000_000_000, 3).expect("valid bounds")
+}
+
+/// CPU time over a point.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CpuTime {
+    /// User time, seconds.
+    pub user_s: f64,
+    /// System time, seconds.
+    pub sys_s: f64,
+    /// (user + system) seconds per 10⁹ bytes read.
+    pub s_per_gb: f64,
+}
+
+/// The page cache before a point.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CacheState {
+    /// `dropped` (posix_fadvise DONTNEED on the target before the point), `drop-ineffective` (the
+    /// same was asked, but more than [`DROP_INEFFECTIVE_ABOVE`] of the image stayed resident — tmpfs
+    /// or ramfs, whose pages are the file, or pages another process maps — so the point read
+    /// memory, not the device), `bypassed` (O_DIRECT or the NVMe driver), `warm` (`--warm`: left as
+    /// it was), or `model` (the controller model reads its backing file through the page cache,
+    /// whatever we do).
+    pub action: String,
+    /// Fraction of the image's pages in the page cache just before the point (`mincore`), for a
+    /// file; `null` for a device or where it cannot be measured.
+    pub resident_before: Option<f64>,
+}
+
+/// What one point measured.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PointResult {
+    /// Engine name (`psync-buffered`, …).
+    pub engine: String,
+    /// The engine's own description of one thread's queue, e.g. `uring(direct, qd 32, …)`.
+    pub engine_detail: String,
+    /// Submitting threads.
+    pub threads: u32,
+    /// Reads in flight per thread.
+    pub qd: u32,
+    /// Units completed (expert reads for qd-sweep, experts for layout).
+    pub units: u64,
+    /// Reads completed.
+    pub reads: u64,
+    /// Bytes read (sum of the reads' lengths).
+    pub bytes: u64,
+    /// Wall time of the point, seconds (all threads ready → last completion).
+    pub wall_s: f64,
+    /// bytes / wall_s / 10⁶.
+    pub mb_s: f64,
+    /// reads / wall_s.
+    pub iops: f64,
+    /// units / wall_s.
+    pub units_per_s: f64,
+    /// Per-read latency (submit → completion as the engine reports it).
+    pub latency_us: LatencyUs,
+    /// Per-unit latency (first submit → last completion of the unit).
+    pub unit_latency_us: LatencyUs,
+    /// CPU time of the process over the point.
+    pub cpu: CpuTime,
+    /// The page cache before the point.
+    pub page_cache: CacheState,
+}
+
+/// Runs one point: `spec.threads` threads, each opening `spec.engine` on `store` at depth `spec.qd`
+/// and drawing units from `make_source(thread)` with generator `SplitMix64::new(seed, thread)`.
+/// `max_read` is the largest read a unit may contain (buffers are allocated up front).
+///
+/// # Errors
+/// Opening the engine; [`Error::Invalid`] naming the offset and the cause when a read fails or
+/// comes back short (a bench figure with failed reads in it would be wrong).
+pub fn run_point(
+    store: &BenchStore,
+    spec: &PointSpec,
+    max_read: u32,
+    make_source: &dyn Fn(u32) -> UnitSource,
+) -> Result<PointResult> {
+    check_depth(spec.threads, spec.qd)?;
+    let (threads, qd) = (spec.threads, spec.qd);
+    check_buffer_memory(threads, qd, max_read, super::env::memory().map(|m| m.available_bytes))?;
+    let page_cache = prepare_cache(store, spec)?;
+    // Open every queue before starting the clock; an open error ends the point before it starts.
+    let mut opened = Vec::with_capacity(threads as usize);
+    for _ in 0..threads {
+        opened.push(open(store, spec.engine, qd)?);
+    }
+    let engine_detail = opened[0].queue.describe();
+    let gate = Arc::new(StartGate::default());
+    let per_thread_bytes = match spec.stop {
+        Stop::Bytes(b) => Some(b.div_ceil(u64::from(threads)).max(1)),
+        Stop::Duration(_) => None,
+    };
+    let duration = match spec.stop {
+        Stop::Duration(s) => Some(Duration::from_secs_f64(s.max(0.0))),
+        Stop::Bytes(_) => None,
+    };
+    let mut handles = Vec::with_capacity(threads as usize);
+    for (t, o) in opened.into_iter().enumerate() {
+        let g = gate.clone();
+        let source = make_source(t as u32);
+        let seed = spec.seed;
+        let spawned = std::thread::Builder::new().name(format!("picchio-bench-{t}")).spawn(move || {
+            thread_loop(o.queue, source, SplitMix64::new(seed, t as u64), qd, max_read, duration, per_thread_bytes, &g)
+        });
+        match spawned {
+            Ok(h) => handles.push(h),
+            Err(e) => {
+                // The threads already started are told not to measure, and end.
+                gate.open(false);
+                handles.into_iter().for_each(|h| drop(h.join()));
+                return Err(Error::Invalid(format!("bench: cannot start measuring thread {t}: {e}")));
+            }
+        }
+    }
+    // Every thread has its queue and buffers (or ended early: then nobody measures).
+    if !gate.wait_ready(&handles) {
+        gate.open(false);
+        handles.into_iter().for_each(|h| drop(h.join()));
+        return Err(Error::Invalid("bench: a measuring thread ended before the start".into()));
+    }
+    let ru0 = rusage();
+    let t0 = Instant::now();
+    gate.open(true);
+    // Threads hand their queues back, so no queue is torn down (psync joins its workers, io_uring
+    // drains, the NVMe driver shuts down) inside the measured CPU time.
+    let joined: Vec<_> = handles.into_iter().map(|h| h.join()).collect();
+    let ru1 = rusage();
+    let mut reads_h = histogram();
+    let mut units_h = histogram();
+    let (mut reads, mut bytes, mut units) = (0u64, 0u64, 0u64);
+    let mut end = t0;
+    let mut first_error = None;
+    let mut queues = Vec::with_capacity(joined.len());
+    for j in joined {
+        let (r, queue) = j.map_err(|_| Error::Invalid("bench: a measuring thread panicked".into()))?;
+        queues.push(queue);
+        match r {
+            Ok(s) => {
+                reads += s.reads;
+                bytes += s.bytes;
+                units += s.units;
+                end = end.max(s.end);
+                reads_h.add(&s.reads_h).expect("same bounds");
+                units_h.add(&s.units_h).expect("same bounds");
+            }
+            Err(e) => first_error = first_error.or(Some(e)),
+        }
+    }
+    if let Some(e) = first_error {
+        return Err(Error::Invalid(format!("{store}: {} at {}×QD {qd}: {e}", spec.engine, threads)));
+    }
+    let wall_s = end.duration_since(t0).as_secs_f64().max(1e-9);
+    let (user_s, sys_s) = (ru1.0 - ru0.0, ru1.1 - ru0.1);
+    Ok(PointResult {
+        engine: spec.engine.name().into(),
+        engine_detail,
+        threads,
+        qd,
+        units,
+        reads,
+        bytes,
+        wall_s,
+        mb_s: bytes as f64 / wall_s / 1e6,
+        iops: reads as f64 / wall_s,
+        units_per_s: units as f64 / wall_s,
+        latency_us: LatencyUs::of(&reads_h),
+        unit_latency_us: LatencyUs::of(&units_h),
+        cpu: CpuTime {
+            user_s,
+            sys_s,
+            s_per_gb: if bytes == 0 { 0.0 } else { (user_s + sys_s) / (bytes as f64 / 1e9) },
+        },
+        page_cache,
+    })
+}
+
+struct ThreadStats {
+    reads: u64,
+    bytes: u64,
+    units: u64,
+    end: Instant,
+    reads_h: Histogram<u64>,
+    units_h: Histogram<u64>,
+}
+
+/// A unit in flight: when its first read was submitted and how many reads are outstanding.
+struct UnitState {
+    started: Instant,
+    remaining: u32,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn thread_loop(
+    mut queue: Box<dyn IoQueue>,
+    mut source: UnitSource,
+    mut rng: SplitMix64,
+    qd: u32,
+    max_read: u32,
+    duration: Option<Duration>,
+    byte_budget: Option<u64>,
+    gate: &StartGate,
+) -> (std::result::Result<ThreadStats, String>, Box<dyn IoQueue>) {
+    // Buffers first (from the engine's zero-copy memory when it has some), outside the clock.
+    let mut bufs: Vec<AlignedBuf> = Vec::with_capacity(qd as usize);
+    let mut alloc = queue.slot_allocator(qd as usize, max_read as usize);
+    let align = queue.block_size().max(4096) as usize;
+    let mut setup_error = None;
+    for _ in 0..qd {
+        let b = match alloc.as_mut().map(|a| a.alloc(max_read as usize)) {
+            Some(Ok(b)) => Ok(b),
+            _ => AlignedBuf::new(max_read as usize, align),
+        };
+        match b {
+            Ok(b) => bufs.push(b),
+            Err(e) => {
+                setup_error = Some(e.to_string());
+                break;
+            }
+        }
+    }
+    if !gate.arrive_and_wait() {
+        return (Err("the point was called off before the start".into()), queue);
+    }
+    let result = match setup_error {
+        Some(e) => Err(e),
+        None => measure(&mut *queue, &mut *source, &mut rng, bufs, duration, byte_budget),
+    };
+    (result, queue)
+}
+
+/// The start line of a point: measuring threads arrive when ready and wait; the coordinator waits
+/// until all have arrived, then lets them go (or calls the point off).
+#[derive(Default)]
+struct StartGate {
+    /// (threads arrived, the decision: `Some(true)` go, `Some(false)` called off).
+    state: Mutex<(usize, Option<bool>)>,
+    cv: Condvar,
+}
+
+impl StartGate {
+    /// A measuring thread: counts itself ready and waits for the decision.
+    fn arrive_and_wait(&self) -> bool {
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        st.0 += 1;
+        self.cv.notify_all();
+        while st.1.is_none() {
+            st = self.cv.wait(st).unwrap_or_else(PoisonError::into_inner);
+        }
+        st.1 == Some(true)
+    }
+
+    /// The coordinator: waits until every thread of `handles` has arrived; `false` if one of them
+    /// ended first (a setup panic), so the wait never hangs.
+    fn wait_ready<T>(&self, handles: &[std::thread::JoinHandle<T>]) -> bool {
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        while st.0 < handles.len() {
+            if handles.iter().any(std::thread::JoinHandle::is_finished) {
+                return false;
+            }
+            st = self.cv.wait_timeout(st, Duration::from_millis(20)).unwrap_or_else(PoisonError::into_inner).0;
+        }
+        true
+    }
+
+    /// The coordinator: go (`true`) or call the point off (`false`).
+    fn open(&self, go: bool) {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner).1 = Some(go);
+        self.cv.notify_all();
+    }
+}
+
+fn measure(
+    queue: &mut dyn IoQueue,
+    source: &mut DrawUnit,
+    rng: &mut SplitMix64,
+    mut bufs: Vec<AlignedBuf>,
+    duration: Option<Duration>,
+    byte_budget: Option<u64>,
+) -> std::result::Result<ThreadStats, String> {
+    let t0 = Instant::now();
+    let deadline = duration.map(|d| t0 + d);
+    let mut st = ThreadStats { reads: 0, bytes: 0, units: 0, end: t0, reads_h: histogram(), units_h: histogram() };
+    let mut pending: VecDeque<(u32, u64, u32)> = VecDeque::new();
+    let mut units: Vec<Option<UnitState>> = Vec::new();
+    let mut free_units: Vec<u32> = Vec::new();
+    let mut unit_reads = Vec::new();
+    let mut submitted_bytes = 0u64;
+    let mut drawing = true;
+    let mut out: Vec<Completion> = Vec::new();
+    let mut error: Option<String> = None;
+    loop {
+        while !bufs.is_empty() && error.is_none() {
+            if pending.is_empty() {
+                let over_time = deadline.is_some_and(|d| Instant::now() >= d);
+                let over_bytes = byte_budget.is_some_and(|b| submitted_bytes >= b);
+                if !drawing || over_time || over_bytes {
+                    drawing = false;
+                    break;
+                }
+                unit_reads.clear();
+                source(rng, &mut unit_reads);
+                let id = free_units.pop().unwrap_or_else(|| {
+                    units.push(None);
+                    units.len() as u32 - 1
+                });
+                units[id as usize] = Some(UnitState { started: Instant::now(), remaining: unit_reads.len() as u32 });
+                for &(off, len) in &unit_reads {
+                    pending.push_back((id, off, len));
+                    submitted_bytes += u64::from(len);
+                }
+            }
+            let Some((id, off, len)) = pending.pop_front() else { break };
+            let buf = bufs.pop().expect("checked non-empty");
+            queue.submit(ReadReq { offset: ByteOffset(off), len, buf, tag: Tag(u64::from(id) << 32 | u64::from(len)) });
+        }
+        if queue.in_flight() == 0 {
+            break;
+        }
+        out.clear();
+        queue.reap(1, &mut out);
+        let now = Instant::now();
+        for c in out.drain(..) {
+            let id = (c.tag.0 >> 32) as u32;
+            let want = c.tag.0 as u32;
+            match &c.result {
+                Ok(n) if *n == want => {
+                    st.reads += 1;
+                    st.bytes += u64::from(want);
+                    st.reads_h.saturating_record(c.latency_ns.max(1));
+                }
+                Ok(n) => {
+                    error.get_or_insert_with(|| format!("short read: {n} of {want} bytes"));
+                }
+                Err(e) => {
+                    error.get_or_insert_with(|| e.to_string());
+                }
+            }
+            bufs.push(c.buf);
+            if let Some(u) = units.get_mut(id as usize).and_then(Option::as_mut) {
+                u.remaining -= 1;
+                if u.remaining == 0 {
+                    let ns = u64::try_from(now.duration_since(u.started).as_nanos()).unwrap_or(u64::MAX);
+                    st.units_h.saturating_record(ns.max(1));
+                    st.units += 1;
+                    units[id as usize] = None;
+                    free_units.push(id);
+                }
+            }
+        }
+        st.end = now;
+        if error.is_some() {
+            drawing = false;
+            pending.clear();
+        }
+    }
+    match error {
+        Some(e) => Err(e),
+        None => Ok(st),
+    }
+}
+
+/// `getrusage(RUSAGE_SELF)` user and system seconds.
+#[cfg(unix)]
+pub fn rusage() -> (f64, f64) {
+    // SAFETY: `rusage` is plain old data; all-zero is valid.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `ru` is a valid, writable `rusage`.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    let s = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
+    (s(ru.ru_utime), s(ru.ru_stime))
+}
+
+/// No `getrusage` here: CPU time reads as zero.
+#[cfg(not(unix))]
+pub fn rusage() -> (f64, f64) {
+    (0.0, 0.0)
+}
+
+/// Drops (or leaves, with `warm`) the page cache of the store's file or device before a buffered
+/// point, and measures what is resident.
+fn prepare_cache(store: &BenchStore, spec: &PointSpec) -> Result<CacheState> {
+    let (path, _) = location(store);
+    let resident = |p: &Option<PathBuf>| p.as_deref().and_then(resident_fraction);
+    Ok(match spec.engine {
+        Engine::PsyncBuffered if spec.warm => CacheState { action: "warm".into(), resident_before: resident(&path) },
+        Engine::PsyncBuffered => {
+            if let Some(p) = &path {
+                drop_cache(p)?;
+            }
+            let resident_before = resident(&path);
+            let action = if resident_before.is_some_and(|r| r > DROP_INEFFECTIVE_ABOVE) {
+                tracing::warn!(
+                    "{store}: {:.0}% of the image is still in the page cache after posix_fadvise(DONTNEED) \
+                     (tmpfs/ramfs, or mapped elsewhere): the psync-buffered point reads memory, not the device",
+                    resident_before.unwrap_or(0.0) * 100.0
+                );
+                "drop-ineffective"
+            } else {
+                "dropped"
+            };
+            CacheState { action: action.into(), resident_before }
+        }
+        Engine::NvmeSim => CacheState { action: "model".into(), resident_before: resident(&path) },
+        _ => CacheState { action: "bypassed".into(), resident_before: resident(&path) },
+    })
+}
+
+/// Evicts the clean page-cache pages of `path` (`posix_fadvise(POSIX_FADV_DONTNEED)` over the whole
+/// file or device). The image is never written while measured, so every page is clean.
+///
+/// Reads still in flight are caught too: `DONTNEED` skips a page locked for a read in progress,
+/// and that page lands in the cache *after* the drop, its bytes charged (in `/proc/self/io`) to
+/// whatever started the read. Opening a session reads the superblock and index with buffered I/O
+/// whose readahead can still be reading the image when the drop comes: on a 136 KiB image, a cold
+/// open left 64 KiB resident 200 ms after a drop that `mincore` had just seen take everything, so
+/// the first `bench cache` point read half the image from memory. `mincore` cannot see such pages
+/// until their read completes (it reports only up-to-date pages), so for a regular file the drop
+/// is repeated while pages reappear: `mincore` is checked every 20 ms, and the drop ends after 3
+/// quiet checks in a row (at most 50 checks, 1 s). On tmpfs or ramfs, whose pages are the file and
+/// cannot be dropped, nothing is waited for; the caller reports what stayed resident.
+///
+/// # Errors
+/// [`Error::Io`] naming the path.
+#[cfg(target_os = "linux")]
+pub fn drop_cache(path: &std::path::Path) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::open(path).map_err(Error::io(path, "open to drop its page cache"))?;
+    let dontneed = || {
+        // SAFETY: the descriptor is open for the duration of the call; fadvise only advises the kernel.
+        let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        match rc {
+            0 => Ok(()),
+            rc => Err(Error::io(path, "posix_fadvise(DONTNEED)")(std::io::Error::from_raw_os_error(rc))),
+        }
+    };
+    dontneed()?;
+    let any_resident = || resident_pages(&f).is_some_and(|p| p.contains(&true));
+    if resident_pages(&f).is_none() || in_memory_fs(&f) {
+        return Ok(()); // a device (no mincore here), or tmpfs/ramfs, whose pages cannot be dropped
+    }
+    let mut quiet = 0;
+    for _ in 0..50 {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        if any_resident() {
+            dontneed()?;
+            quiet = 0;
+        } else {
+            quiet += 1;
+            if quiet == 3 {
+                break;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Whether `f` lives on tmpfs or ramfs (`fstatfs` `f_type`: `TMPFS_MAGIC`, `RAMFS_MAGIC` of
+/// `linux/magic.h`), whose pages are the file itself.
+#[cfg(target_os = "linux")]
+fn in_memory_fs(f: &std::fs::File) -> bool {
+    use std::os::fd::AsRawFd;
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    const RAMFS_MAGIC: i64 = 0x8584_58f6;
+    let mut st = std::mem::MaybeUninit::<libc::statfs>::zeroed();
+    // SAFETY: `st` is a writable statfs buffer and the descriptor is open for the call.
+    let rc = unsafe { libc::fstatfs(f.as_raw_fd(), st.as_mut_ptr()) };
+    if rc != 0 {
+        return false;
+    }
+    // `f_type` is i64 on x86-64 glibc but another width elsewhere (u32 on s390x, i32 on musl arm).
+    #[allow(clippy::unnecessary_cast)]
+    // SAFETY: fstatfs returned 0, so it filled `st`.
+    let t = unsafe { st.assume_init() }.f_type as i64;
+    t == TMPFS_MAGIC || t == RAMFS_MAGIC
+}
+
+/// Page-cache dropping needs Linux's `posix_fadvise`; elsewhere buffered points run as they are.
+#[cfg(not(target_os = "linux"))]
+pub fn drop_cache(_path: &std::path::Path) -> Result<()> {
+    Ok(())
+}
+
+/// Fraction of a regular file's pages in the page cache (`mincore(2)` over a read-only mapping),
+/// or `None` for anything else or on failure.
+#[cfg(target_os = "linux")]
+pub fn resident_fraction(path: &std::path::Path) -> Option<f64> {
+    let f = std::fs::File::open(path).ok()?;
+    let present = resident_pages(&f)?;
+    Some(present.iter().filter(|&&p| p).count() as f64 / present.len() as f64)
+}
+
+/// Which pages (of the system page size) of the regular file `f` are in the page cache
+/// (`mincore(2)` over a read-only mapping: only up-to-date pages count, a page whose read is still
+/// in flight does not — which is why [`drop_cache`] repeats until the count stays quiet), or `None`
+/// for anything else, an empty file, or on failure.
+#[cfg(target_os = "linux")]
+fn resident_pages(f: &std::fs::File) -> Option<Vec<bool>> {
+    let md = f.metadata().ok()?;
+    if !md.is_file() || md.len() == 0 {
+        return None;
+    }
+    // SAFETY: a read-only shared mapping of a file we only read; it is never dereferenced here,
+    // only passed to mincore, and the file is not truncated by us while mapped.
+    let map = unsafe { memmap2::Mmap::map(f) }.ok()?;
+    // SAFETY: sysconf has no memory effects; it returns -1 on failure, handled below.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).ok().filter(|&p| p > 0)?;
+    let pages = map.len().div_ceil(page);
+    let mut vec = vec![0u8; pages];
+    // SAFETY: `map` is a live mapping of `map.len()` bytes starting at a page-aligned address, and
+    // `vec` has one byte per page of it, as mincore requires.
+    let rc = unsafe { libc::mincore(map.as_ptr() as *mut libc::c_void, map.len(), vec.as_mut_ptr()) };
+    if rc != 0 {
+        return None;
+    }
+    Some(vec.iter().map(|&b| b & 1 == 1).collect())
+}
+
+/// `mincore` is not used outside Linux.
+#[cfg(not(target_os = "linux"))]
+pub fn resident_fraction(_path: &std::path::Path) -> Option<f64> {
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn depth_and_buffer_memory_are_bounded() {
+        assert!(check_depth(1, 1).is_ok() && check_depth(MAX_THREADS, MAX_QD).is_ok());
+        for (t, q) in [(0, 1), (1, 0), (MAX_THREADS + 1, 1), (1, MAX_QD + 1), (100_000, 1)] {
+            assert!(check_depth(t, q).is_err(), "{t} × {q}");
+        }
+        // 256 × 256 reads of a 2.6 MB expert: 174 GB of buffers, refused with 24 GiB available.
+        let e = check_buffer_memory(256, 256, 2_654_208, Some(24 << 30)).unwrap_err().to_string();
+        assert!(e.contains("256 threads × QD 256") && e.contains("173946175488 bytes"), "{e}");
+        assert!(check_buffer_memory(2, 32, 2_654_208, Some(24 << 30)).is_ok());
+        assert!(check_buffer_memory(256, 256, 2_654_208, None).is_ok());
+    }
+
+    #[test]
+    fn engine_names_round_trip() {
+        for e in Engine::ALL {
+            assert_eq!(e.name().parse::<Engine>().unwrap(), e);
+            assert_eq!(serde_json::to_value(e).unwrap(), serde_json::json!(e.name()));
+        }
+        assert!("sync".parse::<Engine>().is_err());
+    }
+
+    #[test]
+    fn percentiles_are_ordered_and_in_microseconds() {
+        let mut h = histogram();
+        for ns in [1_000u64, 2_000, 3_000, 50_000, 1_000_000] {
+            h.record(ns).unwrap();
+        }
+        let l = LatencyUs::of(&h);
+        assert_eq!(l.count, 5);
+        assert!((l.min - 1.0).abs() < 0.01 && (l.max - 1000.0).abs() < 1.0, "{l:?}");
+        assert!(l.min <= l.p50 && l.p50 <= l.p90 && l.p90 <= l.p99 && l.p99 <= l.p99_9 && l.p99_9 <= l.max);
+    }
+
+    #[test]
+    fn generator_is_seeded_and_bounded() {
+        let mut a = SplitMix64::new(1, 0);
+        let mut b = SplitMix64::new(1, 0);
+        let mut c = SplitMix64::new(1, 1);
+        let (x, y, z): (Vec<u64>, Vec<u64>, Vec<u64>) =
+            (0..64).map(|_| (a.below(10), b.below(10), c.below(10))).fold((vec![], vec![], vec![]), |mut acc, t| {
+                acc.0.push(t.0);
+                acc.1.push(t.1);
+                acc.2.push(t.2);
+                acc
+            });
+        assert_eq!(x, y);
+        assert_ne!(x, z);
+        assert!(x.iter().all(|&v| v < 10));
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn drop_cache_empties_the_file_from_the_page_cache() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
+        std::fs::write(&p, vec![7u8; 1 << 20]).unwrap();
+        let spec = crate::env::TargetSpec::File { uri: String::new(), path: p.clone() };
+        let fs = crate::env::Environment::capture(Some(&spec)).target.and_then(|t| t.filesystem);
+        if fs.as_ref().is_some_and(|f| f.fstype == "tmpfs") {
+            // tmpfs pages are the file itself: DONTNEED cannot evict them.
+            return eprintln!("SKIPPED drop_cache_empties_the_file_from_the_page_cache: {} is on tmpfs", p.display());
+        }
+        let f = std::fs::File::open(&p).unwrap();
+        f.sync_all().unwrap();
+        let _ = std::fs::read(&p).unwrap();
+        let before = resident_fraction(&p).unwrap();
+        drop_cache(&p).unwrap();
+        let after = resident_fraction(&p).unwrap();
+        assert!(after < before || before == 0.0, "before {before}, after {after}");
+        assert!(after < 0.5, "after {after}");
+    }
+}

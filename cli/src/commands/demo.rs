@@ -1,0 +1,264 @@
+//! `picchio demo`: the embedded default. Converts and packs the vendored real-tokenizer Qwen3-MoE
+//! fixture, runs its prompt with an expert cache smaller than the expert set (so experts really stream
+//! from the .picchioflat image), and checks the tokens against transformers' reference. With
+//! `--synthetic-gb N` it instead writes a random-weight model whose experts total N GB.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use picchio_core::StoreUri;
+use picchio_runtime::expert::store::{IoOptions, DEFAULT_IMAGE};
+use picchio_runtime::image::convert::{convert, ConvertOptions};
+use picchio_runtime::image::pack::{pack, PackOptions};
+use picchio_runtime::image::synthetic::{write_synthetic, SyntheticSpec};
+use picchio_runtime::model::tokenizer::Tokenizer;
+use picchio_runtime::quant::QuantKind;
+use picchio_runtime::run::{GenerateOptions, Session, SessionOptions};
+
+const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/qwen3_moe_text");
+const WORKDIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/picchio-demo");
+
+/// Options of `picchio demo`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Instead of the fixture, write (once, then reuse) a random-weight Qwen3-30B-A3B-shaped model
+    /// whose Q4 experts total about this many GB, and stream it.
+    #[arg(long, value_name = "GB")]
+    pub synthetic_gb: Option<f64>,
+    /// Expert-cache capacity as a percentage of all experts [default: 25 for the fixture, 10 for
+    /// --synthetic-gb].
+    #[arg(long, value_name = "PCT")]
+    pub cache_percent: Option<f64>,
+    /// Tokens to generate [default: the reference's 16 for the fixture, 32 for --synthetic-gb].
+    #[arg(short = 'n', long, value_name = "N")]
+    pub n: Option<usize>,
+    /// Reader threads.
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub io_threads: u16,
+    /// Read through the page cache instead of O_DIRECT.
+    #[arg(long)]
+    pub buffered: bool,
+    #[command(flatten)]
+    pub engine: super::run::EngineArgs,
+    /// Where converted and synthetic models are written.
+    #[arg(long, value_name = "DIR", default_value = WORKDIR)]
+    pub workdir: PathBuf,
+    /// The Hugging Face fixture to convert (the vendored tests/fixtures/qwen3_moe_text).
+    #[arg(long, value_name = "DIR", default_value = FIXTURE, hide = true)]
+    pub fixture: PathBuf,
+    /// Print one JSON object with tokens and stats on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn exec(mut a: Args) -> anyhow::Result<()> {
+    check_args(&a)?;
+    std::fs::create_dir_all(&a.workdir).with_context(|| format!("creating {}", a.workdir.display()))?;
+    // Messages show plain absolute paths, not `<checkout>/runtime/../target/...`.
+    a.workdir = a.workdir.canonicalize().with_context(|| format!("resolving {}", a.workdir.display()))?;
+    if a.synthetic_gb.is_none() {
+        a.fixture = a.fixture.canonicalize().with_context(|| {
+            format!("the demo fixture {} is missing (the demo runs from a checkout)", a.fixture.display())
+        })?;
+    }
+    match a.synthetic_gb {
+        Some(gb) => synthetic(&a, gb),
+        None => fixture(&a),
+    }
+}
+
+fn check_args(a: &Args) -> anyhow::Result<()> {
+    if let Some(p) = a.cache_percent {
+        if !(p > 0.0 && p <= 100.0) {
+            bail!("--cache-percent must be in (0, 100], got {p}");
+        }
+    }
+    if a.n == Some(0) {
+        bail!("-n must be at least 1");
+    }
+    Ok(())
+}
+
+fn ecap_for(total: usize, pct: f64) -> usize {
+    ((total as f64 * pct / 100.0).round() as usize).max(1)
+}
+
+fn fixture(a: &Args) -> anyhow::Result<()> {
+    let reference: serde_json::Value = {
+        let p = a.fixture.join("reference_q4.json");
+        serde_json::from_str(&std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?)
+            .with_context(|| format!("parsing {}", p.display()))?
+    };
+    let ids = |k: &str| -> Vec<u32> {
+        reference[k]
+            .as_array()
+            .map(|a| a.iter().filter_map(|v| v.as_u64()).map(|v| v as u32).collect())
+            .unwrap_or_default()
+    };
+    let (want, prompt_text) = (ids("greedy_ids"), reference["prompt_text"].as_str().unwrap_or_default().to_string());
+
+    let model = a.workdir.join("qwen3_moe_text-q4");
+    if model.exists() {
+        std::fs::remove_dir_all(&model).with_context(|| format!("removing the previous {}", model.display()))?;
+    }
+    eprintln!("converting {} -> {} (Q4 experts)", a.fixture.display(), model.display());
+    convert(&a.fixture, &model, &ConvertOptions { experts: QuantKind::Q4, ..Default::default() })?;
+    eprintln!("packing {}", model.join(DEFAULT_IMAGE).display());
+    pack(&model, &model.join(DEFAULT_IMAGE), &PackOptions::default())?;
+
+    let tokenizer = Tokenizer::from_dir(&model)?.context("the fixture has no tokenizer.json")?;
+    let prompt = tokenizer.encode(&prompt_text)?;
+    let n = a.n.unwrap_or(want.len());
+    let cfg = picchio_runtime::Config::from_dir(&model)?;
+    let total = cfg.moe_layers().len() * cfg.num_experts;
+    let ecap = ecap_for(total, a.cache_percent.unwrap_or(25.0));
+    let opts = SessionOptions {
+        model_dir: model.clone(),
+        store: StoreUri::File(model.join(DEFAULT_IMAGE)),
+        io: a.engine.apply(IoOptions {
+            direct: !a.buffered,
+            threads: usize::from(a.io_threads),
+            ..IoOptions::default()
+        }),
+        ecap: Some(ecap),
+        max_seq: prompt.len().saturating_add(n),
+    };
+    let mut s = open_session(&opts, Some(tokenizer))?;
+    let g = s.generate(&prompt, &GenerateOptions { max_new: n, ..Default::default() })?;
+    let text = s.decode(&g.tokens)?.unwrap_or_default();
+    let matches = g.tokens == want[..n.min(want.len())] && n <= want.len();
+    report(a, &format!("{prompt_text:?} ->"), &text, &g, total)?;
+    if n <= want.len() {
+        if matches {
+            eprintln!("tokens equal the transformers reference (reference_q4.json greedy_ids, {n} tokens)");
+        } else {
+            bail!(
+                "tokens differ from the transformers reference:\n  ours      {:?}\n  reference {:?}",
+                g.tokens,
+                &want[..n]
+            );
+        }
+    } else {
+        eprintln!("(the reference has {} tokens; generated {n}, so only a prefix could be compared)", want.len());
+    }
+    Ok(())
+}
+
+/// Opens with O_DIRECT and, if the file system refuses it (tmpfs), retries buffered with a warning.
+fn open_session(opts: &SessionOptions, tokenizer: Option<Tokenizer>) -> anyhow::Result<Session> {
+    match Session::open(opts, tokenizer) {
+        Ok(s) => Ok(s),
+        Err(e @ picchio_runtime::Error::Engine(picchio_blockdev::Error::DirectUnsupported { .. }))
+            if opts.io.direct =>
+        {
+            eprintln!("warning: {e}; retrying with buffered reads (pass --buffered to skip this)");
+            let tokenizer = Tokenizer::from_dir(&opts.model_dir)?;
+            let mut o = opts.clone();
+            o.io.direct = false;
+            Ok(Session::open(&o, tokenizer)?)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn synthetic(a: &Args, gb: f64) -> anyhow::Result<()> {
+    let (spec, model, image) = synthetic_model(&a.workdir, gb, a.json)?;
+    let n = a.n.unwrap_or(32);
+    let total = spec.layers * spec.experts;
+    let ecap = ecap_for(total, a.cache_percent.unwrap_or(10.0));
+    // A fixed pseudo-random prompt of 16 ids.
+    let prompt: Vec<u32> = (0..16u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 7) % spec.vocab as u32).collect();
+    let opts = SessionOptions {
+        model_dir: model.clone(),
+        store: StoreUri::File(image),
+        io: a.engine.apply(IoOptions {
+            direct: !a.buffered,
+            threads: usize::from(a.io_threads),
+            ..IoOptions::default()
+        }),
+        ecap: Some(ecap),
+        max_seq: prompt.len().saturating_add(n),
+    };
+    let mut s = open_session(&opts, None)?;
+    let g = s.generate(&prompt, &GenerateOptions { max_new: n, ..Default::default() })?;
+    let text = g.tokens.iter().map(u32::to_string).collect::<Vec<_>>().join(" ");
+    report(a, "prompt ids ->", &text, &g, total)
+}
+
+fn report(a: &Args, what: &str, text: &str, g: &picchio_runtime::run::Generation, total: usize) -> anyhow::Result<()> {
+    let st = &g.stats;
+    if a.json {
+        println!("{}", serde_json::json!({"prompt_ids": g.prompt_ids, "tokens": g.tokens, "text": text, "stats": st}));
+    } else {
+        println!("{what} {text}");
+    }
+    eprintln!(
+        "{} tokens at {:.2} tok/s decode (prefill {:.0} ms, decode {:.0} ms)\n\
+         expert cache: {} of {} experts; {} hits, {} misses ({:.1}% hit rate)\n\
+         read {:.1} MB in {} expert reads, {:.0} ms waiting ({:.0} MB/s) from {} via {}{}; {} fallbacks",
+        st.generated_tokens,
+        st.decode_tok_s,
+        st.prefill_ms,
+        st.decode_ms,
+        st.cache_capacity,
+        total,
+        st.cache_hits,
+        st.cache_misses,
+        100.0 * st.cache_hits as f64 / (st.cache_hits + st.cache_misses).max(1) as f64,
+        st.bytes_read as f64 / 1e6,
+        st.reads,
+        st.read_wall_ms,
+        st.read_mb_s,
+        st.store,
+        st.engine,
+        if st.async_moe { ", async MoE" } else { "" },
+        st.fallbacks
+    );
+    Ok(())
+}
+
+/// The random-weight model of `--synthetic-gb GB` under `workdir`: written and packed on first use
+/// (an incomplete earlier attempt is removed first), reused afterwards. Returns its spec, directory
+/// and image. Shared by `picchio demo` and `picchio bench cache|trace --synthetic-gb`.
+///
+/// # Errors
+/// `gb` outside (0, 4096], or the write/pack errors, naming the path.
+pub(super) fn synthetic_model(
+    workdir: &Path,
+    gb: f64,
+    quiet_progress: bool,
+) -> anyhow::Result<(SyntheticSpec, PathBuf, PathBuf)> {
+    if !(gb > 0.0 && gb <= 4096.0) {
+        bail!("--synthetic-gb must be in (0, 4096], got {gb}");
+    }
+    std::fs::create_dir_all(workdir).with_context(|| format!("creating {}", workdir.display()))?;
+    let workdir = workdir.canonicalize().with_context(|| format!("resolving {}", workdir.display()))?;
+    let spec = SyntheticSpec::with_expert_gb(gb, 0);
+    let model = workdir.join(format!("synthetic-{}l-seed{}", spec.layers, spec.seed));
+    let image = model.join(DEFAULT_IMAGE);
+    if image.exists() {
+        eprintln!(
+            "reusing {} ({} layers, {:.2} GB of experts)",
+            model.display(),
+            spec.layers,
+            spec.expert_bytes() as f64 / 1e9
+        );
+    } else {
+        if model.exists() {
+            std::fs::remove_dir_all(&model).with_context(|| format!("removing incomplete {}", model.display()))?;
+        }
+        eprintln!(
+            "writing a random-weight model: {} layers × {} experts × {} B = {:.2} GB of Q4 experts -> {}",
+            spec.layers,
+            spec.experts,
+            spec.expert_layout().len(),
+            spec.expert_bytes() as f64 / 1e9,
+            model.display()
+        );
+        let bar = picchio_runtime::progress::bar(spec.layers as u64 + 1, "writing shards", quiet_progress);
+        write_synthetic(&model, &spec, &mut |done, _| bar.set_position(done as u64))?;
+        bar.finish_and_clear();
+        pack(&model, &image, &PackOptions::default())?;
+    }
+    Ok((spec, model, image))
+}

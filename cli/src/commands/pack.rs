@@ -1,0 +1,94 @@
+//! `picchio pack`.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use picchio_runtime::expert::store::DEFAULT_IMAGE;
+use picchio_runtime::image::pack::{pack, parse_out, OutTarget, PackOptions};
+
+/// Options of `picchio pack`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Converted model directory (from `picchio convert`, or one written by Picchio (C)).
+    #[arg(value_name = "MODEL_DIR")]
+    pub model: PathBuf,
+    /// Where to write the image [default: MODEL_DIR/experts.picchioflat]. A path (or file:PATH; a
+    /// name containing ':' must be written file:PATH or ./PATH) is written atomically (temporary
+    /// file + rename) after checking that its file system has room. raw:/dev/X or raw:/dev/X@BYTES writes a block
+    /// device from byte BYTES on (a whole number of logical blocks; default 0): the device is
+    /// inspected first and refused if it is mounted, in use, or carries a partition table or
+    /// file-system signature; what will be overwritten is printed, and the image is read back and
+    /// checked after writing. nvme:BDF[/NSID] writes namespace NSID (default 1) of the NVMe
+    /// controller BDF from LBA 0 with NVM Write commands through the user-space driver: the
+    /// controller must already be bound to vfio-pci (`picchio nvme bind BDF`, which refuses
+    /// controllers with mounted namespaces), the namespace's first blocks are inspected and refused
+    /// like raw:, and the image is flushed and read back through the driver.
+    #[arg(long, value_name = "PATH|raw:/dev/X[@BYTES]|nvme:BDF[/NSID]")]
+    pub out: Option<String>,
+    /// With --out raw: or nvme:, write the target although it carries a partition table or a
+    /// file-system signature, or (raw:) is found mounted or in use; everything on it is lost. The
+    /// kernel still refuses a device that a mounted file system, swap area or device-mapper holds,
+    /// and the device backing / is never written.
+    #[arg(long, requires = "out")]
+    pub force: bool,
+    /// Pack only the first N layers (a prefix store; later layers are served from safetensors).
+    #[arg(long, value_name = "N")]
+    pub layers: Option<usize>,
+    /// Reader threads for reading a raw: image back after writing it.
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    pub io_threads: usize,
+    /// Hide the progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+pub fn exec(a: Args) -> anyhow::Result<()> {
+    let opts = PackOptions { layers: a.layers, progress: !a.no_progress };
+    // SIGINT/SIGTERM stop the write between payloads: a file's temporary file is removed, a device
+    // is left without a valid superblock.
+    picchio_runtime::interrupt::install().context("installing the SIGINT/SIGTERM handlers")?;
+    let out = match a.out.as_deref().map(parse_out).transpose()? {
+        None => a.model.join(DEFAULT_IMAGE),
+        Some(OutTarget::File(path)) => path,
+        Some(OutTarget::Raw { device, offset }) => return pack_raw(&a, &device, offset, opts),
+        Some(OutTarget::Nvme { bdf, nsid }) => return pack_nvme(&a, &bdf, nsid, opts),
+    };
+    if a.force {
+        bail!("--force only applies to --out raw:/dev/X or nvme:BDF (a file image is replaced atomically anyway)");
+    }
+    let report = pack(&a.model, &out, &opts)?;
+    // The summary is the command's result: stdout (logs, and progress, go to stderr).
+    println!("{report}");
+    Ok(())
+}
+
+#[cfg(target_os = "linux")]
+fn pack_raw(a: &Args, device: &std::path::Path, offset: u64, pack: PackOptions) -> anyhow::Result<()> {
+    use picchio_runtime::image::pack::RawPackOptions;
+    let opts = RawPackOptions { pack, force: a.force, io_threads: a.io_threads };
+    let report =
+        picchio_runtime::image::pack::pack_raw(&a.model, device, offset, &opts, &mut |plan| eprintln!("{plan}"))?;
+    println!("{report}");
+    Ok(())
+}
+
+#[cfg(not(target_os = "linux"))]
+fn pack_raw(_: &Args, device: &std::path::Path, _: u64, _: PackOptions) -> anyhow::Result<()> {
+    bail!("--out raw:{}: writing block devices is supported on Linux only", device.display())
+}
+
+#[cfg(target_os = "linux")]
+fn pack_nvme(a: &Args, bdf: &str, nsid: u32, pack: PackOptions) -> anyhow::Result<()> {
+    use picchio_runtime::image::pack::RawPackOptions;
+    let opts = RawPackOptions { pack, force: a.force, io_threads: a.io_threads };
+    let sysfs = std::path::Path::new("/sys");
+    let report =
+        picchio_runtime::image::pack::pack_nvme(&a.model, sysfs, bdf, nsid, &opts, &mut |plan| eprintln!("{plan}"))?;
+    println!("{report}");
+    Ok(())
+}
+
+#[cfg(not(target_os = "linux"))]
+fn pack_nvme(_: &Args, bdf: &str, _: u32, _: PackOptions) -> anyhow::Result<()> {
+    bail!("--out nvme:{bdf}: the user-space NVMe driver needs Linux VFIO")
+}

@@ -1,0 +1,209 @@
+//! `picchio run`.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use picchio_bench::trace::{TraceHeader, TraceWriter};
+use picchio_core::StoreUri;
+use picchio_runtime::expert::store::{IoEngine, IoOptions};
+use picchio_runtime::model::sampler::SamplerOptions;
+use picchio_runtime::model::tokenizer::Tokenizer;
+use picchio_runtime::run::{dump_logits, GenerateOptions, Session, SessionOptions};
+
+/// Options of `picchio run`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Converted model directory (from `picchio convert`).
+    #[arg(long, value_name = "DIR")]
+    pub model: PathBuf,
+    /// Where routed experts come from: `auto` (DIR/experts.picchioflat when present and valid, else
+    /// safetensors), `safetensors`, `file:PATH` or a path (a .picchioflat image in a file; a name
+    /// containing ':' is written file:PATH or ./PATH), `raw:/dev/X[@BYTES]` (an image on a block
+    /// device from byte BYTES, default 0, as `pack --out raw:` wrote it), or `nvme:BDF[/NSID]` (an
+    /// image at LBA 0 of namespace NSID, default 1, of the NVMe controller BDF, read through the
+    /// user-space driver; bind it first with `picchio nvme bind BDF`).
+    #[arg(long, value_name = "URI", default_value = "auto")]
+    pub store: StoreUri,
+    /// Read flat stores with O_DIRECT, bypassing the page cache (the default).
+    #[arg(long, conflicts_with = "buffered")]
+    pub direct: bool,
+    /// Read flat stores through the page cache (for file systems without O_DIRECT, or warm-cache runs).
+    #[arg(long)]
+    pub buffered: bool,
+    /// Reader threads of the psync engine.
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub io_threads: u16,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Expert-cache capacity in experts [default: all experts that fit in half the available memory].
+    #[arg(long, value_name = "N")]
+    pub ecap: Option<usize>,
+    /// Check every expert payload's hash after reading it; mismatches fall back to safetensors.
+    #[arg(long)]
+    pub verify: bool,
+    /// Prompt text (needs DIR/tokenizer.json).
+    #[arg(long, value_name = "TEXT", conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
+    pub prompt: Option<String>,
+    /// Prompt as comma-separated token ids, e.g. 1,2,3.
+    #[arg(long, value_name = "IDS", value_delimiter = ',')]
+    pub prompt_ids: Option<Vec<u32>>,
+    /// Tokens to generate.
+    #[arg(short = 'n', long = "max-new-tokens", value_name = "N", default_value_t = 32)]
+    pub n: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, value_name = "T", default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus sampling mass in (0, 1].
+    #[arg(long, value_name = "P", default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Sampling seed.
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    pub seed: u64,
+    /// Stop at the config's end-of-sequence token.
+    #[arg(long)]
+    pub stop_at_eos: bool,
+    /// Print one JSON object on stdout: prompt_ids, tokens, text, stats.
+    #[arg(long)]
+    pub json: bool,
+    /// Write the logits each generated token was chosen from to a safetensors file
+    /// (tensor `logits`, f32 [n_generated, vocab]).
+    #[arg(long, value_name = "PATH")]
+    pub dump_logits: Option<PathBuf>,
+    /// Record every routing decision (layer, position, top-k experts, their weights) to a
+    /// picchio-trace/1 file (JSON lines; docs/experiments.md, "trace"), for `picchio bench trace`.
+    #[arg(long, value_name = "PATH")]
+    pub trace: Option<PathBuf>,
+}
+
+/// Engine and MoE scheduling options shared by `run` and `demo`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct EngineArgs {
+    /// I/O engine for flat stores: `uring` (io_uring, Linux; the default there, falling back to psync
+    /// with a warning where io_uring is unavailable), `psync` (a pool of --io-threads pread threads),
+    /// or `iocp` (overlapped I/O with a completion port; Windows, its default there).
+    #[arg(long = "io", value_name = "ENGINE", default_value_t = IoEngine::default())]
+    pub io: IoEngine,
+    /// uring: reads in flight at once (1-256). 1 is one read at a time; deeper queues let the device
+    /// work on several experts together.
+    #[arg(long, value_name = "N", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub qd: u32,
+    /// uring: a kernel thread polls for new reads, so none needs a syscall (costs a busy CPU; may need
+    /// root on kernels before 5.11).
+    #[arg(long)]
+    pub sqpoll: bool,
+    /// uring: poll the device for completions instead of waiting for interrupts (needs O_DIRECT and a
+    /// device with polled queues, e.g. NVMe with nvme.poll_queues=N).
+    #[arg(long, conflicts_with = "buffered")]
+    pub iopoll: bool,
+    /// uring: register the file with the ring (measurement switch; on by default).
+    #[arg(long, hide = true, value_name = "BOOL", action = clap::ArgAction::Set,
+          default_value_t = IoOptions::default().register_files)]
+    pub register_files: bool,
+    /// Compute each routed expert as soon as its read completes, while the layer's other reads are in
+    /// flight (the default).
+    #[arg(long, overrides_with = "no_async_moe")]
+    pub async_moe: bool,
+    /// Wait for all of a layer's expert reads, then compute the experts in router order (for
+    /// measurement: tokens are identical either way).
+    #[arg(long, overrides_with = "async_moe")]
+    pub no_async_moe: bool,
+}
+
+impl EngineArgs {
+    /// `io` with the engine, queue and MoE settings of these flags.
+    pub fn apply(&self, io: IoOptions) -> IoOptions {
+        IoOptions {
+            engine: self.io,
+            qd: self.qd,
+            sqpoll: self.sqpoll,
+            iopoll: self.iopoll,
+            register_files: self.register_files,
+            async_moe: !self.no_async_moe,
+            ..io
+        }
+    }
+}
+
+pub fn exec(a: Args) -> anyhow::Result<()> {
+    // Ctrl-C / SIGTERM stop generation (and any wait for an nvme: device) so the store is closed
+    // cleanly; the process then exits 128 + signal (main.rs).
+    picchio_runtime::interrupt::install().context("installing the SIGINT/SIGTERM handlers")?;
+    if !(a.top_p > 0.0 && a.top_p <= 1.0) {
+        bail!("--top-p must be in (0, 1], got {}", a.top_p);
+    }
+    if !(a.temperature.is_finite() && a.temperature >= 0.0) {
+        bail!("--temperature must be a finite number >= 0 (0 is greedy), got {}", a.temperature);
+    }
+    let tokenizer = Tokenizer::from_dir(&a.model)?;
+    let prompt_ids = match (&a.prompt, &a.prompt_ids, &tokenizer) {
+        (_, Some(ids), _) => ids.clone(),
+        (Some(text), None, Some(t)) => t.encode(text)?,
+        (Some(_), None, None) => {
+            bail!("{} has no tokenizer.json: give the prompt as token ids with --prompt-ids 1,2,3", a.model.display())
+        }
+        (None, None, _) => unreachable!("clap requires --prompt or --prompt-ids"),
+    };
+    let opts = SessionOptions {
+        model_dir: a.model.clone(),
+        store: a.store.clone(),
+        io: a.engine.apply(IoOptions {
+            direct: !a.buffered,
+            threads: usize::from(a.io_threads),
+            verify: a.verify,
+            ..IoOptions::default()
+        }),
+        ecap: a.ecap,
+        max_seq: prompt_ids.len().saturating_add(a.n),
+    };
+    let mut s = Session::open(&opts, tokenizer).with_context(|| format!("opening model {}", a.model.display()))?;
+    let gen = GenerateOptions {
+        max_new: a.n,
+        sampler: SamplerOptions { temperature: a.temperature, top_p: a.top_p, seed: a.seed },
+        stop_at_eos: a.stop_at_eos,
+        keep_logits: a.dump_logits.is_some(),
+    };
+    if let Some(p) = &a.trace {
+        let header = TraceHeader::new(&a.model, s.model.config(), s.cache.slot_len() as u64);
+        s.model.set_routing_observer(Box::new(TraceWriter::create(p, &header)?));
+    }
+    let g = s.generate(&prompt_ids, &gen)?;
+    if let Some(p) = &a.trace {
+        s.model.take_routing_observer().with_context(|| format!("writing the trace {}", p.display()))?;
+    }
+    if let Some(p) = &a.dump_logits {
+        dump_logits(p, &g.logits, s.model.config().vocab_size)?;
+    }
+    let text = s.decode(&g.tokens)?;
+    if a.json {
+        let out = serde_json::json!({
+            "prompt_ids": g.prompt_ids,
+            "tokens": g.tokens,
+            "text": text,
+            "stats": g.stats,
+        });
+        println!("{out}");
+    } else {
+        match &text {
+            Some(t) => println!("{t}"),
+            None => println!("{}", g.tokens.iter().map(u32::to_string).collect::<Vec<_>>().join(" ")),
+        }
+        let st = &g.stats;
+        eprintln!(
+            "{} tokens, {:.2} tok/s decode (prefill {:.0} ms); cache {} hits / {} misses (capacity {}); \
+             {:.1} MB read in {:.0} ms from {} via {}{}; {} fallbacks",
+            st.generated_tokens,
+            st.decode_tok_s,
+            st.prefill_ms,
+            st.cache_hits,
+            st.cache_misses,
+            st.cache_capacity,
+            st.bytes_read as f64 / 1e6,
+            st.read_wall_ms,
+            st.store,
+            st.engine,
+            if st.async_moe { ", async MoE" } else { "" },
+            st.fallbacks
+        );
+    }
+    Ok(())
+}

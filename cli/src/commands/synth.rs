@@ -1,0 +1,140 @@
+//! `picchio synth`.
+
+use anyhow::{bail, Context};
+use picchio_runtime::image::pack::{parse_out, OutTarget};
+use picchio_runtime::image::synth::{synth, Geometry, SynthOptions};
+
+/// Options of `picchio synth`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Expert geometry: qwen3-30b-a3b (48 × 128 experts of 2,654,208 B), gpt-oss-20b (24 × 32 of
+    /// 13,996,800 B), gpt-oss-120b (36 × 128 of 13,996,800 B), or custom (--hidden,
+    /// --moe-intermediate, --experts, --model-layers, [--topk], [--expert-bytes]).
+    #[arg(long, value_name = "ARCH")]
+    pub arch: String,
+    /// Where to write the image. A path (or file:PATH; a name containing ':' must be written
+    /// file:PATH or ./PATH) is written atomically, after checking the file system has room; an
+    /// existing file is replaced only if it is empty or an earlier image. raw:/dev/X[@BYTES] writes a
+    /// block device after inspecting it (refused if too small, mounted, in use, or carrying a
+    /// partition table or file-system signature, unless --force; never the device behind /), then
+    /// reads it back and checks it. nvme:BDF[/NSID] writes the namespace through the user-space
+    /// driver exactly as `picchio pack --out nvme:` does (the controller bound to vfio-pci first).
+    #[arg(long, value_name = "PATH|raw:/dev/X[@BYTES]|nvme:BDF[/NSID]")]
+    pub out: String,
+    /// Write only the first N layers' entries (the superblock still records the model's layers).
+    #[arg(long, value_name = "N")]
+    pub layers: Option<u32>,
+    /// Seed of the pseudo-random payload bytes (same seed and geometry: same image).
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    pub seed: u64,
+    /// custom: hidden size H.
+    #[arg(long, value_name = "H")]
+    pub hidden: Option<u32>,
+    /// custom: expert width I (moe_intermediate_size; the superblock stores 2 × I).
+    #[arg(long, value_name = "I")]
+    pub moe_intermediate: Option<u32>,
+    /// custom: routed experts per layer.
+    #[arg(long, value_name = "E")]
+    pub experts: Option<u32>,
+    /// custom: decoder layers of the model.
+    #[arg(long, value_name = "L")]
+    pub model_layers: Option<u32>,
+    /// custom: experts per token [default: min(8, E)].
+    #[arg(long, value_name = "K")]
+    pub topk: Option<u32>,
+    /// custom: bytes of one expert payload [default: the Q4 payload of H × I, 27·H·I/16]; at most
+    /// 4,294,963,200 (the format's u32 padded_len).
+    #[arg(long, value_name = "BYTES")]
+    pub expert_bytes: Option<u64>,
+    /// With --out raw:, write the device although it carries a partition table or a file-system
+    /// signature, or is found mounted or in use. Never the device backing /.
+    #[arg(long)]
+    pub force: bool,
+    /// Reader threads for reading a raw: image back after writing it.
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    pub io_threads: usize,
+    /// Hide the progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+fn geometry(a: &Args) -> anyhow::Result<Geometry> {
+    let custom = [
+        ("--hidden", a.hidden.is_some()),
+        ("--moe-intermediate", a.moe_intermediate.is_some()),
+        ("--experts", a.experts.is_some()),
+        ("--model-layers", a.model_layers.is_some()),
+        ("--topk", a.topk.is_some()),
+        ("--expert-bytes", a.expert_bytes.is_some()),
+    ];
+    if a.arch != "custom" {
+        if let Some((flag, _)) = custom.iter().find(|(_, given)| *given) {
+            bail!("{flag} only applies to --arch custom (--arch {} has a fixed geometry)", a.arch);
+        }
+        return Ok(Geometry::named(&a.arch)?);
+    }
+    let need = |v: Option<u32>, flag: &str| v.ok_or_else(|| anyhow::anyhow!("--arch custom needs {flag}"));
+    let (h, i) = (need(a.hidden, "--hidden")?, need(a.moe_intermediate, "--moe-intermediate")?);
+    let (e, l) = (need(a.experts, "--experts")?, need(a.model_layers, "--model-layers")?);
+    let mut g = Geometry::q4(h, l, e, a.topk.unwrap_or(e.min(8)), i);
+    match a.expert_bytes {
+        Some(b) => g.expert_bytes = b,
+        None if h % 64 != 0 || i % 64 != 0 => {
+            bail!("--hidden {h} and --moe-intermediate {i} must be multiples of 64 for the Q4 payload size (or give --expert-bytes)")
+        }
+        None => {}
+    }
+    g.check()?;
+    Ok(g)
+}
+
+pub fn exec(a: Args) -> anyhow::Result<()> {
+    let opts = SynthOptions { geometry: geometry(&a)?, layers: a.layers, seed: a.seed, progress: !a.no_progress };
+    let out = match parse_out(&a.out)? {
+        OutTarget::File(path) => path,
+        OutTarget::Raw { device, offset } => {
+            picchio_runtime::interrupt::install().context("installing the SIGINT/SIGTERM handlers")?;
+            return synth_raw(&a, &device, offset, &opts);
+        }
+        OutTarget::Nvme { bdf, nsid } => {
+            picchio_runtime::interrupt::install().context("installing the SIGINT/SIGTERM handlers")?;
+            return synth_nvme(&a, &bdf, nsid, &opts);
+        }
+    };
+    if a.force {
+        bail!("--force only applies to --out raw:/dev/X or nvme:BDF (a file image is replaced atomically anyway)");
+    }
+    // SIGINT/SIGTERM stop the write between payloads; the temporary file is removed on the way out.
+    picchio_runtime::interrupt::install().context("installing the SIGINT/SIGTERM handlers")?;
+    let report = synth(&out, &opts)?;
+    println!("{report}");
+    Ok(())
+}
+
+#[cfg(target_os = "linux")]
+fn synth_raw(a: &Args, device: &std::path::Path, offset: u64, opts: &SynthOptions) -> anyhow::Result<()> {
+    let report = picchio_runtime::image::synth::synth_raw(device, offset, opts, a.force, a.io_threads, &mut |plan| {
+        eprintln!("{plan}")
+    })?;
+    println!("{report}");
+    Ok(())
+}
+
+#[cfg(not(target_os = "linux"))]
+fn synth_raw(_: &Args, device: &std::path::Path, _: u64, _: &SynthOptions) -> anyhow::Result<()> {
+    bail!("--out raw:{}: writing block devices is supported on Linux only", device.display())
+}
+
+#[cfg(target_os = "linux")]
+fn synth_nvme(a: &Args, bdf: &str, nsid: u32, opts: &SynthOptions) -> anyhow::Result<()> {
+    let sysfs = std::path::Path::new("/sys");
+    let report =
+        picchio_runtime::image::synth::synth_nvme(sysfs, bdf, nsid, opts, a.force, &mut |plan| eprintln!("{plan}"))?;
+    println!("{report}");
+    Ok(())
+}
+
+#[cfg(not(target_os = "linux"))]
+fn synth_nvme(_: &Args, bdf: &str, _: u32, _: &SynthOptions) -> anyhow::Result<()> {
+    bail!("--out nvme:{bdf}: the user-space NVMe driver needs Linux VFIO")
+}

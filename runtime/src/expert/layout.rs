@@ -1,0 +1,238 @@
+//! One routed expert's payload: its layout in a `.picchioflat` slot and in a converted directory, and
+//! the safetensors [`ExpertLoader`] that is always correct (the fallback of every other store).
+//!
+//! Payload (DESIGN.md, "`.picchioflat` version 2"), for hidden size H and expert width I:
+//!
+//! | part | matrix | bytes |
+//! | --- | --- | --- |
+//! | gate_up packed | [2I, H], rows interleaved (2i = gate row i, 2i+1 = up row i) | `quant.packed_bytes(2I, H)` |
+//! | gate_up scales | f32 [2I, H/64] | `4 × quant.scale_count(2I, H)` |
+//! | down packed | [H, I] | `quant.packed_bytes(H, I)` |
+//! | down scales | f32 [H, I/64] | `4 × quant.scale_count(H, I)` |
+//!
+//! In a converted directory the four parts are the tensors `model.layers.L.mlp.experts.E.gate_up_proj`,
+//! `…gate_up_proj.qs`, `…down_proj`, `…down_proj.qs`: U8 (Q4/Q3) with F32 scales, or F32 without
+//! scales for `none`.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use picchio_core::{AlignedBuf, ExpertKey, ExpertLoader, LoadError, Loaded};
+use safetensors::Dtype;
+
+use crate::error::{Error, Result};
+use crate::model::config::Config;
+use crate::model::safetensors::TensorStore;
+use crate::quant::QuantKind;
+
+/// Byte ranges of the four parts of one expert's payload.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertLayout {
+    /// Quantization of both matrices.
+    pub quant: QuantKind,
+    /// Hidden size H.
+    pub hidden: usize,
+    /// Expert width I (gate_up has 2I rows).
+    pub inter: usize,
+    /// gate_up packed weights.
+    pub gate_up: Range<usize>,
+    /// gate_up f32 scales (empty for `none`).
+    pub gate_up_scales: Range<usize>,
+    /// down packed weights.
+    pub down: Range<usize>,
+    /// down f32 scales (empty for `none`).
+    pub down_scales: Range<usize>,
+}
+
+/// The converted-directory tensor names of one expert.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertTensorNames {
+    /// `model.layers.L.mlp.experts.E.gate_up_proj`
+    pub gate_up: String,
+    /// `….gate_up_proj.qs`
+    pub gate_up_qs: String,
+    /// `model.layers.L.mlp.experts.E.down_proj`
+    pub down: String,
+    /// `….down_proj.qs`
+    pub down_qs: String,
+}
+
+impl ExpertTensorNames {
+    /// Names for `(layer, expert)`.
+    pub fn new(layer: usize, expert: usize) -> Self {
+        let p = format!("model.layers.{layer}.mlp.experts.{expert}");
+        ExpertTensorNames {
+            gate_up: format!("{p}.gate_up_proj"),
+            gate_up_qs: format!("{p}.gate_up_proj.qs"),
+            down: format!("{p}.down_proj"),
+            down_qs: format!("{p}.down_proj.qs"),
+        }
+    }
+}
+
+impl ExpertLayout {
+    /// The layout for hidden size `hidden` and expert width `inter`.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when a quantized format gets a width that is not a multiple of 64.
+    pub fn new(quant: QuantKind, hidden: usize, inter: usize) -> Result<Self> {
+        let q = |r: Result<usize, crate::quant::QuantError>| r.map_err(|e| Error::Invalid(e.to_string()));
+        let gu = q(quant.packed_bytes(2 * inter, hidden))?;
+        let gus = 4 * q(quant.scale_count(2 * inter, hidden))?;
+        let d = q(quant.packed_bytes(hidden, inter))?;
+        let ds = 4 * q(quant.scale_count(hidden, inter))?;
+        Ok(ExpertLayout {
+            quant,
+            hidden,
+            inter,
+            gate_up: 0..gu,
+            gate_up_scales: gu..gu + gus,
+            down: gu + gus..gu + gus + d,
+            down_scales: gu + gus + d..gu + gus + d + ds,
+        })
+    }
+
+    /// Exact payload bytes of one expert.
+    pub fn len(&self) -> usize {
+        self.down_scales.end
+    }
+
+    /// Always false (an expert has weights).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Detects the quantization of a converted directory from the first MoE layer's expert 0
+    /// (U8 → Q4 or Q3 by byte count, F32 → none), and checks that the sizes match the config.
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`], [`Error::TensorDtype`], [`Error::TensorShape`]; [`Error::Invalid`]
+    /// when the config has no MoE layer.
+    pub fn detect(store: &TensorStore, cfg: &Config) -> Result<Self> {
+        let layer = *cfg.moe_layers().first().ok_or_else(|| Error::Invalid("the config has no MoE layer".into()))?;
+        let names = ExpertTensorNames::new(layer, 0);
+        let t = store.get(&names.gate_up)?;
+        let (h, i) = (cfg.hidden_size, cfg.moe_intermediate_size);
+        let quant = match t.dtype {
+            Dtype::F32 => QuantKind::F32,
+            Dtype::U8 => {
+                let n = t.bytes.len();
+                if Ok(n) == QuantKind::Q4.packed_bytes(2 * i, h) {
+                    QuantKind::Q4
+                } else if Ok(n) == QuantKind::Q3.packed_bytes(2 * i, h) {
+                    QuantKind::Q3
+                } else {
+                    return Err(Error::TensorShape {
+                        path: t.path.into(),
+                        name: t.name.into(),
+                        expected: vec![QuantKind::Q4.packed_bytes(2 * i, h).unwrap_or(0)],
+                        found: t.shape.into(),
+                    });
+                }
+            }
+            _ => return Err(t.dtype_error("U8 (Q4/Q3 experts) or F32 (unquantized experts)")),
+        };
+        Self::new(quant, h, i)
+    }
+
+    /// Copies the expert's four tensors from a converted directory into `out[..self.len()]`.
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`], or [`Error::TensorDtype`] / [`Error::TensorShape`] when a tensor's
+    /// dtype or byte size differs from the layout.
+    pub fn payload_from_store(&self, store: &TensorStore, layer: usize, expert: usize, out: &mut [u8]) -> Result<()> {
+        let names = ExpertTensorNames::new(layer, expert);
+        let packed_dtype = if self.quant == QuantKind::F32 { Dtype::F32 } else { Dtype::U8 };
+        let parts = [
+            (&names.gate_up, &self.gate_up, packed_dtype),
+            (&names.gate_up_qs, &self.gate_up_scales, Dtype::F32),
+            (&names.down, &self.down, packed_dtype),
+            (&names.down_qs, &self.down_scales, Dtype::F32),
+        ];
+        for (name, range, dtype) in parts {
+            if range.is_empty() {
+                continue;
+            }
+            let t = store.get(name)?;
+            if t.dtype != dtype {
+                return Err(t.dtype_error(&format!("{dtype:?}")));
+            }
+            if t.bytes.len() != range.len() {
+                return Err(Error::TensorShape {
+                    path: t.path.into(),
+                    name: t.name.into(),
+                    expected: vec![range.len() / dtype.bitsize().div_ceil(8)],
+                    found: t.shape.into(),
+                });
+            }
+            out[range.clone()].copy_from_slice(t.bytes);
+        }
+        Ok(())
+    }
+}
+
+/// Serves experts from a converted directory's safetensors tensors (memory-mapped, copied into the
+/// slot). Always correct, never fast: the fallback for every other store.
+pub struct SafetensorsExperts {
+    store: Arc<TensorStore>,
+    layout: ExpertLayout,
+}
+
+impl SafetensorsExperts {
+    /// Serves `store`'s experts with `layout`.
+    pub fn new(store: Arc<TensorStore>, layout: ExpertLayout) -> Self {
+        SafetensorsExperts { store, layout }
+    }
+}
+
+impl ExpertLoader for SafetensorsExperts {
+    fn describe(&self) -> String {
+        format!("safetensors:{}", self.store.dir().display())
+    }
+
+    fn load(&mut self, layer: u32, requests: Vec<(u32, AlignedBuf)>, ready: &mut dyn FnMut(Loaded)) {
+        for (expert, mut buf) in requests {
+            let key = ExpertKey { layer, expert };
+            let result = if buf.len() < self.layout.len() {
+                Err(LoadError::SlotTooSmall {
+                    source_name: self.describe(),
+                    key,
+                    slot: buf.len(),
+                    need: self.layout.len(),
+                })
+            } else {
+                self.layout
+                    .payload_from_store(&self.store, layer as usize, expert as usize, buf.as_mut_slice())
+                    .map_err(|e| LoadError::Other(format!("{key}: {e}")))
+            };
+            ready(Loaded { key, buf, result });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn real_qwen3_30b_expert_is_648_blocks() {
+        // Qwen3-30B-A3B: hidden 2048, moe_intermediate_size 768.
+        let l = ExpertLayout::new(QuantKind::Q4, 2048, 768).unwrap();
+        assert_eq!(l.len(), 2_654_208);
+        assert_eq!(l.len() % 4096, 0);
+        assert_eq!(l.gate_up_scales.start, 1536 * 1024);
+    }
+
+    #[test]
+    fn picchio_c_directory_is_detected_as_q4() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/picchio_c/qwen3_moe");
+        let store = TensorStore::open(&dir).unwrap();
+        let cfg = Config::from_dir(&dir).unwrap();
+        let l = ExpertLayout::detect(&store, &cfg).unwrap();
+        assert_eq!(l.quant, QuantKind::Q4);
+        let mut slot = AlignedBuf::new(l.len(), 4096).unwrap();
+        l.payload_from_store(&store, 2, 15, slot.as_mut_slice()).unwrap();
+        let e = l.payload_from_store(&store, 3, 0, slot.as_mut_slice()).unwrap_err().to_string();
+        assert!(e.contains("model.layers.3.mlp.experts.0.gate_up_proj"), "{e}");
+    }
+}

@@ -1,0 +1,10 @@
+//! Writing and checking expert images: converting a Hugging Face checkpoint ([`convert`]), packing
+//! its routed experts into a `.picchioflat` image ([`pack`]), verifying an image ([`verify`]),
+//! synthetic images with a real model's geometry ([`synth`]) and random-weight models for the demo
+//! ([`synthetic`]).
+
+pub mod convert;
+pub mod pack;
+pub mod synth;
+pub mod synthetic;
+pub mod verify;

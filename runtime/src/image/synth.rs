@@ -1,0 +1,555 @@
+//! `picchio synth`: `.picchioflat` images with a real model's expert geometry, filled with seeded
+//! pseudo-random bytes, for storage experiments without model weights (`picchio bench`).
+//!
+//! The image is a valid v2 image in every respect the format checks — superblock, index, index
+//! SHA-256, one payload hash per entry — written by [`FlatWriter`] (atomically into a file, or onto
+//! a block device through the same inspection, refusals, `O_DIRECT` writer and read-back check as
+//! `picchio pack --out raw:`). Its payloads are random bytes, not weights: `picchio run` cannot use
+//! it (there are no dense weights either). What matters for I/O is the geometry: the number of
+//! entries, the payload length (so the padded read length and the layout of the data region), and
+//! the superblock's dimensions, which record the model the geometry is taken from.
+//!
+//! | `--arch` | superblock (hidden, n_layers, n_experts, topk, moe_inter) | payload bytes |
+//! | --- | --- | --- |
+//! | `qwen3-30b-a3b` | 2048, 48, 128, 8, 1536 | 2,654,208 |
+//! | `gpt-oss-20b` | 2880, 24, 32, 4, 5760 | 13,996,800 |
+//! | `gpt-oss-120b` | 2880, 36, 128, 4, 5760 | 13,996,800 |
+//!
+//! The payload length is our Q4 expert payload (docs/format.md) for the model's H and I: 27·H·I/16
+//! bytes. For GPT-OSS (H = I = 2880, `config.json` of openai/gpt-oss-20b and -120b) that is what
+//! `convert` would write if it supported the model; GPT-OSS's own MXFP4 experts (4.25 bits per
+//! weight) and their gate_up/down biases have no place in format v2 (see docs/format.md,
+//! "Synthetic images").
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use picchio_core::format::{plan_image_len, ImageSink};
+use picchio_core::loader::StoreDims;
+use picchio_core::{FlatWriter, Superblock};
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+use crate::progress;
+
+/// A model's expert geometry as the superblock records it, plus the payload length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    /// Superblock dimensions (n_layers is the model's, whatever `--layers` writes).
+    pub dims: StoreDims,
+    /// Bytes of one expert payload (`len` of every index entry). Held as u64 so that a geometry
+    /// over the format's limit is reported ([`SynthOptions::plan`]), not wrapped into range.
+    pub expert_bytes: u64,
+}
+
+impl Geometry {
+    /// Qwen3-30B-A3B (`Qwen/Qwen3-30B-A3B` config.json: hidden_size 2048, num_hidden_layers 48,
+    /// num_experts 128, num_experts_per_tok 8, moe_intermediate_size 768), Q4 payload.
+    pub fn qwen3_30b_a3b() -> Self {
+        Geometry::q4(2048, 48, 128, 8, 768)
+    }
+
+    /// gpt-oss-20b (`openai/gpt-oss-20b` config.json: hidden_size 2880, num_hidden_layers 24,
+    /// num_local_experts 32, num_experts_per_tok 4, intermediate_size 2880), Q4 payload.
+    pub fn gpt_oss_20b() -> Self {
+        Geometry::q4(2880, 24, 32, 4, 2880)
+    }
+
+    /// gpt-oss-120b (`openai/gpt-oss-120b` config.json: as gpt-oss-20b with 36 layers of 128
+    /// experts), Q4 payload.
+    pub fn gpt_oss_120b() -> Self {
+        Geometry::q4(2880, 36, 128, 4, 2880)
+    }
+
+    /// A geometry whose payload is our Q4 layout for hidden size `hidden` and expert width
+    /// `moe_intermediate` (27·H·I/16 bytes; both multiples of 64). `moe_inter` (2·I) saturates at
+    /// u32::MAX; such a geometry's payload is far over the format's limit anyway.
+    pub fn q4(hidden: u32, n_layers: u32, n_experts: u32, topk: u32, moe_intermediate: u32) -> Self {
+        let expert_bytes = 27 * u64::from(hidden) * u64::from(moe_intermediate) / 16;
+        Geometry {
+            dims: StoreDims { hidden, n_layers, n_experts, topk, moe_inter: moe_intermediate.saturating_mul(2) },
+            expert_bytes,
+        }
+    }
+
+    /// The named geometry of `--arch` (`qwen3-30b-a3b`, `gpt-oss-20b`, `gpt-oss-120b`).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] listing the names for anything else.
+    pub fn named(arch: &str) -> Result<Self> {
+        match arch {
+            "qwen3-30b-a3b" => Ok(Geometry::qwen3_30b_a3b()),
+            "gpt-oss-20b" => Ok(Geometry::gpt_oss_20b()),
+            "gpt-oss-120b" => Ok(Geometry::gpt_oss_120b()),
+            _ => Err(Error::Invalid(format!(
+                "--arch {arch}: expected qwen3-30b-a3b, gpt-oss-20b, gpt-oss-120b or custom"
+            ))),
+        }
+    }
+
+    /// Checks that the geometry makes a valid image: non-zero dimensions, `topk <= n_experts`, a
+    /// non-empty payload.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the field.
+    pub fn check(&self) -> Result<()> {
+        let d = &self.dims;
+        for (name, v) in [
+            ("--hidden", u64::from(d.hidden)),
+            ("--model-layers", u64::from(d.n_layers)),
+            ("--experts", u64::from(d.n_experts)),
+            ("--topk", u64::from(d.topk)),
+            ("--moe-intermediate", u64::from(d.moe_inter)),
+            ("--expert-bytes", self.expert_bytes),
+        ] {
+            if v == 0 {
+                return Err(Error::Invalid(format!("{name} must be at least 1")));
+            }
+        }
+        if d.topk > d.n_experts {
+            return Err(Error::Invalid(format!("--topk {} exceeds --experts {}", d.topk, d.n_experts)));
+        }
+        Ok(())
+    }
+}
+
+/// Options of [`synth`] and [`synth_raw`].
+#[derive(Clone, Debug)]
+pub struct SynthOptions {
+    /// The geometry.
+    pub geometry: Geometry,
+    /// Write only the first N layers' entries (a prefix store, as `pack --layers`); default all.
+    pub layers: Option<u32>,
+    /// Seed of the payload bytes: the same seed and geometry give the same image, byte for byte.
+    pub seed: u64,
+    /// Show a progress bar on stderr (hidden anyway when stderr is not a terminal).
+    pub progress: bool,
+}
+
+/// What [`synth`] wrote.
+#[derive(Clone, Debug)]
+pub struct SynthReport {
+    /// Where the image went: the file path, or `raw:/dev/X[@BYTES]`.
+    pub dest: String,
+    /// Its superblock.
+    pub superblock: Superblock,
+    /// Bytes of each payload.
+    pub expert_bytes: u64,
+    /// Image size in bytes.
+    pub bytes: u64,
+    /// The payload seed.
+    pub seed: u64,
+    /// Wall time.
+    pub elapsed: Duration,
+}
+
+impl std::fmt::Display for SynthReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let sb = &self.superblock;
+        let layers = sb.n_entries / sb.n_experts.max(1);
+        writeln!(f, "synthesized {}", self.dest)?;
+        writeln!(
+            f,
+            "  {} entries ({layers} of {} layers × {} experts) of {} bytes (seeded random, seed {})",
+            sb.n_entries, sb.n_layers, sb.n_experts, self.expert_bytes, self.seed
+        )?;
+        write!(
+            f,
+            "  superblock: hidden {}, topk {}, moe_inter {}; {} bytes, {:.2?} ({:.0} MB/s)",
+            sb.hidden,
+            sb.topk,
+            sb.moe_inter,
+            self.bytes,
+            self.elapsed,
+            self.bytes as f64 / 1e6 / self.elapsed.as_secs_f64().max(1e-9)
+        )
+    }
+}
+
+impl SynthOptions {
+    fn n_entries(&self) -> Result<u32> {
+        self.geometry.check()?;
+        let d = self.geometry.dims;
+        let layers = self.layers.unwrap_or(d.n_layers);
+        if layers == 0 || layers > d.n_layers {
+            return Err(Error::Invalid(format!(
+                "--layers {layers}: the model has {} layers (use 1..={})",
+                d.n_layers, d.n_layers
+            )));
+        }
+        u32::try_from(u64::from(layers) * u64::from(d.n_experts))
+            .map_err(|_| Error::Invalid(format!("{layers} layers × {} experts exceed u32 entries", d.n_experts)))
+    }
+
+    /// The size in bytes of the image to be written to `dest` — superblock and index blocks, then
+    /// one padded payload per entry — checked against the format's limits
+    /// ([`picchio_core::format::plan_image_len`]) before anything is written.
+    ///
+    /// # Errors
+    /// As [`Geometry::check`]; [`Error::Invalid`] for `layers` out of range or more entries than a
+    /// u32 holds; [`Error::Store`] ([`picchio_core::Error::FormatLimit`]) for a payload over
+    /// [`picchio_core::format::MAX_PAYLOAD_LEN`], naming `dest`, the entry and the limit.
+    pub fn plan(&self, dest: &Path) -> Result<u64> {
+        let n = self.n_entries()?;
+        Ok(plan_image_len(dest, self.geometry.dims, n, [self.geometry.expert_bytes])?)
+    }
+}
+
+/// Fills `out` with the payload of entry `index` for `seed`: splitmix64 (Steele, Lea & Flood,
+/// "Fast splittable pseudorandom number generators", OOPSLA 2014) seeded from `(seed, index)`,
+/// eight little-endian bytes per step. Independent of thread count and of the other entries.
+pub fn fill_payload(seed: u64, index: u32, out: &mut [u8]) {
+    let mut state = seed ^ (u64::from(index) + 1).wrapping_mul(0xD1B5_4A32_D192_ED03);
+    let mut next = || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    let mut chunks = out.chunks_exact_mut(8);
+    for c in &mut chunks {
+        c.copy_from_slice(&next().to_le_bytes());
+    }
+    let rest = chunks.into_remainder();
+    let last = next().to_le_bytes();
+    rest.copy_from_slice(&last[..rest.len()]);
+}
+
+/// Bytes of payload buffers [`write_payloads`] keeps at most (beyond one payload).
+const BATCH_BYTES: usize = 256 << 20;
+
+/// Generates the payloads in parallel batches and pushes them in (layer, expert) order, polling
+/// [`crate::interrupt`] before each push: on SIGINT/SIGTERM the error drops `w`, which removes its
+/// temporary file.
+fn write_payloads<S: ImageSink>(mut w: FlatWriter<S>, opts: &SynthOptions, n_entries: u32) -> Result<Superblock> {
+    let bar = progress::bar(u64::from(n_entries), "synth", !opts.progress);
+    let len = usize::try_from(opts.geometry.expert_bytes).map_err(|_| {
+        Error::Invalid(format!("{}-byte payloads do not fit this machine's memory", opts.geometry.expert_bytes))
+    })?;
+    // Two payloads per thread, but never gigabytes of buffers for huge payloads.
+    let batch = (rayon::current_num_threads().max(1) * 2).min((BATCH_BYTES / len.max(1)).max(1));
+    let mut bufs: Vec<Vec<u8>> = (0..batch.min(n_entries as usize)).map(|_| vec![0u8; len]).collect();
+    let mut next = 0u32;
+    while next < n_entries {
+        let n = (n_entries - next).min(batch as u32) as usize;
+        bufs[..n].par_iter_mut().enumerate().for_each(|(i, b)| fill_payload(opts.seed, next + i as u32, b));
+        for (i, b) in bufs[..n].iter().enumerate() {
+            crate::interrupt::check(next as usize + i, n_entries as usize, "payloads")?;
+            w.push(b)?;
+            bar.inc(1);
+        }
+        next += n as u32;
+    }
+    let sb = w.finish()?;
+    bar.finish_and_clear();
+    Ok(sb)
+}
+
+/// Writes a synthetic image to the file `out`, atomically (temporary file + rename).
+///
+/// # Errors
+/// [`Error::Invalid`] for a bad geometry or `layers`, an `out` that may not be replaced
+/// ([`crate::image::pack::check_replaceable`]: only a missing path, an empty file or an earlier image), or
+/// a file system without room for the image ([`crate::image::pack::check_free_space`]); [`Error::Store`]
+/// for a geometry over the format's limits ([`SynthOptions::plan`]) or when writing fails;
+/// [`Error::Interrupted`] after SIGINT/SIGTERM. Nothing is left at `out` (nor a temporary file)
+/// after an error.
+pub fn synth(out: &Path, opts: &SynthOptions) -> Result<SynthReport> {
+    let t0 = Instant::now();
+    let n_entries = opts.n_entries()?;
+    let image_len = opts.plan(out)?;
+    crate::image::pack::check_replaceable(out, "synth")?;
+    crate::image::pack::check_free_space(out, image_len)?;
+    let w = FlatWriter::create(out, opts.geometry.dims, n_entries)?;
+    let superblock = write_payloads(w, opts, n_entries)?;
+    let bytes = std::fs::metadata(out).map_err(Error::io(out, "stat the synthesized image"))?.len();
+    debug_assert_eq!(bytes, image_len);
+    Ok(SynthReport {
+        dest: out.display().to_string(),
+        superblock,
+        expert_bytes: opts.geometry.expert_bytes,
+        bytes,
+        seed: opts.seed,
+        elapsed: t0.elapsed(),
+    })
+}
+
+/// What [`synth_raw`] did.
+#[cfg(target_os = "linux")]
+#[derive(Debug)]
+pub struct RawSynthReport {
+    /// The image written (`dest` is the `raw:` URI).
+    pub synth: SynthReport,
+    /// The device it went to.
+    pub device: std::path::PathBuf,
+    /// The inspection the write was cleared by.
+    pub inspection: picchio_blockdev::raw::Inspection,
+    /// The read-back verification (clean, or [`synth_raw`] fails).
+    pub verify: crate::image::verify::VerifyReport,
+}
+
+#[cfg(target_os = "linux")]
+impl std::fmt::Display for RawSynthReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let t = self.inspection.target();
+        writeln!(f, "{}", self.synth)?;
+        write!(
+            f,
+            "  at {} × {} B (byte {}) of {}; read back with O_DIRECT via {}: index and {} payload hashes OK",
+            t.start(),
+            t.device().logical_block(),
+            t.base().0,
+            self.device.display(),
+            self.verify.engine,
+            self.verify.entries
+        )
+    }
+}
+
+/// Writes a synthetic image onto the block device `device` at byte `offset`, exactly as
+/// [`crate::image::pack::pack_raw`] writes a packed one: inspect (reads only) and `announce` the plan,
+/// clear it with [`picchio_blockdev::raw::Inspection::permit`] (refusals unless `force`; the device
+/// backing `/` always), write through [`picchio_blockdev::raw::DeviceSink`] (`O_DIRECT | O_EXCL`, old
+/// superblock destroyed first, new one last after a sync), then read the whole image back with
+/// `O_DIRECT` and check the index and every payload hash.
+///
+/// # Errors
+/// As [`synth`] for the options; [`Error::Engine`] for the device (not a block device, offset,
+/// too large, refused, busy); [`Error::Store`] when a write fails; [`Error::Invalid`] when the
+/// read-back finds a problem.
+#[cfg(target_os = "linux")]
+pub fn synth_raw(
+    device: &Path,
+    offset: u64,
+    opts: &SynthOptions,
+    force: bool,
+    io_threads: usize,
+    announce: &mut dyn FnMut(&picchio_blockdev::raw::Inspection),
+) -> Result<RawSynthReport> {
+    use picchio_blockdev::raw::{DeviceSink, OffsetQueue, RawTarget};
+    use picchio_blockdev::{PsyncOptions, PsyncQueue};
+
+    let t0 = Instant::now();
+    let n_entries = opts.n_entries()?;
+    let image_len = opts.plan(device)?;
+    let target = RawTarget::open(device, picchio_core::ByteOffset(offset))?;
+    let inspection = target.inspect(image_len)?;
+    announce(&inspection);
+    let permit = inspection.clone().permit(force)?;
+    let sink = DeviceSink::open(&permit)?;
+    let w = FlatWriter::with_sink(sink, opts.geometry.dims, n_entries)?;
+    let superblock = write_payloads(w, opts, n_entries)?;
+    let name = target.uri();
+    let queue = PsyncQueue::open(device, PsyncOptions::direct(io_threads.max(1)))?;
+    let mut queue = OffsetQueue::new(queue, target.base());
+    let vopts = crate::image::verify::VerifyOptions { io_threads, direct: true, progress: opts.progress };
+    let verify = crate::image::verify::verify_queue(&mut queue, &name, image_len, None, &vopts)?;
+    if !verify.is_clean() || verify.entries != n_entries as usize {
+        return Err(Error::Invalid(format!("{name}: the image was written but reading it back failed:\n{verify}")));
+    }
+    let synth = SynthReport {
+        dest: name,
+        superblock,
+        expert_bytes: opts.geometry.expert_bytes,
+        bytes: image_len,
+        seed: opts.seed,
+        elapsed: t0.elapsed(),
+    };
+    Ok(RawSynthReport { synth, device: device.into(), inspection, verify })
+}
+
+/// What [`synth_nvme`] did.
+#[cfg(target_os = "linux")]
+#[derive(Debug)]
+pub struct NvmeSynthReport {
+    /// The image written (`dest` is `nvme:BDF/NSID`).
+    pub synth: SynthReport,
+    /// The inspection the write was cleared by.
+    pub inspection: crate::image::pack::NvmeInspection,
+    /// The read-back verification through the driver (clean, or [`synth_nvme`] fails).
+    pub verify: crate::image::verify::VerifyReport,
+}
+
+#[cfg(target_os = "linux")]
+impl std::fmt::Display for NvmeSynthReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "{}", self.synth)?;
+        write!(
+            f,
+            "  at LBA 0 of namespace {} ({} B LBAs) through the user-space driver; read back through {}: index \
+             and {} payload hashes OK",
+            self.inspection.namespace.nsid, self.inspection.namespace.lba_size, self.verify.engine, self.verify.entries
+        )
+    }
+}
+
+/// Writes a synthetic image onto namespace `nsid` of the NVMe controller `bdf` (bound to
+/// `vfio-pci`, checked in `sysfs`), through the same driver path as
+/// [`crate::image::pack::pack_nvme`]: `picchio synth --out nvme:BDF[/NSID]`. See [`synth_nvme_queue`].
+///
+/// # Errors
+/// [`Error::Invalid`] when the controller is not bound to `vfio-pci` or cannot be opened; as
+/// [`synth_nvme_queue`] otherwise.
+#[cfg(target_os = "linux")]
+pub fn synth_nvme(
+    sysfs: &Path,
+    bdf: &str,
+    nsid: u32,
+    opts: &SynthOptions,
+    force: bool,
+    announce: &mut dyn FnMut(&crate::image::pack::NvmeInspection),
+) -> Result<NvmeSynthReport> {
+    let name = picchio_core::StoreUri::Nvme { bdf: bdf.into(), nsid }.to_string();
+    crate::image::pack::require_vfio(sysfs, bdf, &name)?;
+    let mut queue = crate::expert::store::open_nvme_queue(&name, bdf, nsid, 32)?;
+    synth_nvme_queue(&mut queue, &name, opts, force, announce)
+}
+
+/// Writes a synthetic image onto the namespace `queue` drives (a VFIO controller, or the controller
+/// model in tests), named `name`, exactly as [`crate::image::pack::pack_nvme_queue`] writes a packed one:
+/// plan and check the size against the namespace, inspect its first blocks and `announce` them,
+/// refuse a signature unless `force`, zero the first block, write payloads and index with NVM Write
+/// commands, Flush, write the superblock, Flush, then read the image back and check every hash.
+///
+/// # Errors
+/// As [`synth`] for the options; [`Error::Engine`] for a refusal (too small, signatures); [`Error::Store`]
+/// when a Write or Flush fails; [`Error::Interrupted`] after SIGINT/SIGTERM (the first block stays
+/// zeroed: no valid-looking image is left); [`Error::Invalid`] when the read-back finds a problem.
+#[cfg(target_os = "linux")]
+pub fn synth_nvme_queue(
+    queue: &mut picchio_nvme::NvmeQueue,
+    name: &str,
+    opts: &SynthOptions,
+    force: bool,
+    announce: &mut dyn FnMut(&crate::image::pack::NvmeInspection),
+) -> Result<NvmeSynthReport> {
+    let t0 = Instant::now();
+    let n_entries = opts.n_entries()?;
+    let image_len = opts.plan(Path::new(name))?;
+    let inspection = crate::image::pack::NvmeInspection::read(queue, name, image_len)?;
+    announce(&inspection);
+    inspection.permit(force)?;
+    let mut sink = crate::image::pack::nvme_sink::NvmeSink::open(queue, name, image_len).map_err(|cause| {
+        Error::Store(picchio_core::Error::Write { path: name.into(), what: "the first block", cause })
+    })?;
+    let w = FlatWriter::with_sink(&mut sink, opts.geometry.dims, n_entries)?;
+    let superblock = write_payloads(w, opts, n_entries)?;
+    drop(sink);
+    let vopts = crate::image::verify::VerifyOptions { io_threads: 1, direct: true, progress: opts.progress };
+    let verify = crate::image::verify::verify_queue(queue, name, image_len, None, &vopts)?;
+    if !verify.is_clean() || verify.entries != n_entries as usize {
+        return Err(Error::Invalid(format!("{name}: the image was written but reading it back failed:\n{verify}")));
+    }
+    let synth = SynthReport {
+        dest: name.into(),
+        superblock,
+        expert_bytes: opts.geometry.expert_bytes,
+        bytes: image_len,
+        seed: opts.seed,
+        elapsed: t0.elapsed(),
+    };
+    Ok(NvmeSynthReport { synth, inspection, verify })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn named_geometries_have_the_real_payload_sizes() {
+        let q = Geometry::qwen3_30b_a3b();
+        assert_eq!((q.dims.n_layers, q.dims.n_experts, q.expert_bytes), (48, 128, 2_654_208));
+        let g = Geometry::gpt_oss_20b();
+        assert_eq!((g.dims.n_layers, g.dims.n_experts, g.expert_bytes), (24, 32, 13_996_800));
+        let g = Geometry::gpt_oss_120b();
+        assert_eq!((g.dims.n_layers, g.dims.n_experts, g.expert_bytes), (36, 128, 13_996_800));
+        assert_eq!((g.dims.hidden, g.dims.topk, g.dims.moe_inter), (2880, 4, 5760));
+        // Qwen3's payload is the one docs/format.md gives, 648 blocks exactly.
+        assert_eq!(q.expert_bytes % 4096, 0);
+        assert!(Geometry::named("llama").is_err());
+    }
+
+    #[test]
+    fn oversize_geometry_is_refused_before_anything_is_written() {
+        // `synth --arch custom --hidden 65536 --moe-intermediate 65536 --experts 100000
+        // --model-layers 1000`: 7,247,757,312-byte payloads, 7×10^17 bytes in all.
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("cx.pf");
+        let geometry = Geometry::q4(65536, 1000, 100_000, 8, 65536);
+        assert_eq!(geometry.expert_bytes, 7_247_757_312, "not wrapped to a u32");
+        let opts = SynthOptions { geometry, layers: None, seed: 0, progress: false };
+        let e = synth(&out, &opts).unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                Error::Store(picchio_core::Error::FormatLimit(l)) if l.what == "the payload" && l.value == 7_247_757_312
+            ),
+            "{e}"
+        );
+        let s = e.to_string();
+        assert!(s.contains("cx.pf: entry 0 (layer 0, expert 0)") && s.contains("4294963200"), "{s}");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "nothing written, no temporary file");
+    }
+
+    /// Unix only: elsewhere there is no free-space check and the write would start.
+    #[cfg(unix)]
+    #[test]
+    fn an_image_larger_than_the_free_space_is_refused_naming_both() {
+        // 3.6×10^9 payloads of 4.29 GB each (1.5×10^19 bytes, within the format's limits) fit no
+        // file system: the check refuses before a byte is written.
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("big.pf");
+        let mut geometry = Geometry::q4(64, 60_000, 60_000, 2, 64);
+        geometry.expert_bytes = picchio_core::format::MAX_PAYLOAD_LEN;
+        let opts = SynthOptions { geometry, layers: None, seed: 0, progress: false };
+        let needed = opts.plan(&out).unwrap();
+        let e = synth(&out, &opts).unwrap_err().to_string();
+        assert!(e.contains(&format!("needs {needed} bytes")) && e.contains("available"), "{e}");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "nothing written, no temporary file");
+    }
+
+    #[test]
+    fn payloads_are_seeded_and_distinct() {
+        let mut a = vec![0u8; 4099];
+        let mut b = vec![0u8; 4099];
+        fill_payload(7, 3, &mut a);
+        fill_payload(7, 3, &mut b);
+        assert_eq!(a, b);
+        fill_payload(7, 4, &mut b);
+        assert_ne!(a[..64], b[..64]);
+        fill_payload(8, 3, &mut b);
+        assert_ne!(a[..64], b[..64]);
+        // Roughly uniform bytes: every value appears.
+        let mut seen = [false; 256];
+        a.iter().for_each(|&x| seen[x as usize] = true);
+        assert!(seen.iter().all(|&s| s));
+    }
+
+    #[test]
+    fn writes_a_valid_prefix_image_and_refuses_other_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("s.picchioflat");
+        let geometry = Geometry::q4(128, 4, 8, 2, 64);
+        let opts = SynthOptions { geometry, layers: Some(2), seed: 1, progress: false };
+        let r = synth(&out, &opts).unwrap();
+        assert_eq!((r.superblock.n_entries, r.superblock.n_layers, r.bytes), (16, 4, opts.plan(&out).unwrap()));
+        let v = crate::image::verify::verify(
+            &out,
+            None,
+            &crate::image::verify::VerifyOptions { progress: false, ..Default::default() },
+        )
+        .unwrap();
+        assert!(v.is_clean() && v.entries == 16, "{v}");
+        // Same seed, same bytes; re-synthesizing over an image is allowed.
+        let first = std::fs::read(&out).unwrap();
+        synth(&out, &opts).unwrap();
+        assert_eq!(std::fs::read(&out).unwrap(), first);
+        let cfg = dir.path().join("config.json");
+        std::fs::write(&cfg, b"{}").unwrap();
+        let e = synth(&cfg, &opts).unwrap_err().to_string();
+        assert!(e.contains("is not a .picchioflat image") && e.contains("synth will not replace it"), "{e}");
+        let e = synth(&out, &SynthOptions { layers: Some(5), ..opts.clone() }).unwrap_err().to_string();
+        assert!(e.contains("--layers 5"), "{e}");
+    }
+}

@@ -364,3 +364,43 @@ fn device_mapper_error_target_fails_only_the_mapped_experts() {
     failed.sort();
     assert_eq!(failed, [2, 3, 4, 5]);
 }
+
+/// `blkid -p` as a second opinion, on real loop devices: it names an ext4 file system our scan also
+/// finds (one finding, ours), and a minix file system our scan does not know (a `Finding::Blkid`,
+/// refused unless forced). Needs root, `blkid`, `mkfs.ext4` and `mkfs.minix` (all util-linux or
+/// e2fsprogs, which `.ci/run` installs).
+#[test]
+fn blkid_names_what_it_finds_and_what_our_scan_misses_is_refused() {
+    use picchio_blockdev::raw::BlkidProbe;
+    let test = "blkid_names_what_it_finds_and_what_our_scan_misses_is_refused";
+    if !loopdev::require_root(test) {
+        return;
+    }
+    for tool in ["blkid", "mkfs.ext4", "mkfs.minix"] {
+        if !loopdev::have(tool, &["-V"]) {
+            return eprintln!("SKIPPED {test}: {tool} not found");
+        }
+    }
+    let dir = scratch();
+    let file = sparse_file(&dir.path().join("ext4.img"), 16 * MIB);
+    let Some(lo) = LoopDevice::attach_or_skip(test, &file, LoopOptions::default()) else { return };
+    mkfs_ext4(&lo.dev).unwrap();
+    let probe = BlkidProbe::run(&lo.dev, 0).expect("blkid is installed");
+    assert_eq!((probe.get("TYPE"), probe.get("USAGE")), (Some("ext4"), Some("filesystem")), "{probe:?}");
+    let insp = RawTarget::open(&lo.dev, ByteOffset(0)).unwrap().inspect(MIB).unwrap();
+    assert_eq!(kinds(&insp), [SignatureKind::Ext], "{insp}");
+    assert!(!insp.findings().iter().any(|f| matches!(f, Finding::Blkid { .. })), "ours already says ext4: {insp}");
+    drop(lo);
+
+    let file = sparse_file(&dir.path().join("minix.img"), 16 * MIB);
+    let lo = LoopDevice::attach(&file, LoopOptions::default()).unwrap();
+    run("mkfs.minix", &[lo.dev.to_str().unwrap()]).unwrap();
+    let insp = RawTarget::open(&lo.dev, ByteOffset(0)).unwrap().inspect(MIB).unwrap();
+    assert!(kinds(&insp).is_empty(), "our scan does not know minix: {insp}");
+    let found: Vec<&Finding> = insp.findings().iter().filter(|f| matches!(f, Finding::Blkid { .. })).collect();
+    assert_eq!(found.len(), 1, "{insp}");
+    assert!(found[0].to_string().starts_with("blkid -p reports minix"), "{}", found[0]);
+    assert_eq!(found[0].verdict(), Verdict::Refuse);
+    let e = insp.permit(false).unwrap_err().to_string();
+    assert!(e.contains("blkid -p reports minix"), "{e}");
+}

@@ -197,7 +197,7 @@ fn signatures_partitions_and_mounts_are_refused_and_force_overrides_only_ours() 
     let permit = insp.permit(true).unwrap();
     let e = DeviceSink::open(&permit).unwrap_err();
     assert!(matches!(&e, Error::WriteOpen { cause, .. } if cause.raw_os_error() == Some(libc::EBUSY)), "{e}");
-    assert!(e.to_string().contains("--force cannot override this"), "{e}");
+    assert!(e.to_string().contains("`force` cannot override this"), "{e}");
     assert_eq!(std::fs::read(mnt.dir.join("keep.txt")).unwrap(), b"still here");
     drop(mnt);
     drop(lo);
@@ -245,7 +245,7 @@ fn the_root_device_is_refused_even_with_force() {
     eprintln!("{insp}");
     assert!(insp.findings().iter().any(|f| f.verdict() == Verdict::RefuseAlways), "{insp}");
     let e = insp.permit(true).unwrap_err().to_string();
-    assert!(e.contains("backs the root file system") && e.contains("not even with --force"), "{e}");
+    assert!(e.contains("backs the root file system") && e.contains("not even with `force`"), "{e}");
 }
 
 #[test]

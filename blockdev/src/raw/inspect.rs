@@ -340,14 +340,14 @@ impl Inspection {
                 path: dev.path.clone(),
                 reasons,
                 hint: if always {
-                    "the device backing / is never written, not even with --force"
+                    "the device backing / is never written, not even with `force`"
                 } else {
-                    "if this is the device you mean, unmount or release it and wipe it (wipefs -a), or pass --force"
+                    "if this is the device you mean, unmount or release it and wipe it (wipefs -a), or write with `force`"
                 },
             }),
             Decision::Write { overridden } => {
                 if !overridden.is_empty() {
-                    tracing::warn!("{}: --force: overwriting although {}", dev.path.display(), overridden.join("; "));
+                    tracing::warn!("{}: force: overwriting although {}", dev.path.display(), overridden.join("; "));
                 }
                 Ok(WritePermit { target: self.target, image_len: self.image_len })
             }
@@ -464,14 +464,14 @@ mod tests {
         let insp = |findings: Vec<Finding>, len| Inspection { target: t.clone(), image_len: len, findings };
         let e = insp(vec![sig.clone()], 4096).permit(false).unwrap_err();
         let s = e.to_string();
-        assert!(s.contains("ext2/3/4 file system (magic 0xEF53 at byte 1080)") && s.contains("--force"), "{s}");
+        assert!(s.contains("ext2/3/4 file system (magic 0xEF53 at byte 1080)") && s.contains("`force`"), "{s}");
         let p = insp(vec![sig.clone()], 4096).permit(true).unwrap();
         assert_eq!((p.image_len(), p.target().base()), (4096, ByteOffset(0)));
         let root = Finding::BacksRoot { device: "loop9".into(), root: "/ is on loop9".into() };
         for force in [false, true] {
             let e = insp(vec![sig.clone(), root.clone()], 4096).permit(force).unwrap_err();
             assert!(e.to_string().contains("backs the root file system"), "{e}");
-            assert!(e.to_string().contains("never written, not even with --force"), "{e}");
+            assert!(e.to_string().contains("never written, not even with `force`"), "{e}");
         }
         let e = insp(vec![], (1 << 20) + 4096).permit(true).unwrap_err();
         let s = e.to_string();

@@ -237,7 +237,7 @@ pub fn check_raw(store: &BenchStore) -> Result<()> {
 
 #[cfg(target_os = "linux")]
 fn offset_queue(q: Box<dyn IoQueue>, base: u64) -> Box<dyn IoQueue> {
-    Box::new(picchio_blockdev::raw::OffsetQueue::new(q, ByteOffset(base)))
+    Box::new(picchio_core::OffsetQueue::new(q, ByteOffset(base)))
 }
 
 #[cfg(not(target_os = "linux"))]

@@ -438,8 +438,9 @@ pub fn pack_raw(
     opts: &RawPackOptions,
     announce: &mut dyn FnMut(&picchio_blockdev::raw::Inspection),
 ) -> Result<RawPackReport> {
-    use picchio_blockdev::raw::{DeviceSink, OffsetQueue, RawTarget};
+    use picchio_blockdev::raw::{DeviceSink, RawTarget};
     use picchio_blockdev::{PsyncOptions, PsyncQueue};
+    use picchio_core::OffsetQueue;
 
     let t0 = Instant::now();
     let src = Source::open(model_dir, &opts.pack)?;

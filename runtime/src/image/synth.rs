@@ -327,8 +327,9 @@ pub fn synth_raw(
     io_threads: usize,
     announce: &mut dyn FnMut(&picchio_blockdev::raw::Inspection),
 ) -> Result<RawSynthReport> {
-    use picchio_blockdev::raw::{DeviceSink, OffsetQueue, RawTarget};
+    use picchio_blockdev::raw::{DeviceSink, RawTarget};
     use picchio_blockdev::{PsyncOptions, PsyncQueue};
+    use picchio_core::OffsetQueue;
 
     let t0 = Instant::now();
     let n_entries = opts.n_entries()?;

@@ -492,7 +492,10 @@ impl NvmeQueue {
             if status.is_success() {
                 if let (DataPath::Bounce(b), None, Op::Read) = (&self.path, r.slot, r.op) {
                     let n = (r.len - off).min(r.chunk) as usize;
-                    b[usize::from(e.cid.0)].copy_out(0, &mut r.buf.as_mut_slice()[off as usize..off as usize + n]);
+                    let dst = &mut r.buf.as_mut_slice()[off as usize..off as usize + n];
+                    // SAFETY: this bounce buffer's command (CID `e.cid`) completed successfully and
+                    // its completion was just consumed by `poll`; the CID is not reused before this.
+                    unsafe { b[usize::from(e.cid.0)].copy_out(0, dst) };
                     self.stats.bounce_bytes += n as u64;
                 }
             } else {

@@ -112,16 +112,17 @@ pub enum Error {
         /// Why.
         why: String,
     },
-    /// Opening a sim namespace backing file failed (the OS error is the `source()`).
-    #[error("sim namespace {nsid} backing file {path}")]
+    /// Opening a sim namespace backing file failed, or it is not a namespace image (shorter than
+    /// one LBA). The cause is part of the message (it says what is wrong with the file), so it is
+    /// not repeated as `source()`.
+    #[error("sim namespace {nsid} backing file {path}: {cause}")]
     SimBacking {
         /// The namespace.
         nsid: u32,
         /// The file.
         path: std::path::PathBuf,
-        /// The cause.
-        #[source]
-        source: std::io::Error,
+        /// What failed: the OS error, or why the file is refused.
+        cause: std::io::Error,
     },
     /// A VFIO operation failed (the OS error is the `source()`).
     #[error("VFIO {op} on {what}")]
@@ -192,9 +193,10 @@ mod tests {
         assert_eq!(e.source().map(|s| s.to_string()), Some(busy.clone()));
         assert_eq!(e.with_causes(), format!("VFIO VFIO_GROUP_SET_CONTAINER on /dev/vfio/7: {busy}"));
 
-        let e = Error::SimBacking { nsid: 2, path: "/tmp/ns2".into(), source: os() };
-        assert_eq!(e.to_string(), "sim namespace 2 backing file /tmp/ns2");
-        assert_eq!(e.source().map(|s| s.to_string()), Some(busy.clone()));
+        let e = Error::SimBacking { nsid: 2, path: "/tmp/ns2".into(), cause: os() };
+        assert_eq!(e.to_string(), format!("sim namespace 2 backing file /tmp/ns2: {busy}"));
+        assert!(e.source().is_none(), "the cause is in the message");
+        assert_eq!(e.with_causes(), e.to_string());
 
         let e = Error::DmaAlloc { len: 8192, hugepages: false, cause: Some(os()) };
         assert_eq!(e.to_string(), "DMA allocation of 8192 bytes failed");

@@ -11,6 +11,7 @@ pub mod error;
 pub mod format;
 pub mod io;
 pub mod loader;
+pub mod rng;
 pub mod stats;
 pub mod uri;
 

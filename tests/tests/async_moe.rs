@@ -23,7 +23,7 @@ struct MockShuffledCompletions<L> {
 
 impl<L: ExpertLoader> MockShuffledCompletions<L> {
     fn new(inner: L, seed: u64) -> Self {
-        MockShuffledCompletions { inner, rng: Rng(seed.max(1)), reordered: 0 }
+        MockShuffledCompletions { inner, rng: Rng(picchio_core::rng::SplitMix64::new(seed)), reordered: 0 }
     }
 }
 
@@ -51,17 +51,12 @@ impl<L: ExpertLoader> ExpertLoader for MockShuffledCompletions<L> {
     }
 }
 
-/// xorshift64*.
-struct Rng(u64);
+/// [`SplitMix64`](picchio_core::rng::SplitMix64), as a uniform index generator.
+struct Rng(picchio_core::rng::SplitMix64);
 
 impl Rng {
     fn below(&mut self, n: u64) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_F491_4F6C_DD1D) % n
+        self.0.below(n)
     }
 }
 

@@ -414,30 +414,28 @@ impl StoreLayout {
     }
 }
 
-/// splitmix64 (Steele, Lea & Flood, OOPSLA 2014): the bench's seeded offset generator.
+/// The bench's seeded offset generator: [`picchio_core::rng::SplitMix64`] (Steele, Lea & Flood,
+/// OOPSLA 2014), one stream per thread.
 #[derive(Clone, Debug)]
-pub struct SplitMix64(u64);
+pub struct SplitMix64(picchio_core::rng::SplitMix64);
 
 impl SplitMix64 {
-    /// A generator for stream `stream` of `seed` (streams are independent for practical purposes).
+    /// A generator for stream `stream` of `seed` ([`picchio_core::rng::SplitMix64::stream`], advanced
+    /// once; streams are independent for practical purposes).
     pub fn new(seed: u64, stream: u64) -> Self {
-        let mut g = SplitMix64(seed ^ stream.wrapping_add(1).wrapping_mul(0xD1B5_4A32_D192_ED03));
+        let mut g = picchio_core::rng::SplitMix64::stream(seed, stream);
         g.next_u64();
-        g
+        SplitMix64(g)
     }
 
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
 
     /// Uniform in `0..n` (`n > 0`; Lemire's multiply-shift, bias below 2⁻³² for the n used here).
     pub fn below(&mut self, n: u64) -> u64 {
-        ((u128::from(self.next_u64()) * u128::from(n)) >> 64) as u64
+        self.0.below(n)
     }
 }
 

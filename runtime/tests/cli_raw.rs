@@ -1,12 +1,12 @@
 //! `picchio pack --out raw:` and `picchio verify raw:` as a user runs them: exit status, the plan and
 //! the refusal on stderr, the reports on stdout, on loop devices. Root only for the device cases
-//! (each prints `SKIPPED <name>: ...` otherwise).
+//! (`#[ignore]`d; CI runs them as root with `-- --ignored`).
 #![cfg(target_os = "linux")]
 
 use picchio_testkit::loopdev;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 use loopdev::{mkfs_ext4, sparse_file, LoopDevice, LoopOptions};
 
@@ -15,19 +15,11 @@ fn model() -> PathBuf {
 }
 
 fn scratch() -> tempfile::TempDir {
-    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
+    picchio_testkit::scratch!()
 }
 
 fn picchio(args: &[&str]) -> Output {
-    let out = Command::new(env!("CARGO_BIN_EXE_picchio")).args(args).output().expect("run picchio");
-    eprintln!(
-        "$ picchio {}\n[{}]\n{}{}",
-        args.join(" "),
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
+    picchio_testkit::bin::Bin::new("picchio", env!("CARGO_BIN_EXE_picchio")).run(args)
 }
 
 fn stderr(o: &Output) -> String {

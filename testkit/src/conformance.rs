@@ -389,7 +389,7 @@ pub fn drop_in_flight(e: &Engine) {
 /// calls `f` with it. Put each expansion in its own module. `misaligned` is generated only when
 /// asked for with `aligned` (engines with an alignment).
 ///
-/// ```ignore
+/// ```text
 /// mod direct {
 ///     picchio_testkit::conformance_tests!(super::with_direct, aligned);
 /// }

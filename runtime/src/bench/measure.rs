@@ -1098,15 +1098,18 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn drop_cache_empties_the_file_from_the_page_cache() {
-        let dir = tempfile::tempdir().unwrap();
+        // On the build disk, not /tmp (often a tmpfs, whose pages are the file: DONTNEED cannot
+        // evict them); a file of this test's own, so no other test's reads refill its pages.
+        let dir = picchio_testkit::scratch::dir_in(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/test-scratch"));
         let p = dir.path().join("f");
         std::fs::write(&p, vec![7u8; 1 << 20]).unwrap();
         let spec = crate::bench::env::TargetSpec::File { uri: String::new(), path: p.clone() };
         let fs = crate::bench::env::Environment::capture(Some(&spec)).target.and_then(|t| t.filesystem);
-        if fs.as_ref().is_some_and(|f| f.fstype == "tmpfs") {
-            // tmpfs pages are the file itself: DONTNEED cannot evict them.
-            return eprintln!("SKIPPED drop_cache_empties_the_file_from_the_page_cache: {} is on tmpfs", p.display());
-        }
+        assert!(
+            !fs.as_ref().is_some_and(|f| f.fstype == "tmpfs"),
+            "{} is on tmpfs: put the target dir on a disk",
+            p.display()
+        );
         let f = std::fs::File::open(&p).unwrap();
         f.sync_all().unwrap();
         let _ = std::fs::read(&p).unwrap();

@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 
 use super::measure::{Skipped, SplitMix64};
 use super::null::NullQueue;
-use super::target::BenchStore;
+use picchio_core::StoreUri;
 use picchio_runtime::error::{Error, Result};
 
 /// Options of [`run`] (recorded in the report's `flags`).
@@ -226,12 +226,8 @@ struct Target {
     resident_before: Option<f64>,
 }
 
-fn open_target(engine: &str, store: &BenchStore, range: u64) -> Result<std::result::Result<Target, String>> {
-    let path = match store {
-        BenchStore::File(p) | BenchStore::NvmeSim(p) => Some(p.clone()),
-        BenchStore::Raw { device, .. } => Some(device.clone()),
-        BenchStore::Nvme { .. } => None,
-    };
+fn open_target(engine: &str, store: &StoreUri, range: u64) -> Result<std::result::Result<Target, String>> {
+    let path = store.local_path().map(std::path::Path::to_path_buf);
     let file = || path.clone().ok_or_else(|| format!("{engine} reads a file; {store} is not one"));
     let warm = |p: &std::path::Path| -> Result<Option<f64>> {
         use std::io::Read;
@@ -296,7 +292,7 @@ fn open_target(engine: &str, store: &BenchStore, range: u64) -> Result<std::resu
             {
                 use picchio_nvme::{sim::SimConfig, NvmeQueue, NvmeQueueOptions};
                 let p = match (store, file()) {
-                    (BenchStore::Raw { .. }, _) => {
+                    (StoreUri::Raw { .. }, _) => {
                         return Ok(Err("the controller model serves a file, not a device".into()))
                     }
                     (_, Ok(p)) => p,
@@ -337,7 +333,7 @@ fn open_target(engine: &str, store: &BenchStore, range: u64) -> Result<std::resu
 /// # Errors
 /// An unknown engine, a failed open, a failed or short read.
 pub fn run(
-    store: &BenchStore,
+    store: &StoreUri,
     opts: &OverheadOptions,
     progress: &mut dyn FnMut(&OverheadRow),
 ) -> Result<OverheadResults> {

@@ -3,8 +3,10 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
+use picchio_core::StoreUri;
+use picchio_runtime::expert::open::write_target;
 use picchio_runtime::expert::store::DEFAULT_IMAGE;
-use picchio_runtime::image::pack::{pack, parse_out, OutTarget, PackOptions};
+use picchio_runtime::image::pack::{pack, PackOptions};
 
 /// Options of `picchio pack`.
 #[derive(clap::Args, Debug)]
@@ -47,11 +49,12 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
     // SIGINT/SIGTERM stop the write between payloads: a file's temporary file is removed, a device
     // is left without a valid superblock.
     picchio_runtime::interrupt::install().context("installing the SIGINT/SIGTERM handlers")?;
-    let out = match a.out.as_deref().map(parse_out).transpose()? {
+    let out = match a.out.as_deref().map(write_target).transpose()? {
         None => a.model.join(DEFAULT_IMAGE),
-        Some(OutTarget::File(path)) => path,
-        Some(OutTarget::Raw { device, offset }) => return pack_raw(&a, &device, offset, opts),
-        Some(OutTarget::Nvme { bdf, nsid }) => return pack_nvme(&a, &bdf, nsid, opts),
+        Some(StoreUri::File(path)) => path,
+        Some(StoreUri::Raw { device, offset }) => return pack_raw(&a, &device, offset, opts),
+        Some(StoreUri::Nvme { bdf, nsid }) => return pack_nvme(&a, &bdf, nsid, opts),
+        Some(other) => unreachable!("write_target refuses {other}"),
     };
     if a.force {
         bail!("--force only applies to --out raw:/dev/X or nvme:BDF (a file image is replaced atomically anyway)");

@@ -1,7 +1,8 @@
 //! `picchio synth`.
 
 use anyhow::{bail, Context};
-use picchio_runtime::image::pack::{parse_out, OutTarget};
+use picchio_core::StoreUri;
+use picchio_runtime::expert::open::write_target;
 use picchio_runtime::image::synth::{synth, Geometry, SynthOptions};
 
 /// Options of `picchio synth`.
@@ -90,16 +91,17 @@ fn geometry(a: &Args) -> anyhow::Result<Geometry> {
 
 pub fn exec(a: Args) -> anyhow::Result<()> {
     let opts = SynthOptions { geometry: geometry(&a)?, layers: a.layers, seed: a.seed, progress: !a.no_progress };
-    let out = match parse_out(&a.out)? {
-        OutTarget::File(path) => path,
-        OutTarget::Raw { device, offset } => {
+    let out = match write_target(&a.out)? {
+        StoreUri::File(path) => path,
+        StoreUri::Raw { device, offset } => {
             picchio_runtime::interrupt::install().context("installing the SIGINT/SIGTERM handlers")?;
             return synth_raw(&a, &device, offset, &opts);
         }
-        OutTarget::Nvme { bdf, nsid } => {
+        StoreUri::Nvme { bdf, nsid } => {
             picchio_runtime::interrupt::install().context("installing the SIGINT/SIGTERM handlers")?;
             return synth_nvme(&a, &bdf, nsid, &opts);
         }
+        other => unreachable!("write_target refuses {other}"),
     };
     if a.force {
         bail!("--force only applies to --out raw:/dev/X or nvme:BDF (a file image is replaced atomically anyway)");

@@ -32,11 +32,7 @@ use crate::model::safetensors::TensorStore;
 use crate::progress;
 use crate::quant::QuantKind;
 
-/// The payload of every index slot of a dense-MLP layer (32 bytes, one 4 KiB block on disk).
-///
-/// No expert payload has this length: an unquantized one is 12·H·I bytes (never 32), a Q4 one
-/// 27·H·I/16 and a Q3 one 21·H·I/16 bytes with H, I ≥ 64.
-pub const DENSE_LAYER_PLACEHOLDER: &[u8; 32] = b"PICCHIO:DENSE-MLP-LAYER:NOEXPERT";
+use picchio_core::format::DENSE_LAYER_PLACEHOLDER;
 
 /// The image `pack` writes by default: `<model_dir>/experts.picchioflat`.
 pub fn default_store_path(model_dir: &Path) -> PathBuf {
@@ -256,59 +252,6 @@ pub fn check_replaceable(out: &Path, command: &str) -> Result<()> {
         return refuse("exists and is not a .picchioflat image (it does not start with PCHIOFL1)");
     }
     Ok(())
-}
-
-/// Where `picchio pack --out` and `picchio synth --out` write an image.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum OutTarget {
-    /// A file, written atomically (temporary file + rename).
-    File(PathBuf),
-    /// A block device from byte `offset` on (`raw:/dev/X[@BYTES]`).
-    Raw {
-        /// The device node.
-        device: PathBuf,
-        /// Byte offset of the image.
-        offset: u64,
-    },
-    /// Namespace `nsid` of the NVMe controller `bdf`, through the user-space driver.
-    Nvme {
-        /// PCI address `DDDD:BB:DD.F`.
-        bdf: String,
-        /// Namespace id.
-        nsid: u32,
-    },
-}
-
-/// Parses an `--out` value with the same parser as `--store` ([`picchio_core::StoreUri`]), so every
-/// scheme is either a place to write or refused by name — never taken for a file name: `file:PATH`
-/// or a path, `raw:/dev/X[@BYTES]`, `nvme:BDF[/NSID]`. `auto` and `safetensors` choose what a run
-/// reads and are refused; so is `nvme-sim:PATH` (`picchio bench`'s software controller reading an
-/// image file: write the file, then measure `nvme-sim:` it).
-///
-/// # Errors
-/// [`Error::Invalid`] naming the value and the scheme (for an unknown scheme it also says that a
-/// path containing ':' is written `file:PATH` or `./PATH`).
-pub fn parse_out(s: &str) -> Result<OutTarget> {
-    if let Some(path) = s.strip_prefix("nvme-sim:") {
-        return Err(Error::Invalid(format!(
-            "--out {s}: nvme-sim: is a read target of `picchio bench` (an image file served by the software \
-             NVMe controller), not a place to write: write --out file:{path} and measure --store {s} \
-             (a file name containing ':' is written file:PATH or ./PATH)"
-        )));
-    }
-    let uri = s.parse::<picchio_core::StoreUri>().map_err(|e| match e {
-        picchio_core::Error::BadUri { message, .. } => Error::Invalid(format!("--out {s:?}: {message}")),
-        other => Error::Store(other),
-    })?;
-    match uri {
-        picchio_core::StoreUri::File(p) => Ok(OutTarget::File(p)),
-        picchio_core::StoreUri::Raw { device, offset } => Ok(OutTarget::Raw { device, offset }),
-        picchio_core::StoreUri::Nvme { bdf, nsid } => Ok(OutTarget::Nvme { bdf, nsid }),
-        other @ (picchio_core::StoreUri::Auto | picchio_core::StoreUri::Safetensors) => Err(Error::Invalid(format!(
-            "--out {other}: `{other}` chooses what `picchio run --store` reads, it is not a place to write an image: \
-             give a path (file:PATH or ./PATH for a name like this one), raw:/dev/X[@BYTES] or nvme:BDF[/NSID]"
-        ))),
-    }
 }
 
 /// Refuses to start writing an image of `needed` bytes at the file `out` when the file system that
@@ -637,7 +580,7 @@ pub fn pack_nvme(
 ) -> Result<NvmePackReport> {
     let name = picchio_core::StoreUri::Nvme { bdf: bdf.into(), nsid }.to_string();
     require_vfio(sysfs, bdf, &name)?;
-    let mut queue = crate::expert::store::open_nvme_queue(&name, bdf, nsid, 32)?;
+    let mut queue = crate::expert::open::nvme_queue(&name, bdf, nsid, 32)?;
     pack_nvme_queue(model_dir, &mut queue, &name, opts, announce)
 }
 
@@ -768,25 +711,6 @@ mod tests {
         }
         // A bare file name is checked in the current directory.
         assert!(check_free_space(Path::new("e.picchioflat"), 1).is_ok());
-    }
-
-    #[test]
-    fn out_goes_through_the_store_uri_parser() {
-        assert_eq!(parse_out("x.pf").unwrap(), OutTarget::File("x.pf".into()));
-        assert_eq!(parse_out("file:a:b.pf").unwrap(), OutTarget::File("a:b.pf".into()));
-        assert_eq!(parse_out("./a:b.pf").unwrap(), OutTarget::File("./a:b.pf".into()));
-        assert_eq!(parse_out("raw:/dev/sdz@4096").unwrap(), OutTarget::Raw { device: "/dev/sdz".into(), offset: 4096 });
-        assert_eq!(parse_out("nvme:0000:99:00.0").unwrap(), OutTarget::Nvme { bdf: "0000:99:00.0".into(), nsid: 1 });
-        let e = parse_out("nvme-sim:x.pf").unwrap_err().to_string();
-        assert!(e.contains("nvme-sim:") && e.contains("file:x.pf") && e.contains("./PATH"), "{e}");
-        let e = parse_out("s3:bucket/x").unwrap_err().to_string();
-        assert!(e.contains("unknown scheme \"s3:\"") && e.contains("file:PATH or ./PATH"), "{e}");
-        let e = parse_out("nvme:99:00.0").unwrap_err().to_string();
-        assert!(e.contains("not a PCI address"), "{e}");
-        for s in ["auto", "safetensors"] {
-            let e = parse_out(s).unwrap_err().to_string();
-            assert!(e.contains("not a place to write"), "{e}");
-        }
     }
 
     #[test]

@@ -391,7 +391,7 @@ pub fn synth_nvme(
 ) -> Result<NvmeSynthReport> {
     let name = picchio_core::StoreUri::Nvme { bdf: bdf.into(), nsid }.to_string();
     crate::image::pack::require_vfio(sysfs, bdf, &name)?;
-    let mut queue = crate::expert::store::open_nvme_queue(&name, bdf, nsid, 32)?;
+    let mut queue = crate::expert::open::nvme_queue(&name, bdf, nsid, 32)?;
     synth_nvme_queue(&mut queue, &name, opts, force, announce)
 }
 

@@ -29,10 +29,10 @@ use picchio_core::{AlignedBuf, ExpertKey, ExpertLoc};
 use crate::error::{Error, Result};
 use crate::expert::layout::ExpertLayout;
 use crate::expert::store::store_dims;
-use crate::image::pack::DENSE_LAYER_PLACEHOLDER;
 use crate::model::config::Config;
 use crate::model::safetensors::TensorStore;
 use crate::progress;
+use picchio_core::format::DENSE_LAYER_PLACEHOLDER;
 
 /// Payload bytes in flight at once (at least one payload).
 const WINDOW_BYTES: u64 = 64 << 20;
@@ -237,12 +237,29 @@ pub fn verify(store: &Path, model: Option<&Path>, opts: &VerifyOptions) -> Resul
 /// past the end, or a device the engine cannot open; otherwise as [`verify_queue`].
 #[cfg(target_os = "linux")]
 pub fn verify_raw(device: &Path, offset: u64, model: Option<&Path>, opts: &VerifyOptions) -> Result<VerifyReport> {
-    use picchio_blockdev::raw::RawTarget;
-    use picchio_core::OffsetQueue;
-    let target = RawTarget::open(device, ByteOffset(offset))?;
-    let queue = PsyncQueue::open(device, PsyncOptions { threads: opts.io_threads.max(1), direct: opts.direct })?;
-    let mut queue = OffsetQueue::new(queue, target.base());
-    verify_queue(&mut queue, &target.uri(), target.capacity(), model, opts)
+    let uri = picchio_core::StoreUri::Raw { device: device.into(), offset };
+    verify_store(&uri, model, opts)
+}
+
+/// Verifies the image `uri` names, read through [`crate::expert::open::open_engine`] with the
+/// psync engine (`opts.io_threads` workers, O_DIRECT unless `opts.direct` is false) for a file or
+/// device, our driver for `nvme:` and `nvme-sim:`; the image runs to the end of its target.
+///
+/// # Errors
+/// As [`crate::expert::open::open_engine`]; otherwise as [`verify_queue`].
+pub fn verify_store(uri: &picchio_core::StoreUri, model: Option<&Path>, opts: &VerifyOptions) -> Result<VerifyReport> {
+    use crate::expert::store::{IoEngine, IoOptions};
+    let io = IoOptions {
+        engine: IoEngine::Psync,
+        threads: opts.io_threads.max(1),
+        direct: opts.direct,
+        qd: 32,
+        ..IoOptions::default()
+    };
+    let opened = crate::expert::open::open_engine(uri, io)?;
+    let (name, image_len) = (opened.name.clone(), opened.image_len);
+    let mut queue = opened.into_image_queue();
+    verify_queue(&mut *queue, &name, image_len, model, opts)
 }
 
 /// Verifies the image at LBA 0 of namespace `nsid` of the NVMe controller `bdf`
@@ -255,10 +272,7 @@ pub fn verify_raw(device: &Path, offset: u64, model: Option<&Path>, opts: &Verif
 /// [`verify_queue`].
 #[cfg(target_os = "linux")]
 pub fn verify_nvme(bdf: &str, nsid: u32, model: Option<&Path>, opts: &VerifyOptions) -> Result<VerifyReport> {
-    let name = picchio_core::StoreUri::Nvme { bdf: bdf.into(), nsid }.to_string();
-    let mut queue = crate::expert::store::open_nvme_queue(&name, bdf, nsid, 32)?;
-    let image_len = queue.namespace().bytes();
-    verify_queue(&mut queue, &name, image_len, model, opts)
+    verify_store(&picchio_core::StoreUri::Nvme { bdf: bdf.into(), nsid }, model, opts)
 }
 
 /// Verifies the image of `image_len` bytes that `queue` reads (named `source_name` in messages); see

@@ -193,29 +193,9 @@ pub fn load_average() -> Option<[f64; 3]> {
     Some([it.next()??, it.next()??, it.next()??])
 }
 
-#[cfg(unix)]
 fn uname() -> Option<Kernel> {
-    // SAFETY: `utsname` is plain old data (arrays of c_char), so all-zero is a valid value.
-    let mut u: libc::utsname = unsafe { std::mem::zeroed() };
-    // SAFETY: `u` is a valid, writable `utsname`; uname fills it with NUL-terminated strings.
-    if unsafe { libc::uname(&mut u) } != 0 {
-        return None;
-    }
-    let field = |f: &[libc::c_char]| {
-        let bytes: Vec<u8> = f.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
-        String::from_utf8_lossy(&bytes).into_owned()
-    };
-    Some(Kernel {
-        sysname: field(&u.sysname),
-        release: field(&u.release),
-        version: field(&u.version),
-        machine: field(&u.machine),
-    })
-}
-
-#[cfg(not(unix))]
-fn uname() -> Option<Kernel> {
-    None
+    let u = host::uname()?;
+    Some(Kernel { sysname: u.sysname, release: u.release, version: u.version, machine: u.machine })
 }
 
 fn cpu() -> Cpu {
@@ -235,23 +215,11 @@ fn cpu() -> Cpu {
         .collect();
     Cpu {
         model: first("model name"),
-        logical_cpus: online_cpus().unwrap_or(available),
+        logical_cpus: host::online_cpus().unwrap_or(available),
         available_to_process: available,
         mhz: first("cpu MHz").and_then(|v| v.parse().ok()),
         flags_of_note,
     }
-}
-
-#[cfg(unix)]
-fn online_cpus() -> Option<usize> {
-    // SAFETY: sysconf has no preconditions.
-    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
-    usize::try_from(n).ok().filter(|&n| n > 0)
-}
-
-#[cfg(not(unix))]
-fn online_cpus() -> Option<usize> {
-    None
 }
 
 /// Memory as `/proc/meminfo` reports it now (`None` off Linux or when unreadable).

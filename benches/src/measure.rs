@@ -776,21 +776,10 @@ fn measure(
     }
 }
 
-/// `getrusage(RUSAGE_SELF)` user and system seconds.
-#[cfg(unix)]
+/// `getrusage(RUSAGE_SELF)` user and system seconds ([`picchio_blockdev::host::cpu_seconds`]);
+/// zero where unavailable.
 pub fn rusage() -> (f64, f64) {
-    // SAFETY: `rusage` is plain old data; all-zero is valid.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: `ru` is a valid, writable `rusage`.
-    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
-    let s = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
-    (s(ru.ru_utime), s(ru.ru_stime))
-}
-
-/// No `getrusage` here: CPU time reads as zero.
-#[cfg(not(unix))]
-pub fn rusage() -> (f64, f64) {
-    (0.0, 0.0)
+    picchio_blockdev::host::cpu_seconds().unwrap_or((0.0, 0.0))
 }
 
 /// Drops (or leaves, with `warm`) the page cache of the store's file or device before a buffered
@@ -822,120 +811,21 @@ fn prepare_cache(store: &StoreUri, spec: &PointSpec) -> Result<CacheState> {
     })
 }
 
-/// Evicts the clean page-cache pages of `path` (`posix_fadvise(POSIX_FADV_DONTNEED)` over the whole
-/// file or device). The image is never written while measured, so every page is clean.
-///
-/// Reads still in flight are caught too: `DONTNEED` skips a page locked for a read in progress,
-/// and that page lands in the cache *after* the drop, its bytes charged (in `/proc/self/io`) to
-/// whatever started the read. Opening a session reads the superblock and index with buffered I/O
-/// whose readahead can still be reading the image when the drop comes: on a 136 KiB image, a cold
-/// open left 64 KiB resident 200 ms after a drop that `mincore` had just seen take everything, so
-/// the first `bench cache` point read half the image from memory. `mincore` cannot see such pages
-/// until their read completes (it reports only up-to-date pages), so for a regular file the drop
-/// is repeated while pages reappear: `mincore` is checked every 20 ms, and the drop ends after 3
-/// quiet checks in a row (at most 50 checks, 1 s). On tmpfs or ramfs, whose pages are the file and
-/// cannot be dropped, nothing is waited for; the caller reports what stayed resident.
+/// Evicts the clean page-cache pages of `path` ([`picchio_blockdev::pagecache::drop`], which
+/// repeats the drop while pages of reads still in flight reappear). The image is never written while
+/// measured, so every page is clean.
 ///
 /// # Errors
 /// [`Error::Io`] naming the path.
-#[cfg(target_os = "linux")]
 pub fn drop_cache(path: &std::path::Path) -> Result<()> {
-    use std::os::fd::AsRawFd;
-    let f = std::fs::File::open(path).map_err(Error::io(path, "open to drop its page cache"))?;
-    let dontneed = || {
-        // SAFETY: the descriptor is open for the duration of the call; fadvise only advises the kernel.
-        let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
-        match rc {
-            0 => Ok(()),
-            rc => Err(Error::io(path, "posix_fadvise(DONTNEED)")(std::io::Error::from_raw_os_error(rc))),
-        }
-    };
-    dontneed()?;
-    let any_resident = || resident_pages(&f).is_some_and(|p| p.contains(&true));
-    if resident_pages(&f).is_none() || in_memory_fs(&f) {
-        return Ok(()); // a device (no mincore here), or tmpfs/ramfs, whose pages cannot be dropped
-    }
-    let mut quiet = 0;
-    for _ in 0..50 {
-        std::thread::sleep(std::time::Duration::from_millis(20));
-        if any_resident() {
-            dontneed()?;
-            quiet = 0;
-        } else {
-            quiet += 1;
-            if quiet == 3 {
-                break;
-            }
-        }
-    }
-    Ok(())
+    picchio_blockdev::pagecache::drop(path).map_err(Error::io(path, "drop its page cache (posix_fadvise DONTNEED)"))
 }
 
-/// Whether `f` lives on tmpfs or ramfs (`fstatfs` `f_type`: `TMPFS_MAGIC`, `RAMFS_MAGIC` of
-/// `linux/magic.h`), whose pages are the file itself.
-#[cfg(target_os = "linux")]
-fn in_memory_fs(f: &std::fs::File) -> bool {
-    use std::os::fd::AsRawFd;
-    const TMPFS_MAGIC: i64 = 0x0102_1994;
-    const RAMFS_MAGIC: i64 = 0x8584_58f6;
-    let mut st = std::mem::MaybeUninit::<libc::statfs>::zeroed();
-    // SAFETY: `st` is a writable statfs buffer and the descriptor is open for the call.
-    let rc = unsafe { libc::fstatfs(f.as_raw_fd(), st.as_mut_ptr()) };
-    if rc != 0 {
-        return false;
-    }
-    // `f_type` is i64 on x86-64 glibc but another width elsewhere (u32 on s390x, i32 on musl arm).
-    #[allow(clippy::unnecessary_cast)]
-    // SAFETY: fstatfs returned 0, so it filled `st`.
-    let t = unsafe { st.assume_init() }.f_type as i64;
-    t == TMPFS_MAGIC || t == RAMFS_MAGIC
-}
-
-/// Page-cache dropping needs Linux's `posix_fadvise`; elsewhere buffered points run as they are.
-#[cfg(not(target_os = "linux"))]
-pub fn drop_cache(_path: &std::path::Path) -> Result<()> {
-    Ok(())
-}
-
-/// Fraction of a regular file's pages in the page cache (`mincore(2)` over a read-only mapping),
-/// or `None` for anything else or on failure.
-#[cfg(target_os = "linux")]
+/// Fraction of a regular file's pages in the page cache
+/// ([`picchio_blockdev::pagecache::resident_fraction`]), or `None` for anything else, on failure or
+/// off Linux.
 pub fn resident_fraction(path: &std::path::Path) -> Option<f64> {
-    let f = std::fs::File::open(path).ok()?;
-    let present = resident_pages(&f)?;
-    Some(present.iter().filter(|&&p| p).count() as f64 / present.len() as f64)
-}
-
-/// Which pages (of the system page size) of the regular file `f` are in the page cache
-/// (`mincore(2)` over a read-only mapping: only up-to-date pages count, a page whose read is still
-/// in flight does not — which is why [`drop_cache`] repeats until the count stays quiet), or `None`
-/// for anything else, an empty file, or on failure.
-#[cfg(target_os = "linux")]
-fn resident_pages(f: &std::fs::File) -> Option<Vec<bool>> {
-    let md = f.metadata().ok()?;
-    if !md.is_file() || md.len() == 0 {
-        return None;
-    }
-    // SAFETY: a read-only shared mapping of a file we only read; it is never dereferenced here,
-    // only passed to mincore, and the file is not truncated by us while mapped.
-    let map = unsafe { memmap2::Mmap::map(f) }.ok()?;
-    // SAFETY: sysconf has no memory effects; it returns -1 on failure, handled below.
-    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).ok().filter(|&p| p > 0)?;
-    let pages = map.len().div_ceil(page);
-    let mut vec = vec![0u8; pages];
-    // SAFETY: `map` is a live mapping of `map.len()` bytes starting at a page-aligned address, and
-    // `vec` has one byte per page of it, as mincore requires.
-    let rc = unsafe { libc::mincore(map.as_ptr() as *mut libc::c_void, map.len(), vec.as_mut_ptr()) };
-    if rc != 0 {
-        return None;
-    }
-    Some(vec.iter().map(|&b| b & 1 == 1).collect())
-}
-
-/// `mincore` is not used outside Linux.
-#[cfg(not(target_os = "linux"))]
-pub fn resident_fraction(_path: &std::path::Path) -> Option<f64> {
-    None
+    picchio_blockdev::pagecache::resident_fraction(path)
 }
 
 #[cfg(test)]

@@ -268,7 +268,8 @@ pub fn check_free_space(out: &Path, needed: u64) -> Result<()> {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
     };
-    let Some(available) = free_space::available_bytes(dir).map_err(Error::io(dir, "query the free space (statvfs)"))?
+    let Some(available) =
+        picchio_blockdev::host::free_bytes(dir).map_err(Error::io(dir, "query the free space (statvfs)"))?
     else {
         return Ok(());
     };
@@ -282,34 +283,6 @@ pub fn check_free_space(out: &Path, needed: u64) -> Result<()> {
         )));
     }
     Ok(())
-}
-
-/// `statvfs(3)`, the one unsafe call of [`check_free_space`].
-mod free_space {
-    use std::path::Path;
-
-    /// Bytes available to an unprivileged writer on the file system holding `dir`.
-    #[cfg(unix)]
-    pub(super) fn available_bytes(dir: &Path) -> std::io::Result<Option<u64>> {
-        use std::os::unix::ffi::OsStrExt;
-        let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
-            .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "path contains a NUL byte"))?;
-        let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
-        // SAFETY: `c` is a NUL-terminated path that outlives the call, and `st` points to writable
-        // memory of the size of `struct statvfs`, which `statvfs` fills completely on success.
-        if unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: statvfs returned 0, so it initialised `st`.
-        let st = unsafe { st.assume_init() };
-        #[allow(clippy::useless_conversion)] // the field widths differ between libcs
-        Ok(Some(u64::from(st.f_bavail).saturating_mul(u64::from(st.f_frsize))))
-    }
-
-    #[cfg(not(unix))]
-    pub(super) fn available_bytes(_: &Path) -> std::io::Result<Option<u64>> {
-        Ok(None)
-    }
 }
 
 /// Options of [`pack_raw`].

@@ -894,7 +894,7 @@ mod tests {
         let spec = StoreUri::File(p.clone());
         let fs = crate::env::Environment::capture(Some(&spec)).target.and_then(|t| t.filesystem);
         assert!(
-            !fs.as_ref().is_some_and(|f| f.fstype == "tmpfs"),
+            fs.as_ref().is_none_or(|f| f.fstype != "tmpfs"),
             "{} is on tmpfs: put the target dir on a disk",
             p.display()
         );

@@ -117,7 +117,7 @@ impl std::fmt::Display for Plan<'_> {
             #[cfg(target_os = "linux")]
             Plan::Nvme(i) => write!(f, "{i}"),
             #[cfg(not(target_os = "linux"))]
-            Plan::_None(_) => Ok(()),
+            Plan::_None(_) => f.write_str(""),
         }
     }
 }
@@ -270,6 +270,8 @@ pub fn write_image<P: PayloadSource>(
     announce: &mut dyn FnMut(&Plan<'_>),
 ) -> Result<WriteReport<P::Summary>> {
     let t0 = Instant::now();
+    #[cfg(not(target_os = "linux"))]
+    let _ = (opts, &announce); // device targets only
     let uri = match to {
         #[cfg(target_os = "linux")]
         WriteTo::NvmeQueue { queue, name } => return write_nvme(queue, name, src, opts, announce, t0),

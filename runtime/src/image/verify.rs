@@ -21,7 +21,6 @@ use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use picchio_blockdev::{PsyncOptions, PsyncQueue};
 use picchio_core::format::{decode_index, index_sha256, payload_hash, round_up, Superblock, BLOCK_SIZE};
 use picchio_core::io::{read_blocking, ByteOffset, Completion, IoQueue, ReadReq, Tag};
 use picchio_core::{AlignedBuf, ExpertKey, ExpertLoc};
@@ -213,17 +212,21 @@ struct Model {
 /// # Errors
 /// [`Error::Invalid`] when the engine cannot open `store`; otherwise as [`verify_queue`].
 pub fn verify(store: &Path, model: Option<&Path>, opts: &VerifyOptions) -> Result<VerifyReport> {
-    let open = |direct| PsyncQueue::open(store, PsyncOptions { threads: opts.io_threads.max(1), direct });
-    let mut queue = match open(opts.direct) {
-        Ok(q) => q,
-        Err(e @ picchio_blockdev::Error::DirectUnsupported { .. }) => {
+    use crate::expert::store::{IoEngine, IoOptions};
+    let uri = picchio_core::StoreUri::File(store.into());
+    let io =
+        |direct| IoOptions { engine: IoEngine::Psync, threads: opts.io_threads.max(1), direct, ..Default::default() };
+    let opened = match crate::expert::open::open_engine(&uri, io(opts.direct)) {
+        Ok(o) => o,
+        Err(Error::Engine(e @ picchio_blockdev::Error::DirectUnsupported { .. })) => {
             tracing::warn!("{e}; verifying with buffered reads");
-            open(false).map_err(|e| Error::Invalid(e.to_string()))?
+            crate::expert::open::open_engine(&uri, io(false))?
         }
-        Err(e) => return Err(Error::Invalid(e.to_string())),
+        Err(e) => return Err(e),
     };
-    let image_len = queue.len();
-    verify_queue(&mut queue, &store.display().to_string(), image_len, model, opts)
+    let image_len = opened.image_len;
+    let mut queue = opened.queue;
+    verify_queue(&mut *queue, &store.display().to_string(), image_len, model, opts)
 }
 
 /// Verifies the image on the block device `device` starting at byte `offset`

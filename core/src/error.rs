@@ -124,6 +124,17 @@ pub enum Error {
     /// error stays small.
     #[error("{0}")]
     FormatLimit(Box<FormatLimit>),
+    /// A store URI has a scheme no store has (`s3:`): callers that accept other forms than a run
+    /// (bench, pack's `--out`) list their own.
+    #[error("bad store URI {uri:?}: {message}")]
+    UnknownScheme {
+        /// The URI as given.
+        uri: String,
+        /// The scheme, without the `:`.
+        scheme: String,
+        /// What is wrong and what would be accepted.
+        message: String,
+    },
     /// A store URI could not be parsed.
     #[error("bad store URI {uri:?}: {message}")]
     BadUri {

@@ -137,6 +137,17 @@ pub enum Error {
         /// The tokenizers crate's message.
         message: String,
     },
+    /// A store URI given where it cannot be used: `auto` as a place to write, `nvme-sim:` for a run,
+    /// an unknown scheme where bench reads ([`crate::expert::open`]).
+    #[error("{option} {uri}: {reason}")]
+    StoreNotAccepted {
+        /// The option or argument it was given as (`--store`, `--out`).
+        option: &'static str,
+        /// The URI as given (quoted when it did not parse).
+        uri: String,
+        /// Why it is refused, and the forms accepted there.
+        reason: String,
+    },
     /// A user request cannot be satisfied (bad flag combination, empty prompt, ...).
     #[error("{0}")]
     Invalid(String),

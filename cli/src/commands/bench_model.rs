@@ -6,7 +6,6 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use picchio_bench::cache::{ecaps_for_percents, run_cache, CacheOptions, ReadMode};
-use picchio_bench::env::TargetSpec;
 use picchio_bench::trace::{analyse, default_capacities, RoutingTrace, TraceHeader, TraceWriter};
 use picchio_bench::{self as bench, Report};
 use picchio_core::StoreUri;
@@ -267,7 +266,7 @@ pub fn cache(a: CacheArgs) -> anyhow::Result<()> {
     };
     let image = image_of(&store, &model);
     a.out.check("cache", image.as_deref())?;
-    let target = image.map(|path| TargetSpec::File { uri: store.to_string(), path });
+    let target = image.map(StoreUri::File);
     let run = bench::Run::start("cache", &bench::flags(&a.out, &opts)?, target.as_ref())?;
     let n_points = opts.ecaps.len() * opts.modes.len();
     let bar = picchio_runtime::progress::bar(n_points as u64, "cache points", false);

@@ -21,7 +21,6 @@ use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use picchio_blockdev::{PsyncOptions, PsyncQueue};
 use picchio_core::format::{decode_index, index_sha256, payload_hash, round_up, Superblock, BLOCK_SIZE};
 use picchio_core::io::{read_blocking, ByteOffset, Completion, IoQueue, ReadReq, Tag};
 use picchio_core::{AlignedBuf, ExpertKey, ExpertLoc};
@@ -29,10 +28,10 @@ use picchio_core::{AlignedBuf, ExpertKey, ExpertLoc};
 use crate::error::{Error, Result};
 use crate::expert::layout::ExpertLayout;
 use crate::expert::store::store_dims;
-use crate::image::pack::DENSE_LAYER_PLACEHOLDER;
 use crate::model::config::Config;
 use crate::model::safetensors::TensorStore;
 use crate::progress;
+use picchio_core::format::DENSE_LAYER_PLACEHOLDER;
 
 /// Payload bytes in flight at once (at least one payload).
 const WINDOW_BYTES: u64 = 64 << 20;
@@ -213,17 +212,21 @@ struct Model {
 /// # Errors
 /// [`Error::Invalid`] when the engine cannot open `store`; otherwise as [`verify_queue`].
 pub fn verify(store: &Path, model: Option<&Path>, opts: &VerifyOptions) -> Result<VerifyReport> {
-    let open = |direct| PsyncQueue::open(store, PsyncOptions { threads: opts.io_threads.max(1), direct });
-    let mut queue = match open(opts.direct) {
-        Ok(q) => q,
-        Err(e @ picchio_blockdev::Error::DirectUnsupported { .. }) => {
+    use crate::expert::store::{IoEngine, IoOptions};
+    let uri = picchio_core::StoreUri::File(store.into());
+    let io =
+        |direct| IoOptions { engine: IoEngine::Psync, threads: opts.io_threads.max(1), direct, ..Default::default() };
+    let opened = match crate::expert::open::open_engine(&uri, io(opts.direct)) {
+        Ok(o) => o,
+        Err(Error::Engine(e @ picchio_blockdev::Error::DirectUnsupported { .. })) => {
             tracing::warn!("{e}; verifying with buffered reads");
-            open(false).map_err(|e| Error::Invalid(e.to_string()))?
+            crate::expert::open::open_engine(&uri, io(false))?
         }
-        Err(e) => return Err(Error::Invalid(e.to_string())),
+        Err(e) => return Err(e),
     };
-    let image_len = queue.len();
-    verify_queue(&mut queue, &store.display().to_string(), image_len, model, opts)
+    let image_len = opened.image_len;
+    let mut queue = opened.queue;
+    verify_queue(&mut *queue, &store.display().to_string(), image_len, model, opts)
 }
 
 /// Verifies the image on the block device `device` starting at byte `offset`
@@ -237,12 +240,29 @@ pub fn verify(store: &Path, model: Option<&Path>, opts: &VerifyOptions) -> Resul
 /// past the end, or a device the engine cannot open; otherwise as [`verify_queue`].
 #[cfg(target_os = "linux")]
 pub fn verify_raw(device: &Path, offset: u64, model: Option<&Path>, opts: &VerifyOptions) -> Result<VerifyReport> {
-    use picchio_blockdev::raw::RawTarget;
-    use picchio_core::OffsetQueue;
-    let target = RawTarget::open(device, ByteOffset(offset))?;
-    let queue = PsyncQueue::open(device, PsyncOptions { threads: opts.io_threads.max(1), direct: opts.direct })?;
-    let mut queue = OffsetQueue::new(queue, target.base());
-    verify_queue(&mut queue, &target.uri(), target.capacity(), model, opts)
+    let uri = picchio_core::StoreUri::Raw { device: device.into(), offset };
+    verify_store(&uri, model, opts)
+}
+
+/// Verifies the image `uri` names, read through [`crate::expert::open::open_engine`] with the
+/// psync engine (`opts.io_threads` workers, O_DIRECT unless `opts.direct` is false) for a file or
+/// device, our driver for `nvme:` and `nvme-sim:`; the image runs to the end of its target.
+///
+/// # Errors
+/// As [`crate::expert::open::open_engine`]; otherwise as [`verify_queue`].
+pub fn verify_store(uri: &picchio_core::StoreUri, model: Option<&Path>, opts: &VerifyOptions) -> Result<VerifyReport> {
+    use crate::expert::store::{IoEngine, IoOptions};
+    let io = IoOptions {
+        engine: IoEngine::Psync,
+        threads: opts.io_threads.max(1),
+        direct: opts.direct,
+        qd: 32,
+        ..IoOptions::default()
+    };
+    let opened = crate::expert::open::open_engine(uri, io)?;
+    let (name, image_len) = (opened.name.clone(), opened.image_len);
+    let mut queue = opened.into_image_queue();
+    verify_queue(&mut *queue, &name, image_len, model, opts)
 }
 
 /// Verifies the image at LBA 0 of namespace `nsid` of the NVMe controller `bdf`
@@ -255,10 +275,7 @@ pub fn verify_raw(device: &Path, offset: u64, model: Option<&Path>, opts: &Verif
 /// [`verify_queue`].
 #[cfg(target_os = "linux")]
 pub fn verify_nvme(bdf: &str, nsid: u32, model: Option<&Path>, opts: &VerifyOptions) -> Result<VerifyReport> {
-    let name = picchio_core::StoreUri::Nvme { bdf: bdf.into(), nsid }.to_string();
-    let mut queue = crate::expert::store::open_nvme_queue(&name, bdf, nsid, 32)?;
-    let image_len = queue.namespace().bytes();
-    verify_queue(&mut queue, &name, image_len, model, opts)
+    verify_store(&picchio_core::StoreUri::Nvme { bdf: bdf.into(), nsid }, model, opts)
 }
 
 /// Verifies the image of `image_len` bytes that `queue` reads (named `source_name` in messages); see

@@ -292,7 +292,7 @@ impl RunState {
             att_out: vec![0.0; nh * hd],
             key_cache: vec![0.0; cfg.num_hidden_layers * max_seq * kvd],
             value_cache: vec![0.0; cfg.num_hidden_layers * max_seq * kvd],
-            rope: Rope::new(hd, cfg.rope_theta()),
+            rope: Rope::from_config(hd, &cfg.rope()),
             router_logits: vec![0.0; cfg.num_experts],
             routing: Routing::new(cfg.num_experts, cfg.num_experts_per_tok),
             expert_scratch: ExpertScratch::new(cfg.moe_intermediate_size),

@@ -1,4 +1,5 @@
-//! Oracle tests of the Qwen3-MoE forward pass against Hugging Face transformers (tests/fixtures).
+//! Oracle tests of the Qwen3-MoE and GPT-OSS forward passes against Hugging Face transformers
+//! (tests/fixtures).
 //!
 //! - `picchio_c/qwen3_moe` (converted by Picchio (C): Q4 experts, I8 embeddings and lm_head): greedy
 //!   ids equal the ones Picchio (C) printed, for expert-cache capacities 1, 4 and all, with the
@@ -6,6 +7,9 @@
 //! - Every Qwen3-MoE fixture converted by `picchio convert` with experts `none` (against
 //!   `reference.*`: greedy ids exact, logits, hidden states and router logits within 1e-4) and `q4`
 //!   (against `reference_q4.*`: greedy ids exact, the same within 1e-3).
+//! - Both GPT-OSS fixtures (`gpt_oss_mxfp4`: openai's MXFP4 experts; `gpt_oss_bf16`: transformers'
+//!   BF16 layout) the same way: they are one model, so both compare with their own (identical)
+//!   references.
 //!
 //! `logits` row t of a reference is the no-cache prediction after token t of prompt + greedy; with the
 //! KV cache, feeding prompt + greedy one token at a time gives the same rows.
@@ -331,4 +335,24 @@ fn qwen3_moe_text_none_matches_transformers() {
 #[test]
 fn qwen3_moe_text_q4_matches_transformers_q4() {
     convert_and_check("qwen3_moe_text", QuantKind::Q4);
+}
+
+#[test]
+fn gpt_oss_mxfp4_none_matches_transformers() {
+    convert_and_check("gpt_oss_mxfp4", QuantKind::F32);
+}
+
+#[test]
+fn gpt_oss_mxfp4_q4_matches_transformers_q4() {
+    convert_and_check("gpt_oss_mxfp4", QuantKind::Q4);
+}
+
+#[test]
+fn gpt_oss_bf16_none_matches_transformers() {
+    convert_and_check("gpt_oss_bf16", QuantKind::F32);
+}
+
+#[test]
+fn gpt_oss_bf16_q4_matches_transformers_q4() {
+    convert_and_check("gpt_oss_bf16", QuantKind::Q4);
 }

@@ -279,6 +279,25 @@ mod tests {
     }
 
     #[test]
+    fn real_gpt_oss_expert_is_the_synth_geometry() {
+        // gpt-oss-20b and -120b: hidden 2880, intermediate_size 2880.
+        let l = ExpertLayout::new(QuantKind::Q4, 2880, 2880).unwrap().with_naming(ExpertNaming::Suffixed);
+        assert_eq!(l.len(), 13_996_800);
+        assert_eq!(l.len() as u64, crate::synth::Geometry::gpt_oss_20b().expert_bytes);
+        assert_eq!(l.len() as u64, crate::synth::Geometry::gpt_oss_120b().expert_bytes);
+        let n = l.names(23, 31);
+        assert_eq!(
+            (n.gate_up.as_str(), n.gate_up_qs.as_str(), n.down.as_str(), n.down_qs.as_str()),
+            (
+                "model.layers.23.mlp.experts.gate_up_proj.31",
+                "model.layers.23.mlp.experts.gate_up_proj.31.qs",
+                "model.layers.23.mlp.experts.down_proj.31",
+                "model.layers.23.mlp.experts.down_proj.31.qs"
+            )
+        );
+    }
+
+    #[test]
     fn picchio_c_directory_is_detected_as_q4() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/picchio_c/qwen3_moe");
         let store = TensorStore::open(&dir).unwrap();

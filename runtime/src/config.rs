@@ -298,7 +298,7 @@ impl Config {
             ));
         }
         if let Some(l) = self.layer_types.iter().position(|&t| t == LayerType::Sliding) {
-            if !self.sliding_window.is_some_and(|w| w > 0) {
+            if self.sliding_window.is_none_or(|w| w == 0) {
                 return Err(bad(
                     "sliding_window",
                     format!("layer {l} is sliding_attention but sliding_window is {:?}", self.sliding_window),

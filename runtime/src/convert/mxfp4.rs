@@ -126,7 +126,7 @@ mod tests {
     fn hand_computed_values() {
         // One row of 32 inputs: bytes 0x10, 0x32, ... so element 2j = nibble 2j, element 2j+1 =
         // nibble 2j+1 (low nibble first), scale 2^(128-127) = 2.
-        let blocks: Vec<u8> = (0..16u8).map(|j| ((2 * j + 1) % 16) << 4 | (2 * j) % 16).collect();
+        let blocks: Vec<u8> = (0..16u8).map(|j| (((2 * j + 1) % 16) << 4) | ((2 * j) % 16)).collect();
         let out = dequantize(&blocks, &[128], 1, 32, "t").unwrap();
         let want: Vec<f32> = (0..32).map(|k| FP4_E2M1[k % 16] * 2.0).collect();
         assert_eq!(out, want);

@@ -10,6 +10,7 @@
 
 use std::path::{Path, PathBuf};
 
+use picchio_blockdev::host::{self, DevNum, Sysfs};
 use serde::{Deserialize, Serialize};
 
 /// What a run measures, for [`Environment::capture`] to describe.
@@ -307,8 +308,8 @@ fn describe_target(spec: &TargetSpec) -> Target {
             t
         }
         TargetSpec::BlockDevice { uri, path } => {
-            let dev = devnum_of(path, true);
-            let device = dev.and_then(|(maj, min)| block_device(maj, min));
+            let dev = host::block_device_number(path);
+            let device = dev.and_then(block_device);
             let note = device.as_ref().filter(|d| d.loop_direct_io == Some(false)).map(|d| {
                 format!(
                     "loop device without direct I/O (loop/dio 0): reads of {} go through the page cache of its \
@@ -322,12 +323,7 @@ fn describe_target(spec: &TargetSpec) -> Target {
                 uri: uri.clone(),
                 kind: "block device".into(),
                 path: Some(path.display().to_string()),
-                size_bytes: dev.and_then(|(maj, min)| {
-                    // sysfs `size` counts 512-byte sectors whatever the logical block size.
-                    read_trim(format!("/sys/dev/block/{maj}:{min}/size"))
-                        .and_then(|s| s.parse::<u64>().ok())
-                        .map(|n| n * 512)
-                }),
+                size_bytes: dev.and_then(|d| Sysfs::new("/sys").dir(d)).and_then(|d| Sysfs::size_bytes(&d)),
                 device,
                 filesystem: None,
                 pci: None,
@@ -359,57 +355,39 @@ fn describe_target(spec: &TargetSpec) -> Target {
 
 fn file_target(uri: &str, path: &Path) -> Target {
     let size = std::fs::metadata(path).ok().map(|m| m.len());
-    let dev = devnum_of(path, false);
+    let dev = host::device_of(path);
     let canonical = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
     Target {
         uri: uri.into(),
         kind: String::new(),
         path: Some(path.display().to_string()),
         size_bytes: size,
-        device: dev.and_then(|(maj, min)| block_device(maj, min)),
+        device: dev.and_then(block_device),
         filesystem: std::fs::read_to_string("/proc/self/mountinfo").ok().and_then(|mi| mount_of(&mi, dev, &canonical)),
         pci: None,
         note: None,
     }
 }
 
-/// `(major, minor)` of the device holding `path` (`st_dev`), or of the device node itself
-/// (`st_rdev`, when `node`).
-#[cfg(unix)]
-fn devnum_of(path: &Path, node: bool) -> Option<(u32, u32)> {
-    use std::os::unix::fs::MetadataExt;
-    let md = std::fs::metadata(path).ok()?;
-    let dev = if node { md.rdev() } else { md.dev() };
-    // glibc's encoding of dev_t (gnu_dev_major / gnu_dev_minor).
-    let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff);
-    let minor = (dev & 0xff) | ((dev >> 12) & !0xff);
-    Some((major as u32, minor as u32))
-}
-
-#[cfg(not(unix))]
-fn devnum_of(_path: &Path, _node: bool) -> Option<(u32, u32)> {
-    None
-}
-
 fn read_trim(p: impl AsRef<Path>) -> Option<String> {
     std::fs::read_to_string(p).ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty())
 }
 
-/// sysfs's description of block device `major:minor`, or `None` when it has no sysfs entry (the
+/// sysfs's description of block device `dev`, or `None` when it has no sysfs entry (the
 /// anonymous devices of tmpfs, overlay, …).
-fn block_device(major: u32, minor: u32) -> Option<BlockDevice> {
-    block_device_in(Path::new("/sys"), major, minor)
+fn block_device(dev: DevNum) -> Option<BlockDevice> {
+    block_device_in(Path::new("/sys"), dev)
 }
 
-fn block_device_in(sys: &Path, major: u32, minor: u32) -> Option<BlockDevice> {
-    let dir = std::fs::canonicalize(sys.join(format!("dev/block/{major}:{minor}"))).ok()?;
-    let name = dir.file_name()?.to_string_lossy().into_owned();
+fn block_device_in(sys: &Path, dev: DevNum) -> Option<BlockDevice> {
+    let dir = Sysfs::new(sys).dir(dev)?;
+    let name = Sysfs::name(&dir);
     // A partition's directory sits inside its disk's and has a `partition` attribute.
-    let disk_dir = if dir.join("partition").exists() { dir.parent()?.to_path_buf() } else { dir.clone() };
-    let disk = disk_dir.file_name()?.to_string_lossy().into_owned();
+    let disk_dir = Sysfs::parent(&dir).unwrap_or_else(|| dir.clone());
+    let disk = Sysfs::name(&disk_dir);
     let q = |attr: &str| read_trim(disk_dir.join("queue").join(attr));
     let num = |attr: &str| q(attr).and_then(|s| s.parse::<u32>().ok());
-    let dev = |attr: &str| read_trim(disk_dir.join("device").join(attr));
+    let devattr = |attr: &str| read_trim(disk_dir.join("device").join(attr));
     let scheduler = q("scheduler").map(|s| {
         s.split_whitespace()
             .find_map(|w| w.strip_prefix('[').and_then(|w| w.strip_suffix(']')).map(String::from))
@@ -420,11 +398,11 @@ fn block_device_in(sys: &Path, major: u32, minor: u32) -> Option<BlockDevice> {
         .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()));
     Some(BlockDevice {
         name,
-        devnum: format!("{major}:{minor}"),
+        devnum: dev.to_string(),
         disk,
-        model: dev("model"),
-        vendor: dev("vendor"),
-        firmware: dev("firmware_rev").or_else(|| dev("rev")),
+        model: devattr("model"),
+        vendor: devattr("vendor"),
+        firmware: devattr("firmware_rev").or_else(|| devattr("rev")),
         driver,
         logical_block_size: num("logical_block_size"),
         physical_block_size: num("physical_block_size"),
@@ -438,33 +416,18 @@ fn block_device_in(sys: &Path, major: u32, minor: u32) -> Option<BlockDevice> {
     })
 }
 
-/// The mount holding `path` in a mountinfo text: among lines whose mount point is a prefix of `path`,
-/// those of device `dev` when any match (bind mounts and stacked mounts share prefixes), then the
-/// longest mount point; the last such line wins (later mounts hide earlier ones).
-fn mount_of(mountinfo: &str, dev: Option<(u32, u32)>, path: &Path) -> Option<FileSystem> {
-    struct Line {
-        devnum: String,
-        fs: FileSystem,
-    }
-    let lines: Vec<Line> = picchio_blockdev::mountinfo::parse(mountinfo)
-        .into_iter()
-        .map(|e| Line {
-            devnum: e.devnum.map(|d| d.to_string()).unwrap_or_default(),
-            fs: FileSystem {
-                fstype: e.fs_type,
-                source: e.source,
-                mount_point: e.mount_point.display().to_string(),
-                mount_options: e.mount_options,
-                super_options: e.super_options,
-            },
-        })
-        .filter(|l| path.starts_with(&l.fs.mount_point))
-        .collect();
-    let want = dev.map(|(a, b)| format!("{a}:{b}"));
-    let by_dev: Vec<&Line> = lines.iter().filter(|l| Some(&l.devnum) == want.as_ref()).collect();
-    let pool: Vec<&Line> = if by_dev.is_empty() { lines.iter().collect() } else { by_dev };
-    let longest = pool.iter().map(|l| l.fs.mount_point.len()).max()?;
-    pool.into_iter().rfind(|l| l.fs.mount_point.len() == longest).map(|l| l.fs.clone())
+/// The mount holding `path` in a mountinfo text ([`picchio_blockdev::host::mount_holding`]: the
+/// mount of device `dev` when one matches, else the longest mount-point prefix; later mounts win).
+fn mount_of(mountinfo: &str, dev: Option<DevNum>, path: &Path) -> Option<FileSystem> {
+    let entries = picchio_blockdev::mountinfo::parse(mountinfo);
+    let e = host::mount_holding(&entries.iter().collect::<Vec<_>>(), dev, path)?;
+    Some(FileSystem {
+        fstype: e.fs_type.clone(),
+        source: e.source.clone(),
+        mount_point: e.mount_point.display().to_string(),
+        mount_options: e.mount_options.clone(),
+        super_options: e.super_options.clone(),
+    })
 }
 
 fn pci_function(bdf: &str) -> PciFunction {
@@ -490,16 +453,20 @@ mod tests {
 41 27 0:50 / /mnt/my\\040disk/tmp rw - tmpfs tmpfs rw,size=4k
 ";
 
+    const fn dn(major: u32, minor: u32) -> Option<DevNum> {
+        Some(DevNum { major, minor })
+    }
+
     #[test]
     fn mountinfo_picks_the_mount_holding_the_path() {
-        let m = mount_of(MOUNTINFO, Some((254, 0)), Path::new("/work/x.picchioflat")).unwrap();
+        let m = mount_of(MOUNTINFO, dn(254, 0), Path::new("/work/x.picchioflat")).unwrap();
         assert_eq!((m.fstype.as_str(), m.source.as_str(), m.mount_point.as_str()), ("ext4", "/dev/vda", "/"));
         assert_eq!((m.mount_options.as_str(), m.super_options.as_str()), ("rw,relatime", "rw,discard"));
         // Optional fields ("shared:5") and an escaped space in the mount point.
-        let m = mount_of(MOUNTINFO, Some((8, 17)), Path::new("/mnt/my disk/e.picchioflat")).unwrap();
+        let m = mount_of(MOUNTINFO, dn(8, 17), Path::new("/mnt/my disk/e.picchioflat")).unwrap();
         assert_eq!((m.fstype.as_str(), m.mount_point.as_str()), ("xfs", "/mnt/my disk"));
         // The device number decides between nested mounts; without a match the longest prefix wins.
-        let m = mount_of(MOUNTINFO, Some((0, 50)), Path::new("/mnt/my disk/tmp/a")).unwrap();
+        let m = mount_of(MOUNTINFO, dn(0, 50), Path::new("/mnt/my disk/tmp/a")).unwrap();
         assert_eq!(m.fstype, "tmpfs");
         let m = mount_of(MOUNTINFO, None, Path::new("/mnt/my disk/tmp/a")).unwrap();
         assert_eq!(m.fstype, "tmpfs");
@@ -532,14 +499,14 @@ mod tests {
         std::os::unix::fs::symlink(&part, sys.path().join("dev/block/259:3")).unwrap();
         #[cfg(unix)]
         {
-            let d = block_device_in(sys.path(), 259, 3).unwrap();
+            let d = block_device_in(sys.path(), DevNum { major: 259, minor: 3 }).unwrap();
             assert_eq!((d.name.as_str(), d.disk.as_str(), d.devnum.as_str()), ("nvme0n1p2", "nvme0n1", "259:3"));
             assert_eq!(d.model.as_deref(), Some("Samsung SSD 980 PRO 1TB"));
             assert_eq!(d.firmware.as_deref(), Some("5B2QGXA7"));
             assert_eq!((d.logical_block_size, d.physical_block_size), (Some(512), Some(4096)));
             assert_eq!((d.scheduler.as_deref(), d.rotational), (Some("none"), Some(false)));
             assert_eq!((d.nr_requests, d.read_ahead_kb, d.max_sectors_kb), (Some(1023), Some(128), Some(512)));
-            assert!(block_device_in(sys.path(), 0, 50).is_none());
+            assert!(block_device_in(sys.path(), DevNum { major: 0, minor: 50 }).is_none());
         }
     }
 

@@ -237,7 +237,7 @@ pub fn check_raw(store: &BenchStore) -> Result<()> {
 
 #[cfg(target_os = "linux")]
 fn offset_queue(q: Box<dyn IoQueue>, base: u64) -> Box<dyn IoQueue> {
-    Box::new(picchio_blockdev::raw::OffsetQueue::new(q, ByteOffset(base)))
+    Box::new(picchio_core::OffsetQueue::new(q, ByteOffset(base)))
 }
 
 #[cfg(not(target_os = "linux"))]
@@ -299,7 +299,7 @@ pub fn open_nvme_sim(path: &std::path::Path, qd: u32) -> Result<(Box<dyn IoQueue
     let lba = if len.is_multiple_of(4096) { 4096 } else { 512 };
     let opts = NvmeQueueOptions { qd: u16::try_from(qd).unwrap_or(u16::MAX), ..NvmeQueueOptions::default() };
     let (queue, sim) = NvmeQueue::open_sim(SimConfig::single(path, lba), &opts)
-        .map_err(|e| Error::Invalid(format!("nvme-sim:{}: {e}", path.display())))?;
+        .map_err(|e| Error::Invalid(format!("nvme-sim:{}: {}", path.display(), e.with_causes())))?;
     let bytes = queue.namespace().bytes();
     Ok((Box::new(SimQueue { queue, _sim: sim }), bytes))
 }
@@ -317,7 +317,7 @@ pub fn open_nvme_sim(path: &std::path::Path, _qd: u32) -> Result<(Box<dyn IoQueu
 fn open_nvme(bdf: &str, nsid: u32, qd: u32) -> Result<(Box<dyn IoQueue>, u64)> {
     use picchio_nvme::{NvmeQueue, NvmeQueueOptions};
     let opts = NvmeQueueOptions { nsid, qd: u16::try_from(qd).unwrap_or(u16::MAX), ..NvmeQueueOptions::default() };
-    let fail = |e: picchio_nvme::Error| Error::Invalid(format!("nvme:{bdf}/{nsid}: {e}"));
+    let fail = |e: picchio_nvme::Error| Error::Invalid(format!("nvme:{bdf}/{nsid}: {}", e.with_causes()));
     let ctrlr = picchio_nvme::vfio::open_controller(bdf, opts.ctrlr_options()).map_err(fail)?;
     let queue = NvmeQueue::with_bounce_buffer(ctrlr, nsid, opts.timeout, format!("vfio {bdf}")).map_err(fail)?;
     queue.warn_if_clamped(opts.qd);

@@ -32,7 +32,11 @@ pub enum Error {
         cause: io::Error,
     },
     /// Unbuffered (`O_DIRECT`) reads are not possible on this file system or platform.
-    #[error("{}: unbuffered (O_DIRECT) reads are not supported here ({reason}); use --buffered", path.display())]
+    #[error(
+        "{}: unbuffered (O_DIRECT) reads are not supported here ({reason}); read it buffered instead (`direct: \
+         false` in PsyncOptions or UringOptions)",
+        path.display()
+    )]
     DirectUnsupported {
         /// The file or device.
         path: PathBuf,
@@ -153,7 +157,7 @@ pub enum Error {
     // ---- io_uring engine (uring.rs) ----
     /// io_uring cannot be used on this system: no kernel support, disabled by the
     /// `kernel.io_uring_disabled` sysctl, blocked by a seccomp filter, or without `IORING_OP_READ`.
-    #[error("io_uring is unavailable: {reason}; use --io psync")]
+    #[error("io_uring is unavailable: {reason}; use the psync engine (PsyncQueue) instead")]
     UringUnavailable {
         /// What the probe found, and the likely cause.
         reason: String,
@@ -241,7 +245,7 @@ pub enum Error {
     /// The image does not fit between its offset and the end of the device.
     #[error(
         "{}: the image needs {image_len} bytes but the device has {capacity} bytes from offset {offset} \
-         ({size} bytes in all): use a larger device, a smaller offset, or pack fewer layers (--layers)",
+         ({size} bytes in all): use a larger device, a smaller offset, or a smaller image (fewer layers)",
         path.display()
     )]
     ImageTooLarge {
@@ -364,7 +368,7 @@ fn write_open_hint(cause: &io::Error) -> &'static str {
     match cause.raw_os_error() {
         Some(libc::EBUSY) => {
             " (the kernel holds the device: a mounted file system, an active swap area, or device-mapper/md; \
-             unmount or release it first — --force cannot override this)"
+             unmount or release it first — `force` cannot override this)"
         }
         Some(libc::EROFS) => " (the device is read-only)",
         Some(libc::EACCES) | Some(libc::EPERM) => " (writing a block device needs root or the disk group)",
@@ -422,7 +426,12 @@ mod tests {
             cause: Some(io::Error::from_raw_os_error(22)),
         };
         let s = e.to_string();
-        assert!(s.contains("/dev/shm/x") && s.contains("O_DIRECT") && s.ends_with("use --buffered"), "{s}");
+        assert!(
+            s.contains("/dev/shm/x")
+                && s.contains("O_DIRECT")
+                && s.ends_with("read it buffered instead (`direct: false` in PsyncOptions or UringOptions)"),
+            "{s}"
+        );
         assert!(e.source().is_some());
         let e = Error::DirectUnsupported { path: "f".into(), reason: "r".into(), cause: None };
         assert!(e.source().is_none());

@@ -10,8 +10,11 @@
 //!   an I/O completion port, up to `qd` in flight (`PsyncQueue` works on Windows too, with
 //!   `FILE_FLAG_NO_BUFFERING` for `--direct`).
 //! * [`open_store`]: a [`picchio_core::FlatStore`] served by a `PsyncQueue`, in one call.
+//! * [`host`]: the host's view of its block devices — mounted, partitions, holders, swap, the
+//!   device(s) behind `/` — for the write refusals of `raw`, `picchio nvme` and bench records.
 //! * `raw` (tier S4, Linux only): block devices addressed by LBA — measuring and inspecting them,
-//!   the refusals before writing one, the `O_DIRECT` device writer, and reads offset to the image.
+//!   the refusals before writing one and the `O_DIRECT` device writer (reads offset to the image
+//!   go through [`picchio_core::OffsetQueue`]).
 //!
 //! Engines know nothing of models: they read `(offset, len)` into a buffer and report completions.
 //! Every system call lives in the private `sys` module (one file per OS); opening errors are
@@ -21,6 +24,7 @@
 
 mod align;
 mod error;
+pub mod host;
 #[cfg(windows)]
 mod iocp;
 pub mod mountinfo;

@@ -289,7 +289,7 @@ pub(crate) mod rawdev {
     use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
     use std::path::Path;
 
-    use crate::raw::DevNum;
+    use crate::mountinfo::DevNum;
 
     /// `BLKROGET`: whether the device is read-only, as an `int` (`_IO(0x12, 94)`, include/uapi/linux/fs.h).
     pub(crate) const BLKROGET: libc::Ioctl = 0x125e as libc::Ioctl;

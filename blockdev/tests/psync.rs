@@ -213,7 +213,11 @@ fn direct_on_a_file_system_without_o_direct_suggests_buffered() {
         ),
         Err(e) => {
             assert!(matches!(e, Error::DirectUnsupported { .. }), "{e}");
-            assert!(e.to_string().contains("use --buffered") && e.to_string().contains("/dev/shm"), "{e}");
+            assert!(
+                e.to_string().contains("read it buffered instead (`direct: false`")
+                    && e.to_string().contains("/dev/shm"),
+                "{e}"
+            );
         }
     }
 }

@@ -14,12 +14,13 @@ use common::{scratch, Rng};
 use loopdev::{
     mkfs_ext4, run, sparse_file, write_gpt_signature, write_mbr_partition, LoopDevice, LoopOptions, Mounted,
 };
-use picchio_blockdev::raw::{
-    DeviceSink, Finding, Host, Inspection, Lba, OffsetQueue, RawDevice, RawTarget, SignatureKind, Verdict,
-};
+use picchio_blockdev::host::Host;
+use picchio_blockdev::raw::{DeviceSink, Finding, Inspection, Lba, RawDevice, RawTarget, SignatureKind, Verdict};
 use picchio_blockdev::{Error, PsyncOptions, PsyncQueue};
 use picchio_core::loader::StoreDims;
-use picchio_core::{AlignedBuf, ByteOffset, ExpertLoader, FlatStore, FlatStoreOptions, FlatWriter, LoadError};
+use picchio_core::{
+    AlignedBuf, ByteOffset, ExpertLoader, FlatStore, FlatStoreOptions, FlatWriter, LoadError, OffsetQueue,
+};
 
 const MIB: u64 = 1 << 20;
 const DIMS: StoreDims = StoreDims { hidden: 64, n_layers: 2, n_experts: 3, topk: 1, moe_inter: 128 };
@@ -196,7 +197,7 @@ fn signatures_partitions_and_mounts_are_refused_and_force_overrides_only_ours() 
     let permit = insp.permit(true).unwrap();
     let e = DeviceSink::open(&permit).unwrap_err();
     assert!(matches!(&e, Error::WriteOpen { cause, .. } if cause.raw_os_error() == Some(libc::EBUSY)), "{e}");
-    assert!(e.to_string().contains("--force cannot override this"), "{e}");
+    assert!(e.to_string().contains("`force` cannot override this"), "{e}");
     assert_eq!(std::fs::read(mnt.dir.join("keep.txt")).unwrap(), b"still here");
     drop(mnt);
     drop(lo);
@@ -244,7 +245,7 @@ fn the_root_device_is_refused_even_with_force() {
     eprintln!("{insp}");
     assert!(insp.findings().iter().any(|f| f.verdict() == Verdict::RefuseAlways), "{insp}");
     let e = insp.permit(true).unwrap_err().to_string();
-    assert!(e.contains("backs the root file system") && e.contains("not even with --force"), "{e}");
+    assert!(e.contains("backs the root file system") && e.contains("not even with `force`"), "{e}");
 }
 
 #[test]
@@ -362,4 +363,44 @@ fn device_mapper_error_target_fails_only_the_mapped_experts() {
     }
     failed.sort();
     assert_eq!(failed, [2, 3, 4, 5]);
+}
+
+/// `blkid -p` as a second opinion, on real loop devices: it names an ext4 file system our scan also
+/// finds (one finding, ours), and a minix file system our scan does not know (a `Finding::Blkid`,
+/// refused unless forced). Needs root, `blkid`, `mkfs.ext4` and `mkfs.minix` (all util-linux or
+/// e2fsprogs, which `.ci/run` installs).
+#[test]
+fn blkid_names_what_it_finds_and_what_our_scan_misses_is_refused() {
+    use picchio_blockdev::raw::BlkidProbe;
+    let test = "blkid_names_what_it_finds_and_what_our_scan_misses_is_refused";
+    if !loopdev::require_root(test) {
+        return;
+    }
+    for tool in ["blkid", "mkfs.ext4", "mkfs.minix"] {
+        if !loopdev::have(tool, &["-V"]) {
+            return eprintln!("SKIPPED {test}: {tool} not found");
+        }
+    }
+    let dir = scratch();
+    let file = sparse_file(&dir.path().join("ext4.img"), 16 * MIB);
+    let Some(lo) = LoopDevice::attach_or_skip(test, &file, LoopOptions::default()) else { return };
+    mkfs_ext4(&lo.dev).unwrap();
+    let probe = BlkidProbe::run(&lo.dev, 0).expect("blkid is installed");
+    assert_eq!((probe.get("TYPE"), probe.get("USAGE")), (Some("ext4"), Some("filesystem")), "{probe:?}");
+    let insp = RawTarget::open(&lo.dev, ByteOffset(0)).unwrap().inspect(MIB).unwrap();
+    assert_eq!(kinds(&insp), [SignatureKind::Ext], "{insp}");
+    assert!(!insp.findings().iter().any(|f| matches!(f, Finding::Blkid { .. })), "ours already says ext4: {insp}");
+    drop(lo);
+
+    let file = sparse_file(&dir.path().join("minix.img"), 16 * MIB);
+    let lo = LoopDevice::attach(&file, LoopOptions::default()).unwrap();
+    run("mkfs.minix", &[lo.dev.to_str().unwrap()]).unwrap();
+    let insp = RawTarget::open(&lo.dev, ByteOffset(0)).unwrap().inspect(MIB).unwrap();
+    assert!(kinds(&insp).is_empty(), "our scan does not know minix: {insp}");
+    let found: Vec<&Finding> = insp.findings().iter().filter(|f| matches!(f, Finding::Blkid { .. })).collect();
+    assert_eq!(found.len(), 1, "{insp}");
+    assert!(found[0].to_string().starts_with("blkid -p reports minix"), "{}", found[0]);
+    assert_eq!(found[0].verdict(), Verdict::Refuse);
+    let e = insp.permit(false).unwrap_err().to_string();
+    assert!(e.contains("blkid -p reports minix"), "{e}");
 }

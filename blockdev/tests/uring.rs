@@ -301,7 +301,11 @@ fn uring_errors_display_their_cause_and_fix() {
         cause: Some(std::io::Error::from_raw_os_error(libc_eperm())),
     };
     let s = e.to_string();
-    assert!(s.starts_with("io_uring is unavailable: disabled by") && s.ends_with("use --io psync"), "{s}");
+    assert!(
+        s.starts_with("io_uring is unavailable: disabled by")
+            && s.ends_with("use the psync engine (PsyncQueue) instead"),
+        "{s}"
+    );
     assert!(e.source().is_some());
     let e = Error::UringOption { path: "/d".into(), flag: "--sqpoll", reason: "not permitted".into(), cause: None };
     assert_eq!(e.to_string(), "/d: io_uring --sqpoll: not permitted");

@@ -11,7 +11,9 @@ pub mod error;
 pub mod format;
 pub mod io;
 pub mod loader;
+pub mod offset;
 pub mod stats;
+pub mod units;
 pub mod uri;
 
 pub use buf::{AlignedBuf, BufPool};
@@ -21,5 +23,7 @@ pub use io::{ByteOffset, Completion, IoQueue, ReadReq, SlotAllocator, Tag};
 pub use loader::{
     ExpertKey, ExpertLoader, FallbackLoader, FlatStore, FlatStoreOptions, LoadError, Loaded, StoreExpect,
 };
+pub use offset::OffsetQueue;
 pub use stats::{IoStats, StatsSnapshot};
+pub use units::human_bytes;
 pub use uri::StoreUri;

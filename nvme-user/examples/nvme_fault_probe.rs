@@ -60,9 +60,11 @@ use picchio_nvme::{dma::DmaBuf, spec::Status, Controller, Iova};
 fn open(bdf: &str) -> Result<(Controller, bool), Outcome> {
     use picchio_nvme::vfio::VfioDevice;
     use std::sync::Arc;
-    let dev = Arc::new(VfioDevice::open(bdf)?);
-    dev.enable_bus_master()?;
-    let bar = Arc::new(dev.map_bar0()?);
+    // VFIO errors keep their OS error as `source()`: print it too.
+    let fail = |e: picchio_nvme::Error| Outcome::Fail(e.with_causes());
+    let dev = Arc::new(VfioDevice::open(bdf).map_err(fail)?);
+    dev.enable_bus_master().map_err(fail)?;
+    let bar = Arc::new(dev.map_bar0().map_err(fail)?);
     let dma = Arc::new(dev.dma());
     let noiommu = dev.noiommu();
     let c = Controller::init(bar, dma, picchio_nvme::CtrlrOptions::default())?;
@@ -116,13 +118,19 @@ fn expected(len: usize) -> Result<Vec<u8>, Outcome> {
     Ok(want)
 }
 
+/// Compares `bufs` (in order) with the first bytes of `want`.
+///
+/// # Safety
+/// The Read that filled `bufs` has completed (its completion was consumed): the device no longer
+/// writes them.
 #[cfg(target_os = "linux")]
-fn check(bufs: &[DmaBuf], want: &[u8]) -> Result<(), Outcome> {
+unsafe fn check(bufs: &[DmaBuf], want: &[u8]) -> Result<(), Outcome> {
     let mut off = 0;
     for b in bufs {
         let n = b.len().min(want.len() - off);
         let mut got = vec![0u8; n];
-        b.copy_out(0, &mut got);
+        // SAFETY: the device no longer writes `bufs` (this function's contract).
+        unsafe { b.copy_out(0, &mut got) };
         if got != want[off..off + n] {
             let i = (0..n).find(|&i| got[i] != want[off + i]).unwrap_or(0);
             return Err(Outcome::Fail(format!(
@@ -194,7 +202,8 @@ fn chained_prp(bdf: &str, nsid: u32) -> Result<(), Outcome> {
     let want = expected(LEN)?;
     for (i, b) in bufs.iter().enumerate() {
         let mut got = vec![0u8; CHUNK];
-        b.copy_out(0, &mut got);
+        // SAFETY: the Read completed (its status was checked above), so the device is done with `b`.
+        unsafe { b.copy_out(0, &mut got) };
         if got[..SEG] != want[i * SEG..(i + 1) * SEG] {
             let j = (0..SEG).find(|&j| got[j] != want[i * SEG + j]).unwrap_or(0);
             return Err(Outcome::Fail(format!("byte {:#x} (segment {i}) differs", i * SEG + j)));
@@ -225,7 +234,8 @@ fn reset(bdf: &str, nsid: u32) -> Result<(), Outcome> {
         if !status.is_success() {
             return Err(Outcome::Fail(format!("Read {round} the reset completed with {status}")));
         }
-        check(std::slice::from_ref(&buf), &want)?;
+        // SAFETY: `read` returned the Read's completion status, so it completed.
+        unsafe { check(std::slice::from_ref(&buf), &want) }?;
         if round == "before" {
             // No command is outstanding: the controller must report CID 0 as not aborted.
             let aborted = c.abort(1, picchio_nvme::Cid(0), Duration::from_secs(5))?;
@@ -271,7 +281,9 @@ fn stray_dma(bdf: &str, iova: u64) -> Result<(), Outcome> {
     if !after.is_success() {
         return Err(Outcome::Fail(format!("a normal Read after the stray one failed: {after}")));
     }
-    check(std::slice::from_ref(&buf), &expected(4096)?)?;
+    let want = expected(4096)?;
+    // SAFETY: `read` returned the Read's completion status, so it completed.
+    unsafe { check(std::slice::from_ref(&buf), &want) }?;
     println!(
         "stray-dma: completed with {status}{}; a Read after it is correct",
         if status.is_success() {

@@ -397,7 +397,8 @@ impl Controller {
             }
             SetNumQueues => {
                 let c =
-                    self.admin_init("Set Features (Number of Queues)", |c| *c = Command::set_num_queues(0, 1, 1))?;
+                    // SAFETY: Set Features (Number of Queues) carries no data pointer.
+                    unsafe { self.admin_init("Set Features (Number of Queues)", |c| *c = Command::set_num_queues(0, 1, 1)) }?;
                 tracing::debug!(nsqa = (c.dw0 & 0xFFFF) + 1, ncqa = (c.dw0 >> 16) + 1, "nvme queues granted");
                 self.enter(CreateIoCq);
             }
@@ -417,14 +418,24 @@ impl Controller {
                 }
                 let q = self.io.as_ref().expect("just created");
                 let (entries, cq) = (q.entries(), q.cq_iova().0);
-                self.admin_init("Create I/O Completion Queue 1", |c| *c = Command::create_io_cq(0, 1, entries, cq))?;
+                // SAFETY: PRP1 is the I/O CQ ring, DMA memory `self.io` owns until shutdown (and leaks
+                // if the controller does not confirm it stopped).
+                unsafe {
+                    self.admin_init("Create I/O Completion Queue 1", |c| *c = Command::create_io_cq(0, 1, entries, cq))
+                }?;
                 self.io_cq_created = true;
                 self.enter(CreateIoSq);
             }
             CreateIoSq => {
                 let q = self.io.as_ref().expect("created in CreateIoCq");
                 let (entries, sq) = (q.entries(), q.sq_iova().0);
-                self.admin_init("Create I/O Submission Queue 1", |c| *c = Command::create_io_sq(0, 1, entries, 1, sq))?;
+                // SAFETY: PRP1 is the I/O SQ ring, DMA memory `self.io` owns until shutdown (and leaks
+                // if the controller does not confirm it stopped).
+                unsafe {
+                    self.admin_init("Create I/O Submission Queue 1", |c| {
+                        *c = Command::create_io_sq(0, 1, entries, 1, sq)
+                    })
+                }?;
                 self.io_sq_created = true;
                 self.enter(Ready);
             }
@@ -437,17 +448,29 @@ impl Controller {
         let mut scratch = self.scratch.take().expect("allocated in ProgramAdminQueues");
         scratch.zero();
         let iova = scratch.iova().0;
-        let r = self.admin_init(what, |c| *c = Command::identify(0, cns, nsid, iova));
-        let mut page = vec![0u8; PAGE];
-        scratch.copy_out(0, &mut page);
+        // SAFETY: PRP1 is the scratch page, a DMA buffer of one page the controller owns until
+        // shutdown (it goes back into `self.scratch` below, also after a timeout, and is leaked if
+        // the controller does not confirm it stopped).
+        let r = unsafe { self.admin_init(what, |c| *c = Command::identify(0, cns, nsid, iova)) };
+        let page = r.map(|_| {
+            let mut page = vec![0u8; PAGE];
+            // SAFETY: the Identify completed (`Ok`) and its completion was consumed: the device no
+            // longer writes the scratch page.
+            unsafe { scratch.copy_out(0, &mut page) };
+            page
+        });
         self.scratch = Some(scratch);
-        r.map(|_| page)
+        page
     }
 
     /// An admin command during init: the state's deadline, and a timeout names the state.
-    fn admin_init(&mut self, what: &str, build: impl FnOnce(&mut Command)) -> Result<Completion> {
+    ///
+    /// # Safety
+    /// As [`Controller::admin_until`].
+    unsafe fn admin_init(&mut self, what: &str, build: impl FnOnce(&mut Command)) -> Result<Completion> {
         let deadline = self.deadline;
-        match self.admin_until(what, build, deadline) {
+        // SAFETY: forwarded to this function's caller.
+        match unsafe { self.admin_until(what, build, deadline) } {
             Err(Error::AdminTimeout { .. }) => Err(self.timed_out()),
             r => r,
         }
@@ -464,18 +487,32 @@ impl Controller {
     /// [`Error::AdminTimeout`], until the controller is reset or shut down).
     pub unsafe fn admin(&mut self, what: &str, build: impl FnOnce(&mut Command)) -> Result<Completion> {
         let deadline = Instant::now() + self.opts.admin_timeout;
-        self.admin_until(what, build, deadline)
+        // SAFETY: forwarded to this function's caller (the same contract).
+        unsafe { self.admin_until(what, build, deadline) }
     }
 
-    /// The admin command `build` makes. Callers in this module pass only commands without data
-    /// pointers or pointing at the controller's own scratch page or queue memory, which live until
-    /// shutdown; [`Controller::admin`] forwards its caller's contract.
-    fn admin_until(&mut self, what: &str, build: impl FnOnce(&mut Command), deadline: Instant) -> Result<Completion> {
+    /// Submits the admin command `build` makes and polls for its completion until `deadline`.
+    ///
+    /// # Errors
+    /// As [`Controller::admin`].
+    ///
+    /// # Safety
+    /// As [`QueuePair::submit`]: every data pointer the command carries must be device-mapped memory
+    /// that stays allocated and untouched by the host until this returns `Ok` or an error status;
+    /// after [`Error::AdminTimeout`] (or [`Error::ControllerFatal`]) the device may still access it,
+    /// so it must live until the controller is reset or shut down. Commands without data pointers
+    /// (Set Features Number of Queues, Abort, Delete I/O Queue) meet this trivially; the
+    /// controller's own scratch page and queue rings meet it because they live until shutdown.
+    unsafe fn admin_until(
+        &mut self,
+        what: &str,
+        build: impl FnOnce(&mut Command),
+        deadline: Instant,
+    ) -> Result<Completion> {
         let start = Instant::now();
         let q = self.admin.as_mut().expect("admin queue programmed");
         let cid = q.alloc_cid().ok_or(Error::QueueFull { qid: 0, depth: q.entries() })?;
-        // SAFETY: see this function's documentation: the data pointers are the controller's own
-        // memory (scratch page, queue rings), or the `admin` caller's per its contract.
+        // SAFETY: the data pointers meet `QueuePair::submit`'s contract per this function's.
         unsafe { q.submit(cid, 0, build) }?;
         q.ring();
         let mut done = None;
@@ -569,7 +606,8 @@ impl Controller {
     /// [`Error::ControllerFatal`]: the caller should reset the controller.
     pub fn abort(&mut self, sqid: u16, cid: Cid, timeout: Duration) -> Result<bool> {
         let what = format!("Abort (SQ {sqid}, CID {})", cid.0);
-        let c = self.admin_until(&what, |c| *c = Command::abort(0, sqid, cid.0), Instant::now() + timeout)?;
+        // SAFETY: Abort carries no data pointer.
+        let c = unsafe { self.admin_until(&what, |c| *c = Command::abort(0, sqid, cid.0), Instant::now() + timeout) }?;
         Ok(c.dw0 & 1 == 0)
     }
 
@@ -620,17 +658,19 @@ impl Controller {
         let fatal = self.csts().cfs();
         let deadline = Instant::now() + self.cap.timeout().min(self.opts.admin_timeout);
         if !fatal && self.io_sq_created {
-            if let Err(e) =
+            // SAFETY: Delete I/O Submission Queue carries no data pointer.
+            if let Err(e) = unsafe {
                 self.admin_until("Delete I/O Submission Queue 1", |c| *c = Command::delete_io_sq(0, 1), deadline)
-            {
+            } {
                 first.get_or_insert(e);
             }
             self.io_sq_created = false;
         }
         if !fatal && self.io_cq_created {
-            if let Err(e) =
+            // SAFETY: Delete I/O Completion Queue carries no data pointer.
+            if let Err(e) = unsafe {
                 self.admin_until("Delete I/O Completion Queue 1", |c| *c = Command::delete_io_cq(0, 1), deadline)
-            {
+            } {
                 first.get_or_insert(e);
             }
             self.io_cq_created = false;

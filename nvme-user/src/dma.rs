@@ -125,11 +125,34 @@ impl DmaBuf {
         // SAFETY: the whole allocation, exclusively ours (`&mut self`) and idle per the contract.
         unsafe { std::ptr::write_bytes(self.ptr.as_ptr(), 0, self.len) }
     }
-    /// Copies `out.len()` bytes from byte `off` (call only after the device finished writing them,
-    /// i.e. after the command's completion was seen).
-    pub fn copy_out(&self, off: usize, out: &mut [u8]) {
-        assert!(off + out.len() <= self.len);
-        // SAFETY: in bounds; `out` is ordinary memory that cannot overlap a DMA buffer we own.
+    /// Copies `out.len()` bytes from byte `off` into `out`: an acquire fence
+    /// ([`crate::queue::fence::consume`]), then one plain `memcpy`.
+    ///
+    /// Not volatile, on purpose: this is the bounce-buffer read path (every byte of a read into a
+    /// buffer that is not a pool slot goes through it), and a byte- or word-wise volatile copy costs
+    /// several times a `memcpy`. A plain copy is sound only once the device has stopped writing the
+    /// range, so that is the contract; the fence orders the copy after the completion entry read
+    /// that proved it.
+    ///
+    /// # Panics
+    /// If `off + out.len()` is beyond the buffer.
+    ///
+    /// # Safety
+    /// The device must not write bytes `off .. off + out.len()` during the call: the command that
+    /// wrote them has completed and its completion was consumed ([`crate::QueuePair::poll`]), or no
+    /// outstanding command targets them, or the controller is disabled (CSTS.RDY = 0). Otherwise the
+    /// copy races with the device's DMA.
+    pub unsafe fn copy_out(&self, off: usize, out: &mut [u8]) {
+        assert!(
+            off.checked_add(out.len()).is_some_and(|end| end <= self.len),
+            "DMA copy {off:#x}+{} of {:#x}",
+            out.len(),
+            self.len
+        );
+        crate::queue::fence::consume();
+        // SAFETY: in bounds (checked); the device does not write the range (this function's
+        // contract), so no access races with this read; `out` is ordinary memory that cannot overlap
+        // a DMA buffer, which is never behind a reference.
         unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(off), out.as_mut_ptr(), out.len()) }
     }
     /// Copies `src` to byte `off` (call only while the device does not read that range).
@@ -773,7 +796,8 @@ mod tests {
         b.write::<u64>(8, 0xdead_beef);
         assert_eq!(b.read::<u32>(8), 0xdead_beef);
         let mut out = [0u8; 4];
-        b.copy_out(8, &mut out);
+        // SAFETY: heap memory no device writes.
+        unsafe { b.copy_out(8, &mut out) };
         assert_eq!(u32::from_le_bytes(out), 0xdead_beef);
         b.zero();
         assert_eq!(b.read::<u64>(8), 0);

@@ -492,7 +492,10 @@ impl NvmeQueue {
             if status.is_success() {
                 if let (DataPath::Bounce(b), None, Op::Read) = (&self.path, r.slot, r.op) {
                     let n = (r.len - off).min(r.chunk) as usize;
-                    b[usize::from(e.cid.0)].copy_out(0, &mut r.buf.as_mut_slice()[off as usize..off as usize + n]);
+                    let dst = &mut r.buf.as_mut_slice()[off as usize..off as usize + n];
+                    // SAFETY: this bounce buffer's command (CID `e.cid`) completed successfully and
+                    // its completion was just consumed by `poll`; the CID is not reused before this.
+                    unsafe { b[usize::from(e.cid.0)].copy_out(0, dst) };
                     self.stats.bounce_bytes += n as u64;
                 }
             } else {
@@ -564,12 +567,7 @@ impl IoQueue for NvmeQueue {
             Err(e) => {
                 let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
                 let pages = bytes.div_ceil(2 << 20);
-                let mut why = e.to_string();
-                let mut cause = std::error::Error::source(&e);
-                while let Some(c) = cause {
-                    why = format!("{why}: {c}");
-                    cause = c.source();
-                }
+                let why = e.with_causes();
                 tracing::warn!("{}: {}", self.label, hugepage_shortfall(pages, count, slot_len, &meminfo, &why));
                 None
             }
@@ -692,7 +690,7 @@ impl NvmeQueue {
             }
             (DataPath::Direct, None) => match self.dma.map_external(buf.as_mut_ptr(), len as usize) {
                 Ok(i) => Some(i),
-                Err(e) => return self.complete_now(tag, buf, io::Error::other(e.to_string())),
+                Err(e) => return self.complete_now(tag, buf, io::Error::other(e.with_causes())),
             },
             (DataPath::Bounce(b), None) => {
                 chunk = chunk.min(b[0].len() as u32);
@@ -782,7 +780,7 @@ impl NvmeQueue {
             "{}: leaking {bytes} bytes of request, quarantined and bounce buffers and {slot_bytes} bytes of \
              slot-pool DMA memory: the controller did not confirm it stopped ({}), so it may still DMA into them",
             self.label,
-            why.map_or_else(|| "CSTS.RDY did not clear after CC.EN = 0".to_string(), |e| e.to_string())
+            why.map_or_else(|| "CSTS.RDY did not clear after CC.EN = 0".to_string(), |e| e.with_causes())
         );
         std::mem::forget(reqs);
         std::mem::forget(quarantine);

@@ -73,9 +73,10 @@ pub enum Error {
         /// Ring entries.
         depth: u16,
     },
-    /// Building the PRP entries of a transfer failed.
+    /// Building the PRP entries of a transfer failed. The [`PrpError`] is part of the message (it
+    /// names the entry), so it is not repeated as `source()`.
     #[error("PRP list: {0}")]
-    Prp(#[from] PrpError),
+    Prp(PrpError),
     /// The controller cannot work with this host (page size, entry sizes, queue sizes, command set).
     #[error("NVMe controller unsupported: {what}")]
     Unsupported {
@@ -111,19 +112,20 @@ pub enum Error {
         /// Why.
         why: String,
     },
-    /// Opening a sim namespace backing file failed.
-    #[error("sim namespace {nsid} backing file {path}: {source}")]
+    /// Opening a sim namespace backing file failed, or it is not a namespace image (shorter than
+    /// one LBA). The cause is part of the message (it says what is wrong with the file), so it is
+    /// not repeated as `source()`.
+    #[error("sim namespace {nsid} backing file {path}: {cause}")]
     SimBacking {
         /// The namespace.
         nsid: u32,
         /// The file.
         path: std::path::PathBuf,
-        /// The cause.
-        #[source]
-        source: std::io::Error,
+        /// What failed: the OS error, or why the file is refused.
+        cause: std::io::Error,
     },
-    /// A VFIO operation failed.
-    #[error("VFIO {op} on {what}: {source}")]
+    /// A VFIO operation failed (the OS error is the `source()`).
+    #[error("VFIO {op} on {what}")]
     Vfio {
         /// The operation (ioctl or file).
         op: &'static str,
@@ -133,6 +135,27 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+}
+
+impl From<PrpError> for Error {
+    fn from(e: PrpError) -> Error {
+        Error::Prp(e)
+    }
+}
+
+impl Error {
+    /// The message and each `source()` after it, joined by `": "` (what `{:#}` prints for an
+    /// `anyhow` chain), for callers that keep an error as text (logs, a [`crate::engine::ReadFailure`]).
+    pub fn with_causes(&self) -> String {
+        let mut out = self.to_string();
+        let mut cause = std::error::Error::source(self);
+        while let Some(c) = cause {
+            out.push_str(": ");
+            out.push_str(&c.to_string());
+            cause = c.source();
+        }
+        out
+    }
 }
 
 /// `Result` with [`Error`].
@@ -157,5 +180,40 @@ mod tests {
         assert!(e.source().is_some());
         let e = Error::Prp(PrpError::NotDwordAligned { index: 0, addr: 0x1001 });
         assert!(e.to_string().contains("entry 0"), "{e}");
+    }
+
+    /// Each cause is printed once: in the message or as `source()`, never both (like vfio-ioctls'
+    /// `test_vfio_error_fmt`), and [`Error::with_causes`] joins them.
+    #[test]
+    fn a_cause_is_in_the_message_or_the_source_not_both() {
+        let os = || std::io::Error::from_raw_os_error(libc::EBUSY);
+        let busy = os().to_string();
+        let e = Error::Vfio { op: "VFIO_GROUP_SET_CONTAINER", what: "/dev/vfio/7".into(), source: os() };
+        assert_eq!(e.to_string(), "VFIO VFIO_GROUP_SET_CONTAINER on /dev/vfio/7");
+        assert_eq!(e.source().map(|s| s.to_string()), Some(busy.clone()));
+        assert_eq!(e.with_causes(), format!("VFIO VFIO_GROUP_SET_CONTAINER on /dev/vfio/7: {busy}"));
+
+        let e = Error::SimBacking { nsid: 2, path: "/tmp/ns2".into(), cause: os() };
+        assert_eq!(e.to_string(), format!("sim namespace 2 backing file /tmp/ns2: {busy}"));
+        assert!(e.source().is_none(), "the cause is in the message");
+        assert_eq!(e.with_causes(), e.to_string());
+
+        let e = Error::DmaAlloc { len: 8192, hugepages: false, cause: Some(os()) };
+        assert_eq!(e.to_string(), "DMA allocation of 8192 bytes failed");
+        assert_eq!(e.with_causes(), format!("DMA allocation of 8192 bytes failed: {busy}"));
+        let e = Error::DmaAlloc { len: 8192, hugepages: false, cause: None };
+        assert!(e.source().is_none());
+
+        let e: Error = PrpError::OutOfEntries { index: 513, capacity: 512 }.into();
+        assert_eq!(
+            e.to_string(),
+            "PRP list: entry 513: out of PRP list entries (the list pages hold 512 data entries)"
+        );
+        assert!(e.source().is_none(), "the PRP error is in the message");
+        assert_eq!(e.with_causes(), e.to_string());
+
+        let e = Error::QueueFull { qid: 1, depth: 32 };
+        assert_eq!(e.to_string(), "NVMe queue 1 is full (32 entries)");
+        assert!(e.source().is_none());
     }
 }

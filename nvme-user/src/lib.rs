@@ -17,6 +17,8 @@
 //!   API. A timed-out command is aborted, else the controller is reset (also on CSTS.CFS); exactly
 //!   the affected requests fail with a typed [`engine::ReadFailure`], within an
 //!   [`engine::RecoveryPolicy`]; an interrupt flag (SIGINT) ends every wait.
+//! - [`sink`]: [`NvmeSink`], the image writer beside that reader: a
+//!   [`picchio_core::format::ImageSink`] writing a `.picchioflat` image with NVM Write and Flush.
 //! - [`sim`]: a controller model in host memory, backed by files, with error injection (statuses,
 //!   dropped completions, hung commands, CSTS.CFS) and Abort and reset handled like a controller.
 //! - `vfio` (Linux): the VFIO device, BAR0 mapping and IOMMU DMA mappings for real controllers.
@@ -62,6 +64,7 @@ pub mod error;
 pub mod prp;
 pub mod queue;
 pub mod sim;
+pub mod sink;
 pub mod spec;
 #[cfg(target_os = "linux")]
 pub mod vfio;
@@ -72,3 +75,4 @@ pub use dma::{DmaBuf, DmaPool, HeapDma, Iova};
 pub use engine::{NvmeQueue, NvmeQueueOptions};
 pub use error::{Error, Result};
 pub use queue::{Cid, QueuePair};
+pub use sink::NvmeSink;

@@ -599,7 +599,8 @@ fn chained_prp_list_from_an_offset_first_page_and_a_broken_chain() {
     assert_eq!(done, Some(Status::SUCCESS));
     assert_eq!(sim.stats().prp_list_pages - pages0, 3);
     let mut got = vec![0u8; len];
-    buf.copy_out(0x600, &mut got);
+    // SAFETY: the Read completed and its completion was consumed above.
+    unsafe { buf.copy_out(0x600, &mut got) };
     assert!(got == bytes[8 * 512..8 * 512 + len], "bytes through a 3-page chain from an offset first page");
 
     // A chain pointer that is not page aligned: the controller refuses it with PRP Offset Invalid.

@@ -9,6 +9,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use picchio_blockdev::host::{Host, Sysfs};
 use serde::Serialize;
 
 /// The PCI class of an NVMe controller: mass storage, non-volatile memory, NVMe interface.
@@ -184,32 +185,6 @@ impl ControllerInfo {
     }
 }
 
-/// One line of the mount table that matters here: the devices a mount uses and where.
-#[derive(Clone, Debug)]
-struct Mount {
-    devs: Vec<String>,
-    point: String,
-}
-
-/// The mount table ([`picchio_blockdev::mountinfo::parse`]) with the devices each mount uses: its
-/// `MAJ:MIN`, and for a source under `/dev/` the `major:minor` read from `SYSFS/class/block/NAME/dev`
-/// (btrfs reports an anonymous `0:N` in `MAJ:MIN`).
-fn parse_mountinfo(sysfs: &Path, text: &str) -> Vec<Mount> {
-    picchio_blockdev::mountinfo::parse(text)
-        .into_iter()
-        .map(|e| {
-            let mut devs: Vec<String> = e.devnum.iter().map(ToString::to_string).collect();
-            if let Some(name) = e.source.strip_prefix("/dev/") {
-                let name = name.rsplit('/').next().unwrap_or(name);
-                if let Ok(d) = std::fs::read_to_string(sysfs.join("class/block").join(name).join("dev")) {
-                    devs.push(d.trim().to_string());
-                }
-            }
-            Mount { devs, point: e.mount_point.display().to_string() }
-        })
-        .collect()
-}
-
 fn read_trim(p: &Path) -> Option<String> {
     std::fs::read_to_string(p).ok().map(|s| s.trim().to_string())
 }
@@ -242,40 +217,20 @@ fn is_namespace_name(n: &str) -> bool {
     !ctrl.is_empty() && rest.len() > 1 && rest.starts_with('n') && rest[1..].bytes().all(|b| b.is_ascii_digit())
 }
 
-fn block_info(dir: &Path, mounts: &[Mount]) -> BlockInfo {
-    let dev = read_trim(&dir.join("dev")).unwrap_or_default();
-    let size = read_trim(&dir.join("size")).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0) * 512;
-    let mounts = mounts.iter().filter(|m| !dev.is_empty() && m.devs.contains(&dev)).map(|m| m.point.clone()).collect();
-    let mut holders: Vec<String> = subdirs(&dir.join("holders")).iter().map(|p| file_name(p)).collect();
-    holders.sort();
-    BlockInfo { name: file_name(dir), dev, size, mounts, holders }
-}
-
-/// The `major:minor` of every device whose loss takes `/` with it: the devices of the visible `/`
-/// mount and, through `SYSFS/dev/block/MAJ:MIN/slaves`, the devices under them, transitively.
-fn root_devices(sysfs: &Path, mounts: &[Mount]) -> Vec<String> {
-    let mut todo: Vec<String> =
-        mounts.iter().rev().find(|m| m.point == "/").map(|m| m.devs.clone()).unwrap_or_default();
-    let mut out: Vec<String> = Vec::new();
-    while let Some(d) = todo.pop() {
-        if out.contains(&d) {
-            continue;
-        }
-        for slave in subdirs(&sysfs.join("dev/block").join(&d).join("slaves")) {
-            if let Some(n) = read_trim(&slave.join("dev")) {
-                todo.push(n);
-            }
-        }
-        out.push(d);
-    }
-    out
+fn block_info(dir: &Path, host: &Host) -> BlockInfo {
+    let num = Sysfs::devnum(dir);
+    let size = Sysfs::size_bytes(dir).unwrap_or(0);
+    let mounts =
+        num.map(|n| host.mounts_of(n).map(|m| m.entry.mount_point.display().to_string()).collect()).unwrap_or_default();
+    let holders = Sysfs::holders(dir).iter().map(|h| Sysfs::name(h)).collect();
+    BlockInfo { name: file_name(dir), dev: num.map(|n| n.to_string()).unwrap_or_default(), size, mounts, holders }
 }
 
 fn device_dir(sysfs: &Path, bdf: &Bdf) -> PathBuf {
     sysfs.join("bus/pci/devices").join(bdf.as_str())
 }
 
-fn describe(sysfs: &Path, dir: &Path, bdf: Bdf, mounts: &[Mount], root: &[String]) -> ControllerInfo {
+fn describe(sysfs: &Path, dir: &Path, bdf: Bdf, host: &Host) -> ControllerInfo {
     let vendor = read_trim(&dir.join("vendor")).unwrap_or_default();
     let device = read_trim(&dir.join("device")).unwrap_or_default();
     let strip = |s: &str| s.trim_start_matches("0x").to_string();
@@ -302,17 +257,20 @@ fn describe(sysfs: &Path, dir: &Path, bdf: Bdf, mounts: &[Mount], root: &[String
     let namespaces: Vec<NamespaceInfo> = ns_dirs
         .iter()
         .map(|d| NamespaceInfo {
-            block: block_info(d, mounts),
+            block: block_info(d, host),
             partitions: subdirs(d)
                 .iter()
                 .filter(|p| p.join("partition").exists())
-                .map(|p| block_info(p, mounts))
+                .map(|p| block_info(p, host))
                 .collect(),
         })
         .collect();
     let all = || namespaces.iter().flat_map(|n| std::iter::once(&n.block).chain(&n.partitions));
     let mounted = all().any(|b| !b.mounts.is_empty() || !b.holders.is_empty());
-    let backs_root = all().any(|b| b.mounts.iter().any(|m| m == "/") || root.contains(&b.dev));
+    // The device(s) of `/` and everything they are built on (`slaves/`, transitively).
+    let root = host.root_backing();
+    let backs_root =
+        all().any(|b| b.mounts.iter().any(|m| m == "/") || b.dev.parse().is_ok_and(|d| root.contains_key(&d)));
     ControllerInfo {
         bdf,
         id: format!("{}:{}", strip(&vendor), strip(&device)),
@@ -327,8 +285,7 @@ fn describe(sysfs: &Path, dir: &Path, bdf: Bdf, mounts: &[Mount], root: &[String
 /// Every NVMe controller (PCI class [`NVME_CLASS`]) under `SYSFS/bus/pci/devices`, by address.
 /// `mountinfo` is the text of `/proc/self/mountinfo`.
 pub fn list(sysfs: &Path, mountinfo: &str) -> Vec<ControllerInfo> {
-    let mounts = parse_mountinfo(sysfs, mountinfo);
-    let root_devs = root_devices(sysfs, &mounts);
+    let host = Host::from_texts(sysfs, mountinfo, "");
     let root = sysfs.join("bus/pci/devices");
     let mut entries: Vec<PathBuf> =
         std::fs::read_dir(&root).map(|rd| rd.flatten().map(|e| e.path()).collect()).unwrap_or_default();
@@ -336,7 +293,7 @@ pub fn list(sysfs: &Path, mountinfo: &str) -> Vec<ControllerInfo> {
     entries
         .into_iter()
         .filter(|d| read_trim(&d.join("class")).as_deref() == Some(NVME_CLASS))
-        .filter_map(|d| Bdf::parse(&file_name(&d)).ok().map(|b| describe(sysfs, &d, b, &mounts, &root_devs)))
+        .filter_map(|d| Bdf::parse(&file_name(&d)).ok().map(|b| describe(sysfs, &d, b, &host)))
         .collect()
 }
 
@@ -353,8 +310,7 @@ pub fn controller(sysfs: &Path, mountinfo: &str, bdf: &Bdf) -> Result<Controller
     if class != NVME_CLASS {
         return Err(AdminError::NotNvme { bdf: bdf.to_string(), class });
     }
-    let mounts = parse_mountinfo(sysfs, mountinfo);
-    Ok(describe(sysfs, &dir, bdf.clone(), &mounts, &root_devices(sysfs, &mounts)))
+    Ok(describe(sysfs, &dir, bdf.clone(), &Host::from_texts(sysfs, mountinfo, "")))
 }
 
 /// One write to a sysfs control file.

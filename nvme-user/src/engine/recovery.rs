@@ -279,14 +279,14 @@ impl NvmeQueue {
         let lost = match self.ctrlr.reset() {
             Ok(lost) => lost,
             Err(e) => {
-                self.stop(ReadFailure::ResetFailed { reason, cause: e.to_string() });
+                self.stop(ReadFailure::ResetFailed { reason, cause: e.with_causes() });
                 return;
             }
         };
         match self.ctrlr.namespace(self.ns.nsid) {
             Ok(ns) if ns == self.ns => {}
             other => {
-                let now = other.map_or_else(|e| e.to_string(), |n| format!("{n:?}"));
+                let now = other.map_or_else(|e| e.with_causes(), |n| format!("{n:?}"));
                 self.stop(ReadFailure::NamespaceChanged { nsid: self.ns.nsid, was: format!("{:?}", self.ns), now });
                 return;
             }

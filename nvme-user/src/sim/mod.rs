@@ -228,7 +228,7 @@ impl Sim {
             if !matches!(n.lba_size, 512 | 4096) {
                 return Err(Error::Unsupported { what: format!("sim namespace {nsid}: LBA size {}", n.lba_size) });
             }
-            let backing = |source| Error::SimBacking { nsid, path: n.path.clone(), source };
+            let backing = |cause| Error::SimBacking { nsid, path: n.path.clone(), cause };
             let file = std::fs::OpenOptions::new().read(true).write(n.writable).open(&n.path).map_err(backing)?;
             let len = file.metadata().map_err(backing)?.len();
             // A file shorter than one LBA would be a namespace of 0 blocks, which a controller does

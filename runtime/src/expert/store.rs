@@ -302,7 +302,7 @@ pub fn open_nvme(
 pub fn open_nvme_queue(name: &str, bdf: &str, nsid: u32, qd: u32) -> Result<picchio_nvme::NvmeQueue> {
     use picchio_nvme::engine::{NvmeQueue, NvmeQueueOptions};
     let qopts = NvmeQueueOptions { nsid, qd: qd.clamp(1, 1024) as u16, ..NvmeQueueOptions::default() };
-    let fail = |e: picchio_nvme::Error| Error::Invalid(format!("{name}: {e}"));
+    let fail = |e: picchio_nvme::Error| Error::Invalid(format!("{name}: {}", e.with_causes()));
     let ctrlr = picchio_nvme::vfio::open_controller(bdf, qopts.ctrlr_options()).map_err(fail)?;
     let mut queue = NvmeQueue::with_bounce_buffer(ctrlr, nsid, qopts.timeout, format!("vfio {bdf}")).map_err(fail)?;
     // SIGINT/SIGTERM end any wait for the device (crate::interrupt).

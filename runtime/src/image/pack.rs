@@ -438,8 +438,9 @@ pub fn pack_raw(
     opts: &RawPackOptions,
     announce: &mut dyn FnMut(&picchio_blockdev::raw::Inspection),
 ) -> Result<RawPackReport> {
-    use picchio_blockdev::raw::{DeviceSink, OffsetQueue, RawTarget};
+    use picchio_blockdev::raw::{DeviceSink, RawTarget};
     use picchio_blockdev::{PsyncOptions, PsyncQueue};
+    use picchio_core::OffsetQueue;
 
     let t0 = Instant::now();
     let src = Source::open(model_dir, &opts.pack)?;
@@ -684,7 +685,7 @@ pub fn pack_nvme_queue(
     announce(&inspection);
     inspection.permit(opts.force)?;
     let before = queue.stats();
-    let mut sink = nvme_sink::NvmeSink::open(queue, name, image_len).map_err(|cause| {
+    let mut sink = picchio_nvme::NvmeSink::open(queue, name, image_len).map_err(|cause| {
         Error::Store(picchio_core::Error::Write { path: name.into(), what: "the first block", cause })
     })?;
     let w = FlatWriter::with_sink(&mut sink, store_dims(&src.cfg), src.n_entries)?;
@@ -710,170 +711,6 @@ pub fn pack_nvme_queue(
     };
     let commands = (after.commands - before.commands, after.flushes - before.flushes);
     Ok(NvmePackReport { pack, inspection, verify, commands })
-}
-
-/// The [`ImageSink`] that writes an image onto an NVMe namespace through [`picchio_nvme::NvmeQueue`].
-#[cfg(target_os = "linux")]
-pub(crate) mod nvme_sink {
-    use std::io;
-    use std::path::{Path, PathBuf};
-
-    use picchio_core::format::ImageSink;
-    use picchio_core::{AlignedBuf, ByteOffset, Completion, IoQueue, ReadReq, Tag, BLOCK_SIZE};
-    use picchio_nvme::NvmeQueue;
-
-    /// Bytes per gathered write run.
-    const RUN: usize = 4 << 20;
-    /// Runs in flight at once.
-    const DEPTH: usize = 4;
-
-    /// Gathers contiguous writes into 4 MiB aligned runs and writes each with
-    /// [`NvmeQueue::submit_write`]; [`ImageSink::barrier`] waits for every run and issues a Flush.
-    pub(crate) struct NvmeSink<'q> {
-        queue: &'q mut NvmeQueue,
-        dest: PathBuf,
-        limit: u64,
-        lba: usize,
-        run: Option<AlignedBuf>,
-        run_start: u64,
-        run_len: usize,
-        spare: Vec<AlignedBuf>,
-        in_flight: usize,
-        done: Vec<Completion>,
-        failed: Option<io::Error>,
-    }
-
-    impl<'q> NvmeSink<'q> {
-        /// A sink for an image of `limit` bytes at LBA 0; zeroes the first image block and flushes
-        /// before returning, so the old superblock (ours or a file system's) is gone first.
-        pub(crate) fn open(queue: &'q mut NvmeQueue, name: &str, limit: u64) -> io::Result<NvmeSink<'q>> {
-            let lba = queue.block_size() as usize;
-            let mut sink = NvmeSink {
-                queue,
-                dest: PathBuf::from(name),
-                limit,
-                lba,
-                run: None,
-                run_start: 0,
-                run_len: 0,
-                spare: Vec::new(),
-                in_flight: 0,
-                done: Vec::new(),
-                failed: None,
-            };
-            sink.write_at(0, &vec![0u8; BLOCK_SIZE as usize])?;
-            sink.barrier()?;
-            Ok(sink)
-        }
-
-        fn buffer(&mut self) -> io::Result<AlignedBuf> {
-            match self.spare.pop() {
-                Some(b) => Ok(b),
-                None => AlignedBuf::new(RUN, BLOCK_SIZE as usize)
-                    .map_err(|e| io::Error::new(io::ErrorKind::OutOfMemory, e.to_string())),
-            }
-        }
-
-        /// Reaps completions until at most `max_in_flight` runs are outstanding.
-        fn drain_to(&mut self, max_in_flight: usize) -> io::Result<()> {
-            while self.in_flight > max_in_flight {
-                self.done.clear();
-                self.queue.reap(1, &mut self.done);
-                for c in self.done.drain(..) {
-                    self.in_flight -= 1;
-                    if let Err(e) = c.result {
-                        let at = c.tag.0;
-                        self.failed.get_or_insert(io::Error::new(e.kind(), format!("write at byte {at:#x}: {e}")));
-                    }
-                    self.spare.push(c.buf);
-                }
-            }
-            match self.failed.take() {
-                Some(e) => Err(e),
-                None => Ok(()),
-            }
-        }
-
-        /// Submits the gathered run.
-        fn submit(&mut self) -> io::Result<()> {
-            let Some(buf) = self.run.take() else { return Ok(()) };
-            let len = self.run_len;
-            self.run_len = 0;
-            if !len.is_multiple_of(self.lba) {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    format!(
-                        "write of {len} bytes at byte {:#x} is not a whole number of {}-byte LBAs",
-                        self.run_start, self.lba
-                    ),
-                ));
-            }
-            self.drain_to(DEPTH - 1)?;
-            let at = self.run_start;
-            self.queue.submit_write(ReadReq { offset: ByteOffset(at), len: len as u32, buf, tag: Tag(at) });
-            self.in_flight += 1;
-            self.run_start += len as u64;
-            Ok(())
-        }
-    }
-
-    impl ImageSink for NvmeSink<'_> {
-        fn dest(&self) -> &Path {
-            &self.dest
-        }
-
-        fn write_at(&mut self, offset: u64, bytes: &[u8]) -> io::Result<()> {
-            let end = offset.saturating_add(bytes.len() as u64);
-            if end > self.limit {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    format!("write of {} bytes at byte {offset:#x} past the image's {} bytes", bytes.len(), self.limit),
-                ));
-            }
-            if self.run.is_some() && offset != self.run_start + self.run_len as u64 {
-                self.submit()?;
-            }
-            let mut rest = bytes;
-            let mut at = offset;
-            while !rest.is_empty() {
-                if self.run.is_none() {
-                    self.run = Some(self.buffer()?);
-                    self.run_start = at;
-                }
-                let take = rest.len().min(RUN - self.run_len);
-                let run = self.run.as_mut().expect("set above");
-                run.as_mut_slice()[self.run_len..self.run_len + take].copy_from_slice(&rest[..take]);
-                self.run_len += take;
-                rest = &rest[take..];
-                at += take as u64;
-                if self.run_len == RUN {
-                    self.submit()?;
-                }
-            }
-            Ok(())
-        }
-
-        fn barrier(&mut self) -> io::Result<()> {
-            self.submit()?;
-            self.drain_to(0)?;
-            self.queue.flush()
-        }
-
-        fn commit(&mut self, _len: u64) -> picchio_core::Result<()> {
-            self.barrier().map_err(|cause| picchio_core::Error::Write {
-                path: self.dest.clone(),
-                what: "final writes and flush",
-                cause,
-            })
-        }
-    }
-
-    impl Drop for NvmeSink<'_> {
-        fn drop(&mut self) {
-            // Buffers in flight must come back before the queue is used for anything else.
-            let _ = self.drain_to(0);
-        }
-    }
 }
 
 #[cfg(test)]

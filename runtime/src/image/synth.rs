@@ -326,8 +326,9 @@ pub fn synth_raw(
     io_threads: usize,
     announce: &mut dyn FnMut(&picchio_blockdev::raw::Inspection),
 ) -> Result<RawSynthReport> {
-    use picchio_blockdev::raw::{DeviceSink, OffsetQueue, RawTarget};
+    use picchio_blockdev::raw::{DeviceSink, RawTarget};
     use picchio_blockdev::{PsyncOptions, PsyncQueue};
+    use picchio_core::OffsetQueue;
 
     let t0 = Instant::now();
     let n_entries = opts.n_entries()?;
@@ -429,7 +430,7 @@ pub fn synth_nvme_queue(
     let inspection = crate::image::pack::NvmeInspection::read(queue, name, image_len)?;
     announce(&inspection);
     inspection.permit(force)?;
-    let mut sink = crate::image::pack::nvme_sink::NvmeSink::open(queue, name, image_len).map_err(|cause| {
+    let mut sink = picchio_nvme::NvmeSink::open(queue, name, image_len).map_err(|cause| {
         Error::Store(picchio_core::Error::Write { path: name.into(), what: "the first block", cause })
     })?;
     let w = FlatWriter::with_sink(&mut sink, opts.geometry.dims, n_entries)?;

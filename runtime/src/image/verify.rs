@@ -237,7 +237,8 @@ pub fn verify(store: &Path, model: Option<&Path>, opts: &VerifyOptions) -> Resul
 /// past the end, or a device the engine cannot open; otherwise as [`verify_queue`].
 #[cfg(target_os = "linux")]
 pub fn verify_raw(device: &Path, offset: u64, model: Option<&Path>, opts: &VerifyOptions) -> Result<VerifyReport> {
-    use picchio_blockdev::raw::{OffsetQueue, RawTarget};
+    use picchio_blockdev::raw::RawTarget;
+    use picchio_core::OffsetQueue;
     let target = RawTarget::open(device, ByteOffset(offset))?;
     let queue = PsyncQueue::open(device, PsyncOptions { threads: opts.io_threads.max(1), direct: opts.direct })?;
     let mut queue = OffsetQueue::new(queue, target.base());

@@ -17,9 +17,8 @@
 //!
 //! The payload length is our Q4 expert payload (docs/format.md) for the model's H and I: 27·H·I/16
 //! bytes. For GPT-OSS (H = I = 2880, `config.json` of openai/gpt-oss-20b and -120b) that is what
-//! `convert` would write if it supported the model; GPT-OSS's own MXFP4 experts (4.25 bits per
-//! weight) and their gate_up/down biases have no place in format v2 (see docs/format.md,
-//! "Synthetic images").
+//! `convert` writes (MXFP4 experts dequantized, then requantized to Q4; their gate_up/down biases
+//! are resident tensors, not part of the payload).
 
 use std::path::Path;
 use std::time::Duration;

@@ -107,7 +107,7 @@ pub struct Skipped {
 
 #[cfg(target_os = "linux")]
 fn uring_unavailable() -> Option<String> {
-    picchio_blockdev::UringQueue::probe().err().map(|e| e.to_string())
+    picchio_blockdev::UringQueue::probe().err().map(|e| picchio_core::error::chain(&e).to_string())
 }
 
 #[cfg(not(target_os = "linux"))]
@@ -299,7 +299,7 @@ pub fn open_nvme_sim(path: &std::path::Path, qd: u32) -> Result<(Box<dyn IoQueue
     let lba = if len.is_multiple_of(4096) { 4096 } else { 512 };
     let opts = NvmeQueueOptions { qd: u16::try_from(qd).unwrap_or(u16::MAX), ..NvmeQueueOptions::default() };
     let (queue, sim) = NvmeQueue::open_sim(SimConfig::single(path, lba), &opts)
-        .map_err(|e| Error::Invalid(format!("nvme-sim:{}: {}", path.display(), e.with_causes())))?;
+        .map_err(|e| Error::Invalid(format!("nvme-sim:{}: {}", path.display(), picchio_core::error::chain(&e))))?;
     let bytes = queue.namespace().bytes();
     Ok((Box::new(SimQueue { queue, _sim: sim }), bytes))
 }
@@ -317,7 +317,7 @@ pub fn open_nvme_sim(path: &std::path::Path, _qd: u32) -> Result<(Box<dyn IoQueu
 fn open_nvme(bdf: &str, nsid: u32, qd: u32) -> Result<(Box<dyn IoQueue>, u64)> {
     use picchio_nvme::{NvmeQueue, NvmeQueueOptions};
     let opts = NvmeQueueOptions { nsid, qd: u16::try_from(qd).unwrap_or(u16::MAX), ..NvmeQueueOptions::default() };
-    let fail = |e: picchio_nvme::Error| Error::Invalid(format!("nvme:{bdf}/{nsid}: {}", e.with_causes()));
+    let fail = |e: picchio_nvme::Error| Error::Invalid(format!("nvme:{bdf}/{nsid}: {}", picchio_core::error::chain(&e)));
     let ctrlr = picchio_nvme::vfio::open_controller(bdf, opts.ctrlr_options()).map_err(fail)?;
     let queue = NvmeQueue::with_bounce_buffer(ctrlr, nsid, opts.timeout, format!("vfio {bdf}")).map_err(fail)?;
     queue.warn_if_clamped(opts.qd);
@@ -734,7 +734,7 @@ fn thread_loop(
         match b {
             Ok(b) => bufs.push(b),
             Err(e) => {
-                setup_error = Some(e.to_string());
+                setup_error = Some(picchio_core::error::chain(&e).to_string());
                 break;
             }
         }
@@ -853,7 +853,7 @@ fn measure(
                     error.get_or_insert_with(|| format!("short read: {n} of {want} bytes"));
                 }
                 Err(e) => {
-                    error.get_or_insert_with(|| e.to_string());
+                    error.get_or_insert_with(|| picchio_core::error::chain(e).to_string());
                 }
             }
             bufs.push(c.buf);

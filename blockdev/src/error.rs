@@ -21,7 +21,7 @@ pub enum Error {
         message: String,
     },
     /// `open(2)` failed.
-    #[error("{}: opening for {mode} reads: {cause}", path.display())]
+    #[error("{}: opening for {mode} reads", path.display())]
     Open {
         /// The file or device.
         path: PathBuf,
@@ -47,7 +47,7 @@ pub enum Error {
         cause: Option<io::Error>,
     },
     /// `fstat(2)` failed.
-    #[error("{}: fstat: {cause}", path.display())]
+    #[error("{}: fstat", path.display())]
     Stat {
         /// The file or device.
         path: PathBuf,
@@ -56,7 +56,7 @@ pub enum Error {
         cause: io::Error,
     },
     /// An ioctl on a block device failed.
-    #[error("{}: ioctl {request}: {cause}", path.display())]
+    #[error("{}: ioctl {request}", path.display())]
     Ioctl {
         /// The block device.
         path: PathBuf,
@@ -75,7 +75,7 @@ pub enum Error {
         kind: &'static str,
     },
     /// A worker thread could not be started.
-    #[error("{}: spawning I/O worker thread {index}: {cause}", path.display())]
+    #[error("{}: spawning I/O worker thread {index}", path.display())]
     Spawn {
         /// The target the worker would serve.
         path: PathBuf,
@@ -86,7 +86,7 @@ pub enum Error {
         cause: io::Error,
     },
     /// A positional read failed in the kernel.
-    #[error("{}: read of {len} bytes at offset {offset:#x}: {cause}", path.display())]
+    #[error("{}: read of {len} bytes at offset {offset:#x}", path.display())]
     Read {
         /// The file or device.
         path: PathBuf,
@@ -182,7 +182,7 @@ pub enum Error {
 
     // ---- IOCP engine (iocp.rs, Windows) ----
     /// `CreateIoCompletionPort` failed for the target's handle.
-    #[error("{}: creating an I/O completion port: {cause}", path.display())]
+    #[error("{}: creating an I/O completion port", path.display())]
     CompletionPort {
         /// The file.
         path: PathBuf,
@@ -271,7 +271,7 @@ pub enum Error {
         hint: &'static str,
     },
     /// Reading what the system says about a device (mount table, sysfs) or its first blocks failed.
-    #[error("{}: {what}: {cause}", path.display())]
+    #[error("{}: {what}", path.display())]
     Inspect {
         /// The file read.
         path: PathBuf,
@@ -282,11 +282,7 @@ pub enum Error {
         cause: io::Error,
     },
     /// Opening a block device for writing (`O_WRONLY | O_DIRECT | O_EXCL`) failed.
-    #[error(
-        "{}: opening for exclusive O_DIRECT writes: {cause}{}",
-        path.display(),
-        write_open_hint(cause)
-    )]
+    #[error("{}: opening for exclusive O_DIRECT writes{}", path.display(), write_open_hint(cause))]
     WriteOpen {
         /// The device.
         path: PathBuf,
@@ -308,7 +304,7 @@ pub enum Error {
         found: String,
     },
     /// A positional write to a block device failed in the kernel.
-    #[error("{}: write of {len} bytes at offset {offset:#x}: {cause}", path.display())]
+    #[error("{}: write of {len} bytes at offset {offset:#x}", path.display())]
     Write {
         /// The device.
         path: PathBuf,
@@ -321,7 +317,7 @@ pub enum Error {
         cause: io::Error,
     },
     /// `fsync` of a block device failed: the written data may not be on stable storage.
-    #[error("{}: fsync: {cause}", path.display())]
+    #[error("{}: fsync", path.display())]
     Sync {
         /// The device.
         path: PathBuf,

@@ -10,7 +10,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// An I/O error while reading `what` from `source` at byte `offset`.
-    #[error("{source_name}: reading {what} at offset {offset:#x}: {cause}")]
+    #[error("{source_name}: reading {what} at offset {offset:#x}")]
     Read {
         /// The store (path or URI) being read.
         source_name: String,
@@ -102,7 +102,7 @@ pub enum Error {
         cause: Option<std::io::Error>,
     },
     /// Writing an image failed.
-    #[error("{path}: writing {what}: {cause}")]
+    #[error("{path}: writing {what}")]
     Write {
         /// The file being written (the temporary file while packing).
         path: PathBuf,
@@ -132,6 +132,46 @@ pub enum Error {
         /// What is wrong and what would be accepted.
         message: String,
     },
+}
+
+/// An error and every `source()` below it, joined by `": "` — what `{:#}` prints for an `anyhow`
+/// chain. Every error type in the workspace keeps a cause either in its message or as its `source()`,
+/// never both, so this prints each cause once. Use it wherever an error becomes text (a log line, a
+/// report field, a message of another error): `e.to_string()` alone would drop the causes.
+///
+/// ```
+/// let e = picchio_core::Error::Write {
+///     path: "/m/e.picchioflat".into(),
+///     what: "payload",
+///     cause: std::io::Error::other("disk full"),
+/// };
+/// assert_eq!(e.to_string(), "/m/e.picchioflat: writing payload");
+/// assert_eq!(picchio_core::error::chain(&e).to_string(), "/m/e.picchioflat: writing payload: disk full");
+/// ```
+pub fn chain<'a>(e: &'a (dyn std::error::Error + 'static)) -> Chain<'a> {
+    Chain(e)
+}
+
+/// The [`Display`](std::fmt::Display) of [`chain`]: the error, then each `source()`, joined by `": "`.
+#[derive(Clone, Copy)]
+pub struct Chain<'a>(&'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut cause = self.0.source();
+        while let Some(c) = cause {
+            write!(f, ": {c}")?;
+            cause = c.source();
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for Chain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
 }
 
 /// The details of [`Error::FormatLimit`]: a payload longer than the index entry's u32 `padded_len`

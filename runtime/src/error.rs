@@ -10,7 +10,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A file could not be read or written.
-    #[error("{path}: {what}: {cause}")]
+    #[error("{path}: {what}")]
     Io {
         /// The file.
         path: PathBuf,
@@ -21,7 +21,7 @@ pub enum Error {
         cause: std::io::Error,
     },
     /// config.json is not valid JSON or lacks a required key.
-    #[error("{path}: invalid config: {cause}")]
+    #[error("{path}: invalid config")]
     Config {
         /// The config file.
         path: PathBuf,
@@ -48,7 +48,7 @@ pub enum Error {
         model_type: String,
     },
     /// A safetensors file is malformed or truncated.
-    #[error("{path}: not a valid safetensors file: {cause}")]
+    #[error("{path}: not a valid safetensors file")]
     Safetensors {
         /// The file.
         path: PathBuf,
@@ -115,7 +115,7 @@ pub enum Error {
         found: String,
     },
     /// An expert could not be loaded (by the store nor its fallback) during a forward pass.
-    #[error("loading expert {key}: {cause}")]
+    #[error("loading expert {key}")]
     ExpertLoad {
         /// The expert.
         key: picchio_core::ExpertKey,

@@ -41,7 +41,7 @@ pub enum AdminError {
         class: String,
     },
     /// A sysfs file could not be read or written.
-    #[error("cannot {what} {path}: {cause} (writing sysfs needs root)")]
+    #[error("cannot {what} {path} (writing sysfs needs root)")]
     Io {
         /// The file.
         path: PathBuf,

@@ -176,12 +176,7 @@ impl ExpertCache {
                     self.alloc_failed = true;
                 }
                 Err(e) => {
-                    let mut why = e.to_string();
-                    let mut cause = std::error::Error::source(&e);
-                    while let Some(c) = cause {
-                        why = format!("{why}: {c}");
-                        cause = c.source();
-                    }
+                    let why = picchio_core::error::chain(&e);
                     tracing::warn!("expert cache: {why}; using heap slots from now on (reads into them are copied)");
                     self.alloc_failed = true;
                 }

@@ -203,7 +203,7 @@ impl ExpertLoader for SafetensorsExperts {
             } else {
                 self.layout
                     .payload_from_store(&self.store, layer as usize, expert as usize, buf.as_mut_slice())
-                    .map_err(|e| LoadError::Other(format!("{key}: {e}")))
+                    .map_err(|e| LoadError::Other(format!("{key}: {}", picchio_core::error::chain(&e))))
             };
             ready(Loaded { key, buf, result });
         }

@@ -302,7 +302,7 @@ pub fn open_nvme(
 pub fn open_nvme_queue(name: &str, bdf: &str, nsid: u32, qd: u32) -> Result<picchio_nvme::NvmeQueue> {
     use picchio_nvme::engine::{NvmeQueue, NvmeQueueOptions};
     let qopts = NvmeQueueOptions { nsid, qd: qd.clamp(1, 1024) as u16, ..NvmeQueueOptions::default() };
-    let fail = |e: picchio_nvme::Error| Error::Invalid(format!("{name}: {}", e.with_causes()));
+    let fail = |e: picchio_nvme::Error| Error::Invalid(format!("{name}: {}", picchio_core::error::chain(&e)));
     let ctrlr = picchio_nvme::vfio::open_controller(bdf, qopts.ctrlr_options()).map_err(fail)?;
     let mut queue = NvmeQueue::with_bounce_buffer(ctrlr, nsid, qopts.timeout, format!("vfio {bdf}")).map_err(fail)?;
     // SIGINT/SIGTERM end any wait for the device (crate::interrupt).
@@ -380,7 +380,7 @@ pub fn open_store(
             }
             let attempt = open_flat_file(&p, cfg, layout, io).or_else(|e| {
                 if io.direct && matches!(e, Error::Engine(picchio_blockdev::Error::DirectUnsupported { .. })) {
-                    tracing::warn!("{e}; retrying without O_DIRECT (use --buffered to skip this)");
+                    tracing::warn!("{}; retrying without O_DIRECT (use --buffered to skip this)", picchio_core::error::chain(&e));
                     open_flat_file(&p, cfg, layout, IoOptions { direct: false, ..io })
                 } else {
                     Err(e)
@@ -389,7 +389,7 @@ pub fn open_store(
             match attempt {
                 Ok(flat) => return Ok(wrap(flat, fallback, stats)),
                 Err(e) => {
-                    tracing::warn!("{e}: serving experts from safetensors instead (run `picchio pack` to rebuild)");
+                    tracing::warn!("{}: serving experts from safetensors instead (run `picchio pack` to rebuild)", picchio_core::error::chain(&e));
                     return safetensors_only(fallback, stats);
                 }
             }

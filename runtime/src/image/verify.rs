@@ -26,7 +26,9 @@ use picchio_core::format::{decode_index, index_sha256, payload_hash, round_up, S
 use picchio_core::io::{read_blocking, ByteOffset, Completion, IoQueue, ReadReq, Tag};
 use picchio_core::{AlignedBuf, ExpertKey, ExpertLoc};
 
-use crate::error::{Error, Result};
+use crate::error::Result;
+#[cfg(doc)]
+use crate::Error;
 use crate::expert::layout::ExpertLayout;
 use crate::expert::store::store_dims;
 use crate::image::pack::DENSE_LAYER_PLACEHOLDER;
@@ -211,16 +213,16 @@ struct Model {
 /// `model` (a converted directory) compares every payload with the model's tensors.
 ///
 /// # Errors
-/// [`Error::Invalid`] when the engine cannot open `store`; otherwise as [`verify_queue`].
+/// [`Error::Engine`] when the engine cannot open `store`; otherwise as [`verify_queue`].
 pub fn verify(store: &Path, model: Option<&Path>, opts: &VerifyOptions) -> Result<VerifyReport> {
     let open = |direct| PsyncQueue::open(store, PsyncOptions { threads: opts.io_threads.max(1), direct });
     let mut queue = match open(opts.direct) {
         Ok(q) => q,
         Err(e @ picchio_blockdev::Error::DirectUnsupported { .. }) => {
-            tracing::warn!("{e}; verifying with buffered reads");
-            open(false).map_err(|e| Error::Invalid(e.to_string()))?
+            tracing::warn!("{}; verifying with buffered reads", picchio_core::error::chain(&e));
+            open(false)?
         }
-        Err(e) => return Err(Error::Invalid(e.to_string())),
+        Err(e) => return Err(e.into()),
     };
     let image_len = queue.len();
     verify_queue(&mut queue, &store.display().to_string(), image_len, model, opts)
@@ -381,7 +383,7 @@ pub fn verify_queue<Q: IoQueue + ?Sized>(
             in_flight -= 1;
             in_flight_bytes -= u64::from(loc.padded_len);
             let kind = match c.result {
-                Err(e) => Some(FailureKind::Read(e.to_string())),
+                Err(e) => Some(FailureKind::Read(picchio_core::error::chain(&e).to_string())),
                 Ok(n) if n < loc.len => Some(FailureKind::Read(format!("short read: {n} of {} bytes", loc.len))),
                 Ok(_) => {
                     let payload = &c.buf.as_slice()[..loc.len as usize];
@@ -423,7 +425,7 @@ fn check_payload(
     }
     expected.resize(m.layout.len(), 0);
     if let Err(e) = m.layout.payload_from_store(&m.store, layer, key.expert as usize, expected) {
-        return Some(FailureKind::Model(e.to_string()));
+        return Some(FailureKind::Model(picchio_core::error::chain(&e).to_string()));
     }
     let mut diff = payload.iter().zip(expected.iter()).enumerate().filter(|(_, (a, b))| a != b).map(|(k, _)| k);
     diff.next().map(|first| FailureKind::Mismatch { first, count: 1 + diff.count() })

@@ -317,7 +317,8 @@ pub fn open_nvme_sim(path: &std::path::Path, _qd: u32) -> Result<(Box<dyn IoQueu
 fn open_nvme(bdf: &str, nsid: u32, qd: u32) -> Result<(Box<dyn IoQueue>, u64)> {
     use picchio_nvme::{NvmeQueue, NvmeQueueOptions};
     let opts = NvmeQueueOptions { nsid, qd: u16::try_from(qd).unwrap_or(u16::MAX), ..NvmeQueueOptions::default() };
-    let fail = |e: picchio_nvme::Error| Error::Invalid(format!("nvme:{bdf}/{nsid}: {}", picchio_core::error::chain(&e)));
+    let fail =
+        |e: picchio_nvme::Error| Error::Invalid(format!("nvme:{bdf}/{nsid}: {}", picchio_core::error::chain(&e)));
     let ctrlr = picchio_nvme::vfio::open_controller(bdf, opts.ctrlr_options()).map_err(fail)?;
     let queue = NvmeQueue::with_bounce_buffer(ctrlr, nsid, opts.timeout, format!("vfio {bdf}")).map_err(fail)?;
     queue.warn_if_clamped(opts.qd);

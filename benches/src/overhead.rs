@@ -305,8 +305,9 @@ fn open_target(engine: &str, store: &BenchStore, range: u64) -> Result<std::resu
                 let len = std::fs::metadata(&p).map_err(Error::io(&p, "stat"))?.len();
                 let lba = if len.is_multiple_of(4096) { 4096 } else { 512 };
                 let qopts = NvmeQueueOptions { qd: 1, ..NvmeQueueOptions::default() };
-                let (queue, sim) = NvmeQueue::open_sim(SimConfig::single(&p, lba), &qopts)
-                    .map_err(|e| Error::Invalid(format!("nvme-sim:{}: {}", p.display(), picchio_core::error::chain(&e))))?;
+                let (queue, sim) = NvmeQueue::open_sim(SimConfig::single(&p, lba), &qopts).map_err(|e| {
+                    Error::Invalid(format!("nvme-sim:{}: {}", p.display(), picchio_core::error::chain(&e)))
+                })?;
                 let resident_before = warm(&p)?;
                 let mut seen = sim.stats().completions;
                 let wait = move || {
@@ -408,7 +409,12 @@ fn measure_engine(
                     opts.bs
                 )))
             }
-            Err(e) => return Err(Error::Invalid(format!("overhead {engine}: read at {offset:#x}: {}", picchio_core::error::chain(&e)))),
+            Err(e) => {
+                return Err(Error::Invalid(format!(
+                    "overhead {engine}: read at {offset:#x}: {}",
+                    picchio_core::error::chain(&e)
+                )))
+            }
         }
         buf = Some(c.buf);
         if i >= warmup {

@@ -311,8 +311,9 @@ impl UringQueue {
         if self.size < u64::from(len) {
             return Ok(()); // nothing to read: the first real read reports it
         }
-        let buf = AlignedBuf::new(len as usize, len as usize)
-            .map_err(|e| Error::InvalidOptions { message: format!("allocating the --iopoll probe buffer: {}", picchio_core::error::chain(&e)) })?;
+        let buf = AlignedBuf::new(len as usize, len as usize).map_err(|e| Error::InvalidOptions {
+            message: format!("allocating the --iopoll probe buffer: {}", picchio_core::error::chain(&e)),
+        })?;
         self.submit(ReadReq { offset: picchio_core::ByteOffset(0), len, buf, tag: Tag(u64::MAX) });
         let mut out = Vec::with_capacity(1);
         while out.is_empty() {

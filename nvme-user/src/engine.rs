@@ -448,8 +448,8 @@ impl NvmeQueue {
         }
         let buf = if r.lost {
             // The device may still write this buffer: keep it (and its mapping) until shutdown.
-            let fresh =
-                AlignedBuf::new(r.buf.len(), r.buf.align()).unwrap_or_else(|e| panic!("replacement buffer: {}", picchio_core::error::chain(&e)));
+            let fresh = AlignedBuf::new(r.buf.len(), r.buf.align())
+                .unwrap_or_else(|e| panic!("replacement buffer: {}", picchio_core::error::chain(&e)));
             self.quarantine.push((std::mem::replace(&mut r.buf, fresh), r.iova.map(|i| (i, r.len as usize))));
             r.buf
         } else {
@@ -633,7 +633,8 @@ impl NvmeQueue {
         }
         held.append(&mut self.ready);
         self.ready = held;
-        let buf = AlignedBuf::new(4096, 4096).map_err(|e| io::Error::new(io::ErrorKind::OutOfMemory, picchio_core::error::chain(&e).to_string()))?;
+        let buf = AlignedBuf::new(4096, 4096)
+            .map_err(|e| io::Error::new(io::ErrorKind::OutOfMemory, picchio_core::error::chain(&e).to_string()))?;
         self.flush_done = None;
         self.enqueue(Op::Flush, ReadReq { offset: picchio_core::ByteOffset(0), len: 0, buf, tag: Tag(u64::MAX) });
         let mut spins = 0u64;
@@ -690,7 +691,9 @@ impl NvmeQueue {
             }
             (DataPath::Direct, None) => match self.dma.map_external(buf.as_mut_ptr(), len as usize) {
                 Ok(i) => Some(i),
-                Err(e) => return self.complete_now(tag, buf, io::Error::other(picchio_core::error::chain(&e).to_string())),
+                Err(e) => {
+                    return self.complete_now(tag, buf, io::Error::other(picchio_core::error::chain(&e).to_string()))
+                }
             },
             (DataPath::Bounce(b), None) => {
                 chunk = chunk.min(b[0].len() as u32);
@@ -780,7 +783,10 @@ impl NvmeQueue {
             "{}: leaking {bytes} bytes of request, quarantined and bounce buffers and {slot_bytes} bytes of \
              slot-pool DMA memory: the controller did not confirm it stopped ({}), so it may still DMA into them",
             self.label,
-            why.map_or_else(|| "CSTS.RDY did not clear after CC.EN = 0".to_string(), |e| picchio_core::error::chain(&e).to_string())
+            why.map_or_else(
+                || "CSTS.RDY did not clear after CC.EN = 0".to_string(),
+                |e| picchio_core::error::chain(&e).to_string()
+            )
         );
         std::mem::forget(reqs);
         std::mem::forget(quarantine);

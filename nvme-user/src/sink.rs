@@ -85,7 +85,10 @@ impl<'q> NvmeSink<'q> {
                 self.in_flight -= 1;
                 if let Err(e) = c.result {
                     let at = c.tag.0;
-                    self.failed.get_or_insert(io::Error::new(e.kind(), format!("write at byte {at:#x}: {}", picchio_core::error::chain(&e))));
+                    self.failed.get_or_insert(io::Error::new(
+                        e.kind(),
+                        format!("write at byte {at:#x}: {}", picchio_core::error::chain(&e)),
+                    ));
                 }
                 self.spare.push(c.buf);
             }

@@ -231,7 +231,10 @@ impl NvmeQueue {
     fn abort_command(&mut self, cid: Cid) -> std::result::Result<(), String> {
         self.stats.aborts += 1;
         let t = self.recovery.policy.abort_timeout;
-        let aborted = self.ctrlr.abort(1, cid, t).map_err(|e| format!("the Abort failed ({})", picchio_core::error::chain(&e)))?;
+        let aborted = self
+            .ctrlr
+            .abort(1, cid, t)
+            .map_err(|e| format!("the Abort failed ({})", picchio_core::error::chain(&e)))?;
         tracing::warn!(cid = cid.0, aborted, "nvme command timed out; Abort sent");
         let deadline = Instant::now() + t;
         loop {

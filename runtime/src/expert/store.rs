@@ -380,7 +380,10 @@ pub fn open_store(
             }
             let attempt = open_flat_file(&p, cfg, layout, io).or_else(|e| {
                 if io.direct && matches!(e, Error::Engine(picchio_blockdev::Error::DirectUnsupported { .. })) {
-                    tracing::warn!("{}; retrying without O_DIRECT (use --buffered to skip this)", picchio_core::error::chain(&e));
+                    tracing::warn!(
+                        "{}; retrying without O_DIRECT (use --buffered to skip this)",
+                        picchio_core::error::chain(&e)
+                    );
                     open_flat_file(&p, cfg, layout, IoOptions { direct: false, ..io })
                 } else {
                     Err(e)
@@ -389,7 +392,10 @@ pub fn open_store(
             match attempt {
                 Ok(flat) => return Ok(wrap(flat, fallback, stats)),
                 Err(e) => {
-                    tracing::warn!("{}: serving experts from safetensors instead (run `picchio pack` to rebuild)", picchio_core::error::chain(&e));
+                    tracing::warn!(
+                        "{}: serving experts from safetensors instead (run `picchio pack` to rebuild)",
+                        picchio_core::error::chain(&e)
+                    );
                     return safetensors_only(fallback, stats);
                 }
             }

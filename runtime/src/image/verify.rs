@@ -27,14 +27,14 @@ use picchio_core::io::{read_blocking, ByteOffset, Completion, IoQueue, ReadReq, 
 use picchio_core::{AlignedBuf, ExpertKey, ExpertLoc};
 
 use crate::error::Result;
-#[cfg(doc)]
-use crate::Error;
 use crate::expert::layout::ExpertLayout;
 use crate::expert::store::store_dims;
 use crate::image::pack::DENSE_LAYER_PLACEHOLDER;
 use crate::model::config::Config;
 use crate::model::safetensors::TensorStore;
 use crate::progress;
+#[cfg(doc)]
+use crate::Error;
 
 /// Payload bytes in flight at once (at least one payload).
 const WINDOW_BYTES: u64 = 64 << 20;

@@ -305,9 +305,8 @@ fn open_target(engine: &str, store: &BenchStore, range: u64) -> Result<std::resu
                 let len = std::fs::metadata(&p).map_err(Error::io(&p, "stat"))?.len();
                 let lba = if len.is_multiple_of(4096) { 4096 } else { 512 };
                 let qopts = NvmeQueueOptions { qd: 1, ..NvmeQueueOptions::default() };
-                let (queue, sim) = NvmeQueue::open_sim(SimConfig::single(&p, lba), &qopts).map_err(|e| {
-                    Error::Invalid(format!("nvme-sim:{}: {}", p.display(), picchio_core::error::chain(&e)))
-                })?;
+                let (queue, sim) = NvmeQueue::open_sim(SimConfig::single(&p, lba), &qopts)
+                    .map_err(Error::nvme(format!("nvme-sim:{}", p.display())))?;
                 let resident_before = warm(&p)?;
                 let mut seen = sim.stats().completions;
                 let wait = move || {

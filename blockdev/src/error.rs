@@ -414,6 +414,46 @@ mod tests {
         assert!(e.source().is_some());
     }
 
+    /// Each cause is printed once: in the message or as `source()`, never both (vfio-ioctls'
+    /// `test_vfio_error_fmt`).
+    #[test]
+    fn a_cause_is_in_the_message_or_the_source_not_both() {
+        let busy = || io::Error::from_raw_os_error(libc::EBUSY);
+        let os = busy().to_string();
+        let p = || PathBuf::from("/dev/loop9");
+        let errors = [
+            Error::Open { path: p(), mode: "direct", cause: busy() },
+            Error::Stat { path: p(), cause: busy() },
+            Error::Ioctl { path: p(), request: "BLKGETSIZE64", cause: busy() },
+            Error::Spawn { path: p(), index: 1, cause: busy() },
+            Error::Read { path: p(), offset: 0x1000, len: 512, cause: busy() },
+            Error::Inspect { path: p(), what: "reading the first blocks", cause: busy() },
+            Error::WriteOpen { path: p(), cause: busy() },
+            Error::Write { path: p(), offset: 0, len: 4096, cause: busy() },
+            Error::Sync { path: p(), cause: busy() },
+            Error::CompletionPort { path: p(), cause: busy() },
+            Error::DirectUnsupported { path: p(), reason: "open with O_DIRECT failed".into(), cause: Some(busy()) },
+            Error::UringUnavailable {
+                reason: "io_uring_setup failed: unexpected errno 16".into(),
+                cause: Some(busy()),
+            },
+        ];
+        for e in &errors {
+            let src = e.source().expect("the cause is the source").to_string();
+            assert_eq!(src, os);
+            assert!(!e.to_string().contains(&src), "{e} repeats its source");
+            assert_eq!(picchio_core::error::chain(e).to_string(), format!("{e}: {os}"));
+        }
+        assert_eq!(errors[4].to_string(), "/dev/loop9: read of 512 bytes at offset 0x1000");
+        assert!(errors[6].to_string().starts_with("/dev/loop9: opening for exclusive O_DIRECT writes (the kernel"));
+        // Read errors travel inside an io::Error: the chain is the same.
+        let io = Error::Read { path: p(), offset: 0, len: 1, cause: busy() }.into_io();
+        assert_eq!(
+            picchio_core::error::chain(&io).to_string(),
+            format!("/dev/loop9: read of 1 bytes at offset 0x0: {os}")
+        );
+    }
+
     #[test]
     fn direct_unsupported_suggests_buffered() {
         let e = Error::DirectUnsupported {

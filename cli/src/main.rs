@@ -2,6 +2,7 @@
 //! storage. Library errors are typed; here they become `anyhow` chains printed as `Error: …`.
 
 mod commands;
+mod hint;
 
 use clap::Parser;
 
@@ -12,6 +13,9 @@ fn main() {
     init_logging(cli.verbose, cli.quiet);
     if let Err(e) = commands::exec(cli) {
         eprintln!("Error: {e:#}");
+        if let Some(h) = hint::hint(&e) {
+            eprintln!("hint: {h}");
+        }
         // SIGINT/SIGTERM: everything was dropped (an nvme: controller shut down) on the way here.
         let interrupted = e.chain().any(|c| {
             matches!(c.downcast_ref::<picchio_runtime::Error>(), Some(picchio_runtime::Error::Interrupted { .. }))

@@ -226,4 +226,35 @@ mod tests {
         let e = Error::BadMagic { source_name: "f".into(), found: "NOTMAGIC".into() };
         assert!(e.to_string().contains("expected \"PCHIOFL1\""));
     }
+
+    /// Each cause is printed once: in the message or as `source()`, never both (vfio-ioctls'
+    /// `test_vfio_error_fmt`), and [`chain`] joins them as `{:#}` of anyhow does.
+    #[test]
+    fn a_cause_is_in_the_message_or_the_source_not_both() {
+        let eio = || std::io::Error::from_raw_os_error(libc::EIO);
+        let os = eio().to_string();
+        let errors: Vec<Box<dyn std::error::Error>> = vec![
+            Box::new(Error::Read { source_name: "img".into(), what: "index", offset: 0x1000, cause: eio() }),
+            Box::new(Error::Write { path: "/o.pf".into(), what: "payload", cause: eio() }),
+            Box::new(Error::Alloc { len: 4096, align: 4096, hugepages: true, cause: Some(eio()) }),
+            Box::new(crate::LoadError::Io {
+                source_name: "img".into(),
+                key: crate::ExpertKey { layer: 1, expert: 2 },
+                offset: 0x2000,
+                cause: eio(),
+            }),
+        ];
+        for e in &errors {
+            let src = e.source().expect("the cause is the source").to_string();
+            assert_eq!(src, os);
+            assert!(!e.to_string().contains(&src), "{e} repeats its source");
+            assert_eq!(chain(e.as_ref()).to_string(), format!("{e}: {os}"));
+        }
+        assert_eq!(errors[0].to_string(), "img: reading index at offset 0x1000");
+        assert_eq!(errors[1].to_string(), "/o.pf: writing payload");
+        assert_eq!(errors[3].to_string(), "img: reading (layer 1, expert 2) at offset 0x2000");
+        // An io::Error wrapping one of ours prints it, and its source() is the inner source.
+        let wrapped = std::io::Error::other(Error::Write { path: "/o.pf".into(), what: "index", cause: eio() });
+        assert_eq!(chain(&wrapped).to_string(), format!("/o.pf: writing index: {os}"));
+    }
 }

@@ -137,6 +137,82 @@ pub enum Error {
         /// The tokenizers crate's message.
         message: String,
     },
+    /// An option has a value the operation does not accept. `option` is the field of the options
+    /// struct (`ecap` of [`crate::run::SessionOptions`], `max_seq`), not a command-line flag: the
+    /// binary maps it to its flag.
+    #[error("option `{option}` = {value}: {expected}")]
+    BadOption {
+        /// The option field.
+        option: &'static str,
+        /// The value given.
+        value: String,
+        /// What is accepted (the range, or why this value cannot work).
+        expected: String,
+    },
+    /// The destination of a write exists and is not replaced.
+    #[error(
+        "{}: {what} already exists: choose another {what}{}",
+        path.display(),
+        overwrite.map(|o| format!(", or set `{o}` to replace it")).unwrap_or_default()
+    )]
+    Exists {
+        /// The file or directory.
+        path: PathBuf,
+        /// What it is to this operation (`destination`, `directory`).
+        what: &'static str,
+        /// The option field that would replace it, when there is one (`overwrite`).
+        overwrite: Option<&'static str>,
+    },
+    /// The prompt holds no token.
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    /// A token id is not in the vocabulary.
+    #[error("{what} {id} is outside the vocabulary (size {vocab})")]
+    OutOfVocabulary {
+        /// `prompt id`, `token id`.
+        what: &'static str,
+        /// The id.
+        id: u64,
+        /// The vocabulary size.
+        vocab: usize,
+    },
+    /// The prompt and the tokens to generate need more positions than the context holds.
+    #[error(
+        "prompt + generated = {needed} tokens exceeds the context of {context} positions{}",
+        config.as_ref().map(|c| format!(" (max_position_embeddings in {})", c.display())).unwrap_or_default()
+    )]
+    ContextOverflow {
+        /// Positions needed (prompt + tokens to generate).
+        needed: usize,
+        /// Positions the model or its KV cache holds.
+        context: usize,
+        /// The config.json whose `max_position_embeddings` is the limit, when that is the limit.
+        config: Option<PathBuf>,
+    },
+    /// A quantization check failed (shape or name); the [`crate::quant::QuantError`] names it.
+    #[error(transparent)]
+    Quant(#[from] crate::quant::QuantError),
+    /// The NVMe driver failed on `target` (the driver's error is the `source()`).
+    #[error("{target}")]
+    Nvme {
+        /// The store or controller (`nvme:0000:01:00.0/1`, `nvme-sim:/tmp/ns.img`).
+        target: String,
+        /// The driver's error.
+        #[source]
+        cause: picchio_nvme::Error,
+    },
+    /// Host management of an NVMe controller failed for `target` (the [`AdminError`] is the
+    /// `source()`).
+    ///
+    /// [`AdminError`]: crate::nvme_admin::AdminError
+    #[error("{target}")]
+    Admin {
+        /// The store or controller.
+        target: String,
+        /// The admin error.
+        #[source]
+        cause: crate::nvme_admin::AdminError,
+    },
     /// A user request cannot be satisfied (bad flag combination, empty prompt, ...).
     #[error("{0}")]
     Invalid(String),
@@ -161,6 +237,18 @@ impl Error {
         let path = path.into();
         move |cause| Error::Io { path, what, cause }
     }
+
+    /// Wraps an NVMe driver error with the store or controller it happened on.
+    pub fn nvme(target: impl Into<String>) -> impl FnOnce(picchio_nvme::Error) -> Error {
+        let target = target.into();
+        move |cause| Error::Nvme { target, cause }
+    }
+
+    /// Wraps an NVMe admin error with the store or controller it happened on.
+    pub fn admin(target: impl Into<String>) -> impl FnOnce(crate::nvme_admin::AdminError) -> Error {
+        let target = target.into();
+        move |cause| Error::Admin { target, cause }
+    }
 }
 
 #[cfg(test)]
@@ -180,5 +268,70 @@ mod tests {
         let e = Error::io("/m/config.json", "read")(std::io::Error::from(std::io::ErrorKind::NotFound));
         assert!(e.to_string().starts_with("/m/config.json: read: "));
         assert!(e.source().is_some());
+    }
+
+    /// Each cause is printed once: in the message or as `source()`, never both (vfio-ioctls'
+    /// `test_vfio_error_fmt`); [`picchio_core::error::chain`] prints the whole chain.
+    #[test]
+    fn a_cause_is_in_the_message_or_the_source_not_both() {
+        use crate::nvme_admin::AdminError;
+        use picchio_core::error::chain;
+        let busy = || std::io::Error::from_raw_os_error(libc::EBUSY);
+        let os = busy().to_string();
+        let json = || serde_json::from_str::<u32>("{").unwrap_err();
+        let key = picchio_core::ExpertKey { layer: 2, expert: 6 };
+        let load = || picchio_core::LoadError::Io { source_name: "img".into(), key, offset: 0x3000, cause: busy() };
+        let errors = [
+            Error::io("/m/config.json", "read")(busy()),
+            Error::Config { path: "/m/config.json".into(), cause: json() },
+            Error::ExpertLoad { key, cause: load() },
+            Error::nvme("nvme:0000:01:00.0/1")(picchio_nvme::Error::Vfio {
+                op: "open",
+                what: "/dev/vfio/7".into(),
+                source: busy(),
+            }),
+            Error::admin("nvme:0000:01:00.0/1")(AdminError::Io { path: "/sys/x".into(), what: "write", cause: busy() }),
+        ];
+        for e in &errors {
+            let src = e.source().expect("the cause is the source").to_string();
+            assert!(!e.to_string().contains(&src), "{e} repeats its source {src}");
+            assert!(chain(e).to_string().starts_with(&format!("{e}: {src}")), "{}", chain(e));
+        }
+        assert_eq!(errors[0].to_string(), "/m/config.json: read");
+        assert_eq!(chain(&errors[0]).to_string(), format!("/m/config.json: read: {os}"));
+        assert_eq!(chain(&errors[1]).to_string(), format!("/m/config.json: invalid config: {}", json()));
+        assert_eq!(
+            chain(&errors[2]).to_string(),
+            format!("loading expert (layer 2, expert 6): img: reading (layer 2, expert 6) at offset 0x3000: {os}")
+        );
+        assert_eq!(chain(&errors[3]).to_string(), format!("nvme:0000:01:00.0/1: VFIO open on /dev/vfio/7: {os}"));
+        assert_eq!(
+            chain(&errors[4]).to_string(),
+            format!("nvme:0000:01:00.0/1: cannot write /sys/x (writing sysfs needs root): {os}")
+        );
+        // Transparent variants add nothing: the inner error's message, then its source.
+        let e = Error::Engine(picchio_blockdev::Error::Stat { path: "/f".into(), cause: busy() });
+        assert_eq!(chain(&e).to_string(), format!("/f: fstat: {os}"));
+    }
+
+    #[test]
+    fn typed_request_errors_name_the_option_and_the_limit() {
+        let e = Error::BadOption { option: "ecap", value: "0".into(), expected: "must be at least 1".into() };
+        assert_eq!(e.to_string(), "option `ecap` = 0: must be at least 1");
+        let e = Error::Exists { path: "/o".into(), what: "destination", overwrite: Some("overwrite") };
+        assert_eq!(
+            e.to_string(),
+            "/o: destination already exists: choose another destination, or set `overwrite` to replace it"
+        );
+        let e = Error::Exists { path: "/o".into(), what: "directory", overwrite: None };
+        assert_eq!(e.to_string(), "/o: directory already exists: choose another directory");
+        let e = Error::ContextOverflow { needed: 50, context: 40, config: Some("/m/config.json".into()) };
+        assert_eq!(
+            e.to_string(),
+            "prompt + generated = 50 tokens exceeds the context of 40 positions (max_position_embeddings in \
+             /m/config.json)"
+        );
+        let e = Error::OutOfVocabulary { what: "prompt id", id: 9, vocab: 8 };
+        assert_eq!(e.to_string(), "prompt id 9 is outside the vocabulary (size 8)");
     }
 }

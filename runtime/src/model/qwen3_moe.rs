@@ -353,10 +353,14 @@ impl Model {
     /// `max_seq` positions.
     ///
     /// # Errors
-    /// Those of the steps above, and [`Error::Invalid`] when `max_seq` is 0.
+    /// Those of the steps above, and [`Error::BadOption`] when `max_seq` is 0.
     pub fn load(dir: &Path, max_seq: usize) -> Result<Model> {
         if max_seq == 0 {
-            return Err(Error::Invalid(format!("{}: max_seq must be at least 1", dir.display())));
+            return Err(Error::BadOption {
+                option: "max_seq",
+                value: "0".into(),
+                expected: "must be at least 1".into(),
+            });
         }
         let config = Config::from_dir(dir)?;
         let store = Arc::new(TensorStore::open(dir)?);
@@ -483,7 +487,7 @@ impl Model {
         let k = self.kernels;
         let s = &mut self.state;
         if token as usize >= cfg.vocab_size {
-            return Err(Error::Invalid(format!("token id {token} is outside the vocabulary ({})", cfg.vocab_size)));
+            return Err(Error::OutOfVocabulary { what: "token id", id: u64::from(token), vocab: cfg.vocab_size });
         }
         if pos >= s.max_seq {
             return Err(Error::Invalid(format!("position {pos} is beyond the context of {} positions", s.max_seq)));

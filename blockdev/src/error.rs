@@ -406,7 +406,7 @@ mod tests {
         assert_eq!(src.downcast_ref::<io::Error>().and_then(io::Error::raw_os_error), Some(5));
 
         let e = Error::Ioctl { path: "/dev/loop9".into(), request: "BLKGETSIZE64", cause: eio() };
-        assert!(e.to_string().starts_with("/dev/loop9: ioctl BLKGETSIZE64: "), "{e}");
+        assert!(picchio_core::error::chain(&e).to_string().starts_with("/dev/loop9: ioctl BLKGETSIZE64: "), "{e}");
         assert!(e.source().is_some());
 
         let e = Error::Open { path: "/nope".into(), mode: "direct", cause: io::Error::from_raw_os_error(2) };
@@ -510,7 +510,8 @@ mod tests {
     #[test]
     fn completion_port_error_names_the_path_and_keeps_cause() {
         let e = Error::CompletionPort { path: "C:/m/e.picchioflat".into(), cause: io::Error::from_raw_os_error(8) };
-        assert!(e.to_string().starts_with("C:/m/e.picchioflat: creating an I/O completion port: "), "{e}");
+        let s = picchio_core::error::chain(&e).to_string();
+        assert!(s.starts_with("C:/m/e.picchioflat: creating an I/O completion port: "), "{s}");
         assert_eq!(e.source().and_then(|s| s.downcast_ref::<io::Error>()).and_then(io::Error::raw_os_error), Some(8));
     }
 }

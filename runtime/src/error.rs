@@ -177,10 +177,7 @@ pub enum Error {
         vocab: usize,
     },
     /// The prompt and the tokens to generate need more positions than the context holds.
-    #[error(
-        "prompt + generated = {needed} tokens exceeds the context of {context} positions{}",
-        config.as_ref().map(|c| format!(" (max_position_embeddings in {})", c.display())).unwrap_or_default()
-    )]
+    #[error("{}", context_overflow(*needed, *context, config.as_deref()))]
     ContextOverflow {
         /// Positions needed (prompt + tokens to generate).
         needed: usize,
@@ -231,6 +228,19 @@ pub enum Error {
     },
 }
 
+/// The message of [`Error::ContextOverflow`]: against the model's `max_position_embeddings` when
+/// `config` names it, else against the context the model was loaded with.
+fn context_overflow(needed: usize, context: usize, config: Option<&std::path::Path>) -> String {
+    match config {
+        Some(c) => format!(
+            "prompt + generated tokens = {needed} exceed the model's context of {context} positions \
+             (max_position_embeddings in {})",
+            c.display()
+        ),
+        None => format!("prompt + generated = {needed} tokens exceeds the context of {context} positions"),
+    }
+}
+
 impl Error {
     /// Wraps an I/O error with its path and operation.
     pub fn io(path: impl Into<PathBuf>, what: &'static str) -> impl FnOnce(std::io::Error) -> Error {
@@ -266,7 +276,7 @@ mod tests {
         };
         assert_eq!(e.to_string(), "/m/model.safetensors: tensor `model.norm.weight` has shape [65], expected [64]");
         let e = Error::io("/m/config.json", "read")(std::io::Error::from(std::io::ErrorKind::NotFound));
-        assert!(e.to_string().starts_with("/m/config.json: read: "));
+        assert!(picchio_core::error::chain(&e).to_string().starts_with("/m/config.json: read: "));
         assert!(e.source().is_some());
     }
 
@@ -328,8 +338,8 @@ mod tests {
         let e = Error::ContextOverflow { needed: 50, context: 40, config: Some("/m/config.json".into()) };
         assert_eq!(
             e.to_string(),
-            "prompt + generated = 50 tokens exceeds the context of 40 positions (max_position_embeddings in \
-             /m/config.json)"
+            "prompt + generated tokens = 50 exceed the model's context of 40 positions (max_position_embeddings \
+             in /m/config.json)"
         );
         let e = Error::OutOfVocabulary { what: "prompt id", id: 9, vocab: 8 };
         assert_eq!(e.to_string(), "prompt id 9 is outside the vocabulary (size 8)");

@@ -13,15 +13,10 @@ use half::bf16;
 use picchio_runtime::kernels::{Kernels, Level, MatRef};
 use picchio_runtime::quant::{quantize_q3, quantize_q4};
 
-/// Deterministic weights in [-1, 1) (64-bit LCG, high bits).
+/// Deterministic values in [-1, 1) ([`picchio_core::rng::SplitMix64`]).
 fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
+    let mut g = picchio_core::rng::SplitMix64::new(seed);
+    (0..n).map(|_| g.next_signed_f32()).collect()
 }
 
 /// One weight matrix in every layout.

@@ -415,30 +415,28 @@ impl StoreLayout {
     }
 }
 
-/// splitmix64 (Steele, Lea & Flood, OOPSLA 2014): the bench's seeded offset generator.
+/// The bench's seeded offset generator: [`picchio_core::rng::SplitMix64`] (Steele, Lea & Flood,
+/// OOPSLA 2014), one stream per thread.
 #[derive(Clone, Debug)]
-pub struct SplitMix64(u64);
+pub struct SplitMix64(picchio_core::rng::SplitMix64);
 
 impl SplitMix64 {
-    /// A generator for stream `stream` of `seed` (streams are independent for practical purposes).
+    /// A generator for stream `stream` of `seed` ([`picchio_core::rng::SplitMix64::stream`], advanced
+    /// once; streams are independent for practical purposes).
     pub fn new(seed: u64, stream: u64) -> Self {
-        let mut g = SplitMix64(seed ^ stream.wrapping_add(1).wrapping_mul(0xD1B5_4A32_D192_ED03));
+        let mut g = picchio_core::rng::SplitMix64::stream(seed, stream);
         g.next_u64();
-        g
+        SplitMix64(g)
     }
 
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
 
     /// Uniform in `0..n` (`n > 0`; Lemire's multiply-shift, bias below 2⁻³² for the n used here).
     pub fn below(&mut self, n: u64) -> u64 {
-        ((u128::from(self.next_u64()) * u128::from(n)) >> 64) as u64
+        self.0.below(n)
     }
 }
 
@@ -1101,15 +1099,18 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn drop_cache_empties_the_file_from_the_page_cache() {
-        let dir = tempfile::tempdir().unwrap();
+        // On the build disk, not /tmp (often a tmpfs, whose pages are the file: DONTNEED cannot
+        // evict them); a file of this test's own, so no other test's reads refill its pages.
+        let dir = picchio_testkit::scratch::dir_in(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/test-scratch"));
         let p = dir.path().join("f");
         std::fs::write(&p, vec![7u8; 1 << 20]).unwrap();
         let spec = crate::env::TargetSpec::File { uri: String::new(), path: p.clone() };
         let fs = crate::env::Environment::capture(Some(&spec)).target.and_then(|t| t.filesystem);
-        if fs.as_ref().is_some_and(|f| f.fstype == "tmpfs") {
-            // tmpfs pages are the file itself: DONTNEED cannot evict them.
-            return eprintln!("SKIPPED drop_cache_empties_the_file_from_the_page_cache: {} is on tmpfs", p.display());
-        }
+        assert!(
+            !fs.as_ref().is_some_and(|f| f.fstype == "tmpfs"),
+            "{} is on tmpfs: put the target dir on a disk",
+            p.display()
+        );
         let f = std::fs::File::open(&p).unwrap();
         f.sync_all().unwrap();
         let _ = std::fs::read(&p).unwrap();

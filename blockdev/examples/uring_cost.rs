@@ -20,13 +20,8 @@ fn main() {
         let mut q = UringQueue::open(&path, opts).expect("io_uring");
         let mut bufs: Vec<AlignedBuf> = (0..qd).map(|_| AlignedBuf::new(4096, 4096).expect("buf")).collect();
         let mut out = Vec::new();
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % blocks) * 4096
-        };
+        let mut g = picchio_core::rng::SplitMix64::new(0x9e37_79b9_7f4a_7c15);
+        let mut next = || g.below(blocks) * 4096;
         // The file was just written, so its pages are in the page cache: time n reads, qd in flight.
         let t0 = Instant::now();
         let (mut submitted, mut done) = (0u64, 0u64);

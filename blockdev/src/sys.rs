@@ -231,28 +231,19 @@ mod tests {
         }
     }
 
-    /// Both ioctls on a real block device: a 4 KiB-sector loop device (root only; skipped visibly).
+    /// Both ioctls on a real block device: a 4 KiB-sector loop device (root only: ignored, run by CI
+    /// as root with `-- --ignored`).
     #[cfg(target_os = "linux")]
     #[test]
+    #[ignore = "needs root: losetup (CI runs ignored tests as root)"]
     fn block_device_ioctls_on_a_loop_device() {
-        use std::process::Command;
+        use picchio_testkit::loopdev::{LoopDevice, LoopOptions};
         let dir = tempfile::tempdir().unwrap();
         let img = dir.path().join("disk.img");
         std::fs::write(&img, vec![0u8; 1 << 20]).unwrap();
-        let out = Command::new("losetup")
-            .args(["--find", "--show", "--read-only", "--sector-size", "4096"])
-            .arg(&img)
-            .output();
-        let dev = match out {
-            Ok(o) if o.status.success() => std::path::PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()),
-            Ok(o) => {
-                return eprintln!("SKIP block_device_ioctls_on_a_loop_device: {}", String::from_utf8_lossy(&o.stderr))
-            }
-            Err(e) => return eprintln!("SKIP block_device_ioctls_on_a_loop_device: cannot run losetup: {e}"),
-        };
-        let probed = super::open(&dev, false).and_then(|f| super::probe(&f, &dev, false));
-        let _ = Command::new("losetup").arg("-d").arg(&dev).status();
-        let p = probed.unwrap();
+        let opts = LoopOptions { sector_size: 4096, direct_io: false, read_only: true, partscan: false };
+        let lo = LoopDevice::attach_for_test("block_device_ioctls_on_a_loop_device", &img, opts);
+        let p = super::open(&lo.dev, false).and_then(|f| super::probe(&f, &lo.dev, false)).unwrap();
         assert_eq!((p.kind, p.size, p.logical_block), (super::TargetKind::BlockDevice, 1 << 20, Some(4096)));
     }
 

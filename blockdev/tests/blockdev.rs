@@ -1,59 +1,31 @@
 //! `PsyncQueue` on real block devices: loop devices from `losetup` over files in the target temp dir
-//! (needs root; skipped with a visible message otherwise). Exercises `BLKGETSIZE64` and the block
+//! (needs root: the tests are `#[ignore]`d; CI runs them as root with `-- --ignored`). Exercises `BLKGETSIZE64` and the block
 //! device's direct-I/O alignment (`statx` on Linux 6.11+, else `BLKSSZGET`).
 #![cfg(target_os = "linux")]
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 
 use common::{buf_for, random_file, read_one, scratch, Rng};
 use picchio_blockdev::{open_store, Error, PsyncOptions, PsyncQueue};
 use picchio_core::loader::StoreDims;
 use picchio_core::{AlignedBuf, ByteOffset, ExpertLoader, FlatWriter, IoQueue, ReadReq, Tag};
+use picchio_testkit::loopdev::{LoopDevice, LoopOptions};
 
-/// A read-only loop device over a file, detached on drop.
-struct Loop {
-    dev: PathBuf,
-}
-
-impl Loop {
-    fn attach(file: &Path, sector_size: u32) -> Result<Loop, String> {
-        let out = Command::new("losetup")
-            .args(["--find", "--show", "--read-only", "--sector-size", &sector_size.to_string()])
-            .arg(file)
-            .output()
-            .map_err(|e| format!("cannot run losetup: {e}"))?;
-        if !out.status.success() {
-            return Err(format!("losetup failed: {}", String::from_utf8_lossy(&out.stderr).trim()));
-        }
-        let dev = String::from_utf8_lossy(&out.stdout).trim().to_string();
-        Ok(Loop { dev: dev.into() })
-    }
-}
-
-impl Drop for Loop {
-    fn drop(&mut self) {
-        let _ = Command::new("losetup").arg("-d").arg(&self.dev).status();
-    }
-}
-
-fn attach_or_skip(test: &str, file: &Path, sector_size: u32) -> Option<Loop> {
-    match Loop::attach(file, sector_size) {
-        Ok(l) => Some(l),
-        Err(why) => {
-            eprintln!("SKIP {test}: no loop device ({why}); run as root to test real block devices");
-            None
-        }
-    }
+/// A read-only loop device with `sector_size`-byte logical blocks over `file` (the loop driver
+/// reading it buffered), from the test kit: detached on drop.
+fn attach(test: &str, file: &Path, sector_size: u32) -> LoopDevice {
+    let opts = LoopOptions { sector_size, direct_io: false, read_only: true, partscan: false };
+    LoopDevice::attach_for_test(test, file, opts)
 }
 
 #[test]
+#[ignore = "needs root: losetup (CI runs ignored tests as root)"]
 fn block_device_size_alignment_and_reads() {
     let dir = scratch();
     let (file, bytes) = random_file(dir.path(), "disk.img", 4 << 20, 77);
-    let Some(lo) = attach_or_skip("block_device_size_alignment_and_reads", &file, 4096) else { return };
+    let lo = attach("block_device_size_alignment_and_reads", &file, 4096);
 
     let mut q = PsyncQueue::open(&lo.dev, PsyncOptions::direct(2)).unwrap();
     eprintln!("{}: {q:?}", lo.dev.display());
@@ -90,6 +62,7 @@ fn block_device_size_alignment_and_reads() {
 }
 
 #[test]
+#[ignore = "needs root: losetup (CI runs ignored tests as root)"]
 fn flat_store_on_a_loop_device() {
     let dir = scratch();
     let path = dir.path().join("experts.picchioflat");
@@ -101,7 +74,7 @@ fn flat_store_on_a_loop_device() {
         w.push(p).unwrap();
     }
     w.finish().unwrap();
-    let Some(lo) = attach_or_skip("flat_store_on_a_loop_device", &path, 512) else { return };
+    let lo = attach("flat_store_on_a_loop_device", &path, 512);
 
     for opts in [PsyncOptions::direct(2), PsyncOptions::buffered(2)] {
         let mut store = open_store(&lo.dev, opts, true, None).unwrap();

@@ -1,12 +1,12 @@
 //! Tier S4 on real kernel objects: loop devices (512- and 4096-byte logical blocks) measured,
 //! inspected, refused, written with `DeviceSink` and read back at an LBA offset; kernel I/O errors
 //! from a loop device whose backing file was cut short; device-mapper's `error` target where it
-//! exists. Root only: every test prints `SKIPPED <name>: ...` otherwise, or when a tool is missing.
+//! exists. Root only: those tests are `#[ignore]`d (CI runs them as root with `-- --ignored`), and a
+//! missing tool then fails them with its name.
 #![cfg(target_os = "linux")]
 
 mod common;
-#[path = "common/loopdev.rs"]
-mod loopdev;
+use picchio_testkit::loopdev;
 
 use std::path::{Path, PathBuf};
 
@@ -80,13 +80,14 @@ fn read_back(target: &RawTarget) {
 }
 
 #[test]
+#[ignore = "needs root: losetup (CI runs ignored tests as root)"]
 fn devices_with_512_and_4096_byte_lbas_are_measured_and_addressed_by_lba() {
     let test = "devices_with_512_and_4096_byte_lbas_are_measured_and_addressed_by_lba";
     let dir = scratch();
     for lbs in [512u32, 4096] {
         let file = sparse_file(&dir.path().join(format!("m{lbs}.img")), 8 * MIB);
         let opts = LoopOptions { sector_size: lbs, ..Default::default() };
-        let Some(lo) = LoopDevice::attach_or_skip(test, &file, opts) else { return };
+        let lo = LoopDevice::attach_for_test(test, &file, opts);
         let dev = RawDevice::open(&lo.dev).unwrap();
         eprintln!("{dev}");
         assert_eq!((dev.size(), dev.logical_block(), dev.lbas()), (8 * MIB, lbs, 8 * MIB / u64::from(lbs)));
@@ -107,13 +108,14 @@ fn devices_with_512_and_4096_byte_lbas_are_measured_and_addressed_by_lba() {
 }
 
 #[test]
+#[ignore = "needs root: losetup (CI runs ignored tests as root)"]
 fn an_image_written_at_an_lba_reads_back_and_nothing_outside_it_changes() {
     let test = "an_image_written_at_an_lba_reads_back_and_nothing_outside_it_changes";
     let dir = scratch();
     for (lbs, offset) in [(512u32, 0u64), (512, 7 * 512), (4096, 0), (4096, MIB)] {
         let file = patterned(dir.path(), &format!("w{lbs}-{offset}.img"), 4 * MIB);
         let opts = LoopOptions { sector_size: lbs, ..Default::default() };
-        let Some(lo) = LoopDevice::attach_or_skip(test, &file, opts) else { return };
+        let lo = LoopDevice::attach_for_test(test, &file, opts);
         let target = RawTarget::open(&lo.dev, ByteOffset(offset)).unwrap();
         assert_eq!(target.start(), Lba(offset / u64::from(lbs)));
         let insp = target.inspect(65536).unwrap();
@@ -144,20 +146,17 @@ fn an_image_written_at_an_lba_reads_back_and_nothing_outside_it_changes() {
 }
 
 #[test]
+#[ignore = "needs root: losetup (CI runs ignored tests as root)"]
 fn signatures_partitions_and_mounts_are_refused_and_force_overrides_only_ours() {
     let test = "signatures_partitions_and_mounts_are_refused_and_force_overrides_only_ours";
-    if !loopdev::require_root(test) {
-        return;
-    }
-    if !loopdev::have("mkfs.ext4", &["-V"]) {
-        return eprintln!("SKIPPED {test}: mkfs.ext4 not found");
-    }
+    loopdev::require_root(test);
+    loopdev::require_tool(test, "mkfs.ext4", &["-V"]);
     let dir = scratch();
     let opts = LoopOptions::default();
 
     // ext4, not mounted: refused; --force writes, and the image reads back.
     let file = sparse_file(&dir.path().join("ext4.img"), 16 * MIB);
-    let Some(lo) = LoopDevice::attach_or_skip(test, &file, opts) else { return };
+    let lo = LoopDevice::attach_for_test(test, &file, opts);
     mkfs_ext4(&lo.dev).unwrap();
     let target = RawTarget::open(&lo.dev, ByteOffset(0)).unwrap();
     let insp = target.inspect(MIB).unwrap();
@@ -224,23 +223,21 @@ fn signatures_partitions_and_mounts_are_refused_and_force_overrides_only_ours() 
 /// The device backing `/` is refused even with force. Only inspected (read): nothing here ever
 /// opens it for writing.
 #[test]
+#[ignore = "needs root and read access to the disk behind / (a VM or bare machine); CI skips it: run by hand"]
 fn the_root_device_is_refused_even_with_force() {
     let test = "the_root_device_is_refused_even_with_force";
-    if !loopdev::require_root(test) {
-        return;
-    }
+    loopdev::require_root(test);
     let root = std::fs::read_to_string("/proc/self/mountinfo").unwrap().lines().rev().find_map(|l| {
         let f: Vec<&str> = l.split(' ').collect();
         let sep = f.iter().position(|&x| x == "-")?;
         (f[4] == "/").then(|| f[sep + 2].to_string())
     });
     let Some(dev) = root.clone().filter(|s| s.starts_with("/dev/") && Path::new(s).exists()) else {
-        return eprintln!("SKIPPED {test}: / is not on a block device node here ({root:?})");
+        panic!(
+            "{test}: / is not on a block device node here ({root:?}); run it on a machine (or VM) whose / is a disk"
+        );
     };
-    let target = match RawTarget::open(Path::new(&dev), ByteOffset(0)) {
-        Ok(t) => t,
-        Err(e) => return eprintln!("SKIPPED {test}: {dev}: {e}"),
-    };
+    let target = RawTarget::open(Path::new(&dev), ByteOffset(0)).unwrap_or_else(|e| panic!("{test}: {dev}: {e}"));
     let insp = target.inspect_with(4096, &Host::current().unwrap()).unwrap();
     eprintln!("{insp}");
     assert!(insp.findings().iter().any(|f| f.verdict() == Verdict::RefuseAlways), "{insp}");
@@ -258,11 +255,12 @@ fn a_regular_file_is_never_a_raw_device() {
 }
 
 #[test]
+#[ignore = "needs root: losetup (CI runs ignored tests as root)"]
 fn an_image_larger_than_the_device_is_refused_naming_both_sizes() {
     let test = "an_image_larger_than_the_device_is_refused_naming_both_sizes";
     let dir = scratch();
     let file = sparse_file(&dir.path().join("small.img"), MIB);
-    let Some(lo) = LoopDevice::attach_or_skip(test, &file, LoopOptions::default()) else { return };
+    let lo = LoopDevice::attach_for_test(test, &file, LoopOptions::default());
     let target = RawTarget::open(&lo.dev, ByteOffset(512 * 1024)).unwrap();
     let e = target.inspect(600 * 1024).unwrap().permit(true).unwrap_err();
     let s = e.to_string();
@@ -277,11 +275,12 @@ fn an_image_larger_than_the_device_is_refused_naming_both_sizes() {
 /// `BLK_STS_IOERR`). The store rejects nothing at open, and each expert past the cut fails with a
 /// read error that names the device, offset and OS error, without hanging or panicking.
 #[test]
+#[ignore = "needs root: losetup (CI runs ignored tests as root)"]
 fn kernel_read_errors_from_a_cut_backing_file_fail_only_those_experts() {
     let test = "kernel_read_errors_from_a_cut_backing_file_fail_only_those_experts";
     let dir = scratch();
     let file = patterned(dir.path(), "cut.img", 4 * MIB);
-    let Some(lo) = LoopDevice::attach_or_skip(test, &file, LoopOptions::default()) else { return };
+    let lo = LoopDevice::attach_for_test(test, &file, LoopOptions::default());
     let target = RawTarget::open(&lo.dev, ByteOffset(0)).unwrap();
     write_image(&target, false).unwrap();
     // Payloads: 8192 (3000 B), 12288 (5500 B), 20480 (8000 B), 28672 ... cut inside the third.
@@ -312,15 +311,14 @@ fn kernel_read_errors_from_a_cut_backing_file_fail_only_those_experts() {
 }
 
 /// device-mapper's `error` target (every read fails with EIO) in the middle of a linear mapping.
-/// Runs where `dmsetup` can talk to the kernel; elsewhere prints why it is skipped.
+/// Runs where `dmsetup` can talk to the kernel (ignored; fails naming why elsewhere).
 #[test]
+#[ignore = "needs root and device-mapper in the kernel (dmsetup); CI skips it: run by hand"]
 fn device_mapper_error_target_fails_only_the_mapped_experts() {
     let test = "device_mapper_error_target_fails_only_the_mapped_experts";
-    if !loopdev::require_root(test) {
-        return;
-    }
+    loopdev::require_root(test);
     if let Err(why) = run("dmsetup", &["targets"]) {
-        return eprintln!("SKIPPED {test}: device-mapper unavailable ({why})");
+        panic!("{test}: device-mapper unavailable ({why}); it is #[ignore]d for this reason");
     }
     let dir = scratch();
     let file = patterned(dir.path(), "dm.img", 4 * MIB);
@@ -370,20 +368,17 @@ fn device_mapper_error_target_fails_only_the_mapped_experts() {
 /// refused unless forced). Needs root, `blkid`, `mkfs.ext4` and `mkfs.minix` (all util-linux or
 /// e2fsprogs, which `.ci/run` installs).
 #[test]
+#[ignore = "needs root: losetup (CI runs ignored tests as root)"]
 fn blkid_names_what_it_finds_and_what_our_scan_misses_is_refused() {
     use picchio_blockdev::raw::BlkidProbe;
     let test = "blkid_names_what_it_finds_and_what_our_scan_misses_is_refused";
-    if !loopdev::require_root(test) {
-        return;
-    }
+    loopdev::require_root(test);
     for tool in ["blkid", "mkfs.ext4", "mkfs.minix"] {
-        if !loopdev::have(tool, &["-V"]) {
-            return eprintln!("SKIPPED {test}: {tool} not found");
-        }
+        loopdev::require_tool(test, tool, &["-V"]);
     }
     let dir = scratch();
     let file = sparse_file(&dir.path().join("ext4.img"), 16 * MIB);
-    let Some(lo) = LoopDevice::attach_or_skip(test, &file, LoopOptions::default()) else { return };
+    let lo = LoopDevice::attach_for_test(test, &file, LoopOptions::default());
     mkfs_ext4(&lo.dev).unwrap();
     let probe = BlkidProbe::run(&lo.dev, 0).expect("blkid is installed");
     assert_eq!((probe.get("TYPE"), probe.get("USAGE")), (Some("ext4"), Some("filesystem")), "{probe:?}");

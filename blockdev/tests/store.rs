@@ -106,13 +106,9 @@ fn open_err(path: &Path, opts: PsyncOptions, expect: Option<StoreExpect>) -> Err
     }
 }
 
-/// Buffered everywhere, direct where supported.
+/// Buffered, and direct in a directory that supports O_DIRECT.
 fn engines(test: &str) -> Vec<(PsyncOptions, tempfile::TempDir)> {
-    let mut v = vec![(PsyncOptions::buffered(2), scratch())];
-    if let Some(d) = direct_scratch(test) {
-        v.push((PsyncOptions::direct(2), d));
-    }
-    v
+    vec![(PsyncOptions::buffered(2), scratch()), (PsyncOptions::direct(2), direct_scratch(test))]
 }
 
 #[test]

@@ -1,16 +1,15 @@
-//! `UringQueue` on real files (O_DIRECT under `CARGO_TARGET_TMPDIR` where the file system supports
-//! it, buffered everywhere) and on a loop device when root: random reads at queue depths 1-256 equal
-//! the file, refused and failing requests complete with typed errors, dropping with reads in flight
-//! is safe, and a `FlatStore` over the queue loads byte-identical experts. Every test first probes
-//! io_uring and prints `SKIPPED: io_uring unavailable: ...` when the kernel or a seccomp filter
-//! refuses it.
+//! `UringQueue` on real files: the `IoQueue` conformance suite (picchio-testkit) buffered and with
+//! O_DIRECT (under `CARGO_TARGET_TMPDIR` where the file system supports it), more depths and ring
+//! options, and a `FlatStore` over the queue loads byte-identical experts; on a loop device when root
+//! (an ignored test, run by CI). Every test first requires io_uring: when the kernel or a seccomp
+//! filter refuses it the test fails, naming why (`--io psync` is the fallback for users, not for
+//! this suite).
 #![cfg(target_os = "linux")]
 
 mod common;
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use common::{direct_scratch, random_file, scratch, Rng};
 use picchio_blockdev::{Error, PsyncOptions, PsyncQueue, UringOptions, UringQueue, MIN_REPORTED_BLOCK_SIZE};
@@ -20,37 +19,65 @@ use picchio_core::{
     AlignedBuf, ByteOffset, Completion, ExpertKey, ExpertLoader, FlatStore, FlatStoreOptions, FlatWriter, IoQueue,
     LoadError, ReadReq, Tag, BLOCK_SIZE,
 };
+use picchio_testkit::conformance::{self, Engine, Eof};
+use picchio_testkit::loopdev::{LoopDevice, LoopOptions};
 
-/// 3 MiB and a ragged tail, so reads near the end come back short.
-const FILE_LEN: usize = (3 << 20) + 1234;
-
-/// Whether io_uring works here; prints the visible skip line when it does not.
-fn uring_available(test: &str) -> bool {
-    match UringQueue::probe() {
-        Ok(()) => true,
-        Err(e) => {
-            eprintln!("SKIPPED: io_uring unavailable: {test}: {e}");
-            false
-        }
+/// Panics, naming `test` and the reason, unless io_uring works here.
+fn require_uring(test: &str) {
+    if let Err(e) = UringQueue::probe() {
+        panic!("{test}: io_uring unavailable here (kernel, sysctl or seccomp): {e}");
     }
 }
 
-/// Buffered in a scratch dir, and direct where the file system supports O_DIRECT.
+/// Buffered in a scratch dir, and direct in a directory that supports O_DIRECT.
 fn modes(test: &str) -> Vec<(bool, tempfile::TempDir)> {
-    let mut v = vec![(false, scratch())];
-    if let Some(d) = direct_scratch(test) {
-        v.push((true, d));
-    }
-    v
+    vec![(false, scratch()), (true, direct_scratch(test))]
+}
+
+/// Lends the suite an io_uring engine (buffered or direct) whose depth-`qd` queues use `opts(qd)`.
+fn with_uring_opts(direct: bool, opts: impl Fn(u32) -> UringOptions + Sync, f: impl FnOnce(&Engine)) {
+    require_uring("uring conformance");
+    let dir = if direct { direct_scratch("uring conformance") } else { scratch() };
+    let probe = random_file(dir.path(), "probe", 4096, 1).0;
+    let a = UringQueue::open(&probe, opts(1)).unwrap().alignment();
+    let open = |p: &Path, qd: u32| {
+        let q = UringQueue::open(p, opts(qd)).unwrap();
+        assert_eq!(q.len(), std::fs::metadata(p).unwrap().len());
+        assert!(q.block_size() >= MIN_REPORTED_BLOCK_SIZE && q.block_size().is_multiple_of(q.alignment().mem));
+        common::boxed(q)
+    };
+    let name = UringQueue::open(&probe, opts(32)).unwrap().describe();
+    f(&Engine {
+        name: &name,
+        dir: dir.path(),
+        open: &open,
+        align: a.offset,
+        mem_align: a.mem,
+        eof: Eof::Short,
+        misaligned: &common::check_misaligned,
+        past_end: &common::check_past_end,
+        too_small: &common::check_too_small,
+    });
+}
+
+fn with_buffered(f: impl FnOnce(&Engine)) {
+    with_uring_opts(false, |qd| UringOptions { qd, direct: false, ..UringOptions::default() }, f)
+}
+
+fn with_direct(f: impl FnOnce(&Engine)) {
+    with_uring_opts(true, |qd| UringOptions { qd, direct: true, ..UringOptions::default() }, f)
+}
+
+mod buffered {
+    picchio_testkit::conformance_tests!(super::with_buffered);
+}
+
+mod direct {
+    picchio_testkit::conformance_tests!(super::with_direct, aligned);
 }
 
 fn buf(len: u32) -> AlignedBuf {
     AlignedBuf::new((len as usize).max(4096), 4096).unwrap()
-}
-
-fn typed(c: &Completion) -> &Error {
-    let e = c.result.as_ref().expect_err("expected an error completion");
-    e.get_ref().and_then(|e| e.downcast_ref::<Error>()).unwrap_or_else(|| panic!("untyped error: {e}"))
 }
 
 fn reap_all(q: &mut UringQueue) -> Vec<Completion> {
@@ -68,98 +95,50 @@ fn read_one(q: &mut UringQueue, offset: u64, len: u32) -> Completion {
     out.pop().unwrap()
 }
 
-/// 400 random reads (aligned to what the mode needs, some running past the end) at depth `qd`, all
-/// submitted before the first reap; every completion's bytes equal the file's and short counts are
-/// exactly the bytes left.
-fn random_reads(path: &Path, bytes: &[u8], opts: UringOptions, seed: u64) {
-    let mut q = UringQueue::open(path, opts).unwrap();
-    assert_eq!(q.len(), bytes.len() as u64);
-    let step = u64::from(q.alignment().offset);
-    assert!(q.block_size() >= MIN_REPORTED_BLOCK_SIZE && q.block_size().is_multiple_of(q.alignment().mem));
-    let mut rng = Rng::new(seed);
-    let mut expect = Vec::new();
-    let mut out = Vec::new();
-    let n = 400u64;
-    for i in 0..n {
-        let blocks = bytes.len() as u64 / step;
-        let offset = rng.below(blocks + 1) * step;
-        let offset = if offset >= bytes.len() as u64 { offset - step } else { offset };
-        let len = ((rng.below(256 << 10) / step).max(1) * step) as u32;
-        expect.push((offset, len));
-        q.submit(ReadReq { offset: ByteOffset(offset), len, buf: buf(len), tag: Tag(i) });
-        // Reap what is there now and then, with reads still queued behind the depth.
-        if i % 97 == 96 {
-            q.reap(0, &mut out);
-        }
-    }
-    while q.in_flight() > 0 {
-        q.reap(1, &mut out);
-    }
-    check(&out, &expect, bytes, &q);
-    expect_seen(&mut HashSet::new(), &out);
-    assert_eq!(out.len(), n as usize, "{}: every read completes exactly once", q.describe());
-}
-
-fn expect_seen(seen: &mut HashSet<u64>, out: &[Completion]) {
-    for c in out {
-        assert!(seen.insert(c.tag.0), "tag {:?} completed twice", c.tag);
-    }
-}
-
-fn check(out: &[Completion], expect: &[(u64, u32)], bytes: &[u8], q: &UringQueue) {
-    for c in out {
-        let (offset, len) = expect[c.tag.0 as usize];
-        let n = c.result.as_ref().unwrap_or_else(|e| panic!("read {offset:#x}+{len}: {e}"));
-        let want = (len as usize).min(bytes.len() - offset as usize);
-        assert_eq!(*n as usize, want, "count of read {offset:#x}+{len} ({})", q.describe());
-        assert!(c.buf.as_slice()[..want] == bytes[offset as usize..offset as usize + want], "bytes at {offset:#x}");
-    }
-}
-
+/// The suite's random reads at the depths it does not run (4 and 256; it runs 1 and 32), with an
+/// unregistered file, and with SQPOLL (root, or Linux 5.11+; refused by name otherwise, which fails).
 #[test]
-fn random_reads_match_the_file_at_qd_1_4_32_256() {
-    let test = "random_reads_match_the_file_at_qd_1_4_32_256";
-    if !uring_available(test) {
-        return;
-    }
-    for (direct, dir) in modes(test) {
-        let (path, bytes) = random_file(dir.path(), "r", FILE_LEN, 11);
-        for qd in [1, 4, 32, 256] {
-            let opts = UringOptions { qd, direct, ..UringOptions::default() };
-            random_reads(&path, &bytes, opts, 100 + u64::from(qd));
-            eprintln!("ran {test}: {}", UringQueue::open(&path, opts).unwrap().describe());
+fn random_reads_match_the_file_at_qd_4_256_unregistered_and_sqpoll() {
+    let test = "random_reads_match_the_file_at_qd_4_256_unregistered_and_sqpoll";
+    require_uring(test);
+    for direct in [false, true] {
+        for qd in [4, 256] {
+            with_uring_opts(
+                direct,
+                move |_| UringOptions { qd, direct, ..UringOptions::default() },
+                |e| {
+                    conformance::random_reads(e, qd, 100 + u64::from(qd));
+                    eprintln!("ran {test}: {}", e.name);
+                },
+            );
         }
-        // An unregistered file and SQPOLL (root, or Linux 5.11+) read the same bytes.
-        for opts in [
-            UringOptions { register_files: false, ..UringOptions { qd: 8, direct, ..UringOptions::default() } },
-            UringOptions { sqpoll: true, ..UringOptions { qd: 8, direct, ..UringOptions::default() } },
-        ] {
-            match UringQueue::open(&path, opts) {
-                Ok(q) => {
-                    let d = q.describe();
-                    drop(q);
-                    random_reads(&path, &bytes, opts, 7);
-                    eprintln!("ran {test}: {d}");
-                }
-                Err(e @ Error::UringOption { flag: "--sqpoll", .. }) => eprintln!("SKIPPED {test}: {e}"),
-                Err(e) => panic!("{e}"),
-            }
-        }
+        with_uring_opts(
+            direct,
+            move |_| UringOptions {
+                register_files: false,
+                ..UringOptions { qd: 8, direct, ..UringOptions::default() }
+            },
+            |e| conformance::random_reads(e, 8, 7),
+        );
+        with_uring_opts(
+            direct,
+            move |_| UringOptions { sqpoll: true, ..UringOptions { qd: 8, direct, ..UringOptions::default() } },
+            |e| conformance::random_reads(e, 8, 7),
+        );
     }
 }
 
 #[test]
 fn describe_and_sizes() {
-    if !uring_available("describe_and_sizes") {
-        return;
-    }
+    require_uring("describe_and_sizes");
     let dir = scratch();
     let (path, _) = random_file(dir.path(), "f", 10_000, 1);
     let q = UringQueue::open(&path, UringOptions::buffered(4)).unwrap();
     assert_eq!(q.describe(), "uring(buffered, qd 4, fixed file)");
     assert_eq!((q.len(), q.is_empty(), q.is_direct(), q.is_block_device()), (10_000, false, false, false));
     assert_eq!(q.block_size(), MIN_REPORTED_BLOCK_SIZE);
-    if let Some(d) = direct_scratch("describe_and_sizes") {
+    {
+        let d = direct_scratch("describe_and_sizes");
         let (path, _) = random_file(d.path(), "f", 10_000, 1);
         let q = UringQueue::open(&path, UringOptions::default()).unwrap();
         assert_eq!(q.describe(), "uring(direct, qd 32, fixed file)");
@@ -170,102 +149,12 @@ fn describe_and_sizes() {
 }
 
 #[test]
-fn misaligned_requests_complete_with_an_error() {
-    let test = "misaligned_requests_complete_with_an_error";
-    if !uring_available(test) {
-        return;
-    }
-    let Some(dir) = direct_scratch(test) else { return };
-    let (path, bytes) = random_file(dir.path(), "f", 64 << 10, 2);
-    let mut q = UringQueue::open(&path, UringOptions::direct(4)).unwrap();
-    let a = q.alignment().offset;
-    let cases = [(u64::from(a) / 2, a, "offset"), (0, a + a / 2, "length")];
-    for (i, &(offset, len, _)) in cases.iter().enumerate() {
-        q.submit(ReadReq { offset: ByteOffset(offset), len, buf: buf(len + a), tag: Tag(i as u64) });
-    }
-    // A good read between the bad ones is unaffected.
-    q.submit(ReadReq { offset: ByteOffset(4096), len: 4096, buf: buf(4096), tag: Tag(9) });
-    let mut out = reap_all(&mut q);
-    out.sort_by_key(|c| c.tag.0);
-    assert_eq!(out.len(), 3);
-    for (c, &(offset, len, what)) in out.iter().zip(&cases) {
-        let Error::Misaligned { what: w, align, .. } = typed(c) else { panic!("{:?}", typed(c)) };
-        assert_eq!((*w, *align), (what, a));
-        let e = c.result.as_ref().unwrap_err();
-        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
-        let s = e.to_string();
-        assert!(s.contains(&format!("{len} bytes at offset {offset:#x}")) && s.contains("f: O_DIRECT"), "{s}");
-    }
-    assert_eq!(*out[2].result.as_ref().unwrap(), 4096);
-    assert!(out[2].buf.as_slice()[..4096] == bytes[4096..8192]);
-}
-
-#[test]
-fn past_the_end_and_too_small_buffers() {
-    if !uring_available("past_the_end_and_too_small_buffers") {
-        return;
-    }
-    for (direct, dir) in modes("past_the_end_and_too_small_buffers") {
-        let (path, bytes) = random_file(dir.path(), "f", 3 * 4096 + 100, 3);
-        let mut q = UringQueue::open(&path, UringOptions { qd: 2, direct, ..UringOptions::default() }).unwrap();
-        // Starting past the end: refused.
-        let c = read_one(&mut q, 8 * 4096, 4096);
-        let Error::PastEnd { size, .. } = typed(&c) else { panic!("{:?}", typed(&c)) };
-        assert_eq!(*size, bytes.len() as u64);
-        assert_eq!(c.result.as_ref().unwrap_err().kind(), std::io::ErrorKind::UnexpectedEof);
-        // Running past the end: the bytes that exist.
-        let c = read_one(&mut q, 2 * 4096, 4 * 4096);
-        assert_eq!(*c.result.as_ref().unwrap(), 4096 + 100);
-        assert!(c.buf.as_slice()[..4196] == bytes[8192..]);
-        // Buffer shorter than the read.
-        q.submit(ReadReq { offset: ByteOffset(0), len: 8192, buf: buf(4096), tag: Tag(5) });
-        let c = reap_all(&mut q).pop().unwrap();
-        assert!(matches!(typed(&c), Error::BufferTooSmall { buf_len: 4096, .. }), "{:?}", typed(&c));
-        assert_eq!(c.tag, Tag(5));
-    }
-}
-
-#[test]
-fn drop_with_reads_in_flight_waits_for_them() {
-    if !uring_available("drop_with_reads_in_flight_waits_for_them") {
-        return;
-    }
-    for (direct, dir) in modes("drop_with_reads_in_flight_waits_for_them") {
-        let (path, bytes) = random_file(dir.path(), "f", 4 << 20, 4);
-        for reaped in [0usize, 1, 40] {
-            let mut q = UringQueue::open(&path, UringOptions { qd: 32, direct, ..UringOptions::default() }).unwrap();
-            // 300 reads of 256 KiB: 32 in the kernel, the rest waiting in the queue's FIFO.
-            for i in 0..300u64 {
-                let offset = (i % 16) * (256 << 10);
-                q.submit(ReadReq { offset: ByteOffset(offset), len: 256 << 10, buf: buf(256 << 10), tag: Tag(i) });
-            }
-            let mut out = Vec::new();
-            while out.len() < reaped {
-                q.reap(1, &mut out);
-            }
-            assert!(q.in_flight() > 0);
-            drop(q); // waits for the reads in the kernel, frees the waiting ones
-            for c in &out {
-                let off = (c.tag.0 % 16) as usize * (256 << 10);
-                assert!(c.buf.as_slice()[..256 << 10] == bytes[off..off + (256 << 10)]);
-            }
-        }
-        // The file and a new queue are fine afterwards.
-        let mut q = UringQueue::open(&path, UringOptions { qd: 4, direct, ..UringOptions::default() }).unwrap();
-        let c = read_one(&mut q, 4096, 4096);
-        assert!(c.buf.as_slice()[..4096] == bytes[4096..8192]);
-    }
-}
-
-#[test]
 fn options_outside_the_range_are_refused() {
     for qd in [0, 257] {
         let e = UringQueue::open("/nonexistent", UringOptions::direct(qd)).unwrap_err();
         assert!(matches!(e, Error::InvalidOptions { .. }) && e.to_string().contains("--qd"), "{e}");
     }
-    if !uring_available("options_outside_the_range_are_refused") {
-        return;
-    }
+    require_uring("options_outside_the_range_are_refused");
     let e = UringQueue::open("/nonexistent/x", UringOptions::direct(4)).unwrap_err();
     assert!(matches!(e, Error::Open { .. }) && e.to_string().contains("/nonexistent/x"), "{e}");
 }
@@ -273,10 +162,8 @@ fn options_outside_the_range_are_refused() {
 #[test]
 fn iopoll_on_a_file_works_or_names_the_flag() {
     let test = "iopoll_on_a_file_works_or_names_the_flag";
-    if !uring_available(test) {
-        return;
-    }
-    let Some(dir) = direct_scratch(test) else { return };
+    require_uring(test);
+    let dir = direct_scratch(test);
     let (path, bytes) = random_file(dir.path(), "f", 1 << 20, 5);
     match UringQueue::open(&path, UringOptions { iopoll: true, ..UringOptions::direct(8) }) {
         Ok(mut q) => {
@@ -350,9 +237,7 @@ fn load(store: &mut impl ExpertLoader, layer: u32, experts: &[u32]) -> Got {
 #[test]
 fn flat_store_over_uring_loads_byte_identical_experts() {
     let test = "flat_store_over_uring_loads_byte_identical_experts";
-    if !uring_available(test) {
-        return;
-    }
+    require_uring(test);
     for (direct, dir) in modes(test) {
         let (path, payloads) = image(dir.path());
         for qd in [1, 4, 32] {
@@ -382,42 +267,16 @@ fn flat_store_over_uring_loads_byte_identical_experts() {
 
 // ---- a real block device ----
 
-/// A read-only loop device over a file, detached on drop.
-struct Loop(PathBuf);
-
-impl Loop {
-    fn attach(file: &Path) -> Result<Loop, String> {
-        let out = Command::new("losetup")
-            .args(["--find", "--show", "--read-only", "--sector-size", "4096", "--direct-io=on"])
-            .arg(file)
-            .output()
-            .map_err(|e| format!("cannot run losetup: {e}"))?;
-        if !out.status.success() {
-            return Err(format!("losetup failed: {}", String::from_utf8_lossy(&out.stderr).trim()));
-        }
-        Ok(Loop(String::from_utf8_lossy(&out.stdout).trim().into()))
-    }
-}
-
-impl Drop for Loop {
-    fn drop(&mut self) {
-        let _ = Command::new("losetup").arg("-d").arg(&self.0).status();
-    }
-}
-
 #[test]
+#[ignore = "needs root: losetup (CI runs ignored tests as root)"]
 fn loop_device_reads_at_depth_and_refuses_iopoll_by_name() {
     let test = "loop_device_reads_at_depth_and_refuses_iopoll_by_name";
-    if !uring_available(test) {
-        return;
-    }
+    require_uring(test);
     let dir = scratch();
     let (path, bytes) = random_file(dir.path(), "img", 2 << 20, 6);
-    let dev = match Loop::attach(&path) {
-        Ok(d) => d,
-        Err(why) => return eprintln!("SKIPPED {test}: no loop device (needs root): {why}"),
-    };
-    let mut q = UringQueue::open(&dev.0, UringOptions::direct(16)).unwrap();
+    let opts = LoopOptions { sector_size: 4096, direct_io: true, read_only: true, partscan: false };
+    let dev = LoopDevice::attach_for_test(test, &path, opts);
+    let mut q = UringQueue::open(&dev.dev, UringOptions::direct(16)).unwrap();
     assert!(q.is_block_device());
     assert_eq!((q.len(), q.alignment().offset), (2 << 20, 4096));
     for i in 0..64u64 {
@@ -430,7 +289,7 @@ fn loop_device_reads_at_depth_and_refuses_iopoll_by_name() {
         assert!(c.buf.as_slice()[..16384] == bytes[o..o + 16384]);
     }
     // The loop driver has no polled queues: --iopoll is refused at open, naming the flag.
-    match UringQueue::open(&dev.0, UringOptions { iopoll: true, ..UringOptions::direct(4) }) {
+    match UringQueue::open(&dev.dev, UringOptions { iopoll: true, ..UringOptions::direct(4) }) {
         Ok(q) => eprintln!("{test}: {} works on this loop device", q.describe()),
         Err(e) => assert!(matches!(e, Error::UringOption { flag: "--iopoll", .. }), "{e}"),
     }

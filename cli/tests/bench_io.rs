@@ -2,16 +2,15 @@
 //! env) run through the real binary on a small synthetic store. The reports are checked for their
 //! structure and internal consistency — schema, environment, counts, bytes = reads × read size,
 //! percentile order, MB/s = bytes / wall — never for speeds. The fio comparison is checked when fio
-//! is installed (CI installs it); otherwise that check prints SKIPPED with the reason.
+//! is installed: that test is `#[ignore]`d ("needs fio"), and CI, which installs fio, runs it with
+//! `-- --ignored`, as it runs the loop-device tests as root.
 #![cfg(target_os = "linux")]
 
 mod common;
-#[path = "../../blockdev/tests/common/loopdev.rs"]
-mod loopdev;
 use common::{ok, picchio};
+use picchio_testkit::loopdev;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use serde_json::Value;
 
@@ -147,14 +146,6 @@ fn check_point(p: &Value, bytes_per_read: Option<u64>) {
     }
 }
 
-fn fio_installed(test: &str) -> bool {
-    let ok = Command::new("fio").arg("--version").output().is_ok_and(|o| o.status.success());
-    if !ok {
-        eprintln!("SKIPPED {test} (fio comparison): fio is not on PATH (CI installs it)");
-    }
-    ok
-}
-
 #[test]
 fn synth_image_verifies_and_refuses_what_pack_refuses() {
     let s = &store();
@@ -174,6 +165,7 @@ fn synth_image_verifies_and_refuses_what_pack_refuses() {
 }
 
 #[test]
+#[ignore = "needs fio (CI installs it and runs ignored tests)"]
 fn qd_sweep_report_is_consistent_and_fio_sits_beside_it() {
     let test = "qd_sweep_report_is_consistent_and_fio_sits_beside_it";
     let s = &store();
@@ -223,10 +215,7 @@ fn qd_sweep_report_is_consistent_and_fio_sits_beside_it() {
             u(p, "qd")
         )));
     }
-    if !fio_installed(test) {
-        assert!(res["skipped"].to_string().contains("fio is not on PATH"));
-        return;
-    }
+    loopdev::require_tool(test, "fio", &["--version"]);
     assert!(res["fio_version"].as_str().unwrap().starts_with("fio-"));
     for p in points {
         let fio = &p["fio"];
@@ -384,10 +373,11 @@ fn tiers_table_has_every_tier_of_a_file_store() {
 }
 
 #[test]
+#[ignore = "needs root: losetup (CI runs ignored tests as root)"]
 fn tiers_on_a_loop_device_are_s4() {
     let test = "tiers_on_a_loop_device_are_s4";
     let s = &store();
-    let Some(lo) = loopdev::LoopDevice::attach_or_skip(test, s, loopdev::LoopOptions::default()) else { return };
+    let lo = loopdev::LoopDevice::attach_for_test(test, s, loopdev::LoopOptions::default());
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let json = dir.path().join("raw.json");
     let uri = format!("raw:{}", lo.dev.display());
@@ -411,7 +401,7 @@ fn tiers_on_a_loop_device_are_s4() {
     drop(lo);
     // Without direct I/O the environment warns that figures include the backing file's page cache.
     let opts = loopdev::LoopOptions { direct_io: false, ..loopdev::LoopOptions::default() };
-    let Some(lo) = loopdev::LoopDevice::attach_or_skip(test, s, opts) else { return };
+    let lo = loopdev::LoopDevice::attach_for_test(test, s, opts);
     ok(&["bench", "env", "--store", &format!("raw:{}", lo.dev.display()), "--json", json.to_str().unwrap()]);
     let t = &report(&json)["environment"]["target"];
     assert_eq!(t["device"]["loop_direct_io"].as_bool(), Some(false), "{t}");
@@ -470,11 +460,12 @@ fn env_report_describes_the_store() {
 }
 
 #[test]
+#[ignore = "needs root: losetup (CI runs ignored tests as root)"]
 fn synth_writes_a_block_device_after_inspecting_it_and_refuses_a_file_system() {
     let test = "synth_writes_a_block_device_after_inspecting_it_and_refuses_a_file_system";
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let file = loopdev::sparse_file(&dir.path().join("dev.img"), 4 << 20);
-    let Some(lo) = loopdev::LoopDevice::attach_or_skip(test, &file, loopdev::LoopOptions::default()) else { return };
+    let lo = loopdev::LoopDevice::attach_for_test(test, &file, loopdev::LoopOptions::default());
     let uri = format!("raw:{}@4096", lo.dev.display());
     let geometry =
         ["--arch", "custom", "--hidden", "256", "--moe-intermediate", "128", "--experts", "8", "--model-layers", "2"];
@@ -491,9 +482,7 @@ fn synth_writes_a_block_device_after_inspecting_it_and_refuses_a_file_system() {
     let (same_layers, n) = (&dev[4096..4096 + want.len()], want.len());
     // store() has 4 model layers in its superblock, this one 2: compare the payload region only.
     assert_eq!(same_layers[8192..], want[8192..n], "payloads and their placement");
-    if !loopdev::have("mkfs.ext4", &["-V"]) {
-        return eprintln!("SKIPPED {test} (refusal part): mkfs.ext4 not found");
-    }
+    loopdev::require_tool(test, "mkfs.ext4", &["-V"]);
     loopdev::mkfs_ext4(&lo.dev).unwrap();
     let before = std::fs::read(&file).unwrap();
     let o = picchio(&args);
@@ -666,10 +655,7 @@ fn overhead_defaults_to_a_small_images_size_and_names_the_bad_option() {
 #[test]
 fn a_cache_drop_that_cannot_take_on_tmpfs_is_labelled_so() {
     let shm = Path::new("/dev/shm");
-    if !shm.is_dir() {
-        eprintln!("SKIPPED: no /dev/shm tmpfs here");
-        return;
-    }
+    assert!(shm.is_dir(), "/dev/shm (a tmpfs on every Linux) is missing here");
     let dir = tempfile::tempdir_in(shm).unwrap();
     let image = dir.path().join("synth.picchioflat");
     std::fs::copy(store(), &image).unwrap();

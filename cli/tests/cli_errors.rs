@@ -4,14 +4,13 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(name)
 }
 
 fn scratch() -> tempfile::TempDir {
-    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
+    picchio_testkit::scratch!()
 }
 
 /// A writable copy of the Picchio (C) converted directory (with its image) under `dir`.
@@ -29,33 +28,10 @@ fn picchio(args: &[&str]) -> Output {
     picchio_with(args, Stdio::piped())
 }
 
-/// Runs `picchio args` with `stdout`, failing (instead of hanging) after 60 s.
+/// Runs `picchio args` with `stdout` (the test kit's runner: stdin closed, output echoed, a hang
+/// fails the test after `picchio_testkit::bin::HANG_LIMIT`).
 fn picchio_with(args: &[&str], stdout: impl Into<Stdio>) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_picchio"))
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(stdout)
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run picchio");
-    let t0 = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if t0.elapsed() > Duration::from_secs(60) {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("picchio {} hung", args.join(" "));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output().unwrap();
-    eprintln!(
-        "$ picchio {}\n[{}]\n{}{}",
-        args.join(" "),
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
+    picchio_testkit::bin::Bin::new("picchio", env!("CARGO_BIN_EXE_picchio")).run_with(args, stdout)
 }
 
 fn stderr(o: &Output) -> String {
@@ -233,11 +209,9 @@ fn stores_that_are_not_files_are_named_and_a_fifo_does_not_block() {
 fn generation_beyond_the_context_and_bad_sampling_values_are_refused() {
     let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/picchio_c/qwen3_moe");
     let run = |extra: &[&str]| {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_picchio"))
-            .args(["run", "--model", model.to_str().unwrap(), "--store", "safetensors", "--prompt-ids", "1,2"])
-            .args(extra)
-            .output()
-            .unwrap();
+        let mut args = vec!["run", "--model", model.to_str().unwrap(), "--store", "safetensors", "--prompt-ids", "1,2"];
+        args.extend_from_slice(extra);
+        let out = picchio(&args);
         (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
     };
     for (args, want) in [

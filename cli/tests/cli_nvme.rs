@@ -2,18 +2,10 @@
 //! controllers), and a malformed address is refused before anything is touched.
 #![cfg(target_os = "linux")]
 
-use std::process::{Command, Output};
+use std::process::Output;
 
 fn picchio(args: &[&str]) -> Output {
-    let out = Command::new(env!("CARGO_BIN_EXE_picchio")).args(args).output().expect("run picchio");
-    eprintln!(
-        "$ picchio {}\n[{}]\n{}{}",
-        args.join(" "),
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
+    picchio_testkit::bin::Bin::new("picchio", env!("CARGO_BIN_EXE_picchio")).run(args)
 }
 
 #[test]

@@ -1,13 +1,12 @@
 //! `picchio pack --out raw:` and `picchio verify raw:` as a user runs them: exit status, the plan and
 //! the refusal on stderr, the reports on stdout, on loop devices. Root only for the device cases
-//! (each prints `SKIPPED <name>: ...` otherwise).
+//! (`#[ignore]`d; CI runs them as root with `-- --ignored`).
 #![cfg(target_os = "linux")]
 
-#[path = "../../blockdev/tests/common/loopdev.rs"]
-mod loopdev;
+use picchio_testkit::loopdev;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 use loopdev::{mkfs_ext4, sparse_file, LoopDevice, LoopOptions};
 
@@ -16,19 +15,11 @@ fn model() -> PathBuf {
 }
 
 fn scratch() -> tempfile::TempDir {
-    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
+    picchio_testkit::scratch!()
 }
 
 fn picchio(args: &[&str]) -> Output {
-    let out = Command::new(env!("CARGO_BIN_EXE_picchio")).args(args).output().expect("run picchio");
-    eprintln!(
-        "$ picchio {}\n[{}]\n{}{}",
-        args.join(" "),
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
+    picchio_testkit::bin::Bin::new("picchio", env!("CARGO_BIN_EXE_picchio")).run(args)
 }
 
 fn stderr(o: &Output) -> String {
@@ -40,14 +31,13 @@ fn stdout(o: &Output) -> String {
 }
 
 #[test]
+#[ignore = "needs root: losetup (CI runs ignored tests as root)"]
 fn pack_refuses_a_device_with_a_file_system_names_it_and_force_writes_it() {
     let test = "pack_refuses_a_device_with_a_file_system_names_it_and_force_writes_it";
-    if !loopdev::have("mkfs.ext4", &["-V"]) {
-        return eprintln!("SKIPPED {test}: mkfs.ext4 not found");
-    }
+    loopdev::require_tool(test, "mkfs.ext4", &["-V"]);
     let tmp = scratch();
     let file = sparse_file(&tmp.path().join("ext4.img"), 16 << 20);
-    let Some(lo) = LoopDevice::attach_or_skip(test, &file, LoopOptions::default()) else { return };
+    let lo = LoopDevice::attach_for_test(test, &file, LoopOptions::default());
     mkfs_ext4(&lo.dev).unwrap();
     let m = model();
     let (m, dev) = (m.to_str().unwrap(), lo.dev.to_str().unwrap());
@@ -82,12 +72,13 @@ fn pack_refuses_a_device_with_a_file_system_names_it_and_force_writes_it() {
 }
 
 #[test]
+#[ignore = "needs root: losetup (CI runs ignored tests as root)"]
 fn pack_and_verify_at_an_lba_offset_and_misaligned_offsets_fail() {
     let test = "pack_and_verify_at_an_lba_offset_and_misaligned_offsets_fail";
     let tmp = scratch();
     let file = sparse_file(&tmp.path().join("d4k.img"), 4 << 20);
     let opts = LoopOptions { sector_size: 4096, ..Default::default() };
-    let Some(lo) = LoopDevice::attach_or_skip(test, &file, opts) else { return };
+    let lo = LoopDevice::attach_for_test(test, &file, opts);
     let m = model();
     let (m, dev) = (m.to_str().unwrap(), lo.dev.to_str().unwrap());
     let at = format!("raw:{dev}@1048576");

@@ -183,8 +183,8 @@ impl SysError {
 type SysResult<T> = std::result::Result<T, SysError>;
 
 /// One small function per VFIO ioctl this module issues (and the BAR0 mmap, and getrlimit), each
-/// with its own `SAFETY:` argument and a [`SysError`] naming the request. Under `cfg(test)` the twin
-/// [`vfio_ioctls` (test)](self) replaces it with scripted results, so the callers' error paths run in
+/// with its own `SAFETY:` argument and a [`SysError`] naming the request. Under `cfg(test)` a twin
+/// module of the same name replaces it with scripted results, so the callers' error paths run in
 /// unit tests without a kernel (rust-vmm's vfio-ioctls does the same).
 #[cfg(not(test))]
 mod vfio_ioctls {

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use picchio_core::loader::StoreDims;
+use picchio_core::rng::SplitMix64 as Rng;
 use picchio_core::{
     AlignedBuf, ByteOffset, Completion, ExpertLoader, FlatStore, FlatStoreOptions, FlatWriter, IoQueue, ReadReq, Tag,
 };
@@ -14,29 +15,104 @@ use picchio_nvme::engine::{ReadFailure, RecoveryPolicy};
 use picchio_nvme::sim::{Fault, Sim, SimConfig, SimNamespace};
 use picchio_nvme::spec::{admin, regs, Status, StatusCodeType};
 use picchio_nvme::{Controller, CtrlrOptions, Error, HeapDma, InitState, NvmeQueue, NvmeQueueOptions};
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
-}
+use picchio_testkit::conformance::{Engine, Eof, Misalign};
 
 fn backing(dir: &Path, name: &str, len: usize, seed: u64) -> (PathBuf, Vec<u8>) {
-    let bytes = Rng(seed).bytes(len);
-    let p = dir.join(name);
-    std::fs::write(&p, &bytes).unwrap();
-    (p, bytes)
+    picchio_testkit::conformance::random_file(dir, name, len, seed)
 }
 
+/// A queue on the controller model that owns its model (dropped after the queue's shutdown).
+struct SimQueue {
+    q: NvmeQueue,
+    _sim: Sim,
+}
+
+impl IoQueue for SimQueue {
+    fn block_size(&self) -> u32 {
+        self.q.block_size()
+    }
+    fn submit(&mut self, req: ReadReq) {
+        self.q.submit(req)
+    }
+    fn reap(&mut self, min: usize, out: &mut Vec<Completion>) -> usize {
+        self.q.reap(min, out)
+    }
+    fn in_flight(&self) -> usize {
+        self.q.in_flight()
+    }
+    fn describe(&self) -> String {
+        self.q.describe()
+    }
+}
+
+/// Lends the conformance suite the driver on the controller model with `lba`-byte LBAs; the
+/// namespace is the suite's file. Per-command timeout 60 s: the suite checks reads, not timeouts, and
+/// a loaded machine can stall the model's thread far beyond the fault tests' 300 ms.
+fn with_sim(lba: u32, f: impl FnOnce(&Engine)) {
+    let dir = tempfile::tempdir().unwrap();
+    let open = move |p: &Path, qd: u32| -> Box<dyn IoQueue> {
+        let o = NvmeQueueOptions { qd: qd as u16, timeout: Duration::from_secs(60), ..Default::default() };
+        let (q, sim) = NvmeQueue::open_sim(SimConfig::single(p, lba), &o).unwrap();
+        assert_eq!(q.block_size(), lba);
+        Box::new(SimQueue { q, _sim: sim })
+    };
+    let misaligned = |e: &std::io::Error, _: Misalign| assert!(e.to_string().contains("not aligned"), "{e}");
+    let past_end = |e: &std::io::Error, offset: u64, size: u64| {
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
+        let s = e.to_string();
+        assert!(
+            s.contains("past the end")
+                && s.contains(&format!("at {offset:#x}"))
+                && s.contains(&format!("({size} bytes)")),
+            "{s}"
+        );
+    };
+    let too_small = |e: &std::io::Error, buf_len: usize| {
+        assert!(e.to_string().contains(&format!("with a {buf_len}-byte buffer")), "{e}");
+    };
+    f(&Engine {
+        name: &format!("nvme(sim, {lba}-byte LBA)"),
+        dir: dir.path(),
+        open: &open,
+        align: lba,
+        mem_align: 4,
+        eof: Eof::Refused,
+        misaligned: &misaligned,
+        past_end: &past_end,
+        too_small: &too_small,
+    });
+}
+
+fn with_sim_512(f: impl FnOnce(&Engine)) {
+    with_sim(512, f)
+}
+
+fn with_sim_4096(f: impl FnOnce(&Engine)) {
+    with_sim(4096, f)
+}
+
+mod conformance_512 {
+    picchio_testkit::conformance_tests!(super::with_sim_512, aligned);
+}
+
+mod conformance_4096 {
+    picchio_testkit::conformance_tests!(super::with_sim_4096, aligned);
+}
+
+/// Options for tests whose commands all complete: a per-command timeout (60 s) that only a hang
+/// reaches, so a loaded machine stalling the model's thread does not time a read out.
 fn opts(qd: u16) -> NvmeQueueOptions {
-    NvmeQueueOptions { qd, timeout: Duration::from_millis(300), ..Default::default() }
+    NvmeQueueOptions { qd, timeout: Duration::from_secs(60), ..Default::default() }
+}
+
+/// The per-command timeout of tests that make a command time out on purpose (a held or dropped
+/// completion): short enough to keep them quick, long enough (2 s, not the 300 ms it once was) that
+/// the *other* commands of the test do not time out while the machine is loaded.
+const FAULT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Options for tests that inject a held or dropped completion (see [`FAULT_TIMEOUT`]).
+fn fault_opts(qd: u16) -> NvmeQueueOptions {
+    NvmeQueueOptions { qd, timeout: FAULT_TIMEOUT, ..Default::default() }
 }
 
 fn read(q: &mut NvmeQueue, offset: u64, len: u32) -> Completion {
@@ -84,13 +160,13 @@ fn check_reads(lba: u32, mdts: u8, qd: u16) {
     let (mut q, sim) = NvmeQueue::open_sim(cfg, &opts(qd)).unwrap();
     assert_eq!(q.block_size(), lba);
     assert_eq!(q.describe(), format!("nvme(sim, nsid 1, qd {qd})"));
-    let mut rng = Rng(99);
+    let mut rng = Rng::new(99);
     let mut want = std::collections::HashMap::new();
     let mut got = vec![];
     for i in 0..200u64 {
-        let blocks = 1 + rng.next() % if i % 10 == 0 { 1200 } else { 64 };
+        let blocks = 1 + rng.next_u64() % if i % 10 == 0 { 1200 } else { 64 };
         let len = (blocks * u64::from(lba)).min(700 << 10) as u32;
-        let off = (rng.next() % ((8 << 20) - u64::from(len))) / u64::from(lba) * u64::from(lba);
+        let off = (rng.next_u64() % ((8 << 20) - u64::from(len))) / u64::from(lba) * u64::from(lba);
         want.insert(i, (off, len));
         let buf = AlignedBuf::new(len as usize, 4096).unwrap();
         q.submit(ReadReq { offset: ByteOffset(off), len, buf, tag: Tag(i) });
@@ -141,21 +217,6 @@ fn reads_equal_the_file_short_mdts() {
 }
 
 #[test]
-fn misaligned_and_out_of_range_requests_fail_without_breaking_the_queue() {
-    let dir = tempfile::tempdir().unwrap();
-    let (p, bytes) = backing(dir.path(), "ns", 1 << 20, 3);
-    let (mut q, _sim) = NvmeQueue::open_sim(SimConfig::single(&p, 4096), &opts(4)).unwrap();
-    let e = read(&mut q, 100, 4096).result.unwrap_err();
-    assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
-    assert!(e.to_string().contains("not aligned"), "{e}");
-    let e = read(&mut q, 1 << 20, 4096).result.unwrap_err();
-    assert!(e.to_string().contains("past the end"), "{e}");
-    let c = read(&mut q, 4096, 8192);
-    assert_eq!(c.result.unwrap(), 8192);
-    assert_eq!(&c.buf.as_slice()[..8192], &bytes[4096..12288]);
-}
-
-#[test]
 fn injected_statuses_fail_the_read_and_the_queue_keeps_working() {
     let dir = tempfile::tempdir().unwrap();
     let (p, bytes) = backing(dir.path(), "ns", 1 << 20, 4);
@@ -189,18 +250,14 @@ fn failure(c: &Completion) -> ReadFailure {
 }
 
 fn fast_recovery(q: &mut NvmeQueue, max_resets: u32) {
-    q.set_recovery(RecoveryPolicy {
-        abort_timeout: Duration::from_millis(200),
-        max_resets,
-        reset_window: Duration::from_secs(600),
-    });
+    q.set_recovery(RecoveryPolicy { abort_timeout: FAULT_TIMEOUT, max_resets, reset_window: Duration::from_secs(600) });
 }
 
 #[test]
 fn dropped_completion_abort_then_reset_fails_only_that_read() {
     let dir = tempfile::tempdir().unwrap();
     let (p, bytes) = backing(dir.path(), "ns", 1 << 20, 5);
-    let (mut q, sim) = NvmeQueue::open_sim(SimConfig::single(&p, 4096), &opts(4)).unwrap();
+    let (mut q, sim) = NvmeQueue::open_sim(SimConfig::single(&p, 4096), &fault_opts(4)).unwrap();
     fast_recovery(&mut q, 3);
     // The controller executes the read but never posts its completion: the Abort finds nothing
     // outstanding (DW0 bit 0 = 1), no completion comes, so the controller is reset.
@@ -210,13 +267,15 @@ fn dropped_completion_abort_then_reset_fails_only_that_read() {
     let e = c.result.as_ref().unwrap_err();
     assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
     match failure(&c) {
-        ReadFailure::TimedOutReset { nsid: 1, byte: 8192, timeout_ms: 300, why, .. } => {
+        ReadFailure::TimedOutReset { nsid: 1, byte: 8192, timeout_ms, why, .. }
+            if timeout_ms == FAULT_TIMEOUT.as_millis() as u64 =>
+        {
             assert!(why.contains("did not abort it (DW0 bit 0 = 1)"), "{why}")
         }
         f => panic!("{f:?}"),
     }
     assert!(e.to_string().contains("so the controller was reset"), "{e}");
-    assert!(t.elapsed() >= Duration::from_millis(500), "timeout + abort timeout");
+    assert!(t.elapsed() >= 2 * FAULT_TIMEOUT, "timeout + abort timeout");
     // After a reset the device does no more DMA: the buffer itself comes back (not quarantined).
     assert_eq!(c.buf.len(), 4096);
     let s = q.stats();
@@ -235,12 +294,12 @@ fn dropped_completion_abort_then_reset_fails_only_that_read() {
 
 /// Submits reads of 1..=40 pages at varied offsets with `qd` in flight, checks every byte.
 fn check_many(q: &mut NvmeQueue, bytes: &[u8], qd: usize) {
-    let mut rng = Rng(77);
+    let mut rng = Rng::new(77);
     let mut want = std::collections::HashMap::new();
     let mut got = vec![];
     for i in 0..60u64 {
-        let len = ((1 + rng.next() % 40) * 4096) as u32;
-        let off = rng.next() % (bytes.len() as u64 - u64::from(len)) / 4096 * 4096;
+        let len = ((1 + rng.next_u64() % 40) * 4096) as u32;
+        let off = rng.next_u64() % (bytes.len() as u64 - u64::from(len)) / 4096 * 4096;
         want.insert(i, (off, len));
         q.submit(ReadReq {
             offset: ByteOffset(off),
@@ -267,7 +326,7 @@ fn check_many(q: &mut NvmeQueue, bytes: &[u8], qd: usize) {
 fn hung_command_is_aborted_without_a_reset() {
     let dir = tempfile::tempdir().unwrap();
     let (p, bytes) = backing(dir.path(), "ns", 1 << 20, 9);
-    let (mut q, sim) = NvmeQueue::open_sim(SimConfig::single(&p, 512), &opts(4)).unwrap();
+    let (mut q, sim) = NvmeQueue::open_sim(SimConfig::single(&p, 512), &fault_opts(4)).unwrap();
     fast_recovery(&mut q, 3);
     // The controller holds the command (never executes or completes it) until the Abort names it.
     sim.inject(Fault::io_hold(sim.io_count() + 1));
@@ -445,7 +504,7 @@ fn flat_store_over_nvme_sim_is_byte_identical() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("experts.picchioflat");
     let dims = StoreDims { hidden: 64, n_layers: 3, n_experts: 4, topk: 2, moe_inter: 128 };
-    let mut rng = Rng(11);
+    let mut rng = Rng::new(11);
     let payloads: Vec<Vec<u8>> = (0..12).map(|i| rng.bytes(3000 + i * 37_000)).collect();
     let mut w = FlatWriter::create(&path, dims, 12).unwrap();
     for p in &payloads {
@@ -535,10 +594,10 @@ fn multi_mib_reads_are_one_command_with_a_chained_prp_list() {
         assert_eq!(q.stats().commands, 4, "20 MiB = 16 + 4 MiB");
         // Many at once, at LBA (not page) offsets.
         let mut want = std::collections::HashMap::new();
-        let mut rng = Rng(u64::from(lba));
+        let mut rng = Rng::new(u64::from(lba));
         for i in 0..6u64 {
-            let len = ((1 + rng.next() % 4000) * 4096) as u32;
-            let off = rng.next() % ((48 << 20) - u64::from(len)) / u64::from(lba) * u64::from(lba);
+            let len = ((1 + rng.next_u64() % 4000) * 4096) as u32;
+            let off = rng.next_u64() % ((48 << 20) - u64::from(len)) / u64::from(lba) * u64::from(lba);
             want.insert(i, (off, len));
             q.submit(ReadReq {
                 offset: ByteOffset(off),
@@ -661,7 +720,7 @@ fn flat_store_over_nvme_falls_back_for_the_reads_a_fault_failed() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("experts.picchioflat");
     let dims = StoreDims { hidden: 64, n_layers: 4, n_experts: 4, topk: 2, moe_inter: 128 };
-    let mut rng = Rng(31);
+    let mut rng = Rng::new(31);
     let payloads: Vec<Vec<u8>> = (0..16).map(|i| rng.bytes(20_000 + i * 9_000)).collect();
     let mut w = FlatWriter::create(&path, dims, 16).unwrap();
     for p in &payloads {
@@ -672,7 +731,7 @@ fn flat_store_over_nvme_falls_back_for_the_reads_a_fault_failed() {
     // Hung command → Abort; dropped completion → Abort fails → reset; CFS → reset.
     let faults: [fn(u64) -> Fault; 3] = [Fault::io_hold, Fault::io_drop, Fault::io_fatal];
     for (layer, fault) in faults.into_iter().enumerate() {
-        let (mut q, sim) = NvmeQueue::open_sim(SimConfig::single(&path, 512), &opts(2)).unwrap();
+        let (mut q, sim) = NvmeQueue::open_sim(SimConfig::single(&path, 512), &fault_opts(2)).unwrap();
         fast_recovery(&mut q, 3);
         let stats = Arc::new(IoStats::default());
         let store = FlatStore::open(q, "nvme:sim", FlatStoreOptions { image_len, verify: true, ..Default::default() })

@@ -16,15 +16,7 @@ use picchio_nvme::sim::SimConfig;
 use picchio_nvme::{HeapDma, NvmeQueue, NvmeQueueOptions};
 
 fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
+    picchio_core::rng::SplitMix64::new(seed).bytes(len)
 }
 
 fn backing(dir: &Path, len: usize, seed: u64) -> (PathBuf, Vec<u8>) {
@@ -35,7 +27,8 @@ fn backing(dir: &Path, len: usize, seed: u64) -> (PathBuf, Vec<u8>) {
 }
 
 fn opts(qd: u16) -> NvmeQueueOptions {
-    NvmeQueueOptions { qd, timeout: Duration::from_secs(5), ..Default::default() }
+    // Only a hang reaches 60 s: a loaded machine can stall the model's thread for seconds.
+    NvmeQueueOptions { qd, timeout: Duration::from_secs(60), ..Default::default() }
 }
 
 /// Submits every `(offset, len, buf)` at once and returns the completions by tag (= index).

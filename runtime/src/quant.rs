@@ -546,16 +546,11 @@ mod tests {
         (frac - 0.5).abs() <= 1e-6 * r.abs().max(1.0)
     }
 
-    /// Deterministic pseudo-random weights (xorshift), some groups scaled very differently, one zero
-    /// group, one group with exact ties.
+    /// Deterministic pseudo-random weights ([`SplitMix64`](picchio_core::rng::SplitMix64) in
+    /// [-1, 1)), some groups scaled very differently, one zero group, one group with exact ties.
     fn sample_weights(rows: usize, cols: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed | 1;
-        let mut next = move || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        };
+        let mut g = picchio_core::rng::SplitMix64::new(seed);
+        let mut next = move || g.next_signed_f32();
         let mut w: Vec<f32> = (0..rows * cols).map(|_| next()).collect();
         for (g, grp) in w.chunks_mut(64).enumerate() {
             let mag = [1.0f32, 1e-3, 37.5, 1e-30][g % 4];

@@ -59,7 +59,5 @@ pub fn copy_dir(src: &Path, dst: &Path) {
 /// A scratch directory on a file system that supports O_DIRECT (under the target directory, not
 /// /tmp, which may be tmpfs).
 pub fn scratch() -> tempfile::TempDir {
-    let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/test-scratch");
-    std::fs::create_dir_all(&base).unwrap();
-    tempfile::tempdir_in(base).unwrap()
+    picchio_testkit::scratch::dir_in(Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/test-scratch"))
 }

@@ -19,7 +19,7 @@ use picchio_tests::*;
 fn queue(ns: &Path, lba: u32) -> (NvmeQueue, Sim) {
     let mut cfg = SimConfig::single(ns, lba);
     cfg.namespaces[0].writable = true;
-    let opts = NvmeQueueOptions { qd: 8, timeout: Duration::from_secs(5), ..Default::default() };
+    let opts = NvmeQueueOptions { qd: 8, timeout: Duration::from_secs(60), ..Default::default() };
     NvmeQueue::open_sim_with(cfg, &opts, HeapDma::new(), true).unwrap()
 }
 
@@ -149,7 +149,7 @@ fn a_read_only_namespace_fails_the_pack_with_the_write_status() {
     let tmp = scratch();
     let ns = tmp.path().join("ns1");
     std::fs::write(&ns, vec![0u8; 1 << 20]).unwrap();
-    let opts_q = NvmeQueueOptions { qd: 4, timeout: Duration::from_secs(5), ..Default::default() };
+    let opts_q = NvmeQueueOptions { qd: 4, timeout: Duration::from_secs(60), ..Default::default() };
     let (mut q, _sim) = NvmeQueue::open_sim_with(SimConfig::single(&ns, 512), &opts_q, HeapDma::new(), true).unwrap();
     let e = pack_nvme_queue(&model(), &mut q, "nvme:sim/1", &opts(false), &mut |_| {}).unwrap_err().to_string();
     assert!(e.contains("nvme:sim/1") && e.contains("NVMe write of namespace 1"), "{e}");

@@ -28,7 +28,7 @@ fn sim_session(lba: u32, ecap: usize, pool: bool, dma: HeapDma) -> (Session, Sim
     let dir = fixture("picchio_c/qwen3_moe");
     let model = Model::load(&dir, prompt().len() + N).unwrap();
     let (cfg, layout) = (model.config().clone(), model.layout().clone());
-    let opts = NvmeQueueOptions { qd: 8, timeout: Duration::from_secs(5), ..Default::default() };
+    let opts = NvmeQueueOptions { qd: 8, timeout: Duration::from_secs(60), ..Default::default() };
     let cfg_sim = SimConfig::single(dir.join("experts.picchioflat"), lba);
     let (q, sim) = NvmeQueue::open_sim_with(cfg_sim, &opts, dma, true).unwrap();
     let flat = open_nvme_flat("nvme:sim".into(), q, &cfg, &layout, IoOptions::default()).unwrap();

@@ -13,7 +13,7 @@ use picchio_runtime::image::synth::{synth, synth_nvme_queue, Geometry, SynthOpti
 fn queue(ns: &Path) -> (NvmeQueue, Sim) {
     let mut cfg = SimConfig::single(ns, 4096);
     cfg.namespaces[0].writable = true;
-    let opts = NvmeQueueOptions { qd: 8, timeout: Duration::from_secs(5), ..Default::default() };
+    let opts = NvmeQueueOptions { qd: 8, timeout: Duration::from_secs(60), ..Default::default() };
     NvmeQueue::open_sim_with(cfg, &opts, HeapDma::new(), true).unwrap()
 }
 

@@ -319,7 +319,7 @@ impl Inspection {
     /// disk is not refused by this rule (only the device `/` is on, the disk holding it, and what it
     /// is built from, e.g. the members of its LVM or RAID volume).
     ///
-    /// `force` cannot override the kernel either: [`DeviceSink::open`] claims the device with
+    /// `force` cannot override the kernel either: [`DeviceSink::open`](super::DeviceSink::open) claims the device with
     /// `O_EXCL`, which fails (`EBUSY`) while a file system, swap area or holder uses it.
     ///
     /// # Errors
@@ -376,7 +376,7 @@ impl fmt::Display for Inspection {
 }
 
 /// A [`RawTarget`] cleared for writing an image of a given length: the only way to a
-/// [`DeviceSink`].
+/// [`DeviceSink`](super::DeviceSink).
 #[derive(Debug)]
 pub struct WritePermit {
     target: RawTarget,

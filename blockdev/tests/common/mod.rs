@@ -1,66 +1,53 @@
-//! Helpers shared by the integration tests: scratch directories on a real file system, an O_DIRECT
-//! probe that skips visibly, deterministic pseudo-random bytes, and a read-and-reap helper.
+//! Helpers shared by blockdev's integration tests: scratch directories (the test kit's), a directory
+//! where O_DIRECT works, seeded bytes ([`picchio_core::rng::SplitMix64`]), a read-and-reap helper,
+//! and the checks of blockdev's typed errors the conformance suite calls.
 #![allow(dead_code)]
 
+use std::io;
 use std::path::{Path, PathBuf};
 
 use picchio_blockdev::{Error, PsyncOptions, PsyncQueue};
 use picchio_core::{AlignedBuf, ByteOffset, Completion, IoQueue, ReadReq, Tag};
+use picchio_testkit::conformance::Misalign;
+
+#[allow(unused_imports)] // some test binaries draw no numbers of their own
+pub use picchio_core::rng::SplitMix64 as Rng;
 
 /// A scratch directory under cargo's per-target temp dir (on the build disk, so O_DIRECT usually
 /// works even where /tmp is a tmpfs).
 pub fn scratch() -> tempfile::TempDir {
-    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("scratch dir under CARGO_TARGET_TMPDIR")
+    picchio_testkit::scratch!()
 }
 
 /// A directory where O_DIRECT reads work: cargo's target temp dir, else the system temp dir.
-/// `None` (after printing why) when neither supports them; callers skip their direct cases.
-pub fn direct_scratch(test: &str) -> Option<tempfile::TempDir> {
+///
+/// # Panics
+/// When neither supports O_DIRECT (naming both and why): the direct cases are part of the suite,
+/// and every disk file system Linux, Windows and tmpfs since Linux 6.6 support it — put the target
+/// directory (`CARGO_TARGET_DIR`) on one.
+pub fn direct_scratch(test: &str) -> tempfile::TempDir {
     let candidates = [PathBuf::from(env!("CARGO_TARGET_TMPDIR")), std::env::temp_dir()];
     let mut why = Vec::new();
     for base in &candidates {
-        let dir = tempfile::tempdir_in(base).expect("temp dir");
+        let dir = picchio_testkit::scratch::dir_in(base);
         let probe = dir.path().join("probe");
         std::fs::write(&probe, vec![0u8; 4096]).expect("write probe");
         match PsyncQueue::open(&probe, PsyncOptions::direct(1)) {
-            Ok(_) => return Some(dir),
+            Ok(_) => return dir,
             Err(e @ Error::DirectUnsupported { .. }) => why.push(e.to_string()),
             Err(e) => panic!("probing O_DIRECT in {}: {e}", base.display()),
         }
     }
-    eprintln!("SKIP {test} (direct cases): O_DIRECT is not supported here: {}", why.join("; "));
-    None
+    panic!(
+        "{test} (direct cases): O_DIRECT is not supported in the target dir nor the temp dir: {}; \
+         set CARGO_TARGET_DIR to a disk file system",
+        why.join("; ")
+    );
 }
 
-/// Deterministic xorshift64* bytes/numbers.
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Rng(seed.max(1))
-    }
-    pub fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| (self.next() >> 56) as u8).collect()
-    }
-}
-
-/// Writes `len` pseudo-random bytes to `dir/name`, returning the path and the bytes.
+/// Writes `len` seeded bytes to `dir/name`, returning the path and the bytes.
 pub fn random_file(dir: &Path, name: &str, len: usize, seed: u64) -> (PathBuf, Vec<u8>) {
-    let path = dir.join(name);
-    let bytes = Rng::new(seed).bytes(len);
-    std::fs::write(&path, &bytes).expect("write test file");
-    (path, bytes)
+    picchio_testkit::conformance::random_file(dir, name, len, seed)
 }
 
 /// A buffer for `len` bytes aligned to the queue's block size.
@@ -78,4 +65,52 @@ pub fn read_one(q: &mut PsyncQueue, offset: u64, len: u32) -> Completion {
     }
     assert_eq!(out.len(), 1);
     out.pop().unwrap()
+}
+
+/// The typed blockdev error inside an I/O error of a completion.
+pub fn typed_io(e: &io::Error) -> &Error {
+    e.get_ref().and_then(|e| e.downcast_ref::<Error>()).unwrap_or_else(|| panic!("untyped error: {e}"))
+}
+
+/// The typed blockdev error of an error completion.
+pub fn typed(c: &Completion) -> &Error {
+    typed_io(c.result.as_ref().expect_err("expected an error completion"))
+}
+
+/// For the conformance suite: `e` is `Error::Misaligned` for `rule`, its message names the request
+/// (`N bytes at offset 0x..`) and the file.
+pub fn check_misaligned(e: &io::Error, rule: Misalign) {
+    let t = typed_io(e);
+    let Error::Misaligned { path, offset, len, what, .. } = t else { panic!("not Misaligned: {t:?}") };
+    match rule {
+        Misalign::Offset(o) => assert_eq!((*what, *offset), ("offset", o), "{t:?}"),
+        Misalign::Length(l) => assert_eq!((*what, *len), ("length", l), "{t:?}"),
+        Misalign::Buffer => assert_eq!(*what, "buffer address", "{t:?}"),
+    }
+    let msg = e.to_string();
+    assert!(msg.contains(&format!("{len} bytes at offset {offset:#x}")), "{msg}");
+    assert!(msg.contains(&path.display().to_string()) && msg.contains("O_DIRECT"), "{msg}");
+}
+
+/// For the conformance suite: `e` is `Error::PastEnd` of kind `UnexpectedEof` for the read at
+/// `offset` of a file of `size` bytes, and its message names both.
+pub fn check_past_end(e: &io::Error, offset: u64, size: u64) {
+    let t = typed_io(e);
+    let Error::PastEnd { offset: o, size: s, .. } = t else { panic!("not PastEnd: {t:?}") };
+    assert_eq!((*o, *s), (offset, size), "{t:?}");
+    assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
+    let msg = e.to_string();
+    assert!(msg.contains(&format!("offset {offset:#x}")) && msg.contains(&format!("{size:#x} bytes")), "{msg}");
+}
+
+/// For the conformance suite: `e` is `Error::BufferTooSmall` for a buffer of `buf_len` bytes.
+pub fn check_too_small(e: &io::Error, buf_len: usize) {
+    let t = typed_io(e);
+    assert!(matches!(t, Error::BufferTooSmall { buf_len: b, .. } if *b == buf_len), "{t:?}");
+    assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+}
+
+/// Boxes a queue for the suite's opener.
+pub fn boxed(q: impl IoQueue + 'static) -> Box<dyn IoQueue> {
+    Box::new(q)
 }

@@ -3,7 +3,7 @@
 #![allow(dead_code)] // each test binary uses a subset
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 /// Picchio (C)'s fixture model directory (config, safetensors, `experts.picchioflat`).
 pub fn model() -> PathBuf {
@@ -17,7 +17,7 @@ pub fn image() -> String {
 
 /// A fresh directory under the target's temporary directory (removed when dropped).
 pub fn scratch() -> tempfile::TempDir {
-    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
+    picchio_testkit::scratch!()
 }
 
 /// A private copy of Picchio (C)'s fixture model directory in `dir`, written through and `fsync`ed so
@@ -36,17 +36,10 @@ pub fn private_model(dir: &Path) -> PathBuf {
     dst
 }
 
-/// Runs `picchio ARGS`, echoing the command, its status and its output to the test log.
+/// Runs `picchio ARGS`, echoing the command, its status and its output to the test log (the test
+/// kit's runner: stdin closed, a hang fails the test).
 pub fn picchio(args: &[&str]) -> Output {
-    let out = Command::new(env!("CARGO_BIN_EXE_picchio")).args(args).output().expect("run picchio");
-    eprintln!(
-        "$ picchio {}\n[{}]\n{}{}",
-        args.join(" "),
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
+    picchio_testkit::bin::Bin::new("picchio", env!("CARGO_BIN_EXE_picchio")).run(args)
 }
 
 /// Runs `picchio ARGS`, asserts it succeeded, and returns its stdout.

@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use picchio_core::format::{plan_image_len, ImageSink};
 use picchio_core::loader::StoreDims;
+use picchio_core::rng::SplitMix64;
 use picchio_core::{FlatWriter, Superblock};
 use rayon::prelude::*;
 
@@ -195,25 +196,12 @@ impl SynthOptions {
     }
 }
 
-/// Fills `out` with the payload of entry `index` for `seed`: splitmix64 (Steele, Lea & Flood,
-/// "Fast splittable pseudorandom number generators", OOPSLA 2014) seeded from `(seed, index)`,
-/// eight little-endian bytes per step. Independent of thread count and of the other entries.
+/// Fills `out` with the payload of entry `index` for `seed`: [`SplitMix64::stream`]`(seed, index)`
+/// (Steele, Lea & Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014), eight
+/// little-endian bytes per step ([`SplitMix64::fill_bytes`]). Independent of thread count and of the
+/// other entries.
 pub fn fill_payload(seed: u64, index: u32, out: &mut [u8]) {
-    let mut state = seed ^ (u64::from(index) + 1).wrapping_mul(0xD1B5_4A32_D192_ED03);
-    let mut next = || {
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    };
-    let mut chunks = out.chunks_exact_mut(8);
-    for c in &mut chunks {
-        c.copy_from_slice(&next().to_le_bytes());
-    }
-    let rest = chunks.into_remainder();
-    let last = next().to_le_bytes();
-    rest.copy_from_slice(&last[..rest.len()]);
+    SplitMix64::stream(seed, u64::from(index)).fill_bytes(out);
 }
 
 /// Bytes of payload buffers [`write_payloads`] keeps at most (beyond one payload).

@@ -13,6 +13,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use picchio_core::rng::{SplitMix64, GOLDEN_GAMMA};
 use rayon::prelude::*;
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
@@ -107,21 +108,18 @@ impl SyntheticSpec {
     }
 }
 
-/// splitmix64: a small, fast, seedable generator; each tensor gets its own stream so the output does
-/// not depend on thread count.
-struct Rng(u64);
+/// [`SplitMix64`] (picchio_core::rng): each tensor gets its own stream, state
+/// `seed ^ a·GOLDEN_GAMMA ^ b·0xC2B2AE3D27D4EB4F` advanced once, so the output does not depend on
+/// thread count.
+struct Rng(SplitMix64);
 impl Rng {
     fn new(seed: u64, a: u64, b: u64) -> Self {
-        let mut r = Rng(seed ^ a.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ b.wrapping_mul(0xC2B2_AE3D_27D4_EB4F));
-        r.next();
-        r
+        let mut r = SplitMix64::new(seed ^ a.wrapping_mul(GOLDEN_GAMMA) ^ b.wrapping_mul(0xC2B2_AE3D_27D4_EB4F));
+        r.next_u64();
+        Rng(r)
     }
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
     /// Approximately normal (sum of 4 uniforms, variance-corrected), mean 0, std 1.
     fn normal(&mut self) -> f32 {

@@ -493,14 +493,14 @@ mod tests {
     use super::*;
     use crate::quant::{quantize_q3, quantize_q4};
 
-    /// xorshift64 in [-1, 1).
-    struct Rng(u64);
+    /// [`SplitMix64`](picchio_core::rng::SplitMix64) in [-1, 1).
+    struct Rng(picchio_core::rng::SplitMix64);
     impl Rng {
+        fn new(seed: u64) -> Self {
+            Rng(picchio_core::rng::SplitMix64::new(seed))
+        }
         fn next(&mut self) -> f32 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            (self.0 >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            self.0.next_signed_f32()
         }
         fn vec(&mut self, n: usize) -> Vec<f32> {
             (0..n).map(|_| self.next()).collect()
@@ -540,7 +540,7 @@ mod tests {
 
     #[test]
     fn matvec_f32_twins_match_scalar() {
-        let mut rng = Rng(0x1234_5678);
+        let mut rng = Rng::new(0x1234_5678);
         for k in simd_levels("matvec_f32") {
             for &(rows, cols) in DENSE_SHAPES {
                 let w = rng.vec(rows * cols);
@@ -557,7 +557,7 @@ mod tests {
 
     #[test]
     fn matvec_bf16_twins_match_scalar() {
-        let mut rng = Rng(0x9e37_79b9);
+        let mut rng = Rng::new(0x9e37_79b9);
         for k in simd_levels("matvec_bf16") {
             for &(rows, cols) in DENSE_SHAPES {
                 let w: Vec<bf16> = rng.vec(rows * cols).into_iter().map(bf16::from_f32).collect();
@@ -578,7 +578,7 @@ mod tests {
 
     #[test]
     fn matvec_i8_rows_twins_match_scalar() {
-        let mut rng = Rng(0xdead_beef);
+        let mut rng = Rng::new(0xdead_beef);
         for k in simd_levels("matvec_i8_rows") {
             for &(rows, cols) in DENSE_SHAPES {
                 let q: Vec<i8> = (0..rows * cols).map(|_| (rng.next() * 128.0) as i8).collect();
@@ -597,7 +597,7 @@ mod tests {
 
     #[test]
     fn matvec_q4_twins_match_scalar() {
-        let mut rng = Rng(0x0bad_cafe);
+        let mut rng = Rng::new(0x0bad_cafe);
         for k in simd_levels("matvec_q4") {
             for &(rows, cols) in QUANT_SHAPES {
                 let w = rng.vec(rows * cols);
@@ -616,7 +616,7 @@ mod tests {
 
     #[test]
     fn matvec_q3_twins_match_scalar() {
-        let mut rng = Rng(0xfeed_f00d);
+        let mut rng = Rng::new(0xfeed_f00d);
         for k in simd_levels("matvec_q3") {
             for &(rows, cols) in QUANT_SHAPES {
                 let w = rng.vec(rows * cols);
@@ -636,7 +636,7 @@ mod tests {
     #[test]
     fn scalar_quant_kernels_match_dequantized_f64() {
         // the scalar reference itself against an f64 product of the dequantized matrix
-        let mut rng = Rng(42);
+        let mut rng = Rng::new(42);
         for &(rows, cols) in QUANT_SHAPES {
             let w = rng.vec(rows * cols);
             let x = rng.vec(cols);
@@ -661,7 +661,7 @@ mod tests {
 
     #[test]
     fn dot_axpy_rmsnorm_twins_match_scalar() {
-        let mut rng = Rng(7);
+        let mut rng = Rng::new(7);
         for k in simd_levels("dot/axpy/rmsnorm") {
             for n in [0usize, 1, 7, 8, 15, 16, 31, 64, 100, 128, 2048, 2061] {
                 let a = rng.vec(n);
@@ -711,7 +711,7 @@ mod tests {
     fn every_level_is_deterministic_and_par_is_bit_identical() {
         let (rows, cols) = (1536usize, 2048usize);
         assert!(rows * cols >= PAR_MIN_ELEMS);
-        let mut rng = Rng(99);
+        let mut rng = Rng::new(99);
         let w = rng.vec(rows * cols);
         let x = rng.vec(cols);
         let (p4, s4) = quantize_q4(&w, rows, cols);

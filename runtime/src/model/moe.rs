@@ -249,13 +249,8 @@ mod tests {
     #[test]
     fn expert_forward_matches_dense_reference() {
         let (h, i) = (128, 64);
-        let mut s = 0x2545_f491_4f6c_dd1du64;
-        let mut rnd = || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.25
-        };
+        let mut g = picchio_core::rng::SplitMix64::new(0x2545_f491_4f6c_dd1d);
+        let mut rnd = || (g.next_f32() - 0.5) * 0.25;
         let gate: Vec<f32> = (0..i * h).map(|_| rnd()).collect();
         let up: Vec<f32> = (0..i * h).map(|_| rnd()).collect();
         let down: Vec<f32> = (0..h * i).map(|_| rnd()).collect();

@@ -1,27 +1,47 @@
 //! Kernel fixtures for tests on real block devices: loop devices and mounts that undo themselves when
-//! dropped — also when the test panics, since `Drop` runs while unwinding — and a visible skip when
-//! the test cannot have them (not root, no loop support).
+//! dropped — also when the test panics, since `Drop` runs while unwinding.
 //!
-//! Shared by `blockdev/tests/raw.rs`, `cli/tests/cli_raw.rs` and `tests/tests/raw_tiers.rs`
-//! (included with `#[path]`), so it uses nothing but std. It generalizes the read-only `Loop` of
-//! `blockdev/tests/blockdev.rs` (sector size, direct I/O, partition scan, read-write).
-#![allow(dead_code)]
+//! Tests that use them need root (`losetup`, `mkfs`, `mount`) and are marked
+//! `#[ignore = "needs root: losetup (CI runs ignored tests as root)"]`, so a plain `cargo test` lists
+//! them as ignored; `cargo test -- --ignored` (as root, what `.ci/run` does) runs them, and then a
+//! missing precondition is a failure with a message ([`require_root`], [`require_tool`],
+//! [`LoopDevice::attach_for_test`]), never a silent pass.
+//!
+//! Loop device numbers are the kernel's: `losetup --find` picks a free one atomically, so tests in
+//! parallel threads each get their own device; nothing here assumes a number.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-/// Whether the effective user is root (`Uid:` in `/proc/self/status`); otherwise prints
-/// `SKIPPED <test>: ...` on stderr so that the test never passes silently.
-pub fn require_root(test: &str) -> bool {
-    let euid = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("Uid:")).map(str::to_string))
-        .and_then(|l| l.split_whitespace().nth(2).map(str::to_string));
-    if euid.as_deref() == Some("0") {
-        return true;
+/// The effective user id (`Uid:` in `/proc/self/status`), if it can be read.
+pub fn euid() -> Option<u32> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("Uid:"))?;
+    line.split_whitespace().nth(2)?.parse().ok()
+}
+
+/// Whether the effective user is root.
+pub fn is_root() -> bool {
+    euid() == Some(0)
+}
+
+/// Panics with a message naming `test` unless the effective user is root: for tests marked
+/// `#[ignore = "needs root: ..."]`, which run only when asked (`cargo test -- --ignored`, as root).
+pub fn require_root(test: &str) {
+    assert!(
+        is_root(),
+        "{test}: needs root for losetup, mkfs and mount (euid {:?}); it is #[ignore]d for this reason: \
+         run it as root with `cargo test --workspace -- --ignored` (CI does)",
+        euid()
+    );
+}
+
+/// Panics with a message naming `test` and `cmd` unless `cmd probe_args...` runs: for a tool CI
+/// installs (e.g. `mkfs.ext4`, `dmsetup`, `fio`).
+pub fn require_tool(test: &str, cmd: &str, probe_args: &[&str]) {
+    if let Err(why) = run(cmd, probe_args) {
+        panic!("{test}: needs {cmd} ({why}); CI installs it (see .ci/run)");
     }
-    eprintln!("SKIPPED {test}: needs root for losetup, mkfs and mount (euid {euid:?}); CI runs it as root");
-    false
 }
 
 /// Runs `cmd args...`, returning its output or a message naming the command and its stderr.
@@ -59,7 +79,7 @@ impl Default for LoopOptions {
     }
 }
 
-/// A loop device over a file (`losetup --find --show ...`), detached on drop.
+/// A loop device over a file (`losetup --find --show ...`), detached on drop (also while unwinding).
 #[derive(Debug)]
 pub struct LoopDevice {
     /// `/dev/loopN`.
@@ -87,18 +107,11 @@ impl LoopDevice {
         Ok(LoopDevice { dev, backing: file.into() })
     }
 
-    /// Attaches, or prints `SKIPPED <test>: ...` and returns `None` (not root, or no loop device).
-    pub fn attach_or_skip(test: &str, file: &Path, opts: LoopOptions) -> Option<LoopDevice> {
-        if !require_root(test) {
-            return None;
-        }
-        match LoopDevice::attach(file, opts) {
-            Ok(l) => Some(l),
-            Err(why) => {
-                eprintln!("SKIPPED {test}: no loop device: {why}");
-                None
-            }
-        }
+    /// Attaches for test `test` (root only, see [`require_root`]), panicking with a message naming
+    /// the test and the `losetup` error when it cannot.
+    pub fn attach_for_test(test: &str, file: &Path, opts: LoopOptions) -> LoopDevice {
+        require_root(test);
+        LoopDevice::attach(file, opts).unwrap_or_else(|why| panic!("{test}: no loop device: {why}"))
     }
 
     /// `loopN`.
@@ -114,27 +127,22 @@ impl LoopDevice {
 
     /// Partition `n` (`/dev/loopNpN`) of the partition table on the device, from 512-byte sector
     /// `start` for `sectors` sectors (needs `partscan`). When the kernel parsed the table itself the
-    /// node is already there; a kernel built without partition-table parsers (no
-    /// `CONFIG_MSDOS_PARTITION`) is told about it with `addpart` (the `BLKPG` ioctl) instead.
+    /// partition is in sysfs; a kernel built without partition-table parsers (no
+    /// `CONFIG_MSDOS_PARTITION`) is told about it with `addpart` (the `BLKPG` ioctl) instead. Then
+    /// waits (at most 60 s) for the device node.
     pub fn partition(&self, n: u32, start: u64, sectors: u64) -> Result<PathBuf, String> {
         let p = PathBuf::from(format!("{}p{n}", self.dev.display()));
-        let appear = || {
-            for _ in 0..100 {
-                if p.exists() {
-                    return true;
-                }
-                std::thread::sleep(std::time::Duration::from_millis(10));
-            }
-            false
-        };
-        if appear() {
-            return Ok(p);
+        // `--partscan` parses the table synchronously (BLKRRPART): whether the kernel knows the
+        // partition is in sysfs at once. The device node follows asynchronously (devtmpfs/udev):
+        // wait for it on that condition, bounded generously, instead of a fixed number of sleeps.
+        let name = self.name();
+        if !Path::new(&format!("/sys/block/{name}/{name}p{n}")).exists() {
+            run("addpart", &[&self.dev.to_string_lossy(), &n.to_string(), &start.to_string(), &sectors.to_string()])?;
         }
-        run("addpart", &[&self.dev.to_string_lossy(), &n.to_string(), &start.to_string(), &sectors.to_string()])?;
-        if appear() {
+        if crate::wait_until(std::time::Duration::from_secs(60), || p.exists()) {
             Ok(p)
         } else {
-            Err(format!("{} did not appear after addpart", p.display()))
+            Err(format!("{} did not appear within 60 s", p.display()))
         }
     }
 }

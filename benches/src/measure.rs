@@ -150,7 +150,7 @@ pub struct Skipped {
 
 #[cfg(target_os = "linux")]
 fn uring_unavailable() -> Option<String> {
-    picchio_blockdev::UringQueue::probe().err().map(|e| e.to_string())
+    picchio_blockdev::UringQueue::probe().err().map(|e| picchio_core::error::chain(&e).to_string())
 }
 
 #[cfg(not(target_os = "linux"))]
@@ -630,7 +630,7 @@ fn thread_loop(
         match b {
             Ok(b) => bufs.push(b),
             Err(e) => {
-                setup_error = Some(e.to_string());
+                setup_error = Some(picchio_core::error::chain(&e).to_string());
                 break;
             }
         }
@@ -749,7 +749,7 @@ fn measure(
                     error.get_or_insert_with(|| format!("short read: {n} of {want} bytes"));
                 }
                 Err(e) => {
-                    error.get_or_insert_with(|| e.to_string());
+                    error.get_or_insert_with(|| picchio_core::error::chain(e).to_string());
                 }
             }
             bufs.push(c.buf);

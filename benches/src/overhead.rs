@@ -287,7 +287,7 @@ fn open_target(engine: &str, store: &StoreUri, range: u64) -> Result<std::result
                     Err(e) => return Ok(Err(e)),
                 };
                 if let Err(e) = picchio_blockdev::UringQueue::probe() {
-                    return Ok(Err(e.to_string()));
+                    return Ok(Err(picchio_core::error::chain(&e).to_string()));
                 }
                 let resident_before = warm(&p)?;
                 let q = open_buffered(&p, picchio_runtime::expert::store::IoEngine::Uring)?;
@@ -316,7 +316,7 @@ fn open_target(engine: &str, store: &StoreUri, range: u64) -> Result<std::result
                 let lba = if len.is_multiple_of(4096) { 4096 } else { 512 };
                 let qopts = NvmeQueueOptions { qd: 1, ..NvmeQueueOptions::default() };
                 let (queue, sim) = NvmeQueue::open_sim(SimConfig::single(&p, lba), &qopts)
-                    .map_err(|e| Error::Invalid(format!("nvme-sim:{}: {}", p.display(), e.with_causes())))?;
+                    .map_err(Error::nvme(format!("nvme-sim:{}", p.display())))?;
                 let resident_before = warm(&p)?;
                 let mut seen = sim.stats().completions;
                 let wait = move || {
@@ -418,7 +418,12 @@ fn measure_engine(
                     opts.bs
                 )))
             }
-            Err(e) => return Err(Error::Invalid(format!("overhead {engine}: read at {offset:#x}: {e}"))),
+            Err(e) => {
+                return Err(Error::Invalid(format!(
+                    "overhead {engine}: read at {offset:#x}: {}",
+                    picchio_core::error::chain(&e)
+                )))
+            }
         }
         buf = Some(c.buf);
         if i >= warmup {

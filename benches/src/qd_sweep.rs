@@ -213,7 +213,7 @@ pub fn run(store: &StoreUri, opts: &QdSweepOptions, progress: &mut dyn FnMut(&Qd
                                 // our measurement: the point keeps `fio: null` and says why.
                                 skipped.push(Skipped {
                                     what: format!("fio beside {engine} at {threads} × QD {qd}"),
-                                    reason: e.to_string(),
+                                    reason: picchio_core::error::chain(&e).to_string(),
                                 });
                                 None
                             })

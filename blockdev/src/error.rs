@@ -21,7 +21,7 @@ pub enum Error {
         message: String,
     },
     /// `open(2)` failed.
-    #[error("{}: opening for {mode} reads: {cause}", path.display())]
+    #[error("{}: opening for {mode} reads", path.display())]
     Open {
         /// The file or device.
         path: PathBuf,
@@ -47,7 +47,7 @@ pub enum Error {
         cause: Option<io::Error>,
     },
     /// `fstat(2)` failed.
-    #[error("{}: fstat: {cause}", path.display())]
+    #[error("{}: fstat", path.display())]
     Stat {
         /// The file or device.
         path: PathBuf,
@@ -56,7 +56,7 @@ pub enum Error {
         cause: io::Error,
     },
     /// An ioctl on a block device failed.
-    #[error("{}: ioctl {request}: {cause}", path.display())]
+    #[error("{}: ioctl {request}", path.display())]
     Ioctl {
         /// The block device.
         path: PathBuf,
@@ -75,7 +75,7 @@ pub enum Error {
         kind: &'static str,
     },
     /// A worker thread could not be started.
-    #[error("{}: spawning I/O worker thread {index}: {cause}", path.display())]
+    #[error("{}: spawning I/O worker thread {index}", path.display())]
     Spawn {
         /// The target the worker would serve.
         path: PathBuf,
@@ -86,7 +86,7 @@ pub enum Error {
         cause: io::Error,
     },
     /// A positional read failed in the kernel.
-    #[error("{}: read of {len} bytes at offset {offset:#x}: {cause}", path.display())]
+    #[error("{}: read of {len} bytes at offset {offset:#x}", path.display())]
     Read {
         /// The file or device.
         path: PathBuf,
@@ -182,7 +182,7 @@ pub enum Error {
 
     // ---- IOCP engine (iocp.rs, Windows) ----
     /// `CreateIoCompletionPort` failed for the target's handle.
-    #[error("{}: creating an I/O completion port: {cause}", path.display())]
+    #[error("{}: creating an I/O completion port", path.display())]
     CompletionPort {
         /// The file.
         path: PathBuf,
@@ -271,7 +271,7 @@ pub enum Error {
         hint: &'static str,
     },
     /// Reading what the system says about a device (mount table, sysfs) or its first blocks failed.
-    #[error("{}: {what}: {cause}", path.display())]
+    #[error("{}: {what}", path.display())]
     Inspect {
         /// The file read.
         path: PathBuf,
@@ -282,11 +282,7 @@ pub enum Error {
         cause: io::Error,
     },
     /// Opening a block device for writing (`O_WRONLY | O_DIRECT | O_EXCL`) failed.
-    #[error(
-        "{}: opening for exclusive O_DIRECT writes: {cause}{}",
-        path.display(),
-        write_open_hint(cause)
-    )]
+    #[error("{}: opening for exclusive O_DIRECT writes{}", path.display(), write_open_hint(cause))]
     WriteOpen {
         /// The device.
         path: PathBuf,
@@ -308,7 +304,7 @@ pub enum Error {
         found: String,
     },
     /// A positional write to a block device failed in the kernel.
-    #[error("{}: write of {len} bytes at offset {offset:#x}: {cause}", path.display())]
+    #[error("{}: write of {len} bytes at offset {offset:#x}", path.display())]
     Write {
         /// The device.
         path: PathBuf,
@@ -321,7 +317,7 @@ pub enum Error {
         cause: io::Error,
     },
     /// `fsync` of a block device failed: the written data may not be on stable storage.
-    #[error("{}: fsync: {cause}", path.display())]
+    #[error("{}: fsync", path.display())]
     Sync {
         /// The device.
         path: PathBuf,
@@ -410,12 +406,52 @@ mod tests {
         assert_eq!(src.downcast_ref::<io::Error>().and_then(io::Error::raw_os_error), Some(5));
 
         let e = Error::Ioctl { path: "/dev/loop9".into(), request: "BLKGETSIZE64", cause: eio() };
-        assert!(e.to_string().starts_with("/dev/loop9: ioctl BLKGETSIZE64: "), "{e}");
+        assert!(picchio_core::error::chain(&e).to_string().starts_with("/dev/loop9: ioctl BLKGETSIZE64: "), "{e}");
         assert!(e.source().is_some());
 
         let e = Error::Open { path: "/nope".into(), mode: "direct", cause: io::Error::from_raw_os_error(2) };
         assert!(e.to_string().contains("/nope: opening for direct reads"), "{e}");
         assert!(e.source().is_some());
+    }
+
+    /// Each cause is printed once: in the message or as `source()`, never both (vfio-ioctls'
+    /// `test_vfio_error_fmt`).
+    #[test]
+    fn a_cause_is_in_the_message_or_the_source_not_both() {
+        let busy = || io::Error::from_raw_os_error(libc::EBUSY);
+        let os = busy().to_string();
+        let p = || PathBuf::from("/dev/loop9");
+        let errors = [
+            Error::Open { path: p(), mode: "direct", cause: busy() },
+            Error::Stat { path: p(), cause: busy() },
+            Error::Ioctl { path: p(), request: "BLKGETSIZE64", cause: busy() },
+            Error::Spawn { path: p(), index: 1, cause: busy() },
+            Error::Read { path: p(), offset: 0x1000, len: 512, cause: busy() },
+            Error::Inspect { path: p(), what: "reading the first blocks", cause: busy() },
+            Error::WriteOpen { path: p(), cause: busy() },
+            Error::Write { path: p(), offset: 0, len: 4096, cause: busy() },
+            Error::Sync { path: p(), cause: busy() },
+            Error::CompletionPort { path: p(), cause: busy() },
+            Error::DirectUnsupported { path: p(), reason: "open with O_DIRECT failed".into(), cause: Some(busy()) },
+            Error::UringUnavailable {
+                reason: "io_uring_setup failed: unexpected errno 16".into(),
+                cause: Some(busy()),
+            },
+        ];
+        for e in &errors {
+            let src = e.source().expect("the cause is the source").to_string();
+            assert_eq!(src, os);
+            assert!(!e.to_string().contains(&src), "{e} repeats its source");
+            assert_eq!(picchio_core::error::chain(e).to_string(), format!("{e}: {os}"));
+        }
+        assert_eq!(errors[4].to_string(), "/dev/loop9: read of 512 bytes at offset 0x1000");
+        assert!(errors[6].to_string().starts_with("/dev/loop9: opening for exclusive O_DIRECT writes (the kernel"));
+        // Read errors travel inside an io::Error: the chain is the same.
+        let io = Error::Read { path: p(), offset: 0, len: 1, cause: busy() }.into_io();
+        assert_eq!(
+            picchio_core::error::chain(&io).to_string(),
+            format!("/dev/loop9: read of 1 bytes at offset 0x0: {os}")
+        );
     }
 
     #[test]
@@ -474,7 +510,8 @@ mod tests {
     #[test]
     fn completion_port_error_names_the_path_and_keeps_cause() {
         let e = Error::CompletionPort { path: "C:/m/e.picchioflat".into(), cause: io::Error::from_raw_os_error(8) };
-        assert!(e.to_string().starts_with("C:/m/e.picchioflat: creating an I/O completion port: "), "{e}");
+        let s = picchio_core::error::chain(&e).to_string();
+        assert!(s.starts_with("C:/m/e.picchioflat: creating an I/O completion port: "), "{s}");
         assert_eq!(e.source().and_then(|s| s.downcast_ref::<io::Error>()).and_then(io::Error::raw_os_error), Some(8));
     }
 }

@@ -311,8 +311,9 @@ impl UringQueue {
         if self.size < u64::from(len) {
             return Ok(()); // nothing to read: the first real read reports it
         }
-        let buf = AlignedBuf::new(len as usize, len as usize)
-            .map_err(|e| Error::InvalidOptions { message: format!("allocating the --iopoll probe buffer: {e}") })?;
+        let buf = AlignedBuf::new(len as usize, len as usize).map_err(|e| Error::InvalidOptions {
+            message: format!("allocating the --iopoll probe buffer: {}", picchio_core::error::chain(&e)),
+        })?;
         self.submit(ReadReq { offset: picchio_core::ByteOffset(0), len, buf, tag: Tag(u64::MAX) });
         let mut out = Vec::with_capacity(1);
         while out.is_empty() {
@@ -677,7 +678,8 @@ fn setup_reason(errno: Option<i32>, disabled: Option<u32>) -> String {
         (Some(libc::ENOMEM), _) => "the rings cannot be allocated (ENOMEM: before Linux 5.12 they count against \
                                     RLIMIT_MEMLOCK; raise `ulimit -l`)"
             .into(),
-        (Some(e), _) => format!("io_uring_setup failed: {}", io::Error::from_raw_os_error(e)),
+        // The OS error itself is the `source()` of the error this reason goes into.
+        (Some(e), _) => format!("io_uring_setup failed: unexpected errno {e}"),
         (None, _) => "io_uring_setup failed".into(),
     }
 }
@@ -702,7 +704,7 @@ fn probe_uncached() -> std::result::Result<(), (String, Option<i32>)> {
     ring.submit_and_wait(1).map_err(|e| {
         let why = match e.raw_os_error() {
             Some(libc::EPERM) => "io_uring_enter is not permitted (EPERM): a seccomp filter blocks it".to_string(),
-            _ => format!("io_uring_enter failed on a NOP: {e}"),
+            _ => "io_uring_enter failed on a NOP".to_string(),
         };
         (why, e.raw_os_error())
     })?;

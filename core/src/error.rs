@@ -10,7 +10,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// An I/O error while reading `what` from `source` at byte `offset`.
-    #[error("{source_name}: reading {what} at offset {offset:#x}: {cause}")]
+    #[error("{source_name}: reading {what} at offset {offset:#x}")]
     Read {
         /// The store (path or URI) being read.
         source_name: String,
@@ -102,7 +102,7 @@ pub enum Error {
         cause: Option<std::io::Error>,
     },
     /// Writing an image failed.
-    #[error("{path}: writing {what}: {cause}")]
+    #[error("{path}: writing {what}")]
     Write {
         /// The file being written (the temporary file while packing).
         path: PathBuf,
@@ -143,6 +143,46 @@ pub enum Error {
         /// What is wrong and what would be accepted.
         message: String,
     },
+}
+
+/// An error and every `source()` below it, joined by `": "` — what `{:#}` prints for an `anyhow`
+/// chain. Every error type in the workspace keeps a cause either in its message or as its `source()`,
+/// never both, so this prints each cause once. Use it wherever an error becomes text (a log line, a
+/// report field, a message of another error): `e.to_string()` alone would drop the causes.
+///
+/// ```
+/// let e = picchio_core::Error::Write {
+///     path: "/m/e.picchioflat".into(),
+///     what: "payload",
+///     cause: std::io::Error::other("disk full"),
+/// };
+/// assert_eq!(e.to_string(), "/m/e.picchioflat: writing payload");
+/// assert_eq!(picchio_core::error::chain(&e).to_string(), "/m/e.picchioflat: writing payload: disk full");
+/// ```
+pub fn chain<'a>(e: &'a (dyn std::error::Error + 'static)) -> Chain<'a> {
+    Chain(e)
+}
+
+/// The [`Display`](std::fmt::Display) of [`chain`]: the error, then each `source()`, joined by `": "`.
+#[derive(Clone, Copy)]
+pub struct Chain<'a>(&'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut cause = self.0.source();
+        while let Some(c) = cause {
+            write!(f, ": {c}")?;
+            cause = c.source();
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for Chain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
 }
 
 /// The details of [`Error::FormatLimit`]: a payload longer than the index entry's u32 `padded_len`
@@ -196,5 +236,36 @@ mod tests {
         assert!(e.source().is_some());
         let e = Error::BadMagic { source_name: "f".into(), found: "NOTMAGIC".into() };
         assert!(e.to_string().contains("expected \"PCHIOFL1\""));
+    }
+
+    /// Each cause is printed once: in the message or as `source()`, never both (vfio-ioctls'
+    /// `test_vfio_error_fmt`), and [`chain`] joins them as `{:#}` of anyhow does.
+    #[test]
+    fn a_cause_is_in_the_message_or_the_source_not_both() {
+        let eio = || std::io::Error::from_raw_os_error(libc::EIO);
+        let os = eio().to_string();
+        let errors: Vec<Box<dyn std::error::Error>> = vec![
+            Box::new(Error::Read { source_name: "img".into(), what: "index", offset: 0x1000, cause: eio() }),
+            Box::new(Error::Write { path: "/o.pf".into(), what: "payload", cause: eio() }),
+            Box::new(Error::Alloc { len: 4096, align: 4096, hugepages: true, cause: Some(eio()) }),
+            Box::new(crate::LoadError::Io {
+                source_name: "img".into(),
+                key: crate::ExpertKey { layer: 1, expert: 2 },
+                offset: 0x2000,
+                cause: eio(),
+            }),
+        ];
+        for e in &errors {
+            let src = e.source().expect("the cause is the source").to_string();
+            assert_eq!(src, os);
+            assert!(!e.to_string().contains(&src), "{e} repeats its source");
+            assert_eq!(chain(e.as_ref()).to_string(), format!("{e}: {os}"));
+        }
+        assert_eq!(errors[0].to_string(), "img: reading index at offset 0x1000");
+        assert_eq!(errors[1].to_string(), "/o.pf: writing payload");
+        assert_eq!(errors[3].to_string(), "img: reading (layer 1, expert 2) at offset 0x2000");
+        // An io::Error wrapping one of ours prints it, and its source() is the inner source.
+        let wrapped = std::io::Error::other(Error::Write { path: "/o.pf".into(), what: "index", cause: eio() });
+        assert_eq!(chain(&wrapped).to_string(), format!("/o.pf: writing index: {os}"));
     }
 }

@@ -127,7 +127,7 @@ impl<Q: IoQueue + ?Sized> IoQueue for Box<Q> {
 pub fn read_blocking<Q: IoQueue + ?Sized>(queue: &mut Q, offset: u64, len: u32) -> std::io::Result<AlignedBuf> {
     let bs = queue.block_size() as usize;
     let buf = AlignedBuf::new(len as usize, bs.max(512))
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::OutOfMemory, e.to_string()))?;
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::OutOfMemory, crate::error::chain(&e).to_string()))?;
     queue.submit(ReadReq { offset: ByteOffset(offset), len, buf, tag: Tag(u64::MAX) });
     let mut out = Vec::with_capacity(1);
     while out.is_empty() {

@@ -49,7 +49,7 @@ pub enum LoadError {
         reason: String,
     },
     /// The read failed.
-    #[error("{source_name}: reading {key} at offset {offset:#x}: {cause}")]
+    #[error("{source_name}: reading {key} at offset {offset:#x}")]
     Io {
         /// The store.
         source_name: String,
@@ -545,9 +545,9 @@ impl<P: ExpertLoader, F: ExpertLoader> ExpertLoader for FallbackLoader<P, F> {
             Err(e) => {
                 // A prefix store misses whole layers by design: that is not worth a warning per expert.
                 if matches!(e, LoadError::Missing { .. }) {
-                    tracing::debug!("{e}; serving {} from the fallback", l.key);
+                    tracing::debug!("{}; serving {} from the fallback", crate::error::chain(&e), l.key);
                 } else {
-                    tracing::warn!("{e}; serving {} from the fallback", l.key);
+                    tracing::warn!("{}; serving {} from the fallback", crate::error::chain(&e), l.key);
                 }
                 retry.push((l.key.expert, l.buf));
             }

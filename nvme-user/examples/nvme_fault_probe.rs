@@ -61,7 +61,7 @@ fn open(bdf: &str) -> Result<(Controller, bool), Outcome> {
     use picchio_nvme::vfio::VfioDevice;
     use std::sync::Arc;
     // VFIO errors keep their OS error as `source()`: print it too.
-    let fail = |e: picchio_nvme::Error| Outcome::Fail(e.with_causes());
+    let fail = |e: picchio_nvme::Error| Outcome::Fail(picchio_core::error::chain(&e).to_string());
     let dev = Arc::new(VfioDevice::open(bdf).map_err(fail)?);
     dev.enable_bus_master().map_err(fail)?;
     let bar = Arc::new(dev.map_bar0().map_err(fail)?);

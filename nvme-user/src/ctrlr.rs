@@ -526,7 +526,7 @@ impl Controller {
             });
             if let Err(e) = polled {
                 // Not ours: keep waiting for our command's completion.
-                tracing::warn!(error = %e, "nvme admin completion ignored");
+                tracing::warn!(error = %picchio_core::error::chain(&e), "nvme admin completion ignored");
             }
             if let Some(c) = done {
                 let status = c.status();
@@ -732,7 +732,7 @@ impl Controller {
 impl Drop for Controller {
     fn drop(&mut self) {
         if let Err(e) = self.shutdown() {
-            tracing::warn!(error = %e, "nvme shutdown");
+            tracing::warn!(error = %picchio_core::error::chain(&e), "nvme shutdown");
         }
         if !self.dma_stopped() {
             // The device may still read the SQs and write the CQs and scratch page: leak them.

@@ -448,8 +448,8 @@ impl NvmeQueue {
         }
         let buf = if r.lost {
             // The device may still write this buffer: keep it (and its mapping) until shutdown.
-            let fresh =
-                AlignedBuf::new(r.buf.len(), r.buf.align()).unwrap_or_else(|e| panic!("replacement buffer: {e}"));
+            let fresh = AlignedBuf::new(r.buf.len(), r.buf.align())
+                .unwrap_or_else(|e| panic!("replacement buffer: {}", picchio_core::error::chain(&e)));
             self.quarantine.push((std::mem::replace(&mut r.buf, fresh), r.iova.map(|i| (i, r.len as usize))));
             r.buf
         } else {
@@ -474,7 +474,7 @@ impl NvmeQueue {
         let res = q.poll(usize::MAX, |e| events.push(e));
         if let Err(e) = res {
             self.stats.unknown_cids += 1;
-            tracing::error!(error = %e, "nvme completion ignored");
+            tracing::error!(error = %picchio_core::error::chain(&e), "nvme completion ignored");
         }
         let n = self.events.len();
         let mut events = std::mem::take(&mut self.events);
@@ -567,7 +567,7 @@ impl IoQueue for NvmeQueue {
             Err(e) => {
                 let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
                 let pages = bytes.div_ceil(2 << 20);
-                let why = e.with_causes();
+                let why = picchio_core::error::chain(&e).to_string();
                 tracing::warn!("{}: {}", self.label, hugepage_shortfall(pages, count, slot_len, &meminfo, &why));
                 None
             }
@@ -633,7 +633,8 @@ impl NvmeQueue {
         }
         held.append(&mut self.ready);
         self.ready = held;
-        let buf = AlignedBuf::new(4096, 4096).map_err(|e| io::Error::new(io::ErrorKind::OutOfMemory, e.to_string()))?;
+        let buf = AlignedBuf::new(4096, 4096)
+            .map_err(|e| io::Error::new(io::ErrorKind::OutOfMemory, picchio_core::error::chain(&e).to_string()))?;
         self.flush_done = None;
         self.enqueue(Op::Flush, ReadReq { offset: picchio_core::ByteOffset(0), len: 0, buf, tag: Tag(u64::MAX) });
         let mut spins = 0u64;
@@ -690,7 +691,9 @@ impl NvmeQueue {
             }
             (DataPath::Direct, None) => match self.dma.map_external(buf.as_mut_ptr(), len as usize) {
                 Ok(i) => Some(i),
-                Err(e) => return self.complete_now(tag, buf, io::Error::other(e.with_causes())),
+                Err(e) => {
+                    return self.complete_now(tag, buf, io::Error::other(picchio_core::error::chain(&e).to_string()))
+                }
             },
             (DataPath::Bounce(b), None) => {
                 chunk = chunk.min(b[0].len() as u32);
@@ -735,7 +738,7 @@ impl Drop for NvmeQueue {
         // Stop the device before lent buffers (in flight or quarantined) are unmapped and freed.
         let shutdown = self.ctrlr.shutdown();
         if let Err(e) = &shutdown {
-            tracing::warn!(error = %e, "nvme shutdown");
+            tracing::warn!(error = %picchio_core::error::chain(e), "nvme shutdown");
         }
         if !self.ctrlr.dma_stopped() {
             self.leak_dma_memory(shutdown.err());
@@ -780,7 +783,10 @@ impl NvmeQueue {
             "{}: leaking {bytes} bytes of request, quarantined and bounce buffers and {slot_bytes} bytes of \
              slot-pool DMA memory: the controller did not confirm it stopped ({}), so it may still DMA into them",
             self.label,
-            why.map_or_else(|| "CSTS.RDY did not clear after CC.EN = 0".to_string(), |e| e.with_causes())
+            why.map_or_else(
+                || "CSTS.RDY did not clear after CC.EN = 0".to_string(),
+                |e| picchio_core::error::chain(&e).to_string()
+            )
         );
         std::mem::forget(reqs);
         std::mem::forget(quarantine);

@@ -143,27 +143,13 @@ impl From<PrpError> for Error {
     }
 }
 
-impl Error {
-    /// The message and each `source()` after it, joined by `": "` (what `{:#}` prints for an
-    /// `anyhow` chain), for callers that keep an error as text (logs, a [`crate::engine::ReadFailure`]).
-    pub fn with_causes(&self) -> String {
-        let mut out = self.to_string();
-        let mut cause = std::error::Error::source(self);
-        while let Some(c) = cause {
-            out.push_str(": ");
-            out.push_str(&c.to_string());
-            cause = c.source();
-        }
-        out
-    }
-}
-
 /// `Result` with [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use picchio_core::error::chain;
     use std::error::Error as _;
 
     #[test]
@@ -183,7 +169,7 @@ mod tests {
     }
 
     /// Each cause is printed once: in the message or as `source()`, never both (like vfio-ioctls'
-    /// `test_vfio_error_fmt`), and [`Error::with_causes`] joins them.
+    /// `test_vfio_error_fmt`), and [`picchio_core::error::chain`] joins them.
     #[test]
     fn a_cause_is_in_the_message_or_the_source_not_both() {
         let os = || std::io::Error::from_raw_os_error(libc::EBUSY);
@@ -191,16 +177,16 @@ mod tests {
         let e = Error::Vfio { op: "VFIO_GROUP_SET_CONTAINER", what: "/dev/vfio/7".into(), source: os() };
         assert_eq!(e.to_string(), "VFIO VFIO_GROUP_SET_CONTAINER on /dev/vfio/7");
         assert_eq!(e.source().map(|s| s.to_string()), Some(busy.clone()));
-        assert_eq!(e.with_causes(), format!("VFIO VFIO_GROUP_SET_CONTAINER on /dev/vfio/7: {busy}"));
+        assert_eq!(chain(&e).to_string(), format!("VFIO VFIO_GROUP_SET_CONTAINER on /dev/vfio/7: {busy}"));
 
         let e = Error::SimBacking { nsid: 2, path: "/tmp/ns2".into(), cause: os() };
         assert_eq!(e.to_string(), format!("sim namespace 2 backing file /tmp/ns2: {busy}"));
         assert!(e.source().is_none(), "the cause is in the message");
-        assert_eq!(e.with_causes(), e.to_string());
+        assert_eq!(chain(&e).to_string(), e.to_string());
 
         let e = Error::DmaAlloc { len: 8192, hugepages: false, cause: Some(os()) };
         assert_eq!(e.to_string(), "DMA allocation of 8192 bytes failed");
-        assert_eq!(e.with_causes(), format!("DMA allocation of 8192 bytes failed: {busy}"));
+        assert_eq!(chain(&e).to_string(), format!("DMA allocation of 8192 bytes failed: {busy}"));
         let e = Error::DmaAlloc { len: 8192, hugepages: false, cause: None };
         assert!(e.source().is_none());
 
@@ -210,7 +196,7 @@ mod tests {
             "PRP list: entry 513: out of PRP list entries (the list pages hold 512 data entries)"
         );
         assert!(e.source().is_none(), "the PRP error is in the message");
-        assert_eq!(e.with_causes(), e.to_string());
+        assert_eq!(chain(&e).to_string(), e.to_string());
 
         let e = Error::QueueFull { qid: 1, depth: 32 };
         assert_eq!(e.to_string(), "NVMe queue 1 is full (32 entries)");

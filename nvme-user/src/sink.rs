@@ -72,7 +72,7 @@ impl<'q> NvmeSink<'q> {
         match self.spare.pop() {
             Some(b) => Ok(b),
             None => AlignedBuf::new(RUN, BLOCK_SIZE as usize)
-                .map_err(|e| io::Error::new(io::ErrorKind::OutOfMemory, e.to_string())),
+                .map_err(|e| io::Error::new(io::ErrorKind::OutOfMemory, picchio_core::error::chain(&e).to_string())),
         }
     }
 
@@ -85,7 +85,10 @@ impl<'q> NvmeSink<'q> {
                 self.in_flight -= 1;
                 if let Err(e) = c.result {
                     let at = c.tag.0;
-                    self.failed.get_or_insert(io::Error::new(e.kind(), format!("write at byte {at:#x}: {e}")));
+                    self.failed.get_or_insert(io::Error::new(
+                        e.kind(),
+                        format!("write at byte {at:#x}: {}", picchio_core::error::chain(&e)),
+                    ));
                 }
                 self.spare.push(c.buf);
             }

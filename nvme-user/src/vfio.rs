@@ -1056,7 +1056,9 @@ mod tests {
             let e = attach_with(fail(op, libc::EBUSY), false).err().expect("refused");
             assert_eq!(vfio_parts(&e), (op, what, Some(libc::EBUSY)));
             assert_eq!(e.to_string(), format!("VFIO {op} on {what}"));
-            assert!(e.with_causes().ends_with(&std::io::Error::from_raw_os_error(libc::EBUSY).to_string()));
+            assert!(picchio_core::error::chain(&e)
+                .to_string()
+                .ends_with(&std::io::Error::from_raw_os_error(libc::EBUSY).to_string()));
         }
         // In no-IOMMU mode there is no type1 info to ask for.
         attach_with(fail("VFIO_IOMMU_GET_INFO", libc::EBUSY), true).unwrap();

@@ -10,7 +10,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A file could not be read or written.
-    #[error("{path}: {what}: {cause}")]
+    #[error("{path}: {what}")]
     Io {
         /// The file.
         path: PathBuf,
@@ -21,7 +21,7 @@ pub enum Error {
         cause: std::io::Error,
     },
     /// config.json is not valid JSON or lacks a required key.
-    #[error("{path}: invalid config: {cause}")]
+    #[error("{path}: invalid config")]
     Config {
         /// The config file.
         path: PathBuf,
@@ -48,7 +48,7 @@ pub enum Error {
         model_type: String,
     },
     /// A safetensors file is malformed or truncated.
-    #[error("{path}: not a valid safetensors file: {cause}")]
+    #[error("{path}: not a valid safetensors file")]
     Safetensors {
         /// The file.
         path: PathBuf,
@@ -115,7 +115,7 @@ pub enum Error {
         found: String,
     },
     /// An expert could not be loaded (by the store nor its fallback) during a forward pass.
-    #[error("loading expert {key}: {cause}")]
+    #[error("loading expert {key}")]
     ExpertLoad {
         /// The expert.
         key: picchio_core::ExpertKey,
@@ -136,6 +136,79 @@ pub enum Error {
         path: PathBuf,
         /// The tokenizers crate's message.
         message: String,
+    },
+    /// An option has a value the operation does not accept. `option` is the field of the options
+    /// struct (`ecap` of [`crate::run::SessionOptions`], `max_seq`), not a command-line flag: the
+    /// binary maps it to its flag.
+    #[error("option `{option}` = {value}: {expected}")]
+    BadOption {
+        /// The option field.
+        option: &'static str,
+        /// The value given.
+        value: String,
+        /// What is accepted (the range, or why this value cannot work).
+        expected: String,
+    },
+    /// The destination of a write exists and is not replaced.
+    #[error(
+        "{}: {what} already exists: choose another {what}{}",
+        path.display(),
+        overwrite.map(|o| format!(", or set `{o}` to replace it")).unwrap_or_default()
+    )]
+    Exists {
+        /// The file or directory.
+        path: PathBuf,
+        /// What it is to this operation (`destination`, `directory`).
+        what: &'static str,
+        /// The option field that would replace it, when there is one (`overwrite`).
+        overwrite: Option<&'static str>,
+    },
+    /// The prompt holds no token.
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    /// A token id is not in the vocabulary.
+    #[error("{what} {id} is outside the vocabulary (size {vocab})")]
+    OutOfVocabulary {
+        /// `prompt id`, `token id`.
+        what: &'static str,
+        /// The id.
+        id: u64,
+        /// The vocabulary size.
+        vocab: usize,
+    },
+    /// The prompt and the tokens to generate need more positions than the context holds.
+    #[error("{}", context_overflow(*needed, *context, config.as_deref()))]
+    ContextOverflow {
+        /// Positions needed (prompt + tokens to generate).
+        needed: usize,
+        /// Positions the model or its KV cache holds.
+        context: usize,
+        /// The config.json whose `max_position_embeddings` is the limit, when that is the limit.
+        config: Option<PathBuf>,
+    },
+    /// A quantization check failed (shape or name); the [`crate::quant::QuantError`] names it.
+    #[error(transparent)]
+    Quant(#[from] crate::quant::QuantError),
+    /// The NVMe driver failed on `target` (the driver's error is the `source()`).
+    #[error("{target}")]
+    Nvme {
+        /// The store or controller (`nvme:0000:01:00.0/1`, `nvme-sim:/tmp/ns.img`).
+        target: String,
+        /// The driver's error.
+        #[source]
+        cause: picchio_nvme::Error,
+    },
+    /// Host management of an NVMe controller failed for `target` (the [`AdminError`] is the
+    /// `source()`).
+    ///
+    /// [`AdminError`]: crate::nvme_admin::AdminError
+    #[error("{target}")]
+    Admin {
+        /// The store or controller.
+        target: String,
+        /// The admin error.
+        #[source]
+        cause: crate::nvme_admin::AdminError,
     },
     /// A store URI given where it cannot be used: `auto` as a place to write, `nvme-sim:` for a run,
     /// an unknown scheme where bench reads ([`crate::expert::open`]).
@@ -166,11 +239,36 @@ pub enum Error {
     },
 }
 
+/// The message of [`Error::ContextOverflow`]: against the model's `max_position_embeddings` when
+/// `config` names it, else against the context the model was loaded with.
+fn context_overflow(needed: usize, context: usize, config: Option<&std::path::Path>) -> String {
+    match config {
+        Some(c) => format!(
+            "prompt + generated tokens = {needed} exceed the model's context of {context} positions \
+             (max_position_embeddings in {})",
+            c.display()
+        ),
+        None => format!("prompt + generated = {needed} tokens exceeds the context of {context} positions"),
+    }
+}
+
 impl Error {
     /// Wraps an I/O error with its path and operation.
     pub fn io(path: impl Into<PathBuf>, what: &'static str) -> impl FnOnce(std::io::Error) -> Error {
         let path = path.into();
         move |cause| Error::Io { path, what, cause }
+    }
+
+    /// Wraps an NVMe driver error with the store or controller it happened on.
+    pub fn nvme(target: impl Into<String>) -> impl FnOnce(picchio_nvme::Error) -> Error {
+        let target = target.into();
+        move |cause| Error::Nvme { target, cause }
+    }
+
+    /// Wraps an NVMe admin error with the store or controller it happened on.
+    pub fn admin(target: impl Into<String>) -> impl FnOnce(crate::nvme_admin::AdminError) -> Error {
+        let target = target.into();
+        move |cause| Error::Admin { target, cause }
     }
 }
 
@@ -189,7 +287,72 @@ mod tests {
         };
         assert_eq!(e.to_string(), "/m/model.safetensors: tensor `model.norm.weight` has shape [65], expected [64]");
         let e = Error::io("/m/config.json", "read")(std::io::Error::from(std::io::ErrorKind::NotFound));
-        assert!(e.to_string().starts_with("/m/config.json: read: "));
+        assert!(picchio_core::error::chain(&e).to_string().starts_with("/m/config.json: read: "));
         assert!(e.source().is_some());
+    }
+
+    /// Each cause is printed once: in the message or as `source()`, never both (vfio-ioctls'
+    /// `test_vfio_error_fmt`); [`picchio_core::error::chain`] prints the whole chain.
+    #[test]
+    fn a_cause_is_in_the_message_or_the_source_not_both() {
+        use crate::nvme_admin::AdminError;
+        use picchio_core::error::chain;
+        let busy = || std::io::Error::from_raw_os_error(libc::EBUSY);
+        let os = busy().to_string();
+        let json = || serde_json::from_str::<u32>("{").unwrap_err();
+        let key = picchio_core::ExpertKey { layer: 2, expert: 6 };
+        let load = || picchio_core::LoadError::Io { source_name: "img".into(), key, offset: 0x3000, cause: busy() };
+        let errors = [
+            Error::io("/m/config.json", "read")(busy()),
+            Error::Config { path: "/m/config.json".into(), cause: json() },
+            Error::ExpertLoad { key, cause: load() },
+            Error::nvme("nvme:0000:01:00.0/1")(picchio_nvme::Error::Vfio {
+                op: "open",
+                what: "/dev/vfio/7".into(),
+                source: busy(),
+            }),
+            Error::admin("nvme:0000:01:00.0/1")(AdminError::Io { path: "/sys/x".into(), what: "write", cause: busy() }),
+        ];
+        for e in &errors {
+            let src = e.source().expect("the cause is the source").to_string();
+            assert!(!e.to_string().contains(&src), "{e} repeats its source {src}");
+            assert!(chain(e).to_string().starts_with(&format!("{e}: {src}")), "{}", chain(e));
+        }
+        assert_eq!(errors[0].to_string(), "/m/config.json: read");
+        assert_eq!(chain(&errors[0]).to_string(), format!("/m/config.json: read: {os}"));
+        assert_eq!(chain(&errors[1]).to_string(), format!("/m/config.json: invalid config: {}", json()));
+        assert_eq!(
+            chain(&errors[2]).to_string(),
+            format!("loading expert (layer 2, expert 6): img: reading (layer 2, expert 6) at offset 0x3000: {os}")
+        );
+        assert_eq!(chain(&errors[3]).to_string(), format!("nvme:0000:01:00.0/1: VFIO open on /dev/vfio/7: {os}"));
+        assert_eq!(
+            chain(&errors[4]).to_string(),
+            format!("nvme:0000:01:00.0/1: cannot write /sys/x (writing sysfs needs root): {os}")
+        );
+        // Transparent variants add nothing: the inner error's message, then its source.
+        let e = Error::Engine(picchio_blockdev::Error::Stat { path: "/f".into(), cause: busy() });
+        assert_eq!(chain(&e).to_string(), format!("/f: fstat: {os}"));
+    }
+
+    #[test]
+    fn typed_request_errors_name_the_option_and_the_limit() {
+        let e = Error::BadOption { option: "ecap", value: "0".into(), expected: "must be at least 1".into() };
+        assert_eq!(e.to_string(), "option `ecap` = 0: must be at least 1");
+        let e = Error::Exists { path: "/o".into(), what: "destination", overwrite: Some("overwrite") };
+        assert_eq!(
+            e.to_string(),
+            "/o: destination already exists: choose another destination, or set `overwrite` to replace it"
+        );
+        let e = Error::Exists { path: "/o".into(), what: "directory", overwrite: None };
+        assert_eq!(e.to_string(), "/o: directory already exists: choose another directory");
+        let e = Error::ContextOverflow { needed: 50, context: 40, config: Some("/m/config.json".into()) };
+        assert_eq!(
+            e.to_string(),
+            "prompt + generated tokens = 50 exceed the model's context of 40 positions (max_position_embeddings \
+             in /m/config.json)"
+        );
+        let e = Error::OutOfVocabulary { what: "prompt id", id: 9, vocab: 8 };
+        assert_eq!(e.to_string(), "prompt id 9 is outside the vocabulary (size 8)");
     }
 }

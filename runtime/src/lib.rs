@@ -6,7 +6,8 @@
 //! - [`expert`]: routed experts at run time (payload layout, expert cache, opening a `--store`);
 //! - [`image`]: writing and checking `.picchioflat` images (convert, pack, verify, synth);
 //! - [`run`]: a session (model + store) and generation;
-//! - [`nvme_admin`]: host management of NVMe controllers (binding to `vfio-pci` and back).
+//! - [`nvme_admin`]: host management of NVMe controllers (binding to `vfio-pci` and back);
+//! - [`sys`]: the runtime's `unsafe` OS calls (mmap, signal disposition), one function each.
 #![deny(missing_docs)]
 
 pub mod error;
@@ -19,6 +20,7 @@ pub mod nvme_admin;
 pub mod progress;
 pub mod quant;
 pub mod run;
+pub mod sys;
 
 pub use error::{Error, Result};
 pub use model::config::Config;

@@ -55,7 +55,7 @@ pub enum QuantError {
     /// Q4 and Q3 need the input dimension to be a whole number of 64-wide groups.
     #[error(
         "{kind} quantization needs cols (the input dimension) to be a multiple of {GROUP_SIZE}; \
-         got a [{rows}, {cols}] matrix (use --quant none for this model)"
+         got a [{rows}, {cols}] matrix (use quantization `none` for this model)"
     )]
     ColsNotMultipleOfGroup {
         /// The requested format.

@@ -138,12 +138,11 @@ impl Session {
     pub fn open(opts: &SessionOptions, tokenizer: Option<Tokenizer>) -> Result<Self> {
         let cfg = crate::model::config::Config::from_dir(&opts.model_dir)?;
         if opts.max_seq > cfg.max_position_embeddings {
-            return Err(Error::Invalid(format!(
-                "prompt + generated tokens = {} exceed the model's context of {} positions                  (max_position_embeddings in {}): use a shorter prompt or a smaller -n",
-                opts.max_seq,
-                cfg.max_position_embeddings,
-                opts.model_dir.join("config.json").display()
-            )));
+            return Err(Error::ContextOverflow {
+                needed: opts.max_seq,
+                context: cfg.max_position_embeddings,
+                config: Some(opts.model_dir.join("config.json")),
+            });
         }
         let model = Model::load(&opts.model_dir, opts.max_seq)?;
         let cfg = model.config().clone();
@@ -152,7 +151,10 @@ impl Session {
             open_store(&opts.store, &opts.model_dir, &cfg, model.tensors().clone(), &layout, opts.io)?;
         let total = cfg.moe_layers().len() * cfg.num_experts;
         let ecap = match opts.ecap {
-            Some(0) => return Err(Error::Invalid("--ecap must be at least 1".into())),
+            Some(0) => {
+                let expected = "must be at least 1".into();
+                return Err(Error::BadOption { option: "ecap", value: "0".into(), expected });
+            }
             Some(n) => n.min(total.max(1)),
             None => default_ecap(total, layout.len(), cfg.num_experts_per_tok),
         };
@@ -190,17 +192,14 @@ impl Session {
     pub fn generate(&mut self, prompt_ids: &[u32], opts: &GenerateOptions) -> Result<Generation> {
         let vocab = self.model.config().vocab_size;
         if prompt_ids.is_empty() {
-            return Err(Error::Invalid("the prompt is empty".into()));
+            return Err(Error::EmptyPrompt);
         }
         if let Some(&bad) = prompt_ids.iter().find(|&&t| t as usize >= vocab) {
-            return Err(Error::Invalid(format!("prompt id {bad} is outside the vocabulary (size {vocab})")));
+            return Err(Error::OutOfVocabulary { what: "prompt id", id: u64::from(bad), vocab });
         }
         let needed = prompt_ids.len() + opts.max_new;
         if needed > self.model.max_seq() {
-            return Err(Error::Invalid(format!(
-                "prompt + generated = {needed} tokens exceeds the context of {} positions",
-                self.model.max_seq()
-            )));
+            return Err(Error::ContextOverflow { needed, context: self.model.max_seq(), config: None });
         }
         let eos = if opts.stop_at_eos { self.model.config().eos_ids() } else { Vec::new() };
         let (h0, m0, io0) = (self.cache.hits(), self.cache.misses(), self.io_stats.snapshot());

@@ -250,7 +250,8 @@ mod tests {
         assert!(e.to_string().contains("past the end of the image"), "{e}");
         s.write_at(0, &[1; 100]).unwrap();
         let e = s.commit(100).unwrap_err();
-        assert!(e.to_string().contains("not a multiple of 4096"), "{e}");
+        let e = picchio_core::error::chain(&e).to_string();
+        assert!(e.contains("not a multiple of 4096"), "{e}");
     }
 
     #[test]

@@ -151,7 +151,10 @@ fn open_session(opts: &SessionOptions, tokenizer: Option<Tokenizer>) -> anyhow::
         Err(e @ picchio_runtime::Error::Engine(picchio_blockdev::Error::DirectUnsupported { .. }))
             if opts.io.direct =>
         {
-            eprintln!("warning: {e}; retrying with buffered reads (pass --buffered to skip this)");
+            eprintln!(
+                "warning: {}; retrying with buffered reads (pass --buffered to skip this)",
+                picchio_core::error::chain(&e)
+            );
             let tokenizer = Tokenizer::from_dir(&opts.model_dir)?;
             let mut o = opts.clone();
             o.io.direct = false;

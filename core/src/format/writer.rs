@@ -519,7 +519,7 @@ mod tests {
         w.push(&[9u8; 100]).unwrap();
         let e = w.finish().unwrap_err();
         assert!(matches!(e, Error::Write { what: "superblock", .. }), "{e}");
-        assert!(e.to_string().starts_with("mem: writing superblock: "), "{e}");
+        assert!(crate::error::chain(&e).to_string().starts_with("mem: writing superblock: "), "{e}");
         let e = FlatWriter::with_sink(Recorder::default(), dims, 2).err().unwrap();
         assert!(e.to_string().contains("2 entries exceed"), "{e}");
     }

@@ -231,7 +231,10 @@ impl NvmeQueue {
     fn abort_command(&mut self, cid: Cid) -> std::result::Result<(), String> {
         self.stats.aborts += 1;
         let t = self.recovery.policy.abort_timeout;
-        let aborted = self.ctrlr.abort(1, cid, t).map_err(|e| format!("the Abort failed ({e})"))?;
+        let aborted = self
+            .ctrlr
+            .abort(1, cid, t)
+            .map_err(|e| format!("the Abort failed ({})", picchio_core::error::chain(&e)))?;
         tracing::warn!(cid = cid.0, aborted, "nvme command timed out; Abort sent");
         let deadline = Instant::now() + t;
         loop {
@@ -269,7 +272,7 @@ impl NvmeQueue {
             self.stop(f);
             // Stop the device (delete queues, CC.SHN, CC.EN = 0) so nothing is DMA'd any more.
             if let Err(e) = self.ctrlr.shutdown() {
-                tracing::warn!(error = %e, "nvme shutdown after the reset limit");
+                tracing::warn!(error = %picchio_core::error::chain(&e), "nvme shutdown after the reset limit");
             }
             return;
         }
@@ -279,14 +282,14 @@ impl NvmeQueue {
         let lost = match self.ctrlr.reset() {
             Ok(lost) => lost,
             Err(e) => {
-                self.stop(ReadFailure::ResetFailed { reason, cause: e.with_causes() });
+                self.stop(ReadFailure::ResetFailed { reason, cause: picchio_core::error::chain(&e).to_string() });
                 return;
             }
         };
         match self.ctrlr.namespace(self.ns.nsid) {
             Ok(ns) if ns == self.ns => {}
             other => {
-                let now = other.map_or_else(|e| e.with_causes(), |n| format!("{n:?}"));
+                let now = other.map_or_else(|e| picchio_core::error::chain(&e).to_string(), |n| format!("{n:?}"));
                 self.stop(ReadFailure::NamespaceChanged { nsid: self.ns.nsid, was: format!("{:?}", self.ns), now });
                 return;
             }

@@ -107,10 +107,11 @@ impl ExpertCache {
     /// up to [`BLOCK_SIZE`] (4096 B). No slot is allocated until a miss needs it.
     ///
     /// # Errors
-    /// [`Error::Invalid`] when `capacity` is 0 (`--ecap` must be at least 1) or `payload_len` is 0.
+    /// [`Error::BadOption`] (`ecap`) when `capacity` is 0; [`Error::Invalid`] when `payload_len` is 0.
     pub fn new(capacity: usize, payload_len: usize) -> Result<Self> {
         if capacity == 0 {
-            return Err(Error::Invalid("--ecap 0: the expert cache needs room for at least 1 expert".into()));
+            let expected = "the expert cache needs room for at least 1 expert".into();
+            return Err(Error::BadOption { option: "ecap", value: "0".into(), expected });
         }
         if payload_len == 0 {
             return Err(Error::Invalid("expert cache: the expert payload length is 0".into()));
@@ -176,12 +177,7 @@ impl ExpertCache {
                     self.alloc_failed = true;
                 }
                 Err(e) => {
-                    let mut why = e.to_string();
-                    let mut cause = std::error::Error::source(&e);
-                    while let Some(c) = cause {
-                        why = format!("{why}: {c}");
-                        cause = c.source();
-                    }
+                    let why = picchio_core::error::chain(&e);
                     tracing::warn!("expert cache: {why}; using heap slots from now on (reads into them are copied)");
                     self.alloc_failed = true;
                 }
@@ -688,7 +684,8 @@ mod tests {
         let mut c = ExpertCache::new(4, 5000).unwrap();
         let mut l = FakeLoader::new();
         l.fail = vec![6];
-        let e = fetch(&mut c, &mut l, 2, &[1, 6, 3]).unwrap_err().to_string();
+        let e = fetch(&mut c, &mut l, 2, &[1, 6, 3]).unwrap_err();
+        let e = picchio_core::error::chain(&e).to_string();
         assert!(e.contains("loading expert (layer 2, expert 6)") && e.contains("injected failure"), "{e}");
         assert!(!c.contains(ExpertKey { layer: 2, expert: 6 }));
         assert!(c.contains(ExpertKey { layer: 2, expert: 1 }) && c.contains(ExpertKey { layer: 2, expert: 3 }));
@@ -726,7 +723,7 @@ mod tests {
 
     #[test]
     fn contract_violations_are_errors() {
-        assert!(ExpertCache::new(0, 5000).unwrap_err().to_string().contains("--ecap"));
+        assert!(ExpertCache::new(0, 5000).unwrap_err().to_string().contains("option `ecap` = 0"));
         let mut c = ExpertCache::new(2, 5000).unwrap();
         let mut l = FakeLoader::new();
         let e = fetch(&mut c, &mut l, 0, &[1, 1]).unwrap_err().to_string();

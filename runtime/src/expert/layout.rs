@@ -116,9 +116,9 @@ impl ExpertLayout {
     /// The layout for hidden size `hidden` and expert width `inter`.
     ///
     /// # Errors
-    /// [`Error::Invalid`] when a quantized format gets a width that is not a multiple of 64.
+    /// [`Error::Quant`] when a quantized format gets a width that is not a multiple of 64.
     pub fn new(quant: QuantKind, hidden: usize, inter: usize) -> Result<Self> {
-        let q = |r: Result<usize, crate::quant::QuantError>| r.map_err(|e| Error::Invalid(e.to_string()));
+        let q = |r: Result<usize, crate::quant::QuantError>| r.map_err(Error::from);
         let gu = q(quant.packed_bytes(2 * inter, hidden))?;
         let gus = 4 * q(quant.scale_count(2 * inter, hidden))?;
         let d = q(quant.packed_bytes(hidden, inter))?;
@@ -258,7 +258,7 @@ impl ExpertLoader for SafetensorsExperts {
             } else {
                 self.layout
                     .payload_from_store(&self.store, layer as usize, expert as usize, buf.as_mut_slice())
-                    .map_err(|e| LoadError::Other(format!("{key}: {e}")))
+                    .map_err(|e| LoadError::Other(format!("{key}: {}", picchio_core::error::chain(&e))))
             };
             ready(Loaded { key, buf, result });
         }

@@ -108,7 +108,7 @@ fn open_nvme(name: &str, bdf: &str, nsid: u32, qd: u32) -> Result<Opened> {
 pub(crate) fn nvme_queue(name: &str, bdf: &str, nsid: u32, qd: u32) -> Result<picchio_nvme::NvmeQueue> {
     use picchio_nvme::engine::{NvmeQueue, NvmeQueueOptions};
     let qopts = NvmeQueueOptions { nsid, qd: qd.clamp(1, 1024) as u16, ..NvmeQueueOptions::default() };
-    let fail = |e: picchio_nvme::Error| Error::Invalid(format!("{name}: {}", e.with_causes()));
+    let fail = |cause: picchio_nvme::Error| Error::Nvme { target: name.to_string(), cause };
     let ctrlr = picchio_nvme::vfio::open_controller(bdf, qopts.ctrlr_options()).map_err(fail)?;
     let mut queue = NvmeQueue::with_bounce_buffer(ctrlr, nsid, qopts.timeout, format!("vfio {bdf}")).map_err(fail)?;
     queue.warn_if_clamped(qopts.qd);
@@ -134,7 +134,7 @@ fn open_nvme_sim(path: &Path, qd: u32) -> Result<Opened> {
     let opts = NvmeQueueOptions { qd: u16::try_from(qd).unwrap_or(u16::MAX), ..NvmeQueueOptions::default() };
     // The `Sim` handle is only for fault injection and statistics; the queue keeps the model alive.
     let (queue, _sim) = NvmeQueue::open_sim(SimConfig::single(path, lba), &opts)
-        .map_err(|e| Error::Invalid(format!("{name}: {}", e.with_causes())))?;
+        .map_err(|cause| Error::Nvme { target: name.clone(), cause })?;
     let image_len = queue.namespace().bytes();
     Ok(Opened { queue: Box::new(queue), base: 0, image_len, name })
 }

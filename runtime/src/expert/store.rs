@@ -315,7 +315,10 @@ pub fn open_store(
             }
             let attempt = open_flat_file(&p, cfg, layout, io).or_else(|e| {
                 if io.direct && matches!(e, Error::Engine(picchio_blockdev::Error::DirectUnsupported { .. })) {
-                    tracing::warn!("{e}; retrying without O_DIRECT (use --buffered to skip this)");
+                    tracing::warn!(
+                        "{}; retrying without O_DIRECT (use --buffered to skip this)",
+                        picchio_core::error::chain(&e)
+                    );
                     open_flat_file(&p, cfg, layout, IoOptions { direct: false, ..io })
                 } else {
                     Err(e)

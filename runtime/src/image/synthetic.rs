@@ -174,10 +174,10 @@ fn write_shard(path: &Path, tensors: &[OwnedTensor]) -> Result<()> {
 /// temporary sibling and renamed). Calls `progress(done, total)` after each shard.
 ///
 /// # Errors
-/// [`Error::Invalid`] when `dir` exists; [`Error::Io`] on write failures.
+/// [`Error::Exists`] when `dir` exists; [`Error::Io`] on write failures.
 pub fn write_synthetic(dir: &Path, spec: &SyntheticSpec, progress: &mut dyn FnMut(usize, usize)) -> Result<()> {
     if dir.exists() {
-        return Err(Error::Invalid(format!("{} exists: remove it or choose another directory", dir.display())));
+        return Err(Error::Exists { path: dir.into(), what: "directory", overwrite: None });
     }
     let tmp = dir.with_extension(format!("tmp-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);

@@ -21,7 +21,9 @@ use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use picchio_core::format::{decode_index, index_sha256, payload_hash, round_up, Superblock, BLOCK_SIZE};
+use picchio_core::format::{
+    decode_index, index_sha256, payload_hash, round_up, Superblock, BLOCK_SIZE, DENSE_LAYER_PLACEHOLDER,
+};
 use picchio_core::io::{read_blocking, ByteOffset, Completion, IoQueue, ReadReq, Tag};
 use picchio_core::{AlignedBuf, ExpertKey, ExpertLoc};
 
@@ -31,7 +33,6 @@ use crate::expert::store::store_dims;
 use crate::model::config::Config;
 use crate::model::safetensors::TensorStore;
 use crate::progress;
-use picchio_core::format::DENSE_LAYER_PLACEHOLDER;
 
 /// Payload bytes in flight at once (at least one payload).
 const WINDOW_BYTES: u64 = 64 << 20;
@@ -210,7 +211,7 @@ struct Model {
 /// `model` (a converted directory) compares every payload with the model's tensors.
 ///
 /// # Errors
-/// [`Error::Invalid`] when the engine cannot open `store`; otherwise as [`verify_queue`].
+/// [`Error::Engine`] when the engine cannot open `store`; otherwise as [`verify_queue`].
 pub fn verify(store: &Path, model: Option<&Path>, opts: &VerifyOptions) -> Result<VerifyReport> {
     use crate::expert::store::{IoEngine, IoOptions};
     let uri = picchio_core::StoreUri::File(store.into());
@@ -398,7 +399,7 @@ pub fn verify_queue<Q: IoQueue + ?Sized>(
             in_flight -= 1;
             in_flight_bytes -= u64::from(loc.padded_len);
             let kind = match c.result {
-                Err(e) => Some(FailureKind::Read(e.to_string())),
+                Err(e) => Some(FailureKind::Read(picchio_core::error::chain(&e).to_string())),
                 Ok(n) if n < loc.len => Some(FailureKind::Read(format!("short read: {n} of {} bytes", loc.len))),
                 Ok(_) => {
                     let payload = &c.buf.as_slice()[..loc.len as usize];
@@ -440,7 +441,7 @@ fn check_payload(
     }
     expected.resize(m.layout.len(), 0);
     if let Err(e) = m.layout.payload_from_store(&m.store, layer, key.expert as usize, expected) {
-        return Some(FailureKind::Model(e.to_string()));
+        return Some(FailureKind::Model(picchio_core::error::chain(&e).to_string()));
     }
     let mut diff = payload.iter().zip(expected.iter()).enumerate().filter(|(_, (a, b))| a != b).map(|(k, _)| k);
     diff.next().map(|first| FailureKind::Mismatch { first, count: 1 + diff.count() })

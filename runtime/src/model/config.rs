@@ -478,7 +478,8 @@ mod tests {
 
         v.as_object_mut().unwrap().remove("hidden_size");
         std::fs::write(&p, v.to_string()).unwrap();
-        let e = Config::from_file(&p).unwrap_err().to_string();
+        let e = Config::from_file(&p).unwrap_err();
+        let e = picchio_core::error::chain(&e).to_string();
         assert!(e.contains("hidden_size"), "{e}");
 
         std::fs::write(&p, "{not json").unwrap();

@@ -83,9 +83,8 @@ impl TensorStore {
         for name in &names {
             let path = dir.join(name);
             let file = File::open(&path).map_err(Error::io(&path, "open"))?;
-            // SAFETY: the map is read-only and private to this process; checkpoints are not modified
-            // while a model is loaded (the same contract as every mmap-based model loader).
-            let map = unsafe { Mmap::map(&file) }.map_err(Error::io(&path, "mmap"))?;
+            // Read-only and private; checkpoints are not modified while a model is loaded.
+            let map = crate::sys::map_readonly(&path, &file)?;
             let (header_len, meta) =
                 SafeTensors::read_metadata(&map).map_err(|cause| Error::Safetensors { path: path.clone(), cause })?;
             let fi = files.len();

@@ -160,8 +160,8 @@ impl std::fmt::Display for ConvertReport {
 /// Converts the Hugging Face checkpoint in `src` into a Picchio converted directory at `dst`.
 ///
 /// # Errors
-/// - [`Error::Invalid`]: `dst` is `src`, inside it, or contains it; `dst` exists without
-///   `overwrite`; the source is already converted; inconsistent expert tensors.
+/// - [`Error::Invalid`]: `dst` is `src`, inside it, or contains it; the source is already
+///   converted; inconsistent expert tensors. [`Error::Exists`]: `dst` exists without `overwrite`.
 /// - [`Error::Io`] (missing config.json or shard, write failures), [`Error::Config`],
 ///   [`Error::ConfigValue`] (also: Q4/Q3 with a width that is not a multiple of 64),
 ///   [`Error::UnsupportedModel`], [`Error::Safetensors`] (truncated file), [`Error::ShardIndex`],
@@ -367,10 +367,7 @@ fn check_paths(src: &Path, dst: &Path, overwrite: bool) -> Result<()> {
             return Err(Error::Invalid(format!("destination {} exists and is not a directory", dst.display())));
         }
         if !overwrite {
-            return Err(Error::Invalid(format!(
-                "destination {} already exists: choose another destination, or pass --force to replace it",
-                dst.display()
-            )));
+            return Err(Error::Exists { path: dst.into(), what: "destination", overwrite: Some("overwrite") });
         }
     }
     Ok(())
@@ -456,7 +453,7 @@ mod tests {
         assert!(e.contains("contains the source directory"), "{e}");
         std::fs::create_dir(dir.path().join("o")).unwrap();
         let e = check_paths(&src, &dir.path().join("o"), false).unwrap_err().to_string();
-        assert!(e.contains("already exists") && e.contains("--force"), "{e}");
+        assert!(e.contains("already exists") && e.contains("`overwrite`"), "{e}");
         assert!(check_paths(&src, &dir.path().join("o"), true).is_ok());
         let e = check_paths(&dir.path().join("nope"), &dir.path().join("o2"), false).unwrap_err().to_string();
         assert!(e.contains("nope: open model directory"), "{e}");

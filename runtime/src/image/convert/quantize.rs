@@ -18,8 +18,8 @@ use crate::quant::quantize;
 /// row `2i + 1` = up row `i`.
 ///
 /// # Errors
-/// [`Error::Invalid`] when a matrix length does not match the layout, or the layout's widths are
-/// not whole 64-wide groups for Q4/Q3.
+/// [`Error::Invalid`] when a matrix length does not match the layout; [`Error::Quant`] when the
+/// layout's widths are not whole 64-wide groups for Q4/Q3.
 pub fn expert_payload(layout: &ExpertLayout, gate: &[f32], up: &[f32], down: &[f32]) -> Result<Vec<u8>> {
     let (h, i) = (layout.hidden, layout.inter);
     for (what, len, want) in [("gate", gate.len(), i * h), ("up", up.len(), i * h), ("down", down.len(), h * i)] {
@@ -32,7 +32,7 @@ pub fn expert_payload(layout: &ExpertLayout, gate: &[f32], up: &[f32], down: &[f
         gate_up.extend_from_slice(g);
         gate_up.extend_from_slice(u);
     }
-    let q = |w: &[f32], rows, cols| quantize(layout.quant, w, rows, cols).map_err(|e| Error::Invalid(e.to_string()));
+    let q = |w: &[f32], rows, cols| quantize(layout.quant, w, rows, cols).map_err(Error::from);
     let (gu_packed, gu_scales) = q(&gate_up, 2 * i, h)?;
     let (d_packed, d_scales) = q(down, h, i)?;
     let mut out = Vec::with_capacity(layout.len());

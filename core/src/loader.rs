@@ -246,13 +246,7 @@ impl<Q: IoQueue> FlatStore<Q> {
         let source_name = source_name.into();
         let bs = BLOCK_SIZE.max(queue.block_size());
         if opts.image_len < u64::from(bs) {
-            return Err(Error::Truncated {
-                source_name,
-                what: "superblock",
-                offset: 0,
-                end: u64::from(bs),
-                len: opts.image_len,
-            });
+            return Err(short_target(&mut queue, source_name, opts.base_offset, opts.image_len, bs));
         }
         let rd = |queue: &mut Q, what: &'static str, offset: u64, len: u32| {
             let at = opts.base_offset.checked_add(offset).ok_or_else(|| {
@@ -398,6 +392,39 @@ impl<Q: IoQueue> std::fmt::Debug for FlatStore<Q> {
             .field("superblock", &self.sb)
             .finish_non_exhaustive()
     }
+}
+
+/// The error for an image target of `image_len` bytes, shorter than one block of `bs` bytes, that
+/// `queue` reads from byte `base`: [`Error::BadMagic`] when its first eight bytes are there and are not
+/// the magic (a foreign file such as a config.json is "not a .picchioflat image", not a truncated
+/// one), else [`Error::Truncated`] for the superblock.
+pub fn short_target<Q: IoQueue + ?Sized>(
+    queue: &mut Q,
+    source_name: String,
+    base: u64,
+    image_len: u64,
+    bs: u32,
+) -> Error {
+    match foreign_magic(queue, base, bs) {
+        Some(found) => Error::BadMagic { source_name, found },
+        None => Error::Truncated { source_name, what: "superblock", offset: 0, end: u64::from(bs), len: image_len },
+    }
+}
+
+/// The first eight bytes of a target shorter than one block of `bs` bytes (one read of a block at
+/// `base`, whose completion is short at the end of the target), when they are not the magic: `None`
+/// when they are, when fewer than eight bytes are there, or when the read fails.
+fn foreign_magic<Q: IoQueue + ?Sized>(queue: &mut Q, base: u64, bs: u32) -> Option<String> {
+    let buf = AlignedBuf::new(bs as usize, bs.max(512) as usize).ok()?;
+    queue.submit(ReadReq { offset: ByteOffset(base), len: bs, buf, tag: Tag(u64::MAX) });
+    let mut out = Vec::with_capacity(1);
+    while out.is_empty() {
+        queue.reap(1, &mut out);
+    }
+    let c = out.pop()?;
+    let n = c.result.ok()? as usize;
+    let head = c.buf.as_slice().get(..n.min(8)).filter(|h| h.len() == 8)?;
+    (head != crate::format::MAGIC.as_slice()).then(|| String::from_utf8_lossy(head).into_owned())
 }
 
 fn hex(b: &[u8]) -> String {

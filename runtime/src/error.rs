@@ -56,6 +56,15 @@ pub enum Error {
         #[source]
         cause: safetensors::SafeTensorError,
     },
+    /// A safetensors file whose header names a tensor its data does not match: the tensor's
+    /// `data_offsets` span other than its dtype and shape need, or the file ends before its data does.
+    #[error("{path}: not a valid safetensors file: {detail}")]
+    SafetensorsTensor {
+        /// The file.
+        path: PathBuf,
+        /// The tensor, its expected and found byte counts, or "truncated: N of M bytes".
+        detail: String,
+    },
     /// `model.safetensors.index.json` is malformed.
     #[error("{path}: invalid safetensors index: {message}")]
     ShardIndex {

@@ -129,6 +129,16 @@ fn mem_available() -> Option<u64> {
     Some(kb * 1024)
 }
 
+/// A token count summed with `saturating_add`, for a message: `usize::MAX` is where the sum stopped,
+/// not what it was, so it reads "more than" the largest count that is still exact.
+fn token_count(n: usize) -> String {
+    if n == usize::MAX {
+        format!("more than {}", usize::MAX - 1)
+    } else {
+        n.to_string()
+    }
+}
+
 impl Session {
     /// Loads the model, opens the store and allocates the cache; `tokenizer` is the directory's
     /// (from [`Tokenizer::from_dir`], loaded by the caller to size `max_seq` from the prompt).
@@ -139,8 +149,9 @@ impl Session {
         let cfg = crate::config::Config::from_dir(&opts.model_dir)?;
         if opts.max_seq > cfg.max_position_embeddings {
             return Err(Error::Invalid(format!(
-                "prompt + generated tokens = {} exceed the model's context of {} positions                  (max_position_embeddings in {}): use a shorter prompt or a smaller -n",
-                opts.max_seq,
+                "prompt + generated tokens = {} exceed the model's context of {} positions \
+                 (max_position_embeddings in {}): use a shorter prompt or a smaller -n",
+                token_count(opts.max_seq),
                 cfg.max_position_embeddings,
                 opts.model_dir.join("config.json").display()
             )));
@@ -195,10 +206,11 @@ impl Session {
         if let Some(&bad) = prompt_ids.iter().find(|&&t| t as usize >= vocab) {
             return Err(Error::Invalid(format!("prompt id {bad} is outside the vocabulary (size {vocab})")));
         }
-        let needed = prompt_ids.len() + opts.max_new;
+        let needed = prompt_ids.len().saturating_add(opts.max_new);
         if needed > self.model.max_seq() {
             return Err(Error::Invalid(format!(
-                "prompt + generated = {needed} tokens exceeds the context of {} positions",
+                "prompt + generated = {} tokens exceeds the context of {} positions",
+                token_count(needed),
                 self.model.max_seq()
             )));
         }

@@ -3,11 +3,9 @@
 
 mod commands;
 
-use clap::Parser;
-
 fn main() {
     restore_sigpipe();
-    let cli = commands::Cli::parse();
+    let cli = commands::parse();
     init_logging(cli.verbose, cli.quiet);
     if let Err(e) = commands::exec(cli) {
         eprintln!("Error: {}", chain(&e));

@@ -1,0 +1,99 @@
+//! `picchio` as a new user runs it (issue 9, "found by the same new-user pass"): each defect the pass
+//! found, as the exit status and the message on stderr.
+
+mod common;
+
+use common::{model, picchio, scratch};
+use std::process::Output;
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn m() -> String {
+    model().to_str().unwrap().to_owned()
+}
+
+#[test]
+fn a_context_overflow_is_one_sentence_and_a_saturated_sum_is_not_printed_as_a_count() {
+    let max = u64::MAX.to_string();
+    let o = picchio(&["run", "--model", &m(), "--prompt-ids", "1,2", "-n", &max, "--store", "safetensors"]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("exceed the model's context of") && !err.contains("  "), "{err}");
+    assert!(err.contains(&format!("more than {}", u64::MAX - 1)), "{err}");
+    assert!(!err.contains(&format!("= {max}")), "{err}");
+}
+
+#[test]
+fn another_os_engine_is_a_usage_error_naming_the_flag_and_the_engines_here() {
+    let other = if cfg!(windows) { "uring" } else { "iocp" };
+    let o = picchio(&["run", "--model", &m(), "--prompt-ids", "1", "-n", "1", "--io", other]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("--io") && err.contains("psync") && err.contains(std::env::consts::OS), "{err}");
+    assert!(o.stdout.is_empty(), "nothing was generated");
+}
+
+#[test]
+fn negative_numbers_are_range_errors_naming_the_flag() {
+    let mm = m();
+    let run = |extra: &[&'static str]| {
+        let mut v = vec!["run", "--model", mm.as_str(), "--prompt-ids", "1"];
+        v.extend_from_slice(extra);
+        v.into_iter().map(String::from).collect::<Vec<_>>()
+    };
+    let cases: Vec<(Vec<String>, &str, &str, i32)> = vec![
+        (run(&["--temperature", "-1"]), "--temperature", ">= 0", 1),
+        (run(&["--top-p", "-0.5"]), "--top-p", "(0, 1]", 1),
+        (run(&["--seed", "-1"]), "--seed", ">= 0", 2),
+        (run(&["-n", "-3"]), "--max-new-tokens", ">= 0", 2),
+        (run(&["--ecap", "-1"]), "--ecap", ">= 0", 2),
+        (run(&["--qd", "-4"]), "--qd", "1..=256", 2),
+        (run(&["--io-threads", "-2"]), "--io-threads", "1..=256", 2),
+        (vec!["pack".into(), mm.clone(), "--layers".into(), "-1".into()], "--layers", ">= 0", 2),
+        (vec!["synth".into(), "--out".into(), "x".into(), "--seed".into(), "-7".into()], "--seed", ">= 0", 2),
+        (vec!["demo".into(), "--cache-percent".into(), "-5".into()], "--cache-percent", "(0, 100]", 1),
+        (
+            vec!["bench".into(), "cache".into(), "--model".into(), mm.clone(), "--cache-percent".into(), "-5".into()],
+            "--cache-percent",
+            "(0, 100]",
+            1,
+        ),
+    ];
+    for (args, flag, range, code) in cases {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let o = picchio(&args);
+        let err = stderr(&o);
+        assert!(!err.contains("unexpected argument"), "{args:?}: {err}");
+        assert_eq!(o.status.code(), Some(code), "{args:?}: {err}");
+        assert!(err.contains(flag) && err.contains(range), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn verify_of_a_foreign_file_says_it_is_not_an_image() {
+    for f in ["config.json", "model-00001.safetensors"] {
+        let p = model().join(f);
+        let o = picchio(&["verify", p.to_str().unwrap()]);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(err.contains("not a .picchioflat image") && !err.contains("truncated"), "{err}");
+    }
+    // A short file that starts like an image is truncated.
+    let tmp = scratch();
+    let p = tmp.path().join("short.picchioflat");
+    std::fs::write(&p, b"PCHIOFL1 and then nothing").unwrap();
+    let err = stderr(&picchio(&["verify", p.to_str().unwrap()]));
+    assert!(err.contains("truncated"), "{err}");
+}
+
+#[test]
+fn the_help_headline_says_what_picchio_is() {
+    let o = picchio(&["--help"]);
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(o.status.success());
+    let headline = out.lines().next().unwrap();
+    assert!(headline.starts_with("picchio runs Mixture-of-Experts models larger than RAM"), "{out}");
+    assert!(!out.contains("Picchio runtime: convert, pack, verify"), "the crate description: {out}");
+}

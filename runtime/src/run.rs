@@ -164,7 +164,15 @@ impl Session {
         let total = cfg.moe_layers().len() * cfg.num_experts;
         let ecap = match opts.ecap {
             Some(0) => return Err(Error::Invalid("--ecap must be at least 1".into())),
-            Some(n) => n.min(total.max(1)),
+            // As `bench cache` does: a capacity above the expert count is refused, not clamped silently.
+            Some(n) if n > total => {
+                return Err(Error::Invalid(format!(
+                    "--ecap {n}: the model has only {total} routed experts ({} MoE layers × {})",
+                    cfg.moe_layers().len(),
+                    cfg.num_experts
+                )))
+            }
+            Some(n) => n,
             None => default_ecap(total, layout.len(), cfg.num_experts_per_tok),
         };
         let mut cache = ExpertCache::new(ecap, layout.len())?;

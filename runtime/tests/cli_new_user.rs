@@ -97,3 +97,32 @@ fn the_help_headline_says_what_picchio_is() {
     assert!(headline.starts_with("picchio runs Mixture-of-Experts models larger than RAM"), "{out}");
     assert!(!out.contains("Picchio runtime: convert, pack, verify"), "the crate description: {out}");
 }
+
+#[test]
+fn an_expert_cache_larger_than_the_model_is_refused_as_bench_cache_refuses_it() {
+    let o = picchio(&["run", "--model", &m(), "--prompt-ids", "1", "-n", "1", "--ecap", "1000000"]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("--ecap 1000000: the model has only") && err.contains("routed experts"), "{err}");
+}
+
+#[test]
+fn an_absent_nvme_device_is_no_pci_device_for_every_command() {
+    let store = "nvme:0000:7f:1f.7";
+    let cases: Vec<Vec<&str>> = vec![
+        vec!["run", "--model", "M", "--prompt-ids", "1", "-n", "1", "--store", store],
+        vec!["verify", store],
+        vec!["pack", "M", "--out", store, "--no-progress"],
+        vec!["synth", "--arch", "qwen3-30b-a3b", "--out", store, "--layers", "1"],
+        vec!["bench", "qd-sweep", "--store", store, "--duration", "0.1", "--engines", "nvme"],
+    ];
+    let mm = m();
+    for args in cases {
+        let args: Vec<&str> = args.iter().map(|a| if *a == "M" { mm.as_str() } else { a }).collect();
+        let r = picchio(&args);
+        let err = stderr(&r);
+        assert!(!r.status.success(), "{args:?}");
+        assert!(err.contains("no PCI device 0000:7f:1f.7") && err.contains("picchio nvme list"), "{args:?}: {err}");
+        assert!(!err.contains("iommu_group"), "{args:?}: {err}");
+    }
+}

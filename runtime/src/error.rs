@@ -65,6 +65,15 @@ pub enum Error {
         /// The tensor, its expected and found byte counts, or "truncated: N of M bytes".
         detail: String,
     },
+    /// An output path (convert's OUT_DIR, pack's or synth's image file) whose parent directory does
+    /// not exist: outputs are written beside their final name, never into directories made up on the way.
+    #[error("{}: its parent directory {} does not exist (create it first)", path.display(), parent.display())]
+    NoParentDir {
+        /// The output path.
+        path: PathBuf,
+        /// Its missing parent directory.
+        parent: PathBuf,
+    },
     /// `model.safetensors.index.json` is malformed.
     #[error("{path}: invalid safetensors index: {message}")]
     ShardIndex {

@@ -126,3 +126,26 @@ fn an_absent_nvme_device_is_no_pci_device_for_every_command() {
         assert!(!err.contains("iommu_group"), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn convert_pack_and_synth_refuse_a_missing_parent_directory_alike() {
+    let tmp = scratch();
+    let missing = tmp.path().join("no/such");
+    let out = missing.join("m");
+    let img = missing.join("x.picchioflat");
+    let src = model().join("../../qwen3_moe").canonicalize().unwrap();
+    let mm = m();
+    let cases: Vec<Vec<&str>> = vec![
+        vec!["convert", src.to_str().unwrap(), out.to_str().unwrap(), "--no-progress"],
+        vec!["pack", &mm, "--out", img.to_str().unwrap(), "--no-progress"],
+        vec!["synth", "--arch", "qwen3-30b-a3b", "--layers", "1", "--out", img.to_str().unwrap()],
+    ];
+    for args in cases {
+        let o = picchio(&args);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        let want = format!("its parent directory {} does not exist", missing.display());
+        assert!(err.contains(&want) && !err.contains("statvfs"), "{args:?}: {err}");
+        assert!(!tmp.path().join("no").exists(), "{args:?} created the parent");
+    }
+}

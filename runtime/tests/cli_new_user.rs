@@ -149,3 +149,40 @@ fn convert_pack_and_synth_refuse_a_missing_parent_directory_alike() {
         assert!(!tmp.path().join("no").exists(), "{args:?} created the parent");
     }
 }
+
+#[test]
+fn the_demo_reuses_its_converted_model_and_rebuilds_when_the_stamp_differs() {
+    let tmp = scratch();
+    let wd = tmp.path().join("cache");
+    let w = wd.to_str().unwrap();
+    let first = picchio(&["demo", "--workdir", w, "--buffered"]);
+    assert!(first.status.success(), "{}", stderr(&first));
+    assert!(stderr(&first).contains("converting"), "{}", stderr(&first));
+    let image = wd.join("qwen3_moe_text-q4/experts.picchioflat");
+    let mtime = || std::fs::metadata(&image).unwrap().modified().unwrap();
+    let before = mtime();
+    let second = picchio(&["demo", "--workdir", w, "--buffered"]);
+    let err = stderr(&second);
+    assert!(second.status.success(), "{err}");
+    assert!(err.contains("reusing") && !err.contains("converting") && !err.contains("packing"), "{err}");
+    assert_eq!(mtime(), before, "the image was rewritten");
+    // A stamp that does not match (an older binary, another fixture, an interrupted build) rebuilds.
+    std::fs::write(wd.join("qwen3_moe_text-q4.stamp"), "picchio 0.0.0\n").unwrap();
+    let third = picchio(&["demo", "--workdir", w, "--buffered"]);
+    assert!(third.status.success() && stderr(&third).contains("converting"), "{}", stderr(&third));
+}
+
+#[test]
+fn the_demo_work_directory_defaults_to_the_user_cache_directory() {
+    let tmp = scratch();
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_picchio"))
+        .args(["demo", "--buffered", "-n", "1"])
+        .env_remove("PICCHIO_WORKDIR")
+        .env("XDG_CACHE_HOME", tmp.path())
+        .current_dir(tmp.path())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(tmp.path().join("picchio/qwen3_moe_text-q4/experts.picchioflat").is_file(), "{}", stderr(&o));
+    assert!(tmp.path().join("picchio/qwen3_moe_text-q4.stamp").is_file());
+}

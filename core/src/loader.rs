@@ -448,7 +448,12 @@ impl<Q: IoQueue> ExpertLoader for FlatStore<Q> {
             let loc = match self.entry(key) {
                 Ok(loc) => loc,
                 Err(e) => {
-                    self.stats.record_error();
+                    // No entry by design (a prefix store) is not a store error.
+                    if matches!(e, LoadError::Missing { .. }) {
+                        self.stats.record_missing();
+                    } else {
+                        self.stats.record_error();
+                    }
                     ready(Loaded { key, buf, result: Err(e) });
                     continue;
                 }
@@ -545,18 +550,70 @@ impl<Q: IoQueue> ExpertLoader for FlatStore<Q> {
     }
 }
 
-/// Serves every expert from `primary`, and each one `primary` fails on from `fallback` (logged and
-/// counted in `stats`): a corrupt or partial store costs speed, never correctness.
+/// Serves every expert from `primary`, and each one `primary` fails on from `fallback` (counted in
+/// `stats`): a corrupt or partial store costs speed, never correctness.
+///
+/// Logging: each (layer, expert) that falls back is logged once (a warning with its cause), not once
+/// per request; experts a prefix store has no entry for are logged once per store (info). When the
+/// loader is dropped, one summary line gives the fallbacks per cause and how many distinct experts.
 pub struct FallbackLoader<P, F> {
     primary: P,
     fallback: F,
     stats: Arc<IoStats>,
+    /// The experts already logged.
+    logged: std::collections::HashSet<ExpertKey>,
+    /// Fallbacks per cause (see [`cause`]), for the summary.
+    causes: std::collections::BTreeMap<&'static str, u64>,
 }
 
 impl<P: ExpertLoader, F: ExpertLoader> FallbackLoader<P, F> {
     /// Wraps `primary` with `fallback`; fallbacks are counted in `stats`.
     pub fn new(primary: P, fallback: F, stats: Arc<IoStats>) -> Self {
-        FallbackLoader { primary, fallback, stats }
+        FallbackLoader { primary, fallback, stats, logged: Default::default(), causes: Default::default() }
+    }
+
+    /// Distinct experts that fell back so far, and the fallbacks per cause.
+    pub fn fallback_summary(&self) -> (usize, &std::collections::BTreeMap<&'static str, u64>) {
+        (self.logged.len(), &self.causes)
+    }
+}
+
+/// The cause of an expert a prefix store has no entry for.
+fn cause_missing() -> &'static str {
+    "not in the store (prefix image)"
+}
+
+/// A short name of `e`'s kind, for counting fallbacks by cause.
+fn cause(e: &LoadError) -> &'static str {
+    match e {
+        LoadError::Missing { .. } => cause_missing(),
+        LoadError::Rejected { .. } => "entry rejected at open",
+        LoadError::Io { .. } => "read error",
+        LoadError::Short { .. } => "short read",
+        LoadError::Hash { .. } => "hash mismatch",
+        LoadError::SlotTooSmall { .. } => "slot too small",
+        LoadError::Other(_) => "other",
+    }
+}
+
+impl<P, F> Drop for FallbackLoader<P, F> {
+    fn drop(&mut self) {
+        if self.causes.is_empty() {
+            return;
+        }
+        let by_cause: Vec<String> = self.causes.iter().map(|(c, n)| format!("{n} {c}")).collect();
+        let total: u64 = self.causes.values().sum();
+        let msg = format!(
+            "{total} expert loads ({} distinct experts) were served by the fallback: {}",
+            self.logged.len(),
+            by_cause.join(", ")
+        );
+        // Only a prefix store's by-design misses: not a warning.
+        if self.causes.keys().all(|c| *c == cause_missing()) {
+            tracing::info!("{msg}");
+        } else {
+            tracing::warn!("{msg}");
+        }
     }
 }
 
@@ -567,14 +624,21 @@ impl<P: ExpertLoader, F: ExpertLoader> ExpertLoader for FallbackLoader<P, F> {
 
     fn load(&mut self, layer: u32, requests: Vec<(u32, AlignedBuf)>, ready: &mut dyn FnMut(Loaded)) {
         let mut retry = Vec::new();
+        let (logged, causes) = (&mut self.logged, &mut self.causes);
         self.primary.load(layer, requests, &mut |l: Loaded| match l.result {
             Ok(()) => ready(l),
             Err(e) => {
-                // A prefix store misses whole layers by design: that is not worth a warning per expert.
-                if matches!(e, LoadError::Missing { .. }) {
-                    tracing::debug!("{e}; serving {} from the fallback", l.key);
-                } else {
-                    tracing::warn!("{e}; serving {} from the fallback", l.key);
+                let missing = matches!(e, LoadError::Missing { .. });
+                let first_of_cause = !causes.contains_key(cause(&e));
+                *causes.entry(cause(&e)).or_default() += 1;
+                // Once per expert, not per request; a prefix store misses whole layers by design:
+                // one line for the store.
+                if logged.insert(l.key) {
+                    if !missing {
+                        tracing::warn!("{e}; serving {} from the fallback (logged once per expert)", l.key);
+                    } else if first_of_cause {
+                        tracing::info!("{e}: a prefix store; experts it has no entry for come from the fallback");
+                    }
                 }
                 retry.push((l.key.expert, l.buf));
             }

@@ -93,6 +93,9 @@ pub struct RunStats {
     pub fallbacks: u64,
     /// Store failures (each then served by the fallback).
     pub store_errors: u64,
+    /// Experts the store has no entry for by design (layers past a `pack --layers N` prefix image),
+    /// served by the fallback; not store errors.
+    pub store_missing: u64,
     /// The store (`safetensors`, `file:PATH`).
     pub store: String,
     /// The engine (`psync(direct, 2 threads)`, `uring(direct, qd 32)`, ...).
@@ -283,6 +286,7 @@ impl Session {
             bounce_bytes: io.bounce_bytes - io0.bounce_bytes,
             fallbacks: io.fallbacks - io0.fallbacks,
             store_errors: io.errors - io0.errors,
+            store_missing: io.missing - io0.missing,
             store: self.info.store.clone(),
             engine: self.info.engine.clone(),
             async_moe: self.cache.async_moe(),

@@ -186,3 +186,47 @@ fn the_demo_work_directory_defaults_to_the_user_cache_directory() {
     assert!(tmp.path().join("picchio/qwen3_moe_text-q4/experts.picchioflat").is_file(), "{}", stderr(&o));
     assert!(tmp.path().join("picchio/qwen3_moe_text-q4.stamp").is_file());
 }
+
+fn json_stats(o: &Output) -> serde_json::Value {
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", stderr(o)));
+    v["stats"].clone()
+}
+
+#[test]
+fn a_prefix_store_counts_missing_experts_apart_from_errors_and_logs_them_once() {
+    let tmp = scratch();
+    let img = tmp.path().join("prefix.picchioflat");
+    let i = img.to_str().unwrap();
+    assert!(picchio(&["pack", &m(), "--out", i, "--layers", "1", "--no-progress"]).status.success());
+    let store = format!("file:{i}");
+    let o = picchio(&["-v", "run", "--model", &m(), "--prompt-ids", "1,2,3", "-n", "6", "--store", &store, "--json"]);
+    let (err, st) = (stderr(&o), json_stats(&o));
+    assert!(o.status.success(), "{err}");
+    assert_eq!(st["store_errors"], 0, "{st}");
+    assert!(st["store_missing"].as_u64().unwrap() > 0 && st["fallbacks"].as_u64().unwrap() > 0, "{st}");
+    assert_eq!(err.matches("a prefix store; experts it has no entry for").count(), 1, "{err}");
+    assert!(err.contains("not in the store (prefix image)"), "the summary: {err}");
+}
+
+#[test]
+fn a_corrupt_expert_is_logged_once_however_often_it_is_requested() {
+    let tmp = scratch();
+    let img = tmp.path().join("bad.picchioflat");
+    let mut b = std::fs::read(model().join("experts.picchioflat")).unwrap();
+    let sb = picchio_core::Superblock::decode(&b, "img", b.len() as u64).unwrap();
+    for off in (sb.data_offset as usize..b.len()).step_by(4096) {
+        b[off + 7] ^= 0x5a;
+    }
+    std::fs::write(&img, &b).unwrap();
+    let store = format!("file:{}", img.display());
+    let args = ["run", "--model", &m(), "--prompt-ids", "1,2,3", "-n", "12", "--store", &store, "--verify"];
+    let o = picchio(&[&args[..], &["--ecap", "1", "--json"]].concat());
+    let (err, st) = (stderr(&o), json_stats(&o));
+    assert!(o.status.success(), "{err}");
+    let warned: Vec<&str> = err.lines().filter(|l| l.contains("logged once per expert")).collect();
+    let distinct: std::collections::HashSet<&str> =
+        warned.iter().map(|l| l.split("; serving ").nth(1).unwrap_or(l)).collect();
+    assert_eq!(warned.len(), distinct.len(), "an expert was logged twice: {err}");
+    assert!(st["fallbacks"].as_u64().unwrap() > warned.len() as u64, "each expert was requested once only: {st}");
+    assert!(err.contains("distinct experts) were served by the fallback") && err.contains("hash mismatch"), "{err}");
+}

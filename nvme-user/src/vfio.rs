@@ -737,7 +737,7 @@ mod tests {
 
     #[test]
     fn open_controller_of_an_absent_device_says_there_is_no_such_device() {
-        let e = open_controller("9999:99:99.9", CtrlrOptions::default()).err().expect("no such device");
+        let Err(e) = open_controller("9999:99:99.9", CtrlrOptions::default()) else { panic!("no such device") };
         assert!(matches!(e, crate::Error::NoPciDevice { .. }), "{e}");
         assert!(e.to_string().starts_with("no PCI device 9999:99:99.9"), "{e}");
     }

@@ -40,7 +40,9 @@ pub enum Error {
         len: u64,
     },
     /// The superblock does not start with `PCHIOFL1`.
-    #[error("{source_name}: bad magic at offset 0x0: expected \"PCHIOFL1\", found {found:?}")]
+    #[error(
+        "{source_name}: not a .picchioflat image (bad magic at offset 0x0: expected \"PCHIOFL1\", found {found:?})"
+    )]
     BadMagic {
         /// The store.
         source_name: String,

@@ -56,6 +56,24 @@ pub enum Error {
         #[source]
         cause: safetensors::SafeTensorError,
     },
+    /// A safetensors file whose header names a tensor its data does not match: the tensor's
+    /// `data_offsets` span other than its dtype and shape need, or the file ends before its data does.
+    #[error("{path}: not a valid safetensors file: {detail}")]
+    SafetensorsTensor {
+        /// The file.
+        path: PathBuf,
+        /// The tensor, its expected and found byte counts, or "truncated: N of M bytes".
+        detail: String,
+    },
+    /// An output path (convert's OUT_DIR, pack's or synth's image file) whose parent directory does
+    /// not exist: outputs are written beside their final name, never into directories made up on the way.
+    #[error("{}: its parent directory {} does not exist (create it first)", path.display(), parent.display())]
+    NoParentDir {
+        /// The output path.
+        path: PathBuf,
+        /// Its missing parent directory.
+        parent: PathBuf,
+    },
     /// `model.safetensors.index.json` is malformed.
     #[error("{path}: invalid safetensors index: {message}")]
     ShardIndex {
@@ -242,6 +260,8 @@ pub enum Error {
 /// The message of [`Error::ContextOverflow`]: against the model's `max_position_embeddings` when
 /// `config` names it, else against the context the model was loaded with.
 fn context_overflow(needed: usize, context: usize, config: Option<&std::path::Path>) -> String {
+    // `needed` is a `saturating_add` sum: `usize::MAX` is where it stopped, not what it was.
+    let needed = if needed == usize::MAX { format!("more than {}", usize::MAX - 1) } else { needed.to_string() };
     match config {
         Some(c) => format!(
             "prompt + generated tokens = {needed} exceed the model's context of {context} positions \

@@ -16,8 +16,6 @@ use serde::Serialize;
 
 use super::run::EngineArgs;
 
-const WORKDIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/picchio-demo");
-
 /// Where the report and its charts go.
 #[derive(clap::Args, Debug, Clone, Serialize)]
 pub struct Output {
@@ -82,9 +80,10 @@ pub struct CacheArgs {
     /// this many GB, written once under --workdir and reused (the one `picchio demo --synthetic-gb` uses).
     #[arg(long, value_name = "GB")]
     pub synthetic_gb: Option<f64>,
-    /// Where --synthetic-gb models are written.
-    #[arg(long, value_name = "DIR", default_value = WORKDIR)]
-    pub workdir: PathBuf,
+    /// Where --synthetic-gb models are written [default: $PICCHIO_WORKDIR, else the user's cache
+    /// directory: $XDG_CACHE_HOME/picchio or ~/.cache/picchio].
+    #[arg(long, value_name = "DIR")]
+    pub workdir: Option<PathBuf>,
     /// Where routed experts come from: `auto` (DIR/experts.picchioflat when present, else
     /// safetensors), `safetensors`, `file:PATH`, `raw:/dev/X[@BYTES]` or `nvme:BDF[/NSID]`.
     #[arg(long, value_name = "URI", default_value = "auto")]
@@ -236,7 +235,7 @@ pub fn cache(a: CacheArgs) -> anyhow::Result<()> {
     let (model, store) = match (&a.model, a.synthetic_gb) {
         (Some(m), _) => (m.clone(), a.store.clone()),
         (None, Some(gb)) => {
-            let (_, m, image) = super::demo::synthetic_model(&a.workdir, gb, false)?;
+            let (_, m, image) = super::demo::synthetic_model(&super::demo::workdir(a.workdir.as_deref())?, gb, false)?;
             let store = if a.store == StoreUri::Auto { StoreUri::File(image) } else { a.store.clone() };
             (m, store)
         }

@@ -297,14 +297,7 @@ pub fn verify_queue<Q: IoQueue + ?Sized>(
     let t0 = Instant::now();
     let bs = BLOCK_SIZE.max(queue.block_size());
     if image_len < u64::from(bs) {
-        return Err(picchio_core::Error::Truncated {
-            source_name: source_name.into(),
-            what: "superblock",
-            offset: 0,
-            end: u64::from(bs),
-            len: image_len,
-        }
-        .into());
+        return Err(picchio_core::loader::short_target(queue, source_name.into(), 0, image_len, bs).into());
     }
     // Read errors name the store, the structure and its offset (a short read says how many bytes came).
     let rd = |queue: &mut Q, what: &'static str, offset: u64, len: u64| -> Result<_> {

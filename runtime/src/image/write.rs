@@ -455,6 +455,20 @@ pub fn check_replaceable(out: &Path, command: &str) -> Result<()> {
     Ok(())
 }
 
+/// Refuses an output path `out` whose parent directory is missing (the same rule for convert's OUT_DIR
+/// and pack's and synth's image files: the parent is never created).
+///
+/// # Errors
+/// [`Error::NoParentDir`] naming `out` and its parent.
+pub fn require_parent_dir(out: &Path) -> Result<()> {
+    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if parent.is_dir() {
+        Ok(())
+    } else {
+        Err(Error::NoParentDir { path: out.into(), parent: parent.into() })
+    }
+}
+
 /// Refuses to start writing an image of `needed` bytes at the file `out` when the file system that
 /// will hold it (the one of `out`'s directory, where the temporary file goes) has fewer bytes
 /// available to us (`statvfs`: `f_bavail × f_frsize`, what an unprivileged writer may use). The old
@@ -465,6 +479,7 @@ pub fn check_replaceable(out: &Path, command: &str) -> Result<()> {
 /// [`Error::Invalid`] naming `out`, the bytes needed and the bytes available; [`Error::Io`] when the
 /// file system cannot be queried.
 pub fn check_free_space(out: &Path, needed: u64) -> Result<()> {
+    require_parent_dir(out)?;
     let dir = match out.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),

@@ -199,8 +199,7 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions) -> Result<ConvertR
     let plan = plan::plan(&cfg, &store)?;
     let shards = shard::assign(&plan.units, &store, &layout, opts.max_shard_bytes.max(1))?;
 
-    let parent = dst.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent).map_err(Error::io(parent, "create destination parent"))?;
+    crate::image::write::require_parent_dir(dst)?;
     let tmp = TempDir::create(dst)?;
     let n_tensors: usize = shards.iter().map(|s| s.tensors.len()).sum();
     let bar = progress::bar(n_tensors as u64, "convert", !opts.progress);

@@ -207,7 +207,9 @@ pub enum Error {
     /// A quantization check failed (shape or name); the [`crate::quant::QuantError`] names it.
     #[error(transparent)]
     Quant(#[from] crate::quant::QuantError),
-    /// The NVMe driver failed on `target` (the driver's error is the `source()`).
+    /// The NVMe driver failed on `target` (the driver's error is the `source()`). Linux only, as the
+    /// driver is.
+    #[cfg(target_os = "linux")]
     #[error("{target}")]
     Nvme {
         /// The store or controller (`nvme:0000:01:00.0/1`, `nvme-sim:/tmp/ns.img`).
@@ -280,6 +282,7 @@ impl Error {
     }
 
     /// Wraps an NVMe driver error with the store or controller it happened on.
+    #[cfg(target_os = "linux")]
     pub fn nvme(target: impl Into<String>) -> impl FnOnce(picchio_nvme::Error) -> Error {
         let target = target.into();
         move |cause| Error::Nvme { target, cause }
@@ -322,17 +325,19 @@ mod tests {
         let json = || serde_json::from_str::<u32>("{").unwrap_err();
         let key = picchio_core::ExpertKey { layer: 2, expert: 6 };
         let load = || picchio_core::LoadError::Io { source_name: "img".into(), key, offset: 0x3000, cause: busy() };
-        let errors = [
+        #[allow(unused_mut)] // the NVMe driver's error exists on Linux only
+        let mut errors: Vec<Error> = vec![
             Error::io("/m/config.json", "read")(busy()),
             Error::Config { path: "/m/config.json".into(), cause: json() },
             Error::ExpertLoad { key, cause: load() },
-            Error::nvme("nvme:0000:01:00.0/1")(picchio_nvme::Error::Vfio {
-                op: "open",
-                what: "/dev/vfio/7".into(),
-                source: busy(),
-            }),
             Error::admin("nvme:0000:01:00.0/1")(AdminError::Io { path: "/sys/x".into(), what: "write", cause: busy() }),
         ];
+        #[cfg(target_os = "linux")]
+        errors.push(Error::nvme("nvme:0000:01:00.0/1")(picchio_nvme::Error::Vfio {
+            op: "open",
+            what: "/dev/vfio/7".into(),
+            source: busy(),
+        }));
         for e in &errors {
             let src = e.source().expect("the cause is the source").to_string();
             assert!(!e.to_string().contains(&src), "{e} repeats its source {src}");

@@ -8,44 +8,11 @@
 //! `device/` attributes, as documented in the kernel's `Documentation/ABI/stable/sysfs-block`),
 //! `/proc/self/mountinfo` (`proc(5)`), `/sys/bus/pci/devices/BDF`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use picchio_blockdev::host::{self, DevNum, Sysfs};
+use picchio_core::StoreUri;
 use serde::{Deserialize, Serialize};
-
-/// What a run measures, for [`Environment::capture`] to describe.
-#[derive(Clone, Debug)]
-pub enum TargetSpec {
-    /// A `.picchioflat` image in a file (`file:PATH`).
-    File {
-        /// The store URI as given.
-        uri: String,
-        /// The file.
-        path: PathBuf,
-    },
-    /// An image on a block device (`raw:/dev/X[@BYTES]`).
-    BlockDevice {
-        /// The store URI as given.
-        uri: String,
-        /// The device node.
-        path: PathBuf,
-    },
-    /// Our NVMe controller model (`picchio_nvme::sim`) serving namespace 1 from a backing file: a
-    /// software controller, so its figures are the driver's and the model's costs, not a drive's.
-    NvmeSim {
-        /// The store URI as given.
-        uri: String,
-        /// The namespace's backing file.
-        backing: PathBuf,
-    },
-    /// A real NVMe controller through our VFIO driver (`nvme:BDF[/NSID]`).
-    Nvme {
-        /// The store URI as given.
-        uri: String,
-        /// PCI address `DDDD:BB:DD.F`.
-        bdf: String,
-    },
-}
 
 /// Where a report was made.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -203,8 +170,9 @@ pub struct PciFunction {
 }
 
 impl Environment {
-    /// Reads the environment now (load average = `load_avg_start`), describing `target` if given.
-    pub fn capture(target: Option<&TargetSpec>) -> Environment {
+    /// Reads the environment now (load average = `load_avg_start`), describing the store `target`
+    /// if given (`auto` and `safetensors` name no file or device and are not described).
+    pub fn capture(target: Option<&StoreUri>) -> Environment {
         Environment {
             os: std::env::consts::OS.into(),
             arch: std::env::consts::ARCH.into(),
@@ -213,7 +181,7 @@ impl Environment {
             memory: memory(),
             load_avg_start: load_average(),
             load_avg_end: None,
-            target: target.map(describe_target),
+            target: target.and_then(describe_target),
         }
     }
 }
@@ -225,29 +193,9 @@ pub fn load_average() -> Option<[f64; 3]> {
     Some([it.next()??, it.next()??, it.next()??])
 }
 
-#[cfg(unix)]
 fn uname() -> Option<Kernel> {
-    // SAFETY: `utsname` is plain old data (arrays of c_char), so all-zero is a valid value.
-    let mut u: libc::utsname = unsafe { std::mem::zeroed() };
-    // SAFETY: `u` is a valid, writable `utsname`; uname fills it with NUL-terminated strings.
-    if unsafe { libc::uname(&mut u) } != 0 {
-        return None;
-    }
-    let field = |f: &[libc::c_char]| {
-        let bytes: Vec<u8> = f.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
-        String::from_utf8_lossy(&bytes).into_owned()
-    };
-    Some(Kernel {
-        sysname: field(&u.sysname),
-        release: field(&u.release),
-        version: field(&u.version),
-        machine: field(&u.machine),
-    })
-}
-
-#[cfg(not(unix))]
-fn uname() -> Option<Kernel> {
-    None
+    let u = host::uname()?;
+    Some(Kernel { sysname: u.sysname, release: u.release, version: u.version, machine: u.machine })
 }
 
 fn cpu() -> Cpu {
@@ -267,23 +215,11 @@ fn cpu() -> Cpu {
         .collect();
     Cpu {
         model: first("model name"),
-        logical_cpus: online_cpus().unwrap_or(available),
+        logical_cpus: host::online_cpus().unwrap_or(available),
         available_to_process: available,
         mhz: first("cpu MHz").and_then(|v| v.parse().ok()),
         flags_of_note,
     }
-}
-
-#[cfg(unix)]
-fn online_cpus() -> Option<usize> {
-    // SAFETY: sysconf has no preconditions.
-    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
-    usize::try_from(n).ok().filter(|&n| n > 0)
-}
-
-#[cfg(not(unix))]
-fn online_cpus() -> Option<usize> {
-    None
 }
 
 /// Memory as `/proc/meminfo` reports it now (`None` off Linux or when unreadable).
@@ -300,14 +236,16 @@ pub fn memory() -> Option<Memory> {
     })
 }
 
-fn describe_target(spec: &TargetSpec) -> Target {
-    match spec {
-        TargetSpec::File { uri, path } => {
+fn describe_target(store: &StoreUri) -> Option<Target> {
+    let uri = &store.to_string();
+    Some(match store {
+        StoreUri::Auto | StoreUri::Safetensors => return None,
+        StoreUri::File(path) => {
             let mut t = file_target(uri, path);
             t.kind = "file".into();
             t
         }
-        TargetSpec::BlockDevice { uri, path } => {
+        StoreUri::Raw { device: path, .. } => {
             let dev = host::block_device_number(path);
             let device = dev.and_then(block_device);
             let note = device.as_ref().filter(|d| d.loop_direct_io == Some(false)).map(|d| {
@@ -330,7 +268,7 @@ fn describe_target(spec: &TargetSpec) -> Target {
                 note,
             }
         }
-        TargetSpec::NvmeSim { uri, backing } => {
+        StoreUri::NvmeSim(backing) => {
             let mut t = file_target(uri, backing);
             t.kind = "nvme controller model".into();
             t.note = Some(
@@ -340,7 +278,7 @@ fn describe_target(spec: &TargetSpec) -> Target {
             );
             t
         }
-        TargetSpec::Nvme { uri, bdf } => Target {
+        StoreUri::Nvme { bdf, .. } => Target {
             uri: uri.clone(),
             kind: "nvme controller (vfio)".into(),
             path: None,
@@ -350,7 +288,7 @@ fn describe_target(spec: &TargetSpec) -> Target {
             pci: Some(pci_function(bdf)),
             note: None,
         },
-    }
+    })
 }
 
 fn file_target(uri: &str, path: &Path) -> Target {
@@ -522,7 +460,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("img");
         std::fs::write(&path, vec![0u8; 12_288]).unwrap();
-        let spec = TargetSpec::File { uri: format!("file:{}", path.display()), path: path.clone() };
+        let spec = StoreUri::File(path.clone());
         let t = Environment::capture(Some(&spec)).target.unwrap();
         assert_eq!((t.kind.as_str(), t.size_bytes), ("file", Some(12_288)));
         if cfg!(target_os = "linux") {

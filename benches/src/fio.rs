@@ -79,10 +79,10 @@ pub struct FioResult {
 /// The fio arguments for `job`, or `None` when fio has no engine for ours (the NVMe driver).
 pub fn args(job: &FioJob<'_>) -> Option<Vec<String>> {
     let (ioengine, direct, numjobs, iodepth) = match job.engine {
-        Engine::PsyncBuffered => ("psync", 0, job.threads * job.qd, 1),
-        Engine::PsyncDirect => ("psync", 1, job.threads * job.qd, 1),
-        Engine::Uring => ("io_uring", 1, job.threads, job.qd),
-        Engine::NvmeSim | Engine::Nvme => return None,
+        Engine::PSYNC_BUFFERED => ("psync", 0, job.threads * job.qd, 1),
+        Engine::PSYNC_DIRECT => ("psync", 1, job.threads * job.qd, 1),
+        Engine::URING => ("io_uring", 1, job.threads, job.qd),
+        _ => return None, // nvme-sim, nvme: our driver
     };
     let mut a = vec![
         "--name=picchio-bench".to_string(),
@@ -102,7 +102,7 @@ pub fn args(job: &FioJob<'_>) -> Option<Vec<String>> {
         "--randrepeat=0".into(),
         "--output-format=json".into(),
     ];
-    if job.engine == Engine::Uring {
+    if job.engine == Engine::URING {
         a.push("--registerfiles=1".into());
     }
     match job.stop {
@@ -219,7 +219,7 @@ mod tests {
         let p = Path::new("/x/img");
         let job = FioJob {
             filename: p,
-            engine: Engine::Uring,
+            engine: Engine::URING,
             threads: 2,
             qd: 16,
             bs: 4096,
@@ -240,13 +240,13 @@ mod tests {
         ] {
             assert!(a.contains(want), "{want}: {a}");
         }
-        let a = args(&FioJob { engine: Engine::PsyncBuffered, stop: Stop::Bytes(1 << 20), ..job.clone() })
+        let a = args(&FioJob { engine: Engine::PSYNC_BUFFERED, stop: Stop::Bytes(1 << 20), ..job.clone() })
             .unwrap()
             .join(" ");
         for want in ["--ioengine=psync", "--direct=0", "--numjobs=32", "--iodepth=1", "--io_size=32768"] {
             assert!(a.contains(want), "{want}: {a}");
         }
-        assert!(args(&FioJob { engine: Engine::NvmeSim, ..job }).is_none());
+        assert!(args(&FioJob { engine: Engine::NVME_SIM, ..job }).is_none());
     }
 
     #[test]

@@ -25,7 +25,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::measure::{self, Engine, PointResult, PointSpec, Skipped, Stop, StoreLayout, UnitSource};
-use super::target::BenchStore;
+use picchio_core::StoreUri;
 use picchio_runtime::error::{Error, Result};
 
 /// Options of [`run`] (recorded in the report's `flags`).
@@ -206,7 +206,7 @@ pub struct SplitUse {
 /// # Errors
 /// Opening the store or an engine, a failed read, a store whose data region holds no expert of the
 /// split.
-pub fn run(store: &BenchStore, opts: &LayoutOptions, progress: &mut dyn FnMut(&LayoutPoint)) -> Result<LayoutResults> {
+pub fn run(store: &StoreUri, opts: &LayoutOptions, progress: &mut dyn FnMut(&LayoutPoint)) -> Result<LayoutResults> {
     if opts.qds.is_empty()
         || opts.threads.is_empty()
         || opts.pieces.is_empty()

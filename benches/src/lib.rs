@@ -22,7 +22,6 @@ pub mod output;
 pub mod overhead;
 pub mod plot;
 pub mod qd_sweep;
-pub mod target;
 pub mod tiers;
 pub mod trace;
 
@@ -109,7 +108,7 @@ impl Run {
     ///
     /// # Errors
     /// [`Error::Invalid`] if `flags` does not serialize (a bug in the options type).
-    pub fn start(experiment: &str, flags: &impl Serialize, target: Option<&env::TargetSpec>) -> Result<Self> {
+    pub fn start(experiment: &str, flags: &impl Serialize, target: Option<&picchio_core::StoreUri>) -> Result<Self> {
         let flags =
             serde_json::to_value(flags).map_err(|e| Error::Invalid(format!("bench {experiment}: flags: {e}")))?;
         Ok(Run {

@@ -13,7 +13,6 @@
 //! psync workers and io_uring's io-wq workers included).
 
 use std::collections::VecDeque;
-use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -21,63 +20,107 @@ use hdrhistogram::Histogram;
 use picchio_core::{AlignedBuf, ByteOffset, Completion, IoQueue, ReadReq, Tag};
 use serde::{Deserialize, Serialize};
 
-use super::target::BenchStore;
+use picchio_core::StoreUri;
 use picchio_runtime::error::{Error, Result};
+use picchio_runtime::expert::store::{IoEngine, IoOptions};
 
-/// An I/O engine a bench point uses.
+/// An I/O engine a bench point uses: a name in reports and on the command line, and the
+/// [`IoOptions`] of the runtime's engine factory ([`picchio_runtime::expert::open::open_engine`])
+/// it stands for. The kernel engines read a file or block device; the driver engines read the
+/// store's NVMe controller (the model for `nvme-sim:`, VFIO for `nvme:`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Engine {
-    /// `PsyncQueue` through the page cache (cache dropped before each point unless `--warm`).
-    PsyncBuffered,
-    /// `PsyncQueue` with `O_DIRECT`.
-    PsyncDirect,
-    /// `UringQueue` with `O_DIRECT` and a registered file (the runtime's default engine).
-    Uring,
-    /// Our NVMe driver (`NvmeQueue`) against picchio-nvme's software controller model serving the
-    /// image file as namespace 1: the driver's and the model's cost, not a drive's.
-    NvmeSim,
-    /// Our NVMe driver over VFIO on a real controller (`nvme:` stores).
-    Nvme,
+#[serde(into = "&'static str", try_from = "String")]
+pub struct Engine {
+    name: &'static str,
+    /// The kernel engine and whether it bypasses the page cache; `None` for our NVMe driver.
+    kernel: Option<(IoEngine, bool)>,
 }
 
 impl Engine {
+    /// `PsyncQueue` through the page cache (cache dropped before each point unless `--warm`).
+    pub const PSYNC_BUFFERED: Engine = Engine { name: "psync-buffered", kernel: Some((IoEngine::Psync, false)) };
+    /// `PsyncQueue` with `O_DIRECT`.
+    pub const PSYNC_DIRECT: Engine = Engine { name: "psync-direct", kernel: Some((IoEngine::Psync, true)) };
+    /// `UringQueue` with `O_DIRECT` and a registered file (the runtime's default engine).
+    pub const URING: Engine = Engine { name: "uring", kernel: Some((IoEngine::Uring, true)) };
+    /// Our NVMe driver (`NvmeQueue`) against picchio-nvme's software controller model serving the
+    /// image file as namespace 1: the driver's and the model's cost, not a drive's.
+    pub const NVME_SIM: Engine = Engine { name: "nvme-sim", kernel: None };
+    /// Our NVMe driver over VFIO on a real controller (`nvme:` stores).
+    pub const NVME: Engine = Engine { name: "nvme", kernel: None };
+
     /// Every engine, in report order.
     pub const ALL: [Engine; 5] =
-        [Engine::PsyncBuffered, Engine::PsyncDirect, Engine::Uring, Engine::NvmeSim, Engine::Nvme];
+        [Engine::PSYNC_BUFFERED, Engine::PSYNC_DIRECT, Engine::URING, Engine::NVME_SIM, Engine::NVME];
 
     /// The name used on the command line and in reports.
     pub fn name(self) -> &'static str {
-        match self {
-            Engine::PsyncBuffered => "psync-buffered",
-            Engine::PsyncDirect => "psync-direct",
-            Engine::Uring => "uring",
-            Engine::NvmeSim => "nvme-sim",
-            Engine::Nvme => "nvme",
-        }
+        self.name
     }
 
     /// Whether reads go through the page cache.
     pub fn buffered(self) -> bool {
-        self == Engine::PsyncBuffered
+        self == Engine::PSYNC_BUFFERED
+    }
+
+    /// The runtime's I/O options this engine stands for at `qd` reads in flight (psync: `qd` worker
+    /// threads; io_uring without the psync fallback, so a figure labelled `uring` is io_uring's).
+    pub fn io_options(self, qd: u32) -> IoOptions {
+        let (engine, direct) = self.kernel.unwrap_or((IoEngine::Psync, true));
+        IoOptions { engine, direct, threads: qd as usize, qd, uring_fallback: false, ..IoOptions::default() }
+    }
+
+    /// Checks that this engine reads `store`: a kernel engine a file or block device, `nvme-sim`
+    /// an `nvme-sim:` store, `nvme` an `nvme:` one.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the engine, the store and what it reads.
+    pub fn check_reads(self, store: &StoreUri) -> Result<()> {
+        let ok = match (self.kernel, store) {
+            (Some(_), StoreUri::File(_) | StoreUri::Raw { .. }) => true,
+            (None, StoreUri::NvmeSim(_)) => self == Engine::NVME_SIM,
+            (None, StoreUri::Nvme { .. }) => self == Engine::NVME,
+            _ => false,
+        };
+        match (ok, self.kernel) {
+            (true, _) => Ok(()),
+            (false, Some(_)) => Err(Error::Invalid(format!("engine {self} reads a file or block device, not {store}"))),
+            (false, None) if self == Engine::NVME_SIM => {
+                Err(Error::Invalid(format!("engine nvme-sim needs an nvme-sim:PATH store, not {store}")))
+            }
+            (false, None) => Err(Error::Invalid(format!("engine nvme needs an nvme:BDF store, not {store}"))),
+        }
     }
 
     /// The engines that can read `store` by default: the kernel engines for a file or device, the
     /// driver against the controller model for `nvme-sim:`, the VFIO driver for `nvme:`. io_uring is
     /// left out (with the reason in `skipped`) where the kernel refuses it.
-    pub fn defaults_for(store: &BenchStore, skipped: &mut Vec<Skipped>) -> Vec<Engine> {
+    pub fn defaults_for(store: &StoreUri, skipped: &mut Vec<Skipped>) -> Vec<Engine> {
         match store {
-            BenchStore::File(_) | BenchStore::Raw { .. } => {
-                let mut v = vec![Engine::PsyncBuffered, Engine::PsyncDirect];
+            StoreUri::NvmeSim(_) => vec![Engine::NVME_SIM],
+            StoreUri::Nvme { .. } => vec![Engine::NVME],
+            _ => {
+                let mut v = vec![Engine::PSYNC_BUFFERED, Engine::PSYNC_DIRECT];
                 match uring_unavailable() {
-                    None => v.push(Engine::Uring),
+                    None => v.push(Engine::URING),
                     Some(reason) => skipped.push(Skipped { what: "uring".into(), reason }),
                 }
                 v
             }
-            BenchStore::NvmeSim(_) => vec![Engine::NvmeSim],
-            BenchStore::Nvme { .. } => vec![Engine::Nvme],
         }
+    }
+}
+
+impl From<Engine> for &'static str {
+    fn from(e: Engine) -> &'static str {
+        e.name
+    }
+}
+
+impl TryFrom<String> for Engine {
+    type Error = String;
+    fn try_from(s: String) -> std::result::Result<Self, String> {
+        s.parse()
     }
 }
 
@@ -170,165 +213,19 @@ pub struct Opened {
     pub image_len: u64,
 }
 
-/// Where an engine reads the image: the path or controller, and the byte offset of the image there.
-fn location(store: &BenchStore) -> (Option<PathBuf>, u64) {
-    match store {
-        BenchStore::File(p) | BenchStore::NvmeSim(p) => (Some(p.clone()), 0),
-        BenchStore::Raw { device, offset } => (Some(device.clone()), *offset),
-        BenchStore::Nvme { .. } => (None, 0),
-    }
-}
-
-/// Opens `engine` on `store` with `qd` reads in flight (psync: `qd` worker threads).
+/// Opens `engine` on `store` with `qd` reads in flight (psync: `qd` worker threads), through the
+/// runtime's engine factory ([`picchio_runtime::expert::open::open_engine`]; a `raw:` store is
+/// checked as `picchio run` and `picchio verify` check it: a block device, a whole-LBA offset
+/// inside it).
 ///
 /// # Errors
 /// [`Error::Invalid`] when the engine cannot read this kind of store; the engine's open errors.
-pub fn open(store: &BenchStore, engine: Engine, qd: u32) -> Result<Opened> {
-    let (path, base) = location(store);
+pub fn open(store: &StoreUri, engine: Engine, qd: u32) -> Result<Opened> {
     check_depth(1, qd)?;
-    check_raw(store)?;
-    let need_path = || {
-        path.clone().ok_or_else(|| Error::Invalid(format!("engine {engine} reads a file or block device, not {store}")))
-    };
-    let (queue, target_len): (Box<dyn IoQueue>, u64) = match engine {
-        Engine::PsyncBuffered | Engine::PsyncDirect => {
-            let p = need_path()?;
-            let opts = picchio_blockdev::PsyncOptions { threads: qd as usize, direct: engine == Engine::PsyncDirect };
-            let q = picchio_blockdev::PsyncQueue::open(&p, opts)?;
-            let len = q.len();
-            (Box::new(q), len)
-        }
-        Engine::Uring => open_uring(&need_path()?, qd)?,
-        Engine::NvmeSim => match store {
-            BenchStore::NvmeSim(p) => open_nvme_sim(p, qd)?,
-            _ => return Err(Error::Invalid(format!("engine nvme-sim needs an nvme-sim:PATH store, not {store}"))),
-        },
-        Engine::Nvme => match store {
-            BenchStore::Nvme { bdf, nsid } => open_nvme(bdf, *nsid, qd)?,
-            _ => return Err(Error::Invalid(format!("engine nvme needs an nvme:BDF store, not {store}"))),
-        },
-    };
-    if base >= target_len && target_len > 0 {
-        return Err(Error::Invalid(format!("{store}: offset {base} is at or past the end ({target_len} bytes)")));
-    }
-    let queue: Box<dyn IoQueue> = match base {
-        0 => queue,
-        b => offset_queue(queue, b),
-    };
-    Ok(Opened { queue, image_len: target_len - base })
-}
-
-/// For a `raw:` store, the check `picchio run` and `picchio verify` make
-/// ([`picchio_blockdev::raw::RawTarget::open`]): the path is a block device (a regular file given as
-/// `raw:` is refused, never read as a device) and the offset a whole number of its logical blocks
-/// inside it. Other stores pass.
-///
-/// # Errors
-/// [`Error::Engine`] from the check.
-pub fn check_raw(store: &BenchStore) -> Result<()> {
-    #[cfg(target_os = "linux")]
-    if let BenchStore::Raw { device, offset } = store {
-        picchio_blockdev::raw::RawTarget::open(device, ByteOffset(*offset))?;
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = store;
-    Ok(())
-}
-
-#[cfg(target_os = "linux")]
-fn offset_queue(q: Box<dyn IoQueue>, base: u64) -> Box<dyn IoQueue> {
-    Box::new(picchio_core::OffsetQueue::new(q, ByteOffset(base)))
-}
-
-#[cfg(not(target_os = "linux"))]
-fn offset_queue(q: Box<dyn IoQueue>, _base: u64) -> Box<dyn IoQueue> {
-    q
-}
-
-#[cfg(target_os = "linux")]
-fn open_uring(path: &std::path::Path, qd: u32) -> Result<(Box<dyn IoQueue>, u64)> {
-    let q = picchio_blockdev::UringQueue::open(path, picchio_blockdev::UringOptions::direct(qd))?;
-    let len = q.len();
-    Ok((Box::new(q), len))
-}
-
-#[cfg(not(target_os = "linux"))]
-fn open_uring(_path: &std::path::Path, _qd: u32) -> Result<(Box<dyn IoQueue>, u64)> {
-    Err(Error::Invalid("engine uring: io_uring is Linux-only".into()))
-}
-
-/// The driver against the controller model: the model thread lives as long as the queue.
-#[cfg(target_os = "linux")]
-struct SimQueue {
-    // Declared first: the driver shuts the controller down before the model stops.
-    queue: picchio_nvme::NvmeQueue,
-    _sim: picchio_nvme::sim::Sim,
-}
-
-#[cfg(target_os = "linux")]
-impl IoQueue for SimQueue {
-    fn block_size(&self) -> u32 {
-        self.queue.block_size()
-    }
-    fn submit(&mut self, req: ReadReq) {
-        self.queue.submit(req)
-    }
-    fn reap(&mut self, min: usize, out: &mut Vec<Completion>) -> usize {
-        self.queue.reap(min, out)
-    }
-    fn in_flight(&self) -> usize {
-        self.queue.in_flight()
-    }
-    fn describe(&self) -> String {
-        format!("{} against the controller model", self.queue.describe())
-    }
-    fn slot_allocator(&mut self, count: usize, len: usize) -> Option<Box<dyn picchio_core::io::SlotAllocator>> {
-        self.queue.slot_allocator(count, len)
-    }
-    fn bounce_bytes(&self) -> u64 {
-        self.queue.bounce_bytes()
-    }
-}
-
-/// Opens the driver on the controller model serving `path` (4096-byte LBAs when the file is a whole
-/// number of them, else 512).
-#[cfg(target_os = "linux")]
-pub fn open_nvme_sim(path: &std::path::Path, qd: u32) -> Result<(Box<dyn IoQueue>, u64)> {
-    use picchio_nvme::{sim::SimConfig, NvmeQueue, NvmeQueueOptions};
-    let len = std::fs::metadata(path).map_err(Error::io(path, "stat the controller model's backing file"))?.len();
-    let lba = if len.is_multiple_of(4096) { 4096 } else { 512 };
-    let opts = NvmeQueueOptions { qd: u16::try_from(qd).unwrap_or(u16::MAX), ..NvmeQueueOptions::default() };
-    let (queue, sim) = NvmeQueue::open_sim(SimConfig::single(path, lba), &opts)
-        .map_err(|e| Error::Invalid(format!("nvme-sim:{}: {}", path.display(), picchio_core::error::chain(&e))))?;
-    let bytes = queue.namespace().bytes();
-    Ok((Box::new(SimQueue { queue, _sim: sim }), bytes))
-}
-
-/// The controller model is part of picchio-nvme, which is Linux-only: always an error here.
-///
-/// # Errors
-/// [`Error::Invalid`] saying so.
-#[cfg(not(target_os = "linux"))]
-pub fn open_nvme_sim(path: &std::path::Path, _qd: u32) -> Result<(Box<dyn IoQueue>, u64)> {
-    Err(Error::Invalid(format!("nvme-sim:{}: picchio-nvme is Linux-only", path.display())))
-}
-
-#[cfg(target_os = "linux")]
-fn open_nvme(bdf: &str, nsid: u32, qd: u32) -> Result<(Box<dyn IoQueue>, u64)> {
-    use picchio_nvme::{NvmeQueue, NvmeQueueOptions};
-    let opts = NvmeQueueOptions { nsid, qd: u16::try_from(qd).unwrap_or(u16::MAX), ..NvmeQueueOptions::default() };
-    let fail =
-        |e: picchio_nvme::Error| Error::Invalid(format!("nvme:{bdf}/{nsid}: {}", picchio_core::error::chain(&e)));
-    let ctrlr = picchio_nvme::vfio::open_controller(bdf, opts.ctrlr_options()).map_err(fail)?;
-    let queue = NvmeQueue::with_bounce_buffer(ctrlr, nsid, opts.timeout, format!("vfio {bdf}")).map_err(fail)?;
-    queue.warn_if_clamped(opts.qd);
-    let bytes = queue.namespace().bytes();
-    Ok((Box::new(queue), bytes))
-}
-
-#[cfg(not(target_os = "linux"))]
-fn open_nvme(bdf: &str, nsid: u32, _qd: u32) -> Result<(Box<dyn IoQueue>, u64)> {
-    Err(Error::Invalid(format!("nvme:{bdf}/{nsid}: the user-space NVMe driver needs Linux VFIO")))
+    engine.check_reads(store)?;
+    let opened = picchio_runtime::expert::open::open_engine(store, engine.io_options(qd))?;
+    let image_len = opened.image_len;
+    Ok(Opened { queue: opened.into_image_queue(), image_len })
 }
 
 /// The image's geometry as the bench reads it: the superblock and every usable entry.
@@ -349,7 +246,7 @@ impl StoreLayout {
     /// # Errors
     /// The engine's open errors; [`Error::Store`] for a bad superblock or index; [`Error::Invalid`]
     /// for an image without a usable entry.
-    pub fn read(store: &BenchStore, engine: Engine) -> Result<Self> {
+    pub fn read(store: &StoreUri, engine: Engine) -> Result<Self> {
         let opened = open(store, engine, 1)?;
         let image_len = opened.image_len;
         let opts = picchio_core::FlatStoreOptions { image_len, ..Default::default() };
@@ -374,14 +271,14 @@ impl StoreLayout {
     ///
     /// # Errors
     /// As [`StoreLayout::read`].
-    pub fn of(store: &BenchStore) -> Result<Self> {
+    pub fn of(store: &StoreUri) -> Result<Self> {
         let engine = match store {
-            BenchStore::File(_) => Engine::PsyncBuffered,
-            BenchStore::Raw { .. } => Engine::PsyncDirect,
-            BenchStore::NvmeSim(_) => Engine::NvmeSim,
-            BenchStore::Nvme { .. } => Engine::Nvme,
+            StoreUri::Raw { .. } => Engine::PSYNC_DIRECT,
+            StoreUri::NvmeSim(_) => Engine::NVME_SIM,
+            StoreUri::Nvme { .. } => Engine::NVME,
+            _ => Engine::PSYNC_BUFFERED,
         };
-        if let BenchStore::File(p) | BenchStore::NvmeSim(p) = store {
+        if let StoreUri::File(p) | StoreUri::NvmeSim(p) = store {
             match std::fs::metadata(p) {
                 Ok(m) if m.is_file() => {}
                 Ok(_) => {
@@ -590,7 +487,7 @@ pub struct PointResult {
 /// Opening the engine; [`Error::Invalid`] naming the offset and the cause when a read fails or
 /// comes back short (a bench figure with failed reads in it would be wrong).
 pub fn run_point(
-    store: &BenchStore,
+    store: &StoreUri,
     spec: &PointSpec,
     max_read: u32,
     make_source: &dyn Fn(u32) -> UnitSource,
@@ -879,32 +776,21 @@ fn measure(
     }
 }
 
-/// `getrusage(RUSAGE_SELF)` user and system seconds.
-#[cfg(unix)]
+/// `getrusage(RUSAGE_SELF)` user and system seconds ([`picchio_blockdev::host::cpu_seconds`]);
+/// zero where unavailable.
 pub fn rusage() -> (f64, f64) {
-    // SAFETY: `rusage` is plain old data; all-zero is valid.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: `ru` is a valid, writable `rusage`.
-    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
-    let s = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
-    (s(ru.ru_utime), s(ru.ru_stime))
-}
-
-/// No `getrusage` here: CPU time reads as zero.
-#[cfg(not(unix))]
-pub fn rusage() -> (f64, f64) {
-    (0.0, 0.0)
+    picchio_blockdev::host::cpu_seconds().unwrap_or((0.0, 0.0))
 }
 
 /// Drops (or leaves, with `warm`) the page cache of the store's file or device before a buffered
 /// point, and measures what is resident.
-fn prepare_cache(store: &BenchStore, spec: &PointSpec) -> Result<CacheState> {
-    let (path, _) = location(store);
-    let resident = |p: &Option<PathBuf>| p.as_deref().and_then(resident_fraction);
+fn prepare_cache(store: &StoreUri, spec: &PointSpec) -> Result<CacheState> {
+    let path = store.local_path();
+    let resident = |p: &Option<&std::path::Path>| p.and_then(resident_fraction);
     Ok(match spec.engine {
-        Engine::PsyncBuffered if spec.warm => CacheState { action: "warm".into(), resident_before: resident(&path) },
-        Engine::PsyncBuffered => {
-            if let Some(p) = &path {
+        Engine::PSYNC_BUFFERED if spec.warm => CacheState { action: "warm".into(), resident_before: resident(&path) },
+        Engine::PSYNC_BUFFERED => {
+            if let Some(p) = path {
                 drop_cache(p)?;
             }
             let resident_before = resident(&path);
@@ -920,125 +806,26 @@ fn prepare_cache(store: &BenchStore, spec: &PointSpec) -> Result<CacheState> {
             };
             CacheState { action: action.into(), resident_before }
         }
-        Engine::NvmeSim => CacheState { action: "model".into(), resident_before: resident(&path) },
+        Engine::NVME_SIM => CacheState { action: "model".into(), resident_before: resident(&path) },
         _ => CacheState { action: "bypassed".into(), resident_before: resident(&path) },
     })
 }
 
-/// Evicts the clean page-cache pages of `path` (`posix_fadvise(POSIX_FADV_DONTNEED)` over the whole
-/// file or device). The image is never written while measured, so every page is clean.
-///
-/// Reads still in flight are caught too: `DONTNEED` skips a page locked for a read in progress,
-/// and that page lands in the cache *after* the drop, its bytes charged (in `/proc/self/io`) to
-/// whatever started the read. Opening a session reads the superblock and index with buffered I/O
-/// whose readahead can still be reading the image when the drop comes: on a 136 KiB image, a cold
-/// open left 64 KiB resident 200 ms after a drop that `mincore` had just seen take everything, so
-/// the first `bench cache` point read half the image from memory. `mincore` cannot see such pages
-/// until their read completes (it reports only up-to-date pages), so for a regular file the drop
-/// is repeated while pages reappear: `mincore` is checked every 20 ms, and the drop ends after 3
-/// quiet checks in a row (at most 50 checks, 1 s). On tmpfs or ramfs, whose pages are the file and
-/// cannot be dropped, nothing is waited for; the caller reports what stayed resident.
+/// Evicts the clean page-cache pages of `path` ([`picchio_blockdev::pagecache::drop`], which
+/// repeats the drop while pages of reads still in flight reappear). The image is never written while
+/// measured, so every page is clean.
 ///
 /// # Errors
 /// [`Error::Io`] naming the path.
-#[cfg(target_os = "linux")]
 pub fn drop_cache(path: &std::path::Path) -> Result<()> {
-    use std::os::fd::AsRawFd;
-    let f = std::fs::File::open(path).map_err(Error::io(path, "open to drop its page cache"))?;
-    let dontneed = || {
-        // SAFETY: the descriptor is open for the duration of the call; fadvise only advises the kernel.
-        let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
-        match rc {
-            0 => Ok(()),
-            rc => Err(Error::io(path, "posix_fadvise(DONTNEED)")(std::io::Error::from_raw_os_error(rc))),
-        }
-    };
-    dontneed()?;
-    let any_resident = || resident_pages(&f).is_some_and(|p| p.contains(&true));
-    if resident_pages(&f).is_none() || in_memory_fs(&f) {
-        return Ok(()); // a device (no mincore here), or tmpfs/ramfs, whose pages cannot be dropped
-    }
-    let mut quiet = 0;
-    for _ in 0..50 {
-        std::thread::sleep(std::time::Duration::from_millis(20));
-        if any_resident() {
-            dontneed()?;
-            quiet = 0;
-        } else {
-            quiet += 1;
-            if quiet == 3 {
-                break;
-            }
-        }
-    }
-    Ok(())
+    picchio_blockdev::pagecache::drop(path).map_err(Error::io(path, "drop its page cache (posix_fadvise DONTNEED)"))
 }
 
-/// Whether `f` lives on tmpfs or ramfs (`fstatfs` `f_type`: `TMPFS_MAGIC`, `RAMFS_MAGIC` of
-/// `linux/magic.h`), whose pages are the file itself.
-#[cfg(target_os = "linux")]
-fn in_memory_fs(f: &std::fs::File) -> bool {
-    use std::os::fd::AsRawFd;
-    const TMPFS_MAGIC: i64 = 0x0102_1994;
-    const RAMFS_MAGIC: i64 = 0x8584_58f6;
-    let mut st = std::mem::MaybeUninit::<libc::statfs>::zeroed();
-    // SAFETY: `st` is a writable statfs buffer and the descriptor is open for the call.
-    let rc = unsafe { libc::fstatfs(f.as_raw_fd(), st.as_mut_ptr()) };
-    if rc != 0 {
-        return false;
-    }
-    // `f_type` is i64 on x86-64 glibc but another width elsewhere (u32 on s390x, i32 on musl arm).
-    #[allow(clippy::unnecessary_cast)]
-    // SAFETY: fstatfs returned 0, so it filled `st`.
-    let t = unsafe { st.assume_init() }.f_type as i64;
-    t == TMPFS_MAGIC || t == RAMFS_MAGIC
-}
-
-/// Page-cache dropping needs Linux's `posix_fadvise`; elsewhere buffered points run as they are.
-#[cfg(not(target_os = "linux"))]
-pub fn drop_cache(_path: &std::path::Path) -> Result<()> {
-    Ok(())
-}
-
-/// Fraction of a regular file's pages in the page cache (`mincore(2)` over a read-only mapping),
-/// or `None` for anything else or on failure.
-#[cfg(target_os = "linux")]
+/// Fraction of a regular file's pages in the page cache
+/// ([`picchio_blockdev::pagecache::resident_fraction`]), or `None` for anything else, on failure or
+/// off Linux.
 pub fn resident_fraction(path: &std::path::Path) -> Option<f64> {
-    let f = std::fs::File::open(path).ok()?;
-    let present = resident_pages(&f)?;
-    Some(present.iter().filter(|&&p| p).count() as f64 / present.len() as f64)
-}
-
-/// Which pages (of the system page size) of the regular file `f` are in the page cache
-/// (`mincore(2)` over a read-only mapping: only up-to-date pages count, a page whose read is still
-/// in flight does not — which is why [`drop_cache`] repeats until the count stays quiet), or `None`
-/// for anything else, an empty file, or on failure.
-#[cfg(target_os = "linux")]
-fn resident_pages(f: &std::fs::File) -> Option<Vec<bool>> {
-    let md = f.metadata().ok()?;
-    if !md.is_file() || md.len() == 0 {
-        return None;
-    }
-    // SAFETY: a read-only shared mapping of a file we only read; it is never dereferenced here,
-    // only passed to mincore, and the file is not truncated by us while mapped.
-    let map = unsafe { memmap2::Mmap::map(f) }.ok()?;
-    // SAFETY: sysconf has no memory effects; it returns -1 on failure, handled below.
-    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).ok().filter(|&p| p > 0)?;
-    let pages = map.len().div_ceil(page);
-    let mut vec = vec![0u8; pages];
-    // SAFETY: `map` is a live mapping of `map.len()` bytes starting at a page-aligned address, and
-    // `vec` has one byte per page of it, as mincore requires.
-    let rc = unsafe { libc::mincore(map.as_ptr() as *mut libc::c_void, map.len(), vec.as_mut_ptr()) };
-    if rc != 0 {
-        return None;
-    }
-    Some(vec.iter().map(|&b| b & 1 == 1).collect())
-}
-
-/// `mincore` is not used outside Linux.
-#[cfg(not(target_os = "linux"))]
-pub fn resident_fraction(_path: &std::path::Path) -> Option<f64> {
-    None
+    picchio_blockdev::pagecache::resident_fraction(path)
 }
 
 #[cfg(test)]
@@ -1104,10 +891,10 @@ mod tests {
         let dir = picchio_testkit::scratch::dir_in(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/test-scratch"));
         let p = dir.path().join("f");
         std::fs::write(&p, vec![7u8; 1 << 20]).unwrap();
-        let spec = crate::env::TargetSpec::File { uri: String::new(), path: p.clone() };
+        let spec = StoreUri::File(p.clone());
         let fs = crate::env::Environment::capture(Some(&spec)).target.and_then(|t| t.filesystem);
         assert!(
-            !fs.as_ref().is_some_and(|f| f.fstype == "tmpfs"),
+            fs.as_ref().is_none_or(|f| f.fstype != "tmpfs"),
             "{} is on tmpfs: put the target dir on a disk",
             p.display()
         );

@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 
 use super::measure::{Skipped, SplitMix64};
 use super::null::NullQueue;
-use super::target::BenchStore;
+use picchio_core::StoreUri;
 use picchio_runtime::error::{Error, Result};
 
 /// Options of [`run`] (recorded in the report's `flags`).
@@ -226,12 +226,22 @@ struct Target {
     resident_before: Option<f64>,
 }
 
-fn open_target(engine: &str, store: &BenchStore, range: u64) -> Result<std::result::Result<Target, String>> {
-    let path = match store {
-        BenchStore::File(p) | BenchStore::NvmeSim(p) => Some(p.clone()),
-        BenchStore::Raw { device, .. } => Some(device.clone()),
-        BenchStore::Nvme { .. } => None,
+/// `engine` through the page cache at depth 1 on the file or device `p`, from the runtime's engine
+/// factory (io_uring without the psync fallback).
+fn open_buffered(p: &std::path::Path, engine: picchio_runtime::expert::store::IoEngine) -> Result<Box<dyn IoQueue>> {
+    let io = picchio_runtime::expert::store::IoOptions {
+        engine,
+        direct: false,
+        threads: 1,
+        qd: 1,
+        uring_fallback: false,
+        ..Default::default()
     };
+    Ok(picchio_runtime::expert::open::open_engine(&StoreUri::File(p.into()), io)?.queue)
+}
+
+fn open_target(engine: &str, store: &StoreUri, range: u64) -> Result<std::result::Result<Target, String>> {
+    let path = store.local_path().map(std::path::Path::to_path_buf);
     let file = || path.clone().ok_or_else(|| format!("{engine} reads a file; {store} is not one"));
     let warm = |p: &std::path::Path| -> Result<Option<f64>> {
         use std::io::Read;
@@ -261,9 +271,9 @@ fn open_target(engine: &str, store: &BenchStore, range: u64) -> Result<std::resu
                 Err(e) => return Ok(Err(e)),
             };
             let resident_before = warm(&p)?;
-            let q = picchio_blockdev::PsyncQueue::open(&p, picchio_blockdev::PsyncOptions::buffered(1))?;
+            let q = open_buffered(&p, picchio_runtime::expert::store::IoEngine::Psync)?;
             Target {
-                queue: Box::new(q),
+                queue: q,
                 complete_includes: "handing the read to the worker thread and back, and the kernel's page-cache copy",
                 wait_device: None,
                 resident_before,
@@ -280,9 +290,9 @@ fn open_target(engine: &str, store: &BenchStore, range: u64) -> Result<std::resu
                     return Ok(Err(picchio_core::error::chain(&e).to_string()));
                 }
                 let resident_before = warm(&p)?;
-                let q = picchio_blockdev::UringQueue::open(&p, picchio_blockdev::UringOptions::buffered(1))?;
+                let q = open_buffered(&p, picchio_runtime::expert::store::IoEngine::Uring)?;
                 Target {
-                    queue: Box::new(q),
+                    queue: q,
                     complete_includes: "io_uring_enter (submit + wait) and the kernel's page-cache copy",
                     wait_device: None,
                     resident_before,
@@ -296,7 +306,7 @@ fn open_target(engine: &str, store: &BenchStore, range: u64) -> Result<std::resu
             {
                 use picchio_nvme::{sim::SimConfig, NvmeQueue, NvmeQueueOptions};
                 let p = match (store, file()) {
-                    (BenchStore::Raw { .. }, _) => {
+                    (StoreUri::Raw { .. }, _) => {
                         return Ok(Err("the controller model serves a file, not a device".into()))
                     }
                     (_, Ok(p)) => p,
@@ -337,7 +347,7 @@ fn open_target(engine: &str, store: &BenchStore, range: u64) -> Result<std::resu
 /// # Errors
 /// An unknown engine, a failed open, a failed or short read.
 pub fn run(
-    store: &BenchStore,
+    store: &StoreUri,
     opts: &OverheadOptions,
     progress: &mut dyn FnMut(&OverheadRow),
 ) -> Result<OverheadResults> {

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use super::fio::{self, FioJob, FioResult};
 use super::measure::{self, Engine, PointResult, PointSpec, Skipped, Stop, StoreLayout, UnitSource};
-use super::target::BenchStore;
+use picchio_core::StoreUri;
 use picchio_runtime::error::{Error, Result};
 
 /// Options of [`run`] (recorded in the report's `flags`).
@@ -110,7 +110,7 @@ pub(crate) fn read_source(entries: Option<std::sync::Arc<Vec<u64>>>, region: &Re
 
 /// Reads the store's index and decides the read size and region.
 pub(crate) fn plan(
-    store: &BenchStore,
+    store: &StoreUri,
     engine: Engine,
     bs: Option<u32>,
 ) -> Result<(StoreLayout, u32, Region, Option<Vec<u64>>)> {
@@ -142,7 +142,7 @@ pub(crate) fn plan(
 }
 
 /// The engines to run: the requested ones, or the defaults for the store.
-pub(crate) fn engines(store: &BenchStore, requested: &Option<Vec<Engine>>, skipped: &mut Vec<Skipped>) -> Vec<Engine> {
+pub(crate) fn engines(store: &StoreUri, requested: &Option<Vec<Engine>>, skipped: &mut Vec<Skipped>) -> Vec<Engine> {
     match requested {
         Some(e) => e.clone(),
         None => Engine::defaults_for(store, skipped),
@@ -150,11 +150,11 @@ pub(crate) fn engines(store: &BenchStore, requested: &Option<Vec<Engine>>, skipp
 }
 
 /// The file or device fio reads, and the byte offset of the image on it (`None` for NVMe stores).
-fn fio_target(store: &BenchStore) -> Option<(std::path::PathBuf, u64)> {
+fn fio_target(store: &StoreUri) -> Option<(std::path::PathBuf, u64)> {
     match store {
-        BenchStore::File(p) => Some((p.clone(), 0)),
-        BenchStore::Raw { device, offset } => Some((device.clone(), *offset)),
-        BenchStore::NvmeSim(_) | BenchStore::Nvme { .. } => None,
+        StoreUri::File(p) => Some((p.clone(), 0)),
+        StoreUri::Raw { device, offset } => Some((device.clone(), *offset)),
+        _ => None,
     }
 }
 
@@ -163,7 +163,7 @@ fn fio_target(store: &BenchStore) -> Option<(std::path::PathBuf, u64)> {
 /// # Errors
 /// Opening the store or an engine, a failed read ([`measure::run_point`]). A failed fio run is
 /// listed in `skipped` and leaves that point's `fio` empty.
-pub fn run(store: &BenchStore, opts: &QdSweepOptions, progress: &mut dyn FnMut(&QdPoint)) -> Result<QdSweepResults> {
+pub fn run(store: &StoreUri, opts: &QdSweepOptions, progress: &mut dyn FnMut(&QdPoint)) -> Result<QdSweepResults> {
     if opts.qds.is_empty() || opts.threads.is_empty() || opts.qds.contains(&0) || opts.threads.contains(&0) {
         return Err(Error::Invalid("--qd and --threads need at least one value, each at least 1".into()));
     }

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use super::measure::{self, Engine, PointResult, PointSpec, Skipped, Stop, StoreLayout};
 use super::qd_sweep::read_source;
-use super::target::BenchStore;
+use picchio_core::StoreUri;
 use picchio_runtime::error::{Error, Result};
 
 /// Options of [`run`] (recorded in the report's `flags`).
@@ -64,10 +64,10 @@ pub struct TiersResults {
 }
 
 /// The (tier, name, store, engine) rows for `store`.
-fn plan(store: &BenchStore, skipped: &mut Vec<Skipped>) -> Vec<(&'static str, &'static str, BenchStore, Engine)> {
+fn plan(store: &StoreUri, skipped: &mut Vec<Skipped>) -> Vec<(&'static str, &'static str, StoreUri, Engine)> {
     let uring_ok = {
         let mut s = Vec::new();
-        let ok = Engine::defaults_for(&BenchStore::File("x".into()), &mut s).contains(&Engine::Uring);
+        let ok = Engine::defaults_for(&StoreUri::File("x".into()), &mut s).contains(&Engine::URING);
         skipped.extend(s.into_iter().map(|mut s| {
             s.what = format!("{} tier", s.what);
             s
@@ -76,43 +76,45 @@ fn plan(store: &BenchStore, skipped: &mut Vec<Skipped>) -> Vec<(&'static str, &'
     };
     let mut rows = Vec::new();
     match store {
-        BenchStore::File(p) | BenchStore::NvmeSim(p) => {
-            let f = BenchStore::File(p.clone());
+        StoreUri::File(p) | StoreUri::NvmeSim(p) => {
+            let f = StoreUri::File(p.clone());
             rows.push((
                 "S1",
                 "page cache (psync, buffered; cache dropped before the row)",
                 f.clone(),
-                Engine::PsyncBuffered,
+                Engine::PSYNC_BUFFERED,
             ));
-            rows.push(("S2", "O_DIRECT file (psync)", f.clone(), Engine::PsyncDirect));
+            rows.push(("S2", "O_DIRECT file (psync)", f.clone(), Engine::PSYNC_DIRECT));
             if uring_ok {
-                rows.push(("S3", "io_uring (O_DIRECT, registered file)", f, Engine::Uring));
+                rows.push(("S3", "io_uring (O_DIRECT, registered file)", f, Engine::URING));
             }
             if cfg!(target_os = "linux") {
                 rows.push((
                     "S5",
                     "our NVMe driver against the controller model (software device over the same file)",
-                    BenchStore::NvmeSim(p.clone()),
-                    Engine::NvmeSim,
+                    StoreUri::NvmeSim(p.clone()),
+                    Engine::NVME_SIM,
                 ));
             } else {
                 skipped.push(Skipped { what: "S5 tier".into(), reason: "picchio-nvme is Linux-only".into() });
             }
             skipped.push(Skipped { what: "S4 tier".into(), reason: "needs a raw:/dev/X store".into() });
         }
-        BenchStore::Raw { .. } => {
+        StoreUri::Raw { .. } => {
             rows.push((
                 "S4",
                 "raw block device, psync buffered (cache dropped before the row)",
                 store.clone(),
-                Engine::PsyncBuffered,
+                Engine::PSYNC_BUFFERED,
             ));
-            rows.push(("S4", "raw block device, psync O_DIRECT", store.clone(), Engine::PsyncDirect));
+            rows.push(("S4", "raw block device, psync O_DIRECT", store.clone(), Engine::PSYNC_DIRECT));
             if uring_ok {
-                rows.push(("S4", "raw block device, io_uring O_DIRECT", store.clone(), Engine::Uring));
+                rows.push(("S4", "raw block device, io_uring O_DIRECT", store.clone(), Engine::URING));
             }
         }
-        BenchStore::Nvme { .. } => rows.push(("S5", "our NVMe driver over VFIO", store.clone(), Engine::Nvme)),
+        StoreUri::Nvme { .. } => rows.push(("S5", "our NVMe driver over VFIO", store.clone(), Engine::NVME)),
+        // bench_store refuses these before any experiment runs.
+        StoreUri::Auto | StoreUri::Safetensors => {}
     }
     rows
 }
@@ -121,7 +123,7 @@ fn plan(store: &BenchStore, skipped: &mut Vec<Skipped>) -> Vec<(&'static str, &'
 ///
 /// # Errors
 /// Opening the store or an engine, a failed read.
-pub fn run(store: &BenchStore, opts: &TiersOptions, progress: &mut dyn FnMut(&TierRow)) -> Result<TiersResults> {
+pub fn run(store: &StoreUri, opts: &TiersOptions, progress: &mut dyn FnMut(&TierRow)) -> Result<TiersResults> {
     if opts.threads == 0 || opts.qd == 0 {
         return Err(Error::Invalid("--threads and --qd must be at least 1".into()));
     }

@@ -28,6 +28,7 @@ pub mod host;
 #[cfg(windows)]
 mod iocp;
 pub mod mountinfo;
+pub mod pagecache;
 mod psync;
 #[cfg(target_os = "linux")]
 pub mod raw;

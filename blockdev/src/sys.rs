@@ -22,6 +22,15 @@ pub(crate) mod windows;
 #[cfg(windows)]
 use windows as imp;
 
+/// The host queries (page cache, free space, CPU time, kernel): see `sys/host_unix.rs`.
+#[cfg(unix)]
+#[path = "sys/host_unix.rs"]
+pub(crate) mod host;
+/// The host queries off unix: unknown.
+#[cfg(windows)]
+#[path = "sys/host_windows.rs"]
+pub(crate) mod host;
+
 #[cfg(not(any(unix, windows)))]
 compile_error!("picchio-blockdev supports unix and windows targets");
 

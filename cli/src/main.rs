@@ -4,12 +4,10 @@
 mod commands;
 mod hint;
 
-use clap::Parser;
-
 fn main() {
     // `picchio verify IMG | head` ends quietly when the reader goes away, like other Unix tools.
     picchio_runtime::sys::restore_default_sigpipe();
-    let cli = commands::Cli::parse();
+    let cli = commands::parse();
     init_logging(cli.verbose, cli.quiet);
     if let Err(e) = commands::exec(cli) {
         eprintln!("Error: {e:#}");

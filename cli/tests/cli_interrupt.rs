@@ -20,16 +20,39 @@ fn prompt_ids() -> String {
     ids.join(",")
 }
 
-/// Starts `picchio -vv run` on the Picchio (C) fixture for 480 tokens, waits until its handlers are
-/// installed (the debug line), sends `signals` (in order, each once the previous one's handler
-/// has run), and returns the exit code and stderr.
+/// Tokens asked for: far more than the run can produce before the signal arrives on any machine
+/// (the fixture decodes about 800 tok/s). With the fixture's own limit of 480 the whole run took
+/// about 0.5 s after its handlers were installed, so a test thread delayed that long on a loaded
+/// machine saw it exit 0 before the signal.
+const TOKENS: usize = 100_000;
+
+/// A private copy of the Picchio (C) fixture whose config allows [`TOKENS`] positions (the fixture's
+/// `max_position_embeddings` is 512; the weights do not depend on it).
+fn long_context_model(dir: &Path) -> PathBuf {
+    let src = fixture("picchio_c/qwen3_moe");
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, dir.join(p.file_name().unwrap())).unwrap();
+    }
+    let cfg = dir.join("config.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&cfg).unwrap()).unwrap();
+    v["max_position_embeddings"] = serde_json::json!(TOKENS + 1024);
+    std::fs::write(&cfg, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
+    dir.to_path_buf()
+}
+
+/// Starts `picchio -vv run` on a copy of the Picchio (C) fixture for [`TOKENS`] tokens, waits until
+/// its handlers are installed (the debug line), sends `signals` (in order, each once the previous
+/// one's handler has run), and returns the exit code and stderr.
 fn run_and_signal(signals: &[i32]) -> (Option<i32>, String) {
-    let model = fixture("picchio_c/qwen3_moe");
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let model = long_context_model(dir.path());
+    let n = TOKENS.to_string();
     let store = format!("file:{}", model.join("experts.picchioflat").display());
     let mut child = Command::new(env!("CARGO_BIN_EXE_picchio"))
         .args(["-vv", "run", "--model"])
         .arg(&model)
-        .args(["--store", &store, "--prompt-ids", &prompt_ids(), "-n", "480", "--json"])
+        .args(["--store", &store, "--prompt-ids", &prompt_ids(), "-n", &n, "--json"])
         .env_remove("RUST_LOG") // -vv must decide the level: the test waits for a debug line
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -72,7 +95,7 @@ fn sigint_stops_generation_and_exits_130() {
     assert_eq!(code, Some(130));
     let last = err.lines().last().unwrap_or_default();
     assert!(last.starts_with("Error: interrupted by SIGINT after "), "{last}");
-    assert!(last.ends_with(" of 480 tokens"), "{last}");
+    assert!(last.ends_with(&format!(" of {TOKENS} tokens")), "{last}");
 }
 
 #[test]

@@ -40,7 +40,9 @@ pub enum Error {
         len: u64,
     },
     /// The superblock does not start with `PCHIOFL1`.
-    #[error("{source_name}: bad magic at offset 0x0: expected \"PCHIOFL1\", found {found:?}")]
+    #[error(
+        "{source_name}: not a .picchioflat image (bad magic at offset 0x0: expected \"PCHIOFL1\", found {found:?})"
+    )]
     BadMagic {
         /// The store.
         source_name: String,
@@ -124,6 +126,17 @@ pub enum Error {
     /// error stays small.
     #[error("{0}")]
     FormatLimit(Box<FormatLimit>),
+    /// A store URI has a scheme no store has (`s3:`): callers that accept other forms than a run
+    /// (bench, pack's `--out`) list their own.
+    #[error("bad store URI {uri:?}: {message}")]
+    UnknownScheme {
+        /// The URI as given.
+        uri: String,
+        /// The scheme, without the `:`.
+        scheme: String,
+        /// What is wrong and what would be accepted.
+        message: String,
+    },
     /// A store URI could not be parsed.
     #[error("bad store URI {uri:?}: {message}")]
     BadUri {

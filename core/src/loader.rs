@@ -246,13 +246,7 @@ impl<Q: IoQueue> FlatStore<Q> {
         let source_name = source_name.into();
         let bs = BLOCK_SIZE.max(queue.block_size());
         if opts.image_len < u64::from(bs) {
-            return Err(Error::Truncated {
-                source_name,
-                what: "superblock",
-                offset: 0,
-                end: u64::from(bs),
-                len: opts.image_len,
-            });
+            return Err(short_target(&mut queue, source_name, opts.base_offset, opts.image_len, bs));
         }
         let rd = |queue: &mut Q, what: &'static str, offset: u64, len: u32| {
             let at = opts.base_offset.checked_add(offset).ok_or_else(|| {
@@ -400,6 +394,39 @@ impl<Q: IoQueue> std::fmt::Debug for FlatStore<Q> {
     }
 }
 
+/// The error for an image target of `image_len` bytes, shorter than one block of `bs` bytes, that
+/// `queue` reads from byte `base`: [`Error::BadMagic`] when its first eight bytes are there and are not
+/// the magic (a foreign file such as a config.json is "not a .picchioflat image", not a truncated
+/// one), else [`Error::Truncated`] for the superblock.
+pub fn short_target<Q: IoQueue + ?Sized>(
+    queue: &mut Q,
+    source_name: String,
+    base: u64,
+    image_len: u64,
+    bs: u32,
+) -> Error {
+    match foreign_magic(queue, base, bs) {
+        Some(found) => Error::BadMagic { source_name, found },
+        None => Error::Truncated { source_name, what: "superblock", offset: 0, end: u64::from(bs), len: image_len },
+    }
+}
+
+/// The first eight bytes of a target shorter than one block of `bs` bytes (one read of a block at
+/// `base`, whose completion is short at the end of the target), when they are not the magic: `None`
+/// when they are, when fewer than eight bytes are there, or when the read fails.
+fn foreign_magic<Q: IoQueue + ?Sized>(queue: &mut Q, base: u64, bs: u32) -> Option<String> {
+    let buf = AlignedBuf::new(bs as usize, bs.max(512) as usize).ok()?;
+    queue.submit(ReadReq { offset: ByteOffset(base), len: bs, buf, tag: Tag(u64::MAX) });
+    let mut out = Vec::with_capacity(1);
+    while out.is_empty() {
+        queue.reap(1, &mut out);
+    }
+    let c = out.pop()?;
+    let n = c.result.ok()? as usize;
+    let head = c.buf.as_slice().get(..n.min(8)).filter(|h| h.len() == 8)?;
+    (head != crate::format::MAGIC.as_slice()).then(|| String::from_utf8_lossy(head).into_owned())
+}
+
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
@@ -421,7 +448,12 @@ impl<Q: IoQueue> ExpertLoader for FlatStore<Q> {
             let loc = match self.entry(key) {
                 Ok(loc) => loc,
                 Err(e) => {
-                    self.stats.record_error();
+                    // No entry by design (a prefix store) is not a store error.
+                    if matches!(e, LoadError::Missing { .. }) {
+                        self.stats.record_missing();
+                    } else {
+                        self.stats.record_error();
+                    }
                     ready(Loaded { key, buf, result: Err(e) });
                     continue;
                 }
@@ -518,18 +550,70 @@ impl<Q: IoQueue> ExpertLoader for FlatStore<Q> {
     }
 }
 
-/// Serves every expert from `primary`, and each one `primary` fails on from `fallback` (logged and
-/// counted in `stats`): a corrupt or partial store costs speed, never correctness.
+/// Serves every expert from `primary`, and each one `primary` fails on from `fallback` (counted in
+/// `stats`): a corrupt or partial store costs speed, never correctness.
+///
+/// Logging: each (layer, expert) that falls back is logged once (a warning with its cause), not once
+/// per request; experts a prefix store has no entry for are logged once per store (info). When the
+/// loader is dropped, one summary line gives the fallbacks per cause and how many distinct experts.
 pub struct FallbackLoader<P, F> {
     primary: P,
     fallback: F,
     stats: Arc<IoStats>,
+    /// The experts already logged.
+    logged: std::collections::HashSet<ExpertKey>,
+    /// Fallbacks per cause (see [`cause`]), for the summary.
+    causes: std::collections::BTreeMap<&'static str, u64>,
 }
 
 impl<P: ExpertLoader, F: ExpertLoader> FallbackLoader<P, F> {
     /// Wraps `primary` with `fallback`; fallbacks are counted in `stats`.
     pub fn new(primary: P, fallback: F, stats: Arc<IoStats>) -> Self {
-        FallbackLoader { primary, fallback, stats }
+        FallbackLoader { primary, fallback, stats, logged: Default::default(), causes: Default::default() }
+    }
+
+    /// Distinct experts that fell back so far, and the fallbacks per cause.
+    pub fn fallback_summary(&self) -> (usize, &std::collections::BTreeMap<&'static str, u64>) {
+        (self.logged.len(), &self.causes)
+    }
+}
+
+/// The cause of an expert a prefix store has no entry for.
+fn cause_missing() -> &'static str {
+    "not in the store (prefix image)"
+}
+
+/// A short name of `e`'s kind, for counting fallbacks by cause.
+fn cause(e: &LoadError) -> &'static str {
+    match e {
+        LoadError::Missing { .. } => cause_missing(),
+        LoadError::Rejected { .. } => "entry rejected at open",
+        LoadError::Io { .. } => "read error",
+        LoadError::Short { .. } => "short read",
+        LoadError::Hash { .. } => "hash mismatch",
+        LoadError::SlotTooSmall { .. } => "slot too small",
+        LoadError::Other(_) => "other",
+    }
+}
+
+impl<P, F> Drop for FallbackLoader<P, F> {
+    fn drop(&mut self) {
+        if self.causes.is_empty() {
+            return;
+        }
+        let by_cause: Vec<String> = self.causes.iter().map(|(c, n)| format!("{n} {c}")).collect();
+        let total: u64 = self.causes.values().sum();
+        let msg = format!(
+            "{total} expert loads ({} distinct experts) were served by the fallback: {}",
+            self.logged.len(),
+            by_cause.join(", ")
+        );
+        // Only a prefix store's by-design misses: not a warning.
+        if self.causes.keys().all(|c| *c == cause_missing()) {
+            tracing::info!("{msg}");
+        } else {
+            tracing::warn!("{msg}");
+        }
     }
 }
 
@@ -540,14 +624,28 @@ impl<P: ExpertLoader, F: ExpertLoader> ExpertLoader for FallbackLoader<P, F> {
 
     fn load(&mut self, layer: u32, requests: Vec<(u32, AlignedBuf)>, ready: &mut dyn FnMut(Loaded)) {
         let mut retry = Vec::new();
+        let (logged, causes) = (&mut self.logged, &mut self.causes);
         self.primary.load(layer, requests, &mut |l: Loaded| match l.result {
             Ok(()) => ready(l),
             Err(e) => {
-                // A prefix store misses whole layers by design: that is not worth a warning per expert.
-                if matches!(e, LoadError::Missing { .. }) {
-                    tracing::debug!("{}; serving {} from the fallback", crate::error::chain(&e), l.key);
-                } else {
-                    tracing::warn!("{}; serving {} from the fallback", crate::error::chain(&e), l.key);
+                let missing = matches!(e, LoadError::Missing { .. });
+                let first_of_cause = !causes.contains_key(cause(&e));
+                *causes.entry(cause(&e)).or_default() += 1;
+                // Once per expert, not per request; a prefix store misses whole layers by design:
+                // one line for the store.
+                if logged.insert(l.key) {
+                    if !missing {
+                        tracing::warn!(
+                            "{}; serving {} from the fallback (logged once per expert)",
+                            crate::error::chain(&e),
+                            l.key
+                        );
+                    } else if first_of_cause {
+                        tracing::info!(
+                            "{}: a prefix store; experts it has no entry for come from the fallback",
+                            crate::error::chain(&e)
+                        );
+                    }
                 }
                 retry.push((l.key.expert, l.buf));
             }

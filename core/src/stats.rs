@@ -13,6 +13,7 @@ pub struct IoStats {
     read_wall_ns: AtomicU64,
     fallbacks: AtomicU64,
     errors: AtomicU64,
+    missing: AtomicU64,
     bounce: AtomicU64,
     latency: [AtomicU64; LATENCY_BUCKETS_US.len()],
 }
@@ -30,6 +31,9 @@ pub struct StatsSnapshot {
     pub fallbacks: u64,
     /// Failed reads or checks in the primary store.
     pub errors: u64,
+    /// Experts the primary store has no entry for by design (the layers past a `pack --layers N`
+    /// prefix image): served by the fallback, and not counted as `errors`.
+    pub missing: u64,
     /// Bytes of expert reads the engine copied through bounce buffers instead of reading them
     /// straight into the cache slot ([`crate::IoQueue::bounce_bytes`]; 0 for kernel engines).
     pub bounce_bytes: u64,
@@ -58,6 +62,10 @@ impl IoStats {
     pub fn record_error(&self) {
         self.errors.fetch_add(1, Relaxed);
     }
+    /// Counts one expert the store has no entry for (see [`StatsSnapshot::missing`]).
+    pub fn record_missing(&self) {
+        self.missing.fetch_add(1, Relaxed);
+    }
     /// Counts bytes an engine copied through bounce buffers.
     pub fn record_bounce(&self, bytes: u64) {
         self.bounce.fetch_add(bytes, Relaxed);
@@ -70,6 +78,7 @@ impl IoStats {
             read_wall_ns: self.read_wall_ns.load(Relaxed),
             fallbacks: self.fallbacks.load(Relaxed),
             errors: self.errors.load(Relaxed),
+            missing: self.missing.load(Relaxed),
             bounce_bytes: self.bounce.load(Relaxed),
             latency_hist: self.latency.iter().map(|a| a.load(Relaxed)).collect(),
         }

@@ -13,6 +13,11 @@ use crate::error::{Error, Result};
 /// | `file:PATH` or a bare path | a `.picchioflat` image in a file |
 /// | `raw:/dev/X[@BYTES]` | an image on a block device, starting at byte offset `BYTES` (default 0) |
 /// | `nvme:DDDD:BB:DD.F[/NSID]` | an image on an NVMe namespace (default 1) through the user-space driver |
+/// | `nvme-sim:PATH` | an image file served as namespace 1 of picchio-nvme's software controller model, read by our NVMe driver (`picchio bench`) |
+///
+/// Which of these a command accepts is its own decision (a run reads `auto`, `safetensors`,
+/// `file:`, `raw:` and `nvme:`; bench reads the last four and `nvme-sim:`; pack and synth write
+/// `file:`, `raw:` and `nvme:`): each checks the variant it is given.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum StoreUri {
     /// Choose the flat store when it is there and valid, else safetensors.
@@ -35,6 +40,21 @@ pub enum StoreUri {
         /// Namespace id (1-based).
         nsid: u32,
     },
+    /// An image file served as namespace 1 of picchio-nvme's software controller model and read by
+    /// our NVMe driver: the driver's and the model's cost, not a drive's.
+    NvmeSim(PathBuf),
+}
+
+impl StoreUri {
+    /// The file or device node this store reads on this machine (`file:`, `raw:` and the backing
+    /// file of `nvme-sim:`), or `None` (`auto`, `safetensors`, `nvme:`).
+    pub fn local_path(&self) -> Option<&std::path::Path> {
+        match self {
+            StoreUri::File(p) | StoreUri::NvmeSim(p) => Some(p),
+            StoreUri::Raw { device, .. } => Some(device),
+            StoreUri::Auto | StoreUri::Safetensors | StoreUri::Nvme { .. } => None,
+        }
+    }
 }
 
 impl std::str::FromStr for StoreUri {
@@ -66,6 +86,12 @@ impl std::str::FromStr for StoreUri {
             }
             return Ok(StoreUri::Raw { device: dev.into(), offset });
         }
+        if let Some(p) = s.strip_prefix("nvme-sim:") {
+            if p.is_empty() {
+                return Err(bad("nvme-sim: needs the image file, e.g. nvme-sim:e.picchioflat".into()));
+            }
+            return Ok(StoreUri::NvmeSim(p.into()));
+        }
         if let Some(rest) = s.strip_prefix("nvme:") {
             let (bdf, nsid) = match rest.split_once('/') {
                 Some((b, n)) => (
@@ -83,10 +109,14 @@ impl std::str::FromStr for StoreUri {
             return Ok(StoreUri::Nvme { bdf: bdf.into(), nsid });
         }
         if let Some((scheme, _)) = s.split_once(':').filter(|_| !s.starts_with('/') && !s.starts_with('.')) {
-            return Err(bad(format!(
-                "unknown scheme \"{scheme}:\": use auto, safetensors, file:PATH, raw:/dev/X[@BYTES] or \
-                 nvme:BDF[/NSID]; a file name containing ':' is written file:PATH or ./PATH"
-            )));
+            return Err(Error::UnknownScheme {
+                uri: s.into(),
+                scheme: scheme.into(),
+                message: format!(
+                    "unknown scheme \"{scheme}:\": use auto, safetensors, file:PATH, raw:/dev/X[@BYTES] or \
+                     nvme:BDF[/NSID]; a file name containing ':' is written file:PATH or ./PATH"
+                ),
+            });
         }
         if s.is_empty() {
             return Err(bad("empty store".into()));
@@ -110,6 +140,7 @@ impl std::fmt::Display for StoreUri {
             StoreUri::Raw { device, offset: 0 } => write!(f, "raw:{}", device.display()),
             StoreUri::Raw { device, offset } => write!(f, "raw:{}@{offset}", device.display()),
             StoreUri::Nvme { bdf, nsid } => write!(f, "nvme:{bdf}/{nsid}"),
+            StoreUri::NvmeSim(p) => write!(f, "nvme-sim:{}", p.display()),
         }
     }
 }
@@ -129,14 +160,19 @@ mod tests {
         assert_eq!(p("raw:/dev/sdb@1048576").unwrap(), StoreUri::Raw { device: "/dev/sdb".into(), offset: 1 << 20 });
         assert_eq!(p("nvme:0000:03:00.0").unwrap(), StoreUri::Nvme { bdf: "0000:03:00.0".into(), nsid: 1 });
         assert_eq!(p("nvme:0000:03:00.0/2").unwrap(), StoreUri::Nvme { bdf: "0000:03:00.0".into(), nsid: 2 });
-        for s in ["raw:", "raw:/dev/x@abc", "nvme:03:00.0", "nvme:0000:03:00.0/0", "s3:bucket", "file:", ""] {
+        // `nvme-sim:` is a store URI now (issue 9: one store-URI type for run, bench, pack and synth),
+        // no longer an unknown scheme; which commands accept it is theirs to say.
+        assert_eq!(p("nvme-sim:x.pf").unwrap(), StoreUri::NvmeSim("x.pf".into()));
+        for s in
+            ["raw:", "raw:/dev/x@abc", "nvme:03:00.0", "nvme:0000:03:00.0/0", "s3:bucket", "file:", "", "nvme-sim:"]
+        {
             let e = p(s).unwrap_err().to_string();
             assert!(e.contains("bad store URI"), "{s}: {e}");
         }
-        let e = p("nvme-sim:x.pf").unwrap_err().to_string();
-        assert!(e.contains("unknown scheme \"nvme-sim:\"") && e.contains("file:PATH or ./PATH"), "{e}");
+        let e = p("s3:x.pf").unwrap_err().to_string();
+        assert!(e.contains("unknown scheme \"s3:\"") && e.contains("file:PATH or ./PATH"), "{e}");
         assert_eq!(p("./a:b").unwrap(), StoreUri::File("./a:b".into()));
-        for s in ["auto", "safetensors", "file:/a", "raw:/dev/sdb@4096", "nvme:0000:03:00.0/2"] {
+        for s in ["auto", "safetensors", "file:/a", "raw:/dev/sdb@4096", "nvme:0000:03:00.0/2", "nvme-sim:/a/e"] {
             assert_eq!(p(s).unwrap().to_string(), s);
         }
     }

@@ -124,6 +124,13 @@ pub enum Error {
         /// What failed: the OS error, or why the file is refused.
         cause: std::io::Error,
     },
+    /// No PCI function of that address exists (`/sys/bus/pci/devices/BDF` is absent): a typo or a
+    /// device that is gone, rather than a VFIO step that failed.
+    #[error("no PCI device {bdf} (/sys/bus/pci/devices/{bdf} does not exist; see `picchio nvme list`)")]
+    NoPciDevice {
+        /// The address asked for, e.g. `0000:01:00.0`.
+        bdf: String,
+    },
     /// A VFIO operation failed (the OS error is the `source()`).
     #[error("VFIO {op} on {what}")]
     Vfio {

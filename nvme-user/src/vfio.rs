@@ -926,8 +926,12 @@ impl IovaMapper for VfioMapper {
 /// hugepage DMA memory.
 ///
 /// # Errors
-/// VFIO, DMA or controller-init errors.
+/// [`crate::Error::NoPciDevice`] when `/sys/bus/pci/devices/BDF` is absent (checked first, so an
+/// absent device is not reported as a failed VFIO step); VFIO, DMA or controller-init errors.
 pub fn open_controller(bdf: &str, opts: CtrlrOptions) -> Result<Controller> {
+    if !std::path::Path::new("/sys/bus/pci/devices").join(bdf).exists() {
+        return Err(crate::Error::NoPciDevice { bdf: bdf.into() });
+    }
     let dev = Arc::new(VfioDevice::open(bdf)?);
     dev.enable_bus_master()?;
     let bar = Arc::new(dev.map_bar0()?);
@@ -1196,6 +1200,13 @@ mod tests {
         far[16..20].copy_from_slice(&4000u32.to_le_bytes());
         assert!(parse_iova_ranges(&far).is_empty());
         assert!(parse_iova_ranges(&[]).is_empty());
+    }
+
+    #[test]
+    fn open_controller_of_an_absent_device_says_there_is_no_such_device() {
+        let Err(e) = open_controller("9999:99:99.9", CtrlrOptions::default()) else { panic!("no such device") };
+        assert!(matches!(e, crate::Error::NoPciDevice { .. }), "{e}");
+        assert!(e.to_string().starts_with("no PCI device 9999:99:99.9"), "{e}");
     }
 
     #[test]

@@ -21,30 +21,6 @@ fn backing(dir: &Path, name: &str, len: usize, seed: u64) -> (PathBuf, Vec<u8>) 
     picchio_testkit::conformance::random_file(dir, name, len, seed)
 }
 
-/// A queue on the controller model that owns its model (dropped after the queue's shutdown).
-struct SimQueue {
-    q: NvmeQueue,
-    _sim: Sim,
-}
-
-impl IoQueue for SimQueue {
-    fn block_size(&self) -> u32 {
-        self.q.block_size()
-    }
-    fn submit(&mut self, req: ReadReq) {
-        self.q.submit(req)
-    }
-    fn reap(&mut self, min: usize, out: &mut Vec<Completion>) -> usize {
-        self.q.reap(min, out)
-    }
-    fn in_flight(&self) -> usize {
-        self.q.in_flight()
-    }
-    fn describe(&self) -> String {
-        self.q.describe()
-    }
-}
-
 /// Lends the conformance suite the driver on the controller model with `lba`-byte LBAs; the
 /// namespace is the suite's file. Per-command timeout 60 s: the suite checks reads, not timeouts, and
 /// a loaded machine can stall the model's thread far beyond the fault tests' 300 ms.
@@ -52,9 +28,11 @@ fn with_sim(lba: u32, f: impl FnOnce(&Engine)) {
     let dir = tempfile::tempdir().unwrap();
     let open = move |p: &Path, qd: u32| -> Box<dyn IoQueue> {
         let o = NvmeQueueOptions { qd: qd as u16, timeout: Duration::from_secs(60), ..Default::default() };
-        let (q, sim) = NvmeQueue::open_sim(SimConfig::single(p, lba), &o).unwrap();
+        // The queue owns the model: its controller holds the model's register window, which keeps
+        // the model thread running until the driver has shut the controller down.
+        let (q, _sim) = NvmeQueue::open_sim(SimConfig::single(p, lba), &o).unwrap();
         assert_eq!(q.block_size(), lba);
-        Box::new(SimQueue { q, _sim: sim })
+        Box::new(q)
     };
     let misaligned = |e: &std::io::Error, _: Misalign| assert!(e.to_string().contains("not aligned"), "{e}");
     let past_end = |e: &std::io::Error, offset: u64, size: u64| {

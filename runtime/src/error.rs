@@ -56,6 +56,24 @@ pub enum Error {
         #[source]
         cause: safetensors::SafeTensorError,
     },
+    /// A safetensors file whose header names a tensor its data does not match: the tensor's
+    /// `data_offsets` span other than its dtype and shape need, or the file ends before its data does.
+    #[error("{path}: not a valid safetensors file: {detail}")]
+    SafetensorsTensor {
+        /// The file.
+        path: PathBuf,
+        /// The tensor, its expected and found byte counts, or "truncated: N of M bytes".
+        detail: String,
+    },
+    /// An output path (convert's OUT_DIR, pack's or synth's image file) whose parent directory does
+    /// not exist: outputs are written beside their final name, never into directories made up on the way.
+    #[error("{}: its parent directory {} does not exist (create it first)", path.display(), parent.display())]
+    NoParentDir {
+        /// The output path.
+        path: PathBuf,
+        /// Its missing parent directory.
+        parent: PathBuf,
+    },
     /// `model.safetensors.index.json` is malformed.
     #[error("{path}: invalid safetensors index: {message}")]
     ShardIndex {
@@ -189,7 +207,9 @@ pub enum Error {
     /// A quantization check failed (shape or name); the [`crate::quant::QuantError`] names it.
     #[error(transparent)]
     Quant(#[from] crate::quant::QuantError),
-    /// The NVMe driver failed on `target` (the driver's error is the `source()`).
+    /// The NVMe driver failed on `target` (the driver's error is the `source()`). Linux only, as the
+    /// driver is.
+    #[cfg(target_os = "linux")]
     #[error("{target}")]
     Nvme {
         /// The store or controller (`nvme:0000:01:00.0/1`, `nvme-sim:/tmp/ns.img`).
@@ -209,6 +229,17 @@ pub enum Error {
         /// The admin error.
         #[source]
         cause: crate::nvme_admin::AdminError,
+    },
+    /// A store URI given where it cannot be used: `auto` as a place to write, `nvme-sim:` for a run,
+    /// an unknown scheme where bench reads ([`crate::expert::open`]).
+    #[error("{option} {uri}: {reason}")]
+    StoreNotAccepted {
+        /// The option or argument it was given as (`--store`, `--out`).
+        option: &'static str,
+        /// The URI as given (quoted when it did not parse).
+        uri: String,
+        /// Why it is refused, and the forms accepted there.
+        reason: String,
     },
     /// A user request cannot be satisfied (bad flag combination, empty prompt, ...).
     #[error("{0}")]
@@ -231,6 +262,8 @@ pub enum Error {
 /// The message of [`Error::ContextOverflow`]: against the model's `max_position_embeddings` when
 /// `config` names it, else against the context the model was loaded with.
 fn context_overflow(needed: usize, context: usize, config: Option<&std::path::Path>) -> String {
+    // `needed` is a `saturating_add` sum: `usize::MAX` is where it stopped, not what it was.
+    let needed = if needed == usize::MAX { format!("more than {}", usize::MAX - 1) } else { needed.to_string() };
     match config {
         Some(c) => format!(
             "prompt + generated tokens = {needed} exceed the model's context of {context} positions \
@@ -249,6 +282,7 @@ impl Error {
     }
 
     /// Wraps an NVMe driver error with the store or controller it happened on.
+    #[cfg(target_os = "linux")]
     pub fn nvme(target: impl Into<String>) -> impl FnOnce(picchio_nvme::Error) -> Error {
         let target = target.into();
         move |cause| Error::Nvme { target, cause }
@@ -291,17 +325,19 @@ mod tests {
         let json = || serde_json::from_str::<u32>("{").unwrap_err();
         let key = picchio_core::ExpertKey { layer: 2, expert: 6 };
         let load = || picchio_core::LoadError::Io { source_name: "img".into(), key, offset: 0x3000, cause: busy() };
-        let errors = [
+        #[allow(unused_mut)] // the NVMe driver's error exists on Linux only
+        let mut errors: Vec<Error> = vec![
             Error::io("/m/config.json", "read")(busy()),
             Error::Config { path: "/m/config.json".into(), cause: json() },
             Error::ExpertLoad { key, cause: load() },
-            Error::nvme("nvme:0000:01:00.0/1")(picchio_nvme::Error::Vfio {
-                op: "open",
-                what: "/dev/vfio/7".into(),
-                source: busy(),
-            }),
             Error::admin("nvme:0000:01:00.0/1")(AdminError::Io { path: "/sys/x".into(), what: "write", cause: busy() }),
         ];
+        #[cfg(target_os = "linux")]
+        errors.push(Error::nvme("nvme:0000:01:00.0/1")(picchio_nvme::Error::Vfio {
+            op: "open",
+            what: "/dev/vfio/7".into(),
+            source: busy(),
+        }));
         for e in &errors {
             let src = e.source().expect("the cause is the source").to_string();
             assert!(!e.to_string().contains(&src), "{e} repeats its source {src}");

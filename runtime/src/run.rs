@@ -93,6 +93,9 @@ pub struct RunStats {
     pub fallbacks: u64,
     /// Store failures (each then served by the fallback).
     pub store_errors: u64,
+    /// Experts the store has no entry for by design (layers past a `pack --layers N` prefix image),
+    /// served by the fallback; not store errors.
+    pub store_missing: u64,
     /// The store (`safetensors`, `file:PATH`).
     pub store: String,
     /// The engine (`psync(direct, 2 threads)`, `uring(direct, qd 32)`, ...).
@@ -155,7 +158,15 @@ impl Session {
                 let expected = "must be at least 1".into();
                 return Err(Error::BadOption { option: "ecap", value: "0".into(), expected });
             }
-            Some(n) => n.min(total.max(1)),
+            // As `bench cache` does: a capacity above the expert count is refused, not clamped silently.
+            Some(n) if n > total => {
+                return Err(Error::Invalid(format!(
+                    "--ecap {n}: the model has only {total} routed experts ({} MoE layers × {})",
+                    cfg.moe_layers().len(),
+                    cfg.num_experts
+                )))
+            }
+            Some(n) => n,
             None => default_ecap(total, layout.len(), cfg.num_experts_per_tok),
         };
         let mut cache = ExpertCache::new(ecap, layout.len())?;
@@ -197,7 +208,7 @@ impl Session {
         if let Some(&bad) = prompt_ids.iter().find(|&&t| t as usize >= vocab) {
             return Err(Error::OutOfVocabulary { what: "prompt id", id: u64::from(bad), vocab });
         }
-        let needed = prompt_ids.len() + opts.max_new;
+        let needed = prompt_ids.len().saturating_add(opts.max_new);
         if needed > self.model.max_seq() {
             return Err(Error::ContextOverflow { needed, context: self.model.max_seq(), config: None });
         }
@@ -262,6 +273,7 @@ impl Session {
             bounce_bytes: io.bounce_bytes - io0.bounce_bytes,
             fallbacks: io.fallbacks - io0.fallbacks,
             store_errors: io.errors - io0.errors,
+            store_missing: io.missing - io0.missing,
             store: self.info.store.clone(),
             engine: self.info.engine.clone(),
             async_moe: self.cache.async_moe(),

@@ -363,7 +363,9 @@ pub fn drop_in_flight(e: &Engine) {
                 while out.len() < reaped {
                     q.reap(1, &mut out);
                 }
-                assert!(q.in_flight() > 0);
+                // `reap` returns every completion it finds, so on a fast (cached) read path all 300
+                // may be back already: how many are still in flight here depends on timing, and is
+                // not asserted (the 256 unreaped reads above always are in flight at their drop).
                 drop(q);
                 for c in &out {
                     check_bytes(

@@ -7,12 +7,13 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use picchio_blockdev::{open_store, PsyncOptions, PsyncQueue};
+use picchio_core::format::DENSE_LAYER_PLACEHOLDER;
 use picchio_core::format::{decode_index, Superblock};
 use picchio_core::{AlignedBuf, ExpertKey, FlatStore, LoadError, StoreExpect};
 use picchio_runtime::expert::layout::ExpertLayout;
 use picchio_runtime::expert::store::store_dims;
 use picchio_runtime::image::convert::{convert, ConvertOptions, ExpertSource};
-use picchio_runtime::image::pack::{pack, PackOptions, DENSE_LAYER_PLACEHOLDER};
+use picchio_runtime::image::pack::{pack, PackOptions};
 use picchio_runtime::image::verify::{verify, FailureKind, VerifyOptions};
 use picchio_runtime::model::safetensors::TensorStore;
 use picchio_runtime::quant::{quantize_q3, quantize_q4, QuantKind};

@@ -1,4 +1,5 @@
-//! Oracle tests of the Qwen3-MoE forward pass against Hugging Face transformers (tests/fixtures).
+//! Oracle tests of the Qwen3-MoE and GPT-OSS forward passes against Hugging Face transformers
+//! (tests/fixtures).
 //!
 //! - `picchio_c/qwen3_moe` (converted by Picchio (C): Q4 experts, I8 embeddings and lm_head): greedy
 //!   ids equal the ones Picchio (C) printed, for expert-cache capacities 1, 4 and all, with the
@@ -6,6 +7,9 @@
 //! - Every Qwen3-MoE fixture converted by `picchio convert` with experts `none` (against
 //!   `reference.*`: greedy ids exact, logits, hidden states and router logits within 1e-4) and `q4`
 //!   (against `reference_q4.*`: greedy ids exact, the same within 1e-3).
+//! - Both GPT-OSS fixtures (`gpt_oss_mxfp4`: openai's MXFP4 experts; `gpt_oss_bf16`: transformers'
+//!   BF16 layout) the same way: they are one model, so both compare with their own (identical)
+//!   references.
 //!
 //! `logits` row t of a reference is the no-cache prediction after token t of prompt + greedy; with the
 //! KV cache, feeding prompt + greedy one token at a time gives the same rows.
@@ -331,4 +335,60 @@ fn qwen3_moe_text_none_matches_transformers() {
 #[test]
 fn qwen3_moe_text_q4_matches_transformers_q4() {
     convert_and_check("qwen3_moe_text", QuantKind::Q4);
+}
+
+#[test]
+fn gpt_oss_mxfp4_none_matches_transformers() {
+    convert_and_check("gpt_oss_mxfp4", QuantKind::F32);
+}
+
+#[test]
+fn gpt_oss_mxfp4_q4_matches_transformers_q4() {
+    convert_and_check("gpt_oss_mxfp4", QuantKind::Q4);
+}
+
+#[test]
+fn gpt_oss_bf16_none_matches_transformers() {
+    convert_and_check("gpt_oss_bf16", QuantKind::F32);
+}
+
+#[test]
+fn gpt_oss_bf16_q4_matches_transformers_q4() {
+    convert_and_check("gpt_oss_bf16", QuantKind::Q4);
+}
+
+/// Qwen3-MoE with YaRN `rope_scaling` (its long-context opt-in) runs: no transformers reference
+/// exists for it in the fixtures (see tests/fixtures/README.md), so this checks what follows from
+/// the math: position 0 attends to itself only (softmax of one score is 1 whatever RoPE does), so
+/// its logits are bit-identical to the unscaled model's; later positions differ; all are finite.
+#[test]
+fn qwen3_moe_with_yarn_rope_scaling_runs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let plain = tmp.path().join("plain");
+    let opts = ConvertOptions { experts: QuantKind::F32, progress: false, ..ConvertOptions::default() };
+    convert(&fixtures().join("qwen3_moe"), &plain, &opts).unwrap();
+    let yarn = tmp.path().join("yarn");
+    std::fs::create_dir(&yarn).unwrap();
+    for e in std::fs::read_dir(&plain).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, yarn.join(p.file_name().unwrap())).unwrap();
+    }
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(yarn.join("config.json")).unwrap()).unwrap();
+    cfg["rope_scaling"] =
+        serde_json::json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8});
+    std::fs::write(yarn.join("config.json"), cfg.to_string()).unwrap();
+    let prompt = Reference::open(&fixtures().join("qwen3_moe/reference.safetensors")).ids("prompt_ids");
+    let run = |dir: &Path| {
+        let mut model = Model::load(dir, prompt.len() + 4).unwrap();
+        let mut cache = model.new_cache(48).unwrap();
+        let mut loader = model.safetensors_loader();
+        greedy(&mut model, &mut cache, &mut loader, &prompt, 4)
+    };
+    let ((_, a), (tokens, b)) = (run(&plain), run(&yarn));
+    assert_eq!(tokens.len(), 4);
+    assert!(b.iter().all(|v| v.is_finite()));
+    let v = 4096;
+    assert!(a[..v].iter().zip(&b[..v]).all(|(x, y)| x.to_bits() == y.to_bits()), "position 0");
+    assert!(a[v..].iter().zip(&b[v..]).any(|(x, y)| x != y), "YaRN changes the later positions");
 }

@@ -11,7 +11,8 @@ use picchio_nvme::sim::{Sim, SimConfig};
 use picchio_nvme::{HeapDma, NvmeQueue, NvmeQueueOptions};
 use picchio_runtime::expert::cache::ExpertCache;
 use picchio_runtime::expert::store::{open_nvme_flat, with_fallback, IoOptions};
-use picchio_runtime::image::pack::{pack_nvme_queue, PackOptions, RawPackOptions};
+use picchio_runtime::image::pack::{PackOptions, PackReport};
+use picchio_runtime::image::write::{WriteOptions, WriteTo};
 use picchio_runtime::model::Model;
 use picchio_runtime::run::{GenerateOptions, Session};
 use picchio_tests::*;
@@ -23,8 +24,20 @@ fn queue(ns: &Path, lba: u32) -> (NvmeQueue, Sim) {
     NvmeQueue::open_sim_with(cfg, &opts, HeapDma::new(), true).unwrap()
 }
 
-fn opts(force: bool) -> RawPackOptions {
-    RawPackOptions { pack: PackOptions { layers: None, progress: false }, force, io_threads: 1 }
+const POPTS: PackOptions = PackOptions { layers: None, progress: false };
+
+fn opts(force: bool) -> WriteOptions {
+    WriteOptions { force, io_threads: 1, ..WriteOptions::default() }
+}
+
+/// `pack --out nvme:` of the fixture onto the namespace `q` drives.
+fn pack_nvme_queue(
+    q: &mut NvmeQueue,
+    force: bool,
+    announce: &mut dyn FnMut(&picchio_runtime::image::write::Plan<'_>),
+) -> picchio_runtime::Result<PackReport> {
+    let to = WriteTo::NvmeQueue { queue: q, name: "nvme:sim/1" };
+    picchio_runtime::image::pack::pack_to(&model(), to, &POPTS, &opts(force), announce)
 }
 
 fn model() -> std::path::PathBuf {
@@ -32,14 +45,10 @@ fn model() -> std::path::PathBuf {
 }
 
 /// Packs onto `ns` through a fresh sim queue; returns the plan printed and the result.
-fn pack_to(
-    ns: &Path,
-    lba: u32,
-    force: bool,
-) -> (String, picchio_runtime::Result<picchio_runtime::image::pack::NvmePackReport>) {
+fn pack_to(ns: &Path, lba: u32, force: bool) -> (String, picchio_runtime::Result<PackReport>) {
     let (mut q, sim) = queue(ns, lba);
     let mut plan = String::new();
-    let r = pack_nvme_queue(&model(), &mut q, "nvme:sim/1", &opts(force), &mut |i| plan = i.to_string());
+    let r = pack_nvme_queue(&mut q, force, &mut |i| plan = i.to_string());
     drop(q);
     assert_eq!(sim.stats().dma_faults, 0);
     (plan, r)
@@ -78,8 +87,9 @@ fn pack_writes_flushes_and_reads_back_then_the_runtime_gives_picchio_c_tokens() 
         assert!(plan.contains(&format!("writes {} bytes", image.len())), "{plan}");
         let text = report.to_string();
         assert!(text.contains(&format!("{} B LBAs", lba)) && text.contains("payload hashes OK"), "{text}");
-        assert!(report.commands.0 > 0 && report.commands.1 >= 3, "writes and flushes: {:?}", report.commands);
-        assert!(report.verify.is_clean() && report.verify.entries == 48);
+        let (commands, verify) = (report.nvme_commands().unwrap(), report.verify().unwrap());
+        assert!(commands.0 > 0 && commands.1 >= 3, "writes and flushes: {:?}", commands);
+        assert!(verify.is_clean() && verify.entries == 48);
         let disk = std::fs::read(&ns).unwrap();
         assert!(disk[..image.len()] == image[..], "lba {lba}: the namespace holds Picchio (C)'s image byte for byte");
         assert!(disk[image.len()..] == junk[image.len()..], "nothing written past the image");
@@ -151,7 +161,7 @@ fn a_read_only_namespace_fails_the_pack_with_the_write_status() {
     std::fs::write(&ns, vec![0u8; 1 << 20]).unwrap();
     let opts_q = NvmeQueueOptions { qd: 4, timeout: Duration::from_secs(60), ..Default::default() };
     let (mut q, _sim) = NvmeQueue::open_sim_with(SimConfig::single(&ns, 512), &opts_q, HeapDma::new(), true).unwrap();
-    let e = pack_nvme_queue(&model(), &mut q, "nvme:sim/1", &opts(false), &mut |_| {}).unwrap_err();
+    let e = pack_nvme_queue(&mut q, false, &mut |_| {}).unwrap_err();
     let e = picchio_core::error::chain(&e).to_string();
     assert!(e.contains("nvme:sim/1") && e.contains("NVMe write of namespace 1"), "{e}");
 }

@@ -15,8 +15,9 @@ use std::path::{Path, PathBuf};
 use loopdev::{mkfs_ext4, run, sparse_file, write_gpt_signature, LoopDevice, LoopOptions, Mounted};
 use picchio_core::StoreUri;
 use picchio_runtime::expert::store::{IoEngine, IoOptions};
-use picchio_runtime::image::pack::{pack_raw, PackOptions, RawPackOptions, RawPackReport};
+use picchio_runtime::image::pack::{PackOptions, PackReport};
 use picchio_runtime::image::verify::{verify_raw, FailureKind, VerifyOptions};
+use picchio_runtime::image::write::{WriteOptions, WriteTo};
 use picchio_tests::*;
 
 const MIB: u64 = 1 << 20;
@@ -40,14 +41,16 @@ fn raw(dev: &Path, offset: u64) -> StoreUri {
     StoreUri::Raw { device: dev.into(), offset }
 }
 
-fn ropts(force: bool) -> RawPackOptions {
-    RawPackOptions { pack: PackOptions { progress: false, ..Default::default() }, force, io_threads: 2 }
+fn ropts(force: bool) -> WriteOptions {
+    WriteOptions { force, io_threads: 2, ..WriteOptions::default() }
 }
 
-/// `pack_raw` of the fixture, returning the plan it announced as well.
-fn pack_to(dev: &Path, offset: u64, force: bool) -> (picchio_runtime::Result<RawPackReport>, String) {
+/// `pack --out raw:` of the fixture, returning the plan it announced as well.
+fn pack_to(dev: &Path, offset: u64, force: bool) -> (picchio_runtime::Result<PackReport>, String) {
     let mut plan = String::new();
-    let r = pack_raw(&model(), dev, offset, &ropts(force), &mut |i| plan = i.to_string());
+    let popts = PackOptions { progress: false, ..Default::default() };
+    let to = WriteTo::Uri(&raw(dev, offset));
+    let r = picchio_runtime::image::pack::pack_to(&model(), to, &popts, &ropts(force), &mut |i| plan = i.to_string());
     (r, plan)
 }
 
@@ -66,9 +69,10 @@ fn raw_devices_with_512_and_4096_byte_lbas_give_picchio_c_tokens() {
         let report = report.unwrap_or_else(|e| panic!("{lbs}@{offset}: {e}"));
         eprintln!("{plan}\n{report}");
         assert!(plan.contains(&format!("writes {IMAGE_LEN} bytes")) && plan.contains("found: nothing"), "{plan}");
-        assert_eq!(report.pack.bytes, IMAGE_LEN);
-        assert_eq!(report.inspection.target().start().0, offset / u64::from(lbs));
-        assert!(report.verify.is_clean() && report.verify.entries == 48, "{}", report.verify);
+        let verify = report.verify().expect("a raw write is read back");
+        assert_eq!(report.bytes, IMAGE_LEN);
+        assert_eq!(report.raw_inspection().unwrap().target().start().0, offset / u64::from(lbs));
+        assert!(verify.is_clean() && verify.entries == 48, "{}", verify);
         let uri = raw(&lo.dev, offset);
         for ecap in [1, 48] {
             let (g, s) = greedy(&model(), uri.clone(), psync_direct(), Some(ecap), &prompt, N).unwrap();

@@ -8,7 +8,20 @@ use std::time::Duration;
 
 use picchio_nvme::sim::{Sim, SimConfig};
 use picchio_nvme::{HeapDma, NvmeQueue, NvmeQueueOptions};
-use picchio_runtime::image::synth::{synth, synth_nvme_queue, Geometry, SynthOptions};
+use picchio_runtime::image::synth::{synth, synth_to, Geometry, SynthOptions, SynthReport};
+use picchio_runtime::image::write::{Plan, WriteOptions, WriteTo};
+
+/// `synth --out nvme:` onto the namespace `q` drives.
+fn synth_nvme_queue(
+    q: &mut NvmeQueue,
+    name: &str,
+    opts: &SynthOptions,
+    force: bool,
+    announce: &mut dyn FnMut(&Plan<'_>),
+) -> picchio_runtime::Result<SynthReport> {
+    let wopts = WriteOptions { force, ..WriteOptions::default() };
+    synth_to(WriteTo::NvmeQueue { queue: q, name }, opts, &wopts, announce)
+}
 
 fn queue(ns: &Path) -> (NvmeQueue, Sim) {
     let mut cfg = SimConfig::single(ns, 4096);
@@ -40,8 +53,9 @@ fn synth_onto_a_namespace_writes_the_file_image_bytes() {
     drop(q);
     assert_eq!(sim.stats().dma_faults, 0);
     assert!(plan.contains("nvme:sim/1"), "{plan}");
-    assert_eq!((r.synth.dest.as_str(), r.synth.bytes, r.verify.entries), ("nvme:sim/1", want.len() as u64, 12));
-    assert!(r.verify.is_clean(), "{}", r.verify);
+    let verify = r.verify().unwrap();
+    assert_eq!((r.dest.as_str(), r.bytes, verify.entries), ("nvme:sim/1", want.len() as u64, 12));
+    assert!(verify.is_clean(), "{}", verify);
     let got = std::fs::read(&ns).unwrap();
     assert_eq!(&got[..want.len()], &want[..], "the namespace holds the file image byte for byte");
     assert!(got[want.len()..].iter().all(|&b| b == 0xA5), "nothing written past the image");

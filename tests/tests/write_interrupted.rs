@@ -36,7 +36,8 @@ fn a_stop_request_ends_every_write_leaving_nothing_behind() {
     {
         use picchio_nvme::sim::SimConfig;
         use picchio_nvme::{HeapDma, NvmeQueue, NvmeQueueOptions};
-        use picchio_runtime::image::synth::{synth_nvme_queue, Geometry, SynthOptions};
+        use picchio_runtime::image::synth::{synth_to, Geometry, SynthOptions};
+        use picchio_runtime::image::write::{WriteOptions, WriteTo};
         // An earlier valid image on the namespace: after the interrupted write its superblock is gone.
         let ns = dir.path().join("ns");
         let mut bytes = picchio_core::format::MAGIC.to_vec();
@@ -47,7 +48,8 @@ fn a_stop_request_ends_every_write_leaving_nothing_behind() {
         let qopts = NvmeQueueOptions { qd: 8, ..Default::default() };
         let (mut q, _sim) = NvmeQueue::open_sim_with(cfg, &qopts, HeapDma::new(), true).unwrap();
         let opts = SynthOptions { geometry: Geometry::q4(64, 2, 4, 2, 64), layers: None, seed: 1, progress: false };
-        let e = synth_nvme_queue(&mut q, "nvme:sim/1", &opts, false, &mut |_| {}).unwrap_err();
+        let to = WriteTo::NvmeQueue { queue: &mut q, name: "nvme:sim/1" };
+        let e = synth_to(to, &opts, &WriteOptions::default(), &mut |_| {}).unwrap_err();
         drop(q);
         assert!(matches!(&e, Error::Interrupted { done: 0, wanted: 8, unit: "payloads", .. }), "{e}");
         let after = std::fs::read(&ns).unwrap();

@@ -18,8 +18,10 @@ use crate::error::Result;
 use crate::mountinfo::unescape;
 pub use crate::mountinfo::{DevNum, MountEntry};
 
+mod machine;
 mod sysfs;
 
+pub use machine::{cpu_seconds, free_bytes, online_cpus, uname, Uname};
 pub use sysfs::Sysfs;
 
 /// One mount of the mount table, with the block devices it uses.

@@ -5,7 +5,8 @@ use std::path::{Path, PathBuf};
 
 use clap::Subcommand;
 use picchio_bench::measure::StoreLayout;
-use picchio_bench::{self as bench, env::Environment, output, target::BenchStore, Report};
+use picchio_bench::{self as bench, env::Environment, output, Report};
+use picchio_core::StoreUri;
 use serde::Serialize;
 
 /// Options of `picchio bench`.
@@ -78,7 +79,7 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
     match a.experiment {
         Experiment::Env(a) => {
             let (store, _) = before_run("env", &a.common, None)?;
-            let run = bench::Run::start("env", &a, Some(&store.target_spec()))?;
+            let run = bench::Run::start("env", &a, Some(&store))?;
             let report = run.finish(serde_json::json!({}));
             println!("{}", describe_environment(&report.environment));
             after_run(&report, &a.common, None)
@@ -97,12 +98,8 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
 /// the end: the `--store` parses and opens as an image (as every experiment then reads it), `--json`
 /// may be written (an earlier report or a new file in an existing directory, never the store) and
 /// `--plot` may be created. Returns the store and its layout.
-pub(super) fn before_run(
-    experiment: &str,
-    c: &Common,
-    plot: Option<&Path>,
-) -> anyhow::Result<(BenchStore, StoreLayout)> {
-    let store: BenchStore = c.store.parse()?;
+pub(super) fn before_run(experiment: &str, c: &Common, plot: Option<&Path>) -> anyhow::Result<(StoreUri, StoreLayout)> {
+    let store = picchio_runtime::expert::open::bench_store(&c.store)?;
     if let Some(dir) = plot {
         bench::check_plot_supported(experiment)?;
         output::check_plot_dir(dir)?;
@@ -115,12 +112,8 @@ pub(super) fn before_run(
 }
 
 /// The file or device node a store reads (what `--json` must never be).
-fn store_file(store: &BenchStore) -> Option<&Path> {
-    match store {
-        BenchStore::File(p) | BenchStore::NvmeSim(p) => Some(p),
-        BenchStore::Raw { device, .. } => Some(device),
-        BenchStore::Nvme { .. } => None,
-    }
+fn store_file(store: &StoreUri) -> Option<&Path> {
+    store.local_path()
 }
 
 /// Writes the JSON report and the charts a run asked for.

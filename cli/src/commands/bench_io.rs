@@ -130,7 +130,7 @@ pub fn qd_sweep(a: QdSweepArgs) -> anyhow::Result<()> {
         warm: a.warm,
         fio: !a.no_fio,
     };
-    let run = bench::Run::start("qd-sweep", &bench::flags(&a, &opts)?, Some(&store.target_spec()))?;
+    let run = bench::Run::start("qd-sweep", &bench::flags(&a, &opts)?, Some(&store))?;
     eprintln!("{}", describe_environment(run.environment()));
     println!("{}", point_header(true));
     let results = qd_sweep::run(&store, &opts, &mut |p: &QdPoint| {
@@ -227,7 +227,7 @@ pub fn layout(a: LayoutArgs) -> anyhow::Result<()> {
         seed: a.seed,
         warm: a.warm,
     };
-    let run = bench::Run::start("layout", &bench::flags(&a, &opts)?, Some(&store.target_spec()))?;
+    let run = bench::Run::start("layout", &bench::flags(&a, &opts)?, Some(&store))?;
     eprintln!("{}", describe_environment(run.environment()));
     println!(
         "{:<6} {:<10} {:<15} {:>3} {:>3} {:>9} {:>9} {:>11} {:>11} {:>8}",
@@ -294,7 +294,7 @@ pub fn tiers(a: TiersArgs) -> anyhow::Result<()> {
     use picchio_bench::tiers::{self, TierRow, TiersOptions};
     let (store, _) = before_run("tiers", &a.common, None)?;
     let opts = TiersOptions { threads: a.threads, qd: a.qd, stop: a.stop.stop(3.0)?, seed: a.seed };
-    let run = bench::Run::start("tiers", &bench::flags(&a, &opts)?, Some(&store.target_spec()))?;
+    let run = bench::Run::start("tiers", &bench::flags(&a, &opts)?, Some(&store))?;
     eprintln!("{}", describe_environment(run.environment()));
     println!("{:<4} {}", "tier", point_header(false));
     let results = tiers::run(&store, &opts, &mut |r: &TierRow| {
@@ -352,7 +352,7 @@ pub fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
     let (data, payload) = layout.payload();
     let range = opts.resolve_range(data + payload)?;
     let resolved = OverheadOptions { range: Some(range), ..opts.clone() };
-    let run = bench::Run::start("overhead", &bench::flags(&a, &resolved)?, Some(&store.target_spec()))?;
+    let run = bench::Run::start("overhead", &bench::flags(&a, &resolved)?, Some(&store))?;
     eprintln!("{}", describe_environment(run.environment()));
     println!(
         "{:<9} {:>10} {:>10} {:>10} {:>10} {:>10}  complete includes",

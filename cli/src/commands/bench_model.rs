@@ -6,7 +6,6 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use picchio_bench::cache::{ecaps_for_percents, run_cache, CacheOptions, ReadMode};
-use picchio_bench::env::TargetSpec;
 use picchio_bench::trace::{analyse, default_capacities, RoutingTrace, TraceHeader, TraceWriter};
 use picchio_bench::{self as bench, Report};
 use picchio_core::StoreUri;
@@ -16,8 +15,6 @@ use picchio_runtime::run::{GenerateOptions, Session, SessionOptions};
 use serde::Serialize;
 
 use super::run::EngineArgs;
-
-const WORKDIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/picchio-demo");
 
 /// Where the report and its charts go.
 #[derive(clap::Args, Debug, Clone, Serialize)]
@@ -83,9 +80,10 @@ pub struct CacheArgs {
     /// this many GB, written once under --workdir and reused (the one `picchio demo --synthetic-gb` uses).
     #[arg(long, value_name = "GB")]
     pub synthetic_gb: Option<f64>,
-    /// Where --synthetic-gb models are written.
-    #[arg(long, value_name = "DIR", default_value = WORKDIR)]
-    pub workdir: PathBuf,
+    /// Where --synthetic-gb models are written [default: $PICCHIO_WORKDIR, else the user's cache
+    /// directory: $XDG_CACHE_HOME/picchio or ~/.cache/picchio].
+    #[arg(long, value_name = "DIR")]
+    pub workdir: Option<PathBuf>,
     /// Where routed experts come from: `auto` (DIR/experts.picchioflat when present, else
     /// safetensors), `safetensors`, `file:PATH`, `raw:/dev/X[@BYTES]` or `nvme:BDF[/NSID]`.
     #[arg(long, value_name = "URI", default_value = "auto")]
@@ -237,7 +235,7 @@ pub fn cache(a: CacheArgs) -> anyhow::Result<()> {
     let (model, store) = match (&a.model, a.synthetic_gb) {
         (Some(m), _) => (m.clone(), a.store.clone()),
         (None, Some(gb)) => {
-            let (_, m, image) = super::demo::synthetic_model(&a.workdir, gb, false)?;
+            let (_, m, image) = super::demo::synthetic_model(&super::demo::workdir(a.workdir.as_deref())?, gb, false)?;
             let store = if a.store == StoreUri::Auto { StoreUri::File(image) } else { a.store.clone() };
             (m, store)
         }
@@ -267,7 +265,7 @@ pub fn cache(a: CacheArgs) -> anyhow::Result<()> {
     };
     let image = image_of(&store, &model);
     a.out.check("cache", image.as_deref())?;
-    let target = image.map(|path| TargetSpec::File { uri: store.to_string(), path });
+    let target = image.map(StoreUri::File);
     let run = bench::Run::start("cache", &bench::flags(&a.out, &opts)?, target.as_ref())?;
     let n_points = opts.ecaps.len() * opts.modes.len();
     let bar = picchio_runtime::progress::bar(n_points as u64, "cache points", false);

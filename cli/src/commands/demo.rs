@@ -15,8 +15,8 @@ use picchio_runtime::model::tokenizer::Tokenizer;
 use picchio_runtime::quant::QuantKind;
 use picchio_runtime::run::{GenerateOptions, Session, SessionOptions};
 
+/// The vendored fixture in the checkout the binary was built from (the default of `--fixture`).
 const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/qwen3_moe_text");
-const WORKDIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/picchio-demo");
 
 /// Options of `picchio demo`.
 #[derive(clap::Args, Debug)]
@@ -40,31 +40,88 @@ pub struct Args {
     pub buffered: bool,
     #[command(flatten)]
     pub engine: super::run::EngineArgs,
-    /// Where converted and synthetic models are written.
-    #[arg(long, value_name = "DIR", default_value = WORKDIR)]
-    pub workdir: PathBuf,
-    /// The Hugging Face fixture to convert (the vendored tests/fixtures/qwen3_moe_text).
-    #[arg(long, value_name = "DIR", default_value = FIXTURE, hide = true)]
-    pub fixture: PathBuf,
+    /// Where converted and synthetic models are written and kept for the next run [default:
+    /// $PICCHIO_WORKDIR, else the user's cache directory: $XDG_CACHE_HOME/picchio or ~/.cache/picchio].
+    #[arg(long, value_name = "DIR")]
+    pub workdir: Option<PathBuf>,
+    /// The Hugging Face fixture to convert [default: $PICCHIO_DEMO_FIXTURE, else
+    /// tests/fixtures/qwen3_moe_text of the checkout the binary was built from].
+    #[arg(long, value_name = "DIR")]
+    pub fixture: Option<PathBuf>,
     /// Print one JSON object with tokens and stats on stdout.
     #[arg(long)]
     pub json: bool,
 }
 
-pub fn exec(mut a: Args) -> anyhow::Result<()> {
+pub fn exec(a: Args) -> anyhow::Result<()> {
     check_args(&a)?;
-    std::fs::create_dir_all(&a.workdir).with_context(|| format!("creating {}", a.workdir.display()))?;
-    // Messages show plain absolute paths, not `<checkout>/runtime/../target/...`.
-    a.workdir = a.workdir.canonicalize().with_context(|| format!("resolving {}", a.workdir.display()))?;
-    if a.synthetic_gb.is_none() {
-        a.fixture = a.fixture.canonicalize().with_context(|| {
-            format!("the demo fixture {} is missing (the demo runs from a checkout)", a.fixture.display())
-        })?;
-    }
+    let workdir = workdir(a.workdir.as_deref())?;
+    std::fs::create_dir_all(&workdir).with_context(|| format!("creating {}", workdir.display()))?;
+    // Messages show plain absolute paths, not `<checkout>/runtime/../tests/...`.
+    let workdir = workdir.canonicalize().with_context(|| format!("resolving {}", workdir.display()))?;
     match a.synthetic_gb {
-        Some(gb) => synthetic(&a, gb),
-        None => fixture(&a),
+        Some(gb) => synthetic(&a, &workdir, gb),
+        None => fixture(&a, &workdir, &fixture_dir(a.fixture.as_deref())?),
     }
+}
+
+/// The demo's work directory: `flag` (`--workdir`), else `$PICCHIO_WORKDIR`, else `picchio` in the
+/// user's cache directory (`$XDG_CACHE_HOME`, else `~/.cache`; `%LOCALAPPDATA%` on Windows), so an
+/// installed binary works from any directory. Shared with `bench cache|trace --synthetic-gb`.
+///
+/// # Errors
+/// When none of these is set.
+pub(super) fn workdir(flag: Option<&Path>) -> anyhow::Result<PathBuf> {
+    let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    if let Some(p) = flag.map(Path::to_path_buf).or_else(|| env("PICCHIO_WORKDIR")) {
+        return Ok(p);
+    }
+    let cache = if cfg!(windows) {
+        env("LOCALAPPDATA")
+    } else {
+        env("XDG_CACHE_HOME").filter(|p| p.is_absolute()).or_else(|| env("HOME").map(|h| h.join(".cache")))
+    };
+    cache.map(|c| c.join("picchio")).context(
+        "no cache directory for the demo's models: set $XDG_CACHE_HOME or $HOME, $PICCHIO_WORKDIR, or pass --workdir DIR",
+    )
+}
+
+/// The fixture to convert: `flag` (`--fixture`), else `$PICCHIO_DEMO_FIXTURE`, else the checkout's
+/// vendored `tests/fixtures/qwen3_moe_text` (canonical).
+fn fixture_dir(flag: Option<&Path>) -> anyhow::Result<PathBuf> {
+    let from_env = std::env::var_os("PICCHIO_DEMO_FIXTURE").filter(|v| !v.is_empty()).map(PathBuf::from);
+    let dir = flag.map(Path::to_path_buf).or(from_env).unwrap_or_else(|| PathBuf::from(FIXTURE));
+    dir.canonicalize().with_context(|| {
+        format!(
+            "the demo fixture {} is missing (this binary was built from a checkout that is not here): pass \
+             --fixture DIR or set PICCHIO_DEMO_FIXTURE to a checkout's tests/fixtures/qwen3_moe_text",
+            dir.display()
+        )
+    })
+}
+
+/// What the converted demo model was made from: this binary's version, the expert format, and every
+/// fixture file's name, length and modification time. Written to the stamp file last, after convert
+/// and pack finished, so a stamp that matches means a complete directory and image of this fixture.
+fn fingerprint(fixture: &Path) -> anyhow::Result<String> {
+    let mut files: Vec<_> = std::fs::read_dir(fixture)
+        .with_context(|| format!("listing {}", fixture.display()))?
+        .collect::<std::io::Result<_>>()
+        .with_context(|| format!("listing {}", fixture.display()))?;
+    files.sort_by_key(std::fs::DirEntry::file_name);
+    let mut out = format!("picchio {}\nexperts q4\nfixture {}\n", env!("CARGO_PKG_VERSION"), fixture.display());
+    for f in files {
+        let m = f.metadata().with_context(|| format!("reading {}", f.path().display()))?;
+        let mtime = m.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).unwrap_or_default();
+        out.push_str(&format!(
+            "{} {} {}.{:09}\n",
+            f.file_name().to_string_lossy(),
+            m.len(),
+            mtime.as_secs(),
+            mtime.subsec_nanos()
+        ));
+    }
+    Ok(out)
 }
 
 fn check_args(a: &Args) -> anyhow::Result<()> {
@@ -83,9 +140,9 @@ fn ecap_for(total: usize, pct: f64) -> usize {
     ((total as f64 * pct / 100.0).round() as usize).max(1)
 }
 
-fn fixture(a: &Args) -> anyhow::Result<()> {
+fn fixture(a: &Args, workdir: &Path, fixture: &Path) -> anyhow::Result<()> {
     let reference: serde_json::Value = {
-        let p = a.fixture.join("reference_q4.json");
+        let p = fixture.join("reference_q4.json");
         serde_json::from_str(&std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?)
             .with_context(|| format!("parsing {}", p.display()))?
     };
@@ -97,14 +154,32 @@ fn fixture(a: &Args) -> anyhow::Result<()> {
     };
     let (want, prompt_text) = (ids("greedy_ids"), reference["prompt_text"].as_str().unwrap_or_default().to_string());
 
-    let model = a.workdir.join("qwen3_moe_text-q4");
-    if model.exists() {
-        std::fs::remove_dir_all(&model).with_context(|| format!("removing the previous {}", model.display()))?;
+    let model = workdir.join("qwen3_moe_text-q4");
+    let stamp = workdir.join("qwen3_moe_text-q4.stamp");
+    let want_stamp = fingerprint(fixture)?;
+    let complete =
+        model.join(DEFAULT_IMAGE).is_file() && std::fs::read_to_string(&stamp).is_ok_and(|s| s == want_stamp);
+    if complete {
+        eprintln!(
+            "reusing {} (converted and packed from {}; {} matches)",
+            model.display(),
+            fixture.display(),
+            stamp.display()
+        );
+    } else {
+        // A missing or different stamp: an interrupted or older build, or another fixture. Rebuild.
+        if stamp.exists() {
+            std::fs::remove_file(&stamp).with_context(|| format!("removing the stale {}", stamp.display()))?;
+        }
+        if model.exists() {
+            std::fs::remove_dir_all(&model).with_context(|| format!("removing the previous {}", model.display()))?;
+        }
+        eprintln!("converting {} -> {} (Q4 experts)", fixture.display(), model.display());
+        convert(fixture, &model, &ConvertOptions { experts: QuantKind::Q4, ..Default::default() })?;
+        eprintln!("packing {}", model.join(DEFAULT_IMAGE).display());
+        pack(&model, &model.join(DEFAULT_IMAGE), &PackOptions::default())?;
+        std::fs::write(&stamp, &want_stamp).with_context(|| format!("writing {}", stamp.display()))?;
     }
-    eprintln!("converting {} -> {} (Q4 experts)", a.fixture.display(), model.display());
-    convert(&a.fixture, &model, &ConvertOptions { experts: QuantKind::Q4, ..Default::default() })?;
-    eprintln!("packing {}", model.join(DEFAULT_IMAGE).display());
-    pack(&model, &model.join(DEFAULT_IMAGE), &PackOptions::default())?;
 
     let tokenizer = Tokenizer::from_dir(&model)?.context("the fixture has no tokenizer.json")?;
     let prompt = tokenizer.encode(&prompt_text)?;
@@ -164,8 +239,8 @@ fn open_session(opts: &SessionOptions, tokenizer: Option<Tokenizer>) -> anyhow::
     }
 }
 
-fn synthetic(a: &Args, gb: f64) -> anyhow::Result<()> {
-    let (spec, model, image) = synthetic_model(&a.workdir, gb, a.json)?;
+fn synthetic(a: &Args, workdir: &Path, gb: f64) -> anyhow::Result<()> {
+    let (spec, model, image) = synthetic_model(workdir, gb, a.json)?;
     let n = a.n.unwrap_or(32);
     let total = spec.layers * spec.experts;
     let ecap = ecap_for(total, a.cache_percent.unwrap_or(10.0));

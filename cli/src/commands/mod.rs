@@ -15,7 +15,7 @@ mod verify;
 
 /// Run Mixture-of-Experts models larger than RAM: routed experts stream from storage.
 #[derive(Parser, Debug)]
-#[command(name = "picchio", version, about, long_about = None, propagate_version = true)]
+#[command(name = "picchio", version, about = ABOUT, long_about = None, propagate_version = true)]
 pub struct Cli {
     /// More log output on stderr (-v info, -vv debug, -vvv trace). RUST_LOG overrides.
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
@@ -49,6 +49,54 @@ enum Command {
     Synth(synth::Args),
 }
 
+/// The `--help` headline: what the binary is and what its subcommands do (the crate's description is
+/// the library's, not the tool's).
+const ABOUT: &str = "picchio runs Mixture-of-Experts models larger than RAM, streaming routed experts from \
+                     storage: convert and pack a checkpoint, verify the image, run or demo it; nvme, bench and \
+                     synth for devices and experiments";
+
+/// The command line: [`Cli`] with negative numbers accepted as values of every option and positional
+/// argument of every subcommand (so `--temperature -1` reaches the option's range check instead of
+/// reading as an unknown flag `-1`), and a negative value of an unsigned option reported as a range
+/// error naming the option. Exits 2 (usage) on a parse error, 0 for `--help`/`--version`.
+pub fn parse() -> Cli {
+    use clap::FromArgMatches;
+    let matches = command().try_get_matches().unwrap_or_else(|e| negative_unsigned(e).exit());
+    Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
+/// [`Cli`]'s command with [`allow_negative_numbers`] applied to every subcommand.
+fn command() -> clap::Command {
+    use clap::CommandFactory;
+    allow_negative_numbers(Cli::command())
+}
+
+/// `cmd` and all its subcommands with every argument that takes a value accepting a negative number.
+fn allow_negative_numbers(cmd: clap::Command) -> clap::Command {
+    cmd.mut_args(|a| if a.get_action().takes_values() { a.allow_negative_numbers(true) } else { a })
+        .mut_subcommands(allow_negative_numbers)
+}
+
+/// A value-validation error for a negative number given to an unsigned integer option (whose parser
+/// says only "invalid digit found in string"), rewritten as a range error naming the option.
+fn negative_unsigned(e: clap::Error) -> clap::Error {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if e.kind() != ErrorKind::ValueValidation {
+        return e;
+    }
+    let (Some(ContextValue::String(arg)), Some(ContextValue::String(value))) =
+        (e.get(ContextKind::InvalidArg), e.get(ContextKind::InvalidValue))
+    else {
+        return e;
+    };
+    let negative = value.strip_prefix('-').is_some_and(|v| v.parse::<f64>().is_ok());
+    if !negative || !e.to_string().contains("invalid digit") {
+        return e;
+    }
+    let msg = format!("invalid value '{value}' for '{arg}': must be an integer >= 0\n");
+    clap::Error::raw(ErrorKind::ValueValidation, msg).with_cmd(&command())
+}
+
 /// Runs the chosen subcommand.
 pub fn exec(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
@@ -67,7 +115,25 @@ pub fn exec(cli: Cli) -> anyhow::Result<()> {
 mod tests {
     #[test]
     fn cli_is_consistent() {
-        use clap::CommandFactory;
-        super::Cli::command().debug_assert();
+        super::command().debug_assert();
+    }
+
+    /// Every argument that takes a value, of every subcommand, accepts a negative number as a value.
+    #[test]
+    fn every_valued_argument_accepts_negative_numbers() {
+        fn walk(cmd: &clap::Command, path: &str, seen: &mut usize) {
+            let mut cmd = cmd.clone();
+            cmd.build();
+            for a in cmd.get_arguments().filter(|a| a.get_action().takes_values()) {
+                assert!(a.is_allow_negative_numbers_set(), "{path} {}", a.get_id());
+                *seen += 1;
+            }
+            for sub in cmd.get_subcommands() {
+                walk(sub, &format!("{path} {}", sub.get_name()), seen);
+            }
+        }
+        let mut seen = 0;
+        walk(&super::command(), "picchio", &mut seen);
+        assert!(seen > 50, "only {seen} valued arguments");
     }
 }

@@ -3,8 +3,11 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
+use picchio_core::StoreUri;
+use picchio_runtime::expert::open::write_target;
 use picchio_runtime::expert::store::DEFAULT_IMAGE;
-use picchio_runtime::image::pack::{pack, parse_out, OutTarget, PackOptions};
+use picchio_runtime::image::pack::{pack, pack_to, PackOptions};
+use picchio_runtime::image::write::{WriteOptions, WriteTo};
 
 /// Options of `picchio pack`.
 #[derive(clap::Args, Debug)]
@@ -47,11 +50,12 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
     // SIGINT/SIGTERM stop the write between payloads: a file's temporary file is removed, a device
     // is left without a valid superblock.
     picchio_runtime::interrupt::install().context("installing the SIGINT/SIGTERM handlers")?;
-    let out = match a.out.as_deref().map(parse_out).transpose()? {
+    let out = match a.out.as_deref().map(write_target).transpose()? {
         None => a.model.join(DEFAULT_IMAGE),
-        Some(OutTarget::File(path)) => path,
-        Some(OutTarget::Raw { device, offset }) => return pack_raw(&a, &device, offset, opts),
-        Some(OutTarget::Nvme { bdf, nsid }) => return pack_nvme(&a, &bdf, nsid, opts),
+        Some(StoreUri::File(path)) => path,
+        Some(StoreUri::Raw { device, offset }) => return pack_raw(&a, &device, offset, opts),
+        Some(StoreUri::Nvme { bdf, nsid }) => return pack_nvme(&a, &bdf, nsid, opts),
+        Some(other) => unreachable!("write_target refuses {other}"),
     };
     if a.force {
         bail!("--force only applies to --out raw:/dev/X or nvme:BDF (a file image is replaced atomically anyway)");
@@ -62,33 +66,18 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-#[cfg(target_os = "linux")]
 fn pack_raw(a: &Args, device: &std::path::Path, offset: u64, pack: PackOptions) -> anyhow::Result<()> {
-    use picchio_runtime::image::pack::RawPackOptions;
-    let opts = RawPackOptions { pack, force: a.force, io_threads: a.io_threads };
-    let report =
-        picchio_runtime::image::pack::pack_raw(&a.model, device, offset, &opts, &mut |plan| eprintln!("{plan}"))?;
-    println!("{report}");
-    Ok(())
+    pack_device(a, &StoreUri::Raw { device: device.into(), offset }, pack)
 }
 
-#[cfg(not(target_os = "linux"))]
-fn pack_raw(_: &Args, device: &std::path::Path, _: u64, _: PackOptions) -> anyhow::Result<()> {
-    bail!("--out raw:{}: writing block devices is supported on Linux only", device.display())
-}
-
-#[cfg(target_os = "linux")]
 fn pack_nvme(a: &Args, bdf: &str, nsid: u32, pack: PackOptions) -> anyhow::Result<()> {
-    use picchio_runtime::image::pack::RawPackOptions;
-    let opts = RawPackOptions { pack, force: a.force, io_threads: a.io_threads };
-    let sysfs = std::path::Path::new("/sys");
-    let report =
-        picchio_runtime::image::pack::pack_nvme(&a.model, sysfs, bdf, nsid, &opts, &mut |plan| eprintln!("{plan}"))?;
-    println!("{report}");
-    Ok(())
+    pack_device(a, &StoreUri::Nvme { bdf: bdf.into(), nsid }, pack)
 }
 
-#[cfg(not(target_os = "linux"))]
-fn pack_nvme(_: &Args, bdf: &str, _: u32, _: PackOptions) -> anyhow::Result<()> {
-    bail!("--out nvme:{bdf}: the user-space NVMe driver needs Linux VFIO")
+/// `--out raw:` or `nvme:` through the image writer, which prints its plan before writing.
+fn pack_device(a: &Args, uri: &StoreUri, pack: PackOptions) -> anyhow::Result<()> {
+    let wopts = WriteOptions { force: a.force, io_threads: a.io_threads, ..WriteOptions::default() };
+    let report = pack_to(&a.model, WriteTo::Uri(uri), &pack, &wopts, &mut |plan| eprintln!("{plan}"))?;
+    println!("{report}");
+    Ok(())
 }

@@ -81,7 +81,7 @@ pub struct EngineArgs {
     /// I/O engine for flat stores: `uring` (io_uring, Linux; the default there, falling back to psync
     /// with a warning where io_uring is unavailable), `psync` (a pool of --io-threads pread threads),
     /// or `iocp` (overlapped I/O with a completion port; Windows, its default there).
-    #[arg(long = "io", value_name = "ENGINE", default_value_t = IoEngine::default())]
+    #[arg(long = "io", value_name = "ENGINE", default_value_t = IoEngine::default(), value_parser = engine_of_this_os)]
     pub io: IoEngine,
     /// uring: reads in flight at once (1-256). 1 is one read at a time; deeper queues let the device
     /// work on several experts together.
@@ -107,6 +107,31 @@ pub struct EngineArgs {
     /// measurement: tokens are identical either way).
     #[arg(long, overrides_with = "async_moe")]
     pub no_async_moe: bool,
+}
+
+/// The engines this OS has, its default first.
+const ENGINES_HERE: &[IoEngine] = if cfg!(target_os = "linux") {
+    &[IoEngine::Uring, IoEngine::Psync]
+} else if cfg!(windows) {
+    &[IoEngine::Iocp, IoEngine::Psync]
+} else {
+    &[IoEngine::Psync]
+};
+
+/// `--io ENGINE`: an engine this OS has. Another OS's engine (`iocp` on Linux, `uring` on Windows) is
+/// a usage error naming the engines here, not a warning followed by a run from safetensors.
+fn engine_of_this_os(s: &str) -> Result<IoEngine, String> {
+    let e: IoEngine = s.parse()?;
+    if ENGINES_HERE.contains(&e) {
+        return Ok(e);
+    }
+    let here = ENGINES_HERE.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ");
+    let only = match e {
+        IoEngine::Iocp => "the Windows engine",
+        IoEngine::Uring => "the Linux engine",
+        IoEngine::Psync => "not available",
+    };
+    Err(format!("{e} is {only}; this OS ({}) has {here}", std::env::consts::OS))
 }
 
 impl EngineArgs {

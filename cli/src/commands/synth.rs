@@ -1,8 +1,10 @@
 //! `picchio synth`.
 
 use anyhow::{bail, Context};
-use picchio_runtime::image::pack::{parse_out, OutTarget};
-use picchio_runtime::image::synth::{synth, Geometry, SynthOptions};
+use picchio_core::StoreUri;
+use picchio_runtime::expert::open::write_target;
+use picchio_runtime::image::synth::{synth, synth_to, Geometry, SynthOptions};
+use picchio_runtime::image::write::{WriteOptions, WriteTo};
 
 /// Options of `picchio synth`.
 #[derive(clap::Args, Debug)]
@@ -90,16 +92,17 @@ fn geometry(a: &Args) -> anyhow::Result<Geometry> {
 
 pub fn exec(a: Args) -> anyhow::Result<()> {
     let opts = SynthOptions { geometry: geometry(&a)?, layers: a.layers, seed: a.seed, progress: !a.no_progress };
-    let out = match parse_out(&a.out)? {
-        OutTarget::File(path) => path,
-        OutTarget::Raw { device, offset } => {
+    let out = match write_target(&a.out)? {
+        StoreUri::File(path) => path,
+        StoreUri::Raw { device, offset } => {
             picchio_runtime::interrupt::install().context("installing the SIGINT/SIGTERM handlers")?;
             return synth_raw(&a, &device, offset, &opts);
         }
-        OutTarget::Nvme { bdf, nsid } => {
+        StoreUri::Nvme { bdf, nsid } => {
             picchio_runtime::interrupt::install().context("installing the SIGINT/SIGTERM handlers")?;
             return synth_nvme(&a, &bdf, nsid, &opts);
         }
+        other => unreachable!("write_target refuses {other}"),
     };
     if a.force {
         bail!("--force only applies to --out raw:/dev/X or nvme:BDF (a file image is replaced atomically anyway)");
@@ -111,30 +114,18 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-#[cfg(target_os = "linux")]
 fn synth_raw(a: &Args, device: &std::path::Path, offset: u64, opts: &SynthOptions) -> anyhow::Result<()> {
-    let report = picchio_runtime::image::synth::synth_raw(device, offset, opts, a.force, a.io_threads, &mut |plan| {
-        eprintln!("{plan}")
-    })?;
-    println!("{report}");
-    Ok(())
+    synth_device(a, &StoreUri::Raw { device: device.into(), offset }, opts)
 }
 
-#[cfg(not(target_os = "linux"))]
-fn synth_raw(_: &Args, device: &std::path::Path, _: u64, _: &SynthOptions) -> anyhow::Result<()> {
-    bail!("--out raw:{}: writing block devices is supported on Linux only", device.display())
-}
-
-#[cfg(target_os = "linux")]
 fn synth_nvme(a: &Args, bdf: &str, nsid: u32, opts: &SynthOptions) -> anyhow::Result<()> {
-    let sysfs = std::path::Path::new("/sys");
-    let report =
-        picchio_runtime::image::synth::synth_nvme(sysfs, bdf, nsid, opts, a.force, &mut |plan| eprintln!("{plan}"))?;
-    println!("{report}");
-    Ok(())
+    synth_device(a, &StoreUri::Nvme { bdf: bdf.into(), nsid }, opts)
 }
 
-#[cfg(not(target_os = "linux"))]
-fn synth_nvme(_: &Args, bdf: &str, _: u32, _: &SynthOptions) -> anyhow::Result<()> {
-    bail!("--out nvme:{bdf}: the user-space NVMe driver needs Linux VFIO")
+/// `--out raw:` or `nvme:` through the image writer, which prints its plan before writing.
+fn synth_device(a: &Args, uri: &StoreUri, opts: &SynthOptions) -> anyhow::Result<()> {
+    let wopts = WriteOptions { force: a.force, io_threads: a.io_threads, ..WriteOptions::default() };
+    let report = synth_to(WriteTo::Uri(uri), opts, &wopts, &mut |plan| eprintln!("{plan}"))?;
+    println!("{report}");
+    Ok(())
 }

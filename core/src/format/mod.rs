@@ -17,6 +17,15 @@ pub use writer::{check_payload_len, data_offset, plan_image_len, FileSink, FlatW
 /// The block size of every `.picchioflat` image: all offsets and padded lengths are multiples of it.
 pub const BLOCK_SIZE: u32 = 4096;
 
+/// The payload of every index slot of a dense-MLP layer (32 bytes, one 4 KiB block on disk;
+/// docs/format.md, "Dense layers").
+///
+/// No expert payload has this length: an unquantized one is 12·H·I bytes (never 32), a Q4 one
+/// 27·H·I/16 and a Q3 one 21·H·I/16 bytes with H, I ≥ 64. A store opened for the model (with
+/// [`crate::StoreExpect`]) rejects such an entry, so anything requesting it falls back instead of
+/// computing with made-up weights; `picchio verify --model` checks that the slots hold exactly this.
+pub const DENSE_LAYER_PLACEHOLDER: &[u8; 32] = b"PICCHIO:DENSE-MLP-LAYER:NOEXPERT";
+
 /// Rounds `n` up to a multiple of `to` (a power of two or any non-zero value).
 pub const fn round_up(n: u64, to: u64) -> u64 {
     n.div_ceil(to) * to

@@ -100,6 +100,13 @@ impl Superblock {
     /// [`Error::BadMagic`], [`Error::BadField`] (version, block size, zero dimensions, misaligned or
     /// inconsistent offsets) or [`Error::Truncated`] (index or data region past `image_len`).
     pub fn decode(bytes: &[u8], source_name: &str, image_len: u64) -> Result<Self> {
+        // The magic first: a short foreign buffer is "not an image", not a truncated one.
+        if bytes.len() >= 8 && bytes[..8] != MAGIC {
+            return Err(Error::BadMagic {
+                source_name: source_name.into(),
+                found: String::from_utf8_lossy(&bytes[..8]).into_owned(),
+            });
+        }
         if bytes.len() < SUPERBLOCK_ENCODED_LEN {
             return Err(Error::Truncated {
                 source_name: source_name.into(),
@@ -230,6 +237,14 @@ impl Superblock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_short_foreign_buffer_is_bad_magic_and_a_short_image_is_truncated() {
+        let e = Superblock::decode(b"{\n  \"architectures\": []}", "config.json", 27).unwrap_err();
+        assert!(matches!(e, Error::BadMagic { .. }) && e.to_string().contains("not a .picchioflat image"), "{e}");
+        let e = Superblock::decode(b"PCHIOFL1 and less", "short", 17).unwrap_err();
+        assert!(matches!(e, Error::Truncated { .. }), "{e}");
+    }
 
     fn sample() -> Superblock {
         Superblock {

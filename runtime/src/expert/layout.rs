@@ -11,8 +11,10 @@
 //! | down scales | f32 [H, I/64] | `4 × quant.scale_count(H, I)` |
 //!
 //! In a converted directory the four parts are the tensors `model.layers.L.mlp.experts.E.gate_up_proj`,
-//! `…gate_up_proj.qs`, `…down_proj`, `…down_proj.qs`: U8 (Q4/Q3) with F32 scales, or F32 without
-//! scales for `none`.
+//! `…gate_up_proj.qs`, `…down_proj`, `…down_proj.qs` (GPT-OSS spelling, [`ExpertNaming::Suffixed`]:
+//! `model.layers.L.mlp.experts.gate_up_proj.E`, `….gate_up_proj.E.qs`, `….down_proj.E`,
+//! `….down_proj.E.qs`): U8 (Q4/Q3) with F32 scales, or F32 without scales for `none`. Expert
+//! biases (GPT-OSS) are resident tensors, not part of the payload.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -21,15 +23,37 @@ use picchio_core::{AlignedBuf, ExpertKey, ExpertLoader, LoadError, Loaded};
 use safetensors::Dtype;
 
 use crate::error::{Error, Result};
-use crate::model::config::Config;
+use crate::model::config::{Arch, Config};
 use crate::model::safetensors::TensorStore;
 use crate::quant::QuantKind;
+
+/// How a converted directory names an expert's tensors (DESIGN.md, "Converted model directory").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ExpertNaming {
+    /// Qwen3-MoE (and Picchio (C)): `model.layers.L.mlp.experts.E.gate_up_proj`.
+    #[default]
+    PerExpert,
+    /// GPT-OSS: `model.layers.L.mlp.experts.gate_up_proj.E`.
+    Suffixed,
+}
+
+impl ExpertNaming {
+    /// The spelling of `arch`'s converted directories.
+    pub fn for_arch(arch: Arch) -> Self {
+        match arch {
+            Arch::Qwen3Moe => ExpertNaming::PerExpert,
+            Arch::GptOss => ExpertNaming::Suffixed,
+        }
+    }
+}
 
 /// Byte ranges of the four parts of one expert's payload.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExpertLayout {
     /// Quantization of both matrices.
     pub quant: QuantKind,
+    /// Tensor names of the experts in a converted directory.
+    pub naming: ExpertNaming,
     /// Hidden size H.
     pub hidden: usize,
     /// Expert width I (gate_up has 2I rows).
@@ -58,14 +82,32 @@ pub struct ExpertTensorNames {
 }
 
 impl ExpertTensorNames {
-    /// Names for `(layer, expert)`.
+    /// Names for `(layer, expert)` in the Qwen3-MoE spelling ([`ExpertNaming::PerExpert`]).
     pub fn new(layer: usize, expert: usize) -> Self {
-        let p = format!("model.layers.{layer}.mlp.experts.{expert}");
-        ExpertTensorNames {
-            gate_up: format!("{p}.gate_up_proj"),
-            gate_up_qs: format!("{p}.gate_up_proj.qs"),
-            down: format!("{p}.down_proj"),
-            down_qs: format!("{p}.down_proj.qs"),
+        Self::with(ExpertNaming::PerExpert, layer, expert)
+    }
+
+    /// Names for `(layer, expert)` in `naming`'s spelling.
+    pub fn with(naming: ExpertNaming, layer: usize, expert: usize) -> Self {
+        match naming {
+            ExpertNaming::PerExpert => {
+                let p = format!("model.layers.{layer}.mlp.experts.{expert}");
+                ExpertTensorNames {
+                    gate_up: format!("{p}.gate_up_proj"),
+                    gate_up_qs: format!("{p}.gate_up_proj.qs"),
+                    down: format!("{p}.down_proj"),
+                    down_qs: format!("{p}.down_proj.qs"),
+                }
+            }
+            ExpertNaming::Suffixed => {
+                let p = format!("model.layers.{layer}.mlp.experts");
+                ExpertTensorNames {
+                    gate_up: format!("{p}.gate_up_proj.{expert}"),
+                    gate_up_qs: format!("{p}.gate_up_proj.{expert}.qs"),
+                    down: format!("{p}.down_proj.{expert}"),
+                    down_qs: format!("{p}.down_proj.{expert}.qs"),
+                }
+            }
         }
     }
 }
@@ -83,6 +125,7 @@ impl ExpertLayout {
         let ds = 4 * q(quant.scale_count(hidden, inter))?;
         Ok(ExpertLayout {
             quant,
+            naming: ExpertNaming::PerExpert,
             hidden,
             inter,
             gate_up: 0..gu,
@@ -90,6 +133,17 @@ impl ExpertLayout {
             down: gu + gus..gu + gus + d,
             down_scales: gu + gus + d..gu + gus + d + ds,
         })
+    }
+
+    /// The same layout with `naming`'s tensor names.
+    pub fn with_naming(mut self, naming: ExpertNaming) -> Self {
+        self.naming = naming;
+        self
+    }
+
+    /// The converted-directory tensor names of `(layer, expert)`.
+    pub fn names(&self, layer: usize, expert: usize) -> ExpertTensorNames {
+        ExpertTensorNames::with(self.naming, layer, expert)
     }
 
     /// Exact payload bytes of one expert.
@@ -110,7 +164,8 @@ impl ExpertLayout {
     /// when the config has no MoE layer.
     pub fn detect(store: &TensorStore, cfg: &Config) -> Result<Self> {
         let layer = *cfg.moe_layers().first().ok_or_else(|| Error::Invalid("the config has no MoE layer".into()))?;
-        let names = ExpertTensorNames::new(layer, 0);
+        let naming = ExpertNaming::for_arch(cfg.arch());
+        let names = ExpertTensorNames::with(naming, layer, 0);
         let t = store.get(&names.gate_up)?;
         let (h, i) = (cfg.hidden_size, cfg.moe_intermediate_size);
         let quant = match t.dtype {
@@ -132,7 +187,7 @@ impl ExpertLayout {
             }
             _ => return Err(t.dtype_error("U8 (Q4/Q3 experts) or F32 (unquantized experts)")),
         };
-        Self::new(quant, h, i)
+        Ok(Self::new(quant, h, i)?.with_naming(naming))
     }
 
     /// Copies the expert's four tensors from a converted directory into `out[..self.len()]`.
@@ -141,7 +196,7 @@ impl ExpertLayout {
     /// [`Error::MissingTensor`], or [`Error::TensorDtype`] / [`Error::TensorShape`] when a tensor's
     /// dtype or byte size differs from the layout.
     pub fn payload_from_store(&self, store: &TensorStore, layer: usize, expert: usize, out: &mut [u8]) -> Result<()> {
-        let names = ExpertTensorNames::new(layer, expert);
+        let names = self.names(layer, expert);
         let packed_dtype = if self.quant == QuantKind::F32 { Dtype::F32 } else { Dtype::U8 };
         let parts = [
             (&names.gate_up, &self.gate_up, packed_dtype),
@@ -221,6 +276,25 @@ mod tests {
         assert_eq!(l.len(), 2_654_208);
         assert_eq!(l.len() % 4096, 0);
         assert_eq!(l.gate_up_scales.start, 1536 * 1024);
+    }
+
+    #[test]
+    fn real_gpt_oss_expert_is_the_synth_geometry() {
+        // gpt-oss-20b and -120b: hidden 2880, intermediate_size 2880.
+        let l = ExpertLayout::new(QuantKind::Q4, 2880, 2880).unwrap().with_naming(ExpertNaming::Suffixed);
+        assert_eq!(l.len(), 13_996_800);
+        assert_eq!(l.len() as u64, crate::image::synth::Geometry::gpt_oss_20b().expert_bytes);
+        assert_eq!(l.len() as u64, crate::image::synth::Geometry::gpt_oss_120b().expert_bytes);
+        let n = l.names(23, 31);
+        assert_eq!(
+            (n.gate_up.as_str(), n.gate_up_qs.as_str(), n.down.as_str(), n.down_qs.as_str()),
+            (
+                "model.layers.23.mlp.experts.gate_up_proj.31",
+                "model.layers.23.mlp.experts.gate_up_proj.31.qs",
+                "model.layers.23.mlp.experts.down_proj.31",
+                "model.layers.23.mlp.experts.down_proj.31.qs"
+            )
+        );
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! Opening the expert store a run asks for (`--store`) as one [`ExpertLoader`], with the converted
 //! safetensors experts behind it as the fallback for any expert the store cannot serve.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use picchio_blockdev::{PsyncOptions, PsyncQueue};
@@ -14,6 +14,7 @@ use picchio_core::{
 
 use crate::error::{Error, Result};
 use crate::expert::layout::{ExpertLayout, SafetensorsExperts};
+use crate::expert::open::{check_run_store, open_engine, Opened};
 use crate::model::config::Config;
 use crate::model::safetensors::TensorStore;
 
@@ -21,7 +22,7 @@ use crate::model::safetensors::TensorStore;
 pub const DEFAULT_IMAGE: &str = "experts.picchioflat";
 
 /// The kernel-path engine that reads a file or block device (`--io`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum IoEngine {
     /// A pool of `threads` reader threads doing positional reads (`--io psync`).
     Psync,
@@ -93,6 +94,10 @@ pub struct IoOptions {
     /// Compute each missed expert as soon as its read completes (`--async-moe`, the default), rather
     /// than after the whole batch is loaded (`--no-async-moe`); see [`crate::expert::cache`].
     pub async_moe: bool,
+    /// uring: where io_uring is unavailable, read with the psync engine (warned about once; the
+    /// default). Bench clears it, so that an unavailable io_uring is an error, not a psync figure
+    /// labelled `uring`.
+    pub uring_fallback: bool,
 }
 
 impl Default for IoOptions {
@@ -107,17 +112,20 @@ impl Default for IoOptions {
             iopoll: false,
             register_files: true,
             async_moe: true,
+            uring_fallback: true,
         }
     }
 }
 
-/// Opens `path` (a file or a block device) with the engine `io` asks for and returns the queue and
-/// the target's length in bytes.
+/// Opens `path` (a file or a block device) with the kernel engine `io` asks for and returns the
+/// queue and the target's length in bytes: the file and device arm of
+/// [`crate::expert::open::open_engine`].
 ///
 /// # Errors
 /// [`Error::Engine`] naming the path when the engine cannot open it (e.g. O_DIRECT refused, or an
-/// io_uring flag such as `--sqpoll` refused). An unavailable io_uring is not an error: psync serves.
-pub fn open_queue(path: &Path, io: IoOptions) -> Result<(Box<dyn IoQueue>, u64)> {
+/// io_uring flag such as `--sqpoll` refused). An unavailable io_uring is not an error (psync
+/// serves) unless `io.uring_fallback` is off.
+pub(crate) fn open_queue(path: &Path, io: IoOptions) -> Result<(Box<dyn IoQueue>, u64)> {
     match io.engine {
         IoEngine::Psync => open_psync(path, io),
         IoEngine::Uring => match open_uring(path, io)? {
@@ -161,7 +169,7 @@ fn open_uring(path: &Path, io: IoOptions) -> Result<Option<(Box<dyn IoQueue>, u6
             let len = q.len();
             Ok(Some((Box::new(q), len)))
         }
-        Err(picchio_blockdev::Error::UringUnavailable { reason, .. }) => {
+        Err(picchio_blockdev::Error::UringUnavailable { reason, .. }) if io.uring_fallback => {
             warn_uring_fallback(&reason);
             Ok(None)
         }
@@ -170,7 +178,10 @@ fn open_uring(path: &Path, io: IoOptions) -> Result<Option<(Box<dyn IoQueue>, u6
 }
 
 #[cfg(not(target_os = "linux"))]
-fn open_uring(_path: &Path, _io: IoOptions) -> Result<Option<(Box<dyn IoQueue>, u64)>> {
+fn open_uring(_path: &Path, io: IoOptions) -> Result<Option<(Box<dyn IoQueue>, u64)>> {
+    if !io.uring_fallback {
+        return Err(Error::Invalid("engine uring: io_uring is Linux-only".into()));
+    }
     warn_uring_fallback("it is Linux-only");
     Ok(None)
 }
@@ -200,119 +211,48 @@ pub fn store_dims(cfg: &Config) -> StoreDims {
     }
 }
 
-/// Opens a `.picchioflat` image in a file (`offset` 0) or on a block device at byte `offset`, checked
-/// against the model; `name` is how messages call it (`file:PATH`, `raw:/dev/X@N`).
+/// Opens the `.picchioflat` image `uri` names through [`open_engine`], checked against the model.
+///
+/// A `raw:` image is read at the device offsets (`FlatStoreOptions::base_offset`), an `nvme:` one
+/// from LBA 0. For `nvme:`, the controller must already be bound to `vfio-pci` and 2 MiB hugepages
+/// reserved (tests/vm shows the steps); expert reads are zero-copy once the expert cache takes its
+/// slots from the driver's hugepage DMA pool ([`crate::expert::cache::ExpertCache::use_slots_from`],
+/// done by [`crate::run::Session::open`]); reads into any other buffer go through per-command bounce
+/// buffers and are counted (`bounce_bytes`).
 ///
 /// # Errors
-/// [`Error::Engine`] when the target cannot be opened; [`Error::Invalid`] when `offset` lies at or
-/// past the end of the target; [`Error::Store`] for a rejected superblock, index hash or dimensions.
+/// As [`open_engine`]; [`Error::Store`] for a rejected superblock, index hash or dimensions.
 pub fn open_flat(
-    name: String,
-    path: &Path,
-    offset: u64,
+    uri: &StoreUri,
     cfg: &Config,
     layout: &ExpertLayout,
     io: IoOptions,
 ) -> Result<FlatStore<Box<dyn IoQueue>>> {
-    let (queue, len) = open_queue(path, io)?;
-    if offset >= len {
-        return Err(Error::Invalid(format!(
-            "{name}: offset {offset} is at or past the end of {} ({len} bytes)",
-            path.display()
-        )));
-    }
+    flat_from(open_engine(uri, io)?, cfg, layout, io.verify)
+}
+
+/// The image an opened engine reads, checked against the model (`verify`: every payload's hash
+/// prefix is checked after reading).
+///
+/// # Errors
+/// [`Error::Store`] for a rejected superblock, index hash or dimensions.
+pub fn flat_from(
+    opened: Opened,
+    cfg: &Config,
+    layout: &ExpertLayout,
+    verify: bool,
+) -> Result<FlatStore<Box<dyn IoQueue>>> {
     let opts = FlatStoreOptions {
-        base_offset: offset,
-        image_len: len - offset,
-        verify: io.verify,
+        base_offset: opened.base,
+        image_len: opened.image_len,
+        verify,
         expect: Some(StoreExpect { dims: store_dims(cfg), payload_len: layout.len() as u32 }),
     };
-    Ok(FlatStore::open(queue, name, opts)?)
+    Ok(FlatStore::open(opened.queue, opened.name, opts)?)
 }
 
-/// Opens a `.picchioflat` image on a block device (`raw:/dev/X[@offset]`); see [`open_flat`].
-///
-/// The device is measured first (size from `BLKGETSIZE64`, logical block size from `BLKSSZGET`):
-/// `offset` must be a whole number of logical blocks, the image starts at LBA `offset / LBA size`,
-/// and each expert is one read at `LBA × LBA size + its offset in the image`, through whichever engine
-/// `io` asks for. Reading never writes. A path that is not a block device is refused (use `file:`).
-///
-/// # Errors
-/// [`Error::Engine`] for a path that is not a block device, an offset that is not a whole LBA or lies
-/// past the end, or an engine that cannot open the device; as [`open_flat`] otherwise.
-pub fn open_raw(
-    device: &Path,
-    offset: u64,
-    cfg: &Config,
-    layout: &ExpertLayout,
-    io: IoOptions,
-) -> Result<FlatStore<Box<dyn IoQueue>>> {
-    #[cfg(target_os = "linux")]
-    {
-        let target = picchio_blockdev::raw::RawTarget::open(device, picchio_core::ByteOffset(offset))?;
-        open_flat(target.uri(), device, target.base().0, cfg, layout, io)
-    }
-    #[cfg(not(target_os = "linux"))]
-    {
-        let name = StoreUri::Raw { device: device.into(), offset }.to_string();
-        open_flat(name, device, offset, cfg, layout, io)
-    }
-}
-
-/// Opens a `.picchioflat` image at LBA 0 of namespace `nsid` of the NVMe controller `bdf` through our
-/// user-space driver (`picchio-nvme`, VFIO + hugepage DMA), with queue depth `io.qd`.
-///
-/// The controller must already be bound to `vfio-pci` and 2 MiB hugepages reserved (tests/vm shows
-/// the steps). Expert reads are zero-copy once the expert cache takes its slots from the driver's
-/// hugepage DMA pool ([`crate::expert::cache::ExpertCache::use_slots_from`], done by
-/// [`crate::run::Session::open`]); reads into any other buffer (the superblock and index at open, or
-/// every read when too few hugepages are free for the cache, which is warned about) go through
-/// per-command bounce buffers and are counted (`bounce_bytes`).
-///
-/// # Errors
-/// [`Error::Invalid`] naming the BDF for VFIO, DMA or controller-initialisation failures (and on
-/// non-Linux systems); [`Error::Store`] for a rejected image.
-pub fn open_nvme(
-    name: String,
-    bdf: &str,
-    nsid: u32,
-    cfg: &Config,
-    layout: &ExpertLayout,
-    io: IoOptions,
-) -> Result<FlatStore<Box<dyn IoQueue>>> {
-    #[cfg(target_os = "linux")]
-    {
-        let queue = open_nvme_queue(&name, bdf, nsid, io.qd)?;
-        open_nvme_flat(name, queue, cfg, layout, io)
-    }
-    #[cfg(not(target_os = "linux"))]
-    {
-        let _ = (bdf, nsid, cfg, layout, io);
-        Err(Error::Invalid(format!("{name}: the user-space NVMe driver needs Linux VFIO")))
-    }
-}
-
-/// Opens namespace `nsid` of the controller `bdf` (bound to `vfio-pci`) with our driver: VFIO,
-/// hugepage DMA, one I/O queue pair of depth `qd`, and the VFIO data path (pool slots zero-copy,
-/// other buffers through bounce buffers). `name` is the store's name in messages.
-///
-/// # Errors
-/// [`Error::Invalid`] naming `name` for VFIO, DMA or controller-initialisation failures.
-#[cfg(target_os = "linux")]
-pub fn open_nvme_queue(name: &str, bdf: &str, nsid: u32, qd: u32) -> Result<picchio_nvme::NvmeQueue> {
-    use picchio_nvme::engine::{NvmeQueue, NvmeQueueOptions};
-    let qopts = NvmeQueueOptions { nsid, qd: qd.clamp(1, 1024) as u16, ..NvmeQueueOptions::default() };
-    let fail = |e: picchio_nvme::Error| Error::Invalid(format!("{name}: {}", picchio_core::error::chain(&e)));
-    let ctrlr = picchio_nvme::vfio::open_controller(bdf, qopts.ctrlr_options()).map_err(fail)?;
-    let mut queue = NvmeQueue::with_bounce_buffer(ctrlr, nsid, qopts.timeout, format!("vfio {bdf}")).map_err(fail)?;
-    // SIGINT/SIGTERM end any wait for the device (crate::interrupt).
-    queue.set_interrupt(crate::interrupt::flag());
-    Ok(queue)
-}
-
-/// The image at LBA 0 of an open NVMe queue's namespace (a VFIO controller from
-/// [`open_nvme_queue`], or the controller model in tests), checked against the model like
-/// [`open_flat`].
+/// The image at LBA 0 of an open NVMe queue's namespace (the controller model in tests, whose
+/// `Sim` handle injects faults), named `name`, checked against the model like [`open_flat`].
 ///
 /// # Errors
 /// [`Error::Store`] for a rejected superblock, index hash or dimensions.
@@ -325,13 +265,7 @@ pub fn open_nvme_flat(
     io: IoOptions,
 ) -> Result<FlatStore<Box<dyn IoQueue>>> {
     let image_len = queue.namespace().bytes();
-    let opts = FlatStoreOptions {
-        base_offset: 0,
-        image_len,
-        verify: io.verify,
-        expect: Some(StoreExpect { dims: store_dims(cfg), payload_len: layout.len() as u32 }),
-    };
-    Ok(FlatStore::open(Box::new(queue) as Box<dyn IoQueue>, name, opts)?)
+    flat_from(Opened { queue: Box::new(queue), base: 0, image_len, name }, cfg, layout, io.verify)
 }
 
 /// Opens a `.picchioflat` file; see [`open_flat`].
@@ -344,7 +278,7 @@ pub fn open_flat_file(
     layout: &ExpertLayout,
     io: IoOptions,
 ) -> Result<FlatStore<Box<dyn IoQueue>>> {
-    open_flat(format!("file:{}", path.display()), path, 0, cfg, layout, io)
+    open_flat(&StoreUri::File(path.into()), cfg, layout, io)
 }
 
 /// Opens `uri` for the model in `model_dir` and returns the loader (flat store with the safetensors
@@ -355,7 +289,7 @@ pub fn open_flat_file(
 /// `file:` store that fails to open is an error.
 ///
 /// # Errors
-/// As [`open_flat`]; [`Error::Invalid`] for `nvme:` (not in this build yet).
+/// As [`open_flat`]; [`Error::StoreNotAccepted`] for `nvme-sim:` ([`check_run_store`]).
 pub fn open_store(
     uri: &StoreUri,
     model_dir: &Path,
@@ -370,8 +304,9 @@ pub fn open_store(
         let info = StoreInfo { store: "safetensors".into(), engine: "safetensors (mmap copy)".into() };
         Ok((Box::new(fallback) as Box<dyn ExpertLoader>, info, stats))
     };
-    let path: PathBuf = match uri {
-        StoreUri::Safetensors => return safetensors_only(fallback, stats),
+    check_run_store(uri)?;
+    match uri {
+        StoreUri::Safetensors => safetensors_only(fallback, stats),
         StoreUri::Auto => {
             let p = model_dir.join(DEFAULT_IMAGE);
             if !p.exists() {
@@ -390,28 +325,15 @@ pub fn open_store(
                 }
             });
             match attempt {
-                Ok(flat) => return Ok(wrap(flat, fallback, stats)),
+                Ok(flat) => Ok(wrap(flat, fallback, stats)),
                 Err(e) => {
-                    tracing::warn!(
-                        "{}: serving experts from safetensors instead (run `picchio pack` to rebuild)",
-                        picchio_core::error::chain(&e)
-                    );
-                    return safetensors_only(fallback, stats);
+                    tracing::warn!("{e}: serving experts from safetensors instead (run `picchio pack` to rebuild)");
+                    safetensors_only(fallback, stats)
                 }
             }
         }
-        StoreUri::File(p) => p.clone(),
-        StoreUri::Raw { device, offset } => {
-            let flat = open_raw(device, *offset, cfg, layout, io)?;
-            return Ok(wrap(flat, fallback, stats));
-        }
-        StoreUri::Nvme { bdf, nsid } => {
-            let flat = open_nvme(uri.to_string(), bdf, *nsid, cfg, layout, io)?;
-            return Ok(wrap(flat, fallback, stats));
-        }
-    };
-    let flat = open_flat_file(&path, cfg, layout, io)?;
-    Ok(wrap(flat, fallback, stats))
+        _ => Ok(wrap(open_flat(uri, cfg, layout, io)?, fallback, stats)),
+    }
 }
 
 /// `flat` with the model's safetensors experts (`tensors`, `layout`) as the fallback for every

@@ -1,6 +1,6 @@
 //! Writing and checking expert images: converting a Hugging Face checkpoint ([`convert`]), packing
 //! its routed experts into a `.picchioflat` image ([`pack`]), verifying an image ([`verify`]),
-//! synthetic images with a real model's geometry ([`synth`]) and random-weight models for the demo
+//! synthetic images with a real model's geometry ([`synth`]), the image writer both share ([`write`]) and random-weight models for the demo
 //! ([`synthetic`]).
 
 pub mod convert;
@@ -8,3 +8,4 @@ pub mod pack;
 pub mod synth;
 pub mod synthetic;
 pub mod verify;
+pub mod write;

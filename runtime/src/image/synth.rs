@@ -17,20 +17,20 @@
 //!
 //! The payload length is our Q4 expert payload (docs/format.md) for the model's H and I: 27·H·I/16
 //! bytes. For GPT-OSS (H = I = 2880, `config.json` of openai/gpt-oss-20b and -120b) that is what
-//! `convert` would write if it supported the model; GPT-OSS's own MXFP4 experts (4.25 bits per
-//! weight) and their gate_up/down biases have no place in format v2 (see docs/format.md,
-//! "Synthetic images").
+//! `convert` writes (MXFP4 experts dequantized, then requantized to Q4; their gate_up/down biases
+//! are resident tensors, not part of the payload).
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use picchio_core::format::{plan_image_len, ImageSink};
 use picchio_core::loader::StoreDims;
 use picchio_core::rng::SplitMix64;
-use picchio_core::{FlatWriter, Superblock};
+use picchio_core::{FlatWriter, StoreUri, Superblock};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
+use crate::image::write::{write_image, PayloadSource, Plan, ReportHead, WriteOptions, WriteReport, WriteTo};
 use crate::progress;
 
 /// A model's expert geometry as the superblock records it, plus the payload length.
@@ -114,7 +114,7 @@ impl Geometry {
     }
 }
 
-/// Options of [`synth`] and [`synth_raw`].
+/// Options of [`synth`] and [`synth_to`].
 #[derive(Clone, Debug)]
 pub struct SynthOptions {
     /// The geometry.
@@ -127,28 +127,30 @@ pub struct SynthOptions {
     pub progress: bool,
 }
 
-/// What [`synth`] wrote.
+/// What [`synth`] wrote: the image writer's report with synth's summary (fields reachable
+/// through `Deref`: `report.seed`).
+pub type SynthReport = WriteReport<Synthesized>;
+
+/// Synth's part of a [`SynthReport`].
 #[derive(Clone, Debug)]
-pub struct SynthReport {
-    /// Where the image went: the file path, or `raw:/dev/X[@BYTES]`.
-    pub dest: String,
-    /// Its superblock.
-    pub superblock: Superblock,
+pub struct Synthesized {
     /// Bytes of each payload.
     pub expert_bytes: u64,
-    /// Image size in bytes.
-    pub bytes: u64,
     /// The payload seed.
     pub seed: u64,
-    /// Wall time.
-    pub elapsed: Duration,
 }
 
-impl std::fmt::Display for SynthReport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let sb = &self.superblock;
+impl ReportHead for Synthesized {
+    fn fmt_head(
+        &self,
+        f: &mut std::fmt::Formatter<'_>,
+        dest: &str,
+        sb: &Superblock,
+        bytes: u64,
+        elapsed: Duration,
+    ) -> std::fmt::Result {
         let layers = sb.n_entries / sb.n_experts.max(1);
-        writeln!(f, "synthesized {}", self.dest)?;
+        writeln!(f, "synthesized {dest}")?;
         writeln!(
             f,
             "  {} entries ({layers} of {} layers × {} experts) of {} bytes (seeded random, seed {})",
@@ -160,9 +162,9 @@ impl std::fmt::Display for SynthReport {
             sb.hidden,
             sb.topk,
             sb.moe_inter,
-            self.bytes,
-            self.elapsed,
-            self.bytes as f64 / 1e6 / self.elapsed.as_secs_f64().max(1e-9)
+            bytes,
+            elapsed,
+            bytes as f64 / 1e6 / elapsed.as_secs_f64().max(1e-9)
         )
     }
 }
@@ -234,211 +236,70 @@ fn write_payloads<S: ImageSink>(mut w: FlatWriter<S>, opts: &SynthOptions, n_ent
     Ok(sb)
 }
 
-/// Writes a synthetic image to the file `out`, atomically (temporary file + rename).
+/// Synth's payloads for the image writer: the options with their entry count checked.
+struct Source<'a> {
+    opts: &'a SynthOptions,
+    n_entries: u32,
+}
+
+impl PayloadSource for Source<'_> {
+    type Summary = Synthesized;
+
+    fn command(&self) -> &'static str {
+        "synth"
+    }
+
+    fn progress(&self) -> bool {
+        self.opts.progress
+    }
+
+    fn dims(&self) -> StoreDims {
+        self.opts.geometry.dims
+    }
+
+    fn n_entries(&self) -> u32 {
+        self.n_entries
+    }
+
+    fn plan(&self, dest: &Path) -> Result<u64> {
+        self.opts.plan(dest)
+    }
+
+    fn write<S: ImageSink>(&self, w: FlatWriter<S>) -> Result<(Superblock, Synthesized)> {
+        let sb = write_payloads(w, self.opts, self.n_entries)?;
+        Ok((sb, Synthesized { expert_bytes: self.opts.geometry.expert_bytes, seed: self.opts.seed }))
+    }
+}
+
+/// Writes a synthetic image to the file `out`, atomically (temporary file + rename): [`synth_to`] a
+/// `file:` target.
 ///
 /// # Errors
 /// [`Error::Invalid`] for a bad geometry or `layers`, an `out` that may not be replaced
-/// ([`crate::image::pack::check_replaceable`]: only a missing path, an empty file or an earlier image), or
-/// a file system without room for the image ([`crate::image::pack::check_free_space`]); [`Error::Store`]
-/// for a geometry over the format's limits ([`SynthOptions::plan`]) or when writing fails;
-/// [`Error::Interrupted`] after SIGINT/SIGTERM. Nothing is left at `out` (nor a temporary file)
-/// after an error.
+/// ([`crate::image::write::check_replaceable`]: only a missing path, an empty file or an earlier
+/// image), or a file system without room for the image ([`crate::image::write::check_free_space`]);
+/// [`Error::Store`] for a geometry over the format's limits ([`SynthOptions::plan`]) or when writing
+/// fails; [`Error::Interrupted`] after SIGINT/SIGTERM. Nothing is left at `out` (nor a temporary
+/// file) after an error.
 pub fn synth(out: &Path, opts: &SynthOptions) -> Result<SynthReport> {
-    let t0 = Instant::now();
-    let n_entries = opts.n_entries()?;
-    let image_len = opts.plan(out)?;
-    crate::image::pack::check_replaceable(out, "synth")?;
-    crate::image::pack::check_free_space(out, image_len)?;
-    let w = FlatWriter::create(out, opts.geometry.dims, n_entries)?;
-    let superblock = write_payloads(w, opts, n_entries)?;
-    let bytes = std::fs::metadata(out).map_err(Error::io(out, "stat the synthesized image"))?.len();
-    debug_assert_eq!(bytes, image_len);
-    Ok(SynthReport {
-        dest: out.display().to_string(),
-        superblock,
-        expert_bytes: opts.geometry.expert_bytes,
-        bytes,
-        seed: opts.seed,
-        elapsed: t0.elapsed(),
-    })
+    synth_to(WriteTo::Uri(&StoreUri::File(out.into())), opts, &WriteOptions::default(), &mut |_| {})
 }
 
-/// What [`synth_raw`] did.
-#[cfg(target_os = "linux")]
-#[derive(Debug)]
-pub struct RawSynthReport {
-    /// The image written (`dest` is the `raw:` URI).
-    pub synth: SynthReport,
-    /// The device it went to.
-    pub device: std::path::PathBuf,
-    /// The inspection the write was cleared by.
-    pub inspection: picchio_blockdev::raw::Inspection,
-    /// The read-back verification (clean, or [`synth_raw`] fails).
-    pub verify: crate::image::verify::VerifyReport,
-}
-
-#[cfg(target_os = "linux")]
-impl std::fmt::Display for RawSynthReport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let t = self.inspection.target();
-        writeln!(f, "{}", self.synth)?;
-        write!(
-            f,
-            "  at {} × {} B (byte {}) of {}; read back with O_DIRECT via {}: index and {} payload hashes OK",
-            t.start(),
-            t.device().logical_block(),
-            t.base().0,
-            self.device.display(),
-            self.verify.engine,
-            self.verify.entries
-        )
-    }
-}
-
-/// Writes a synthetic image onto the block device `device` at byte `offset`, exactly as
-/// [`crate::image::pack::pack_raw`] writes a packed one: inspect (reads only) and `announce` the plan,
-/// clear it with [`picchio_blockdev::raw::Inspection::permit`] (refusals unless `force`; the device
-/// backing `/` always), write through [`picchio_blockdev::raw::DeviceSink`] (`O_DIRECT | O_EXCL`, old
-/// superblock destroyed first, new one last after a sync), then read the whole image back with
-/// `O_DIRECT` and check the index and every payload hash.
+/// Writes a synthetic image to `to` through the image writer ([`crate::image::write::write_image`]:
+/// a file, `raw:/dev/X[@BYTES]` or `nvme:BDF[/NSID]`, exactly as `picchio pack` writes a packed one:
+/// inspect and `announce`, refuse unless `wopts.force`, write, read every hash back).
 ///
 /// # Errors
-/// As [`synth`] for the options; [`Error::Engine`] for the device (not a block device, offset,
-/// too large, refused, busy); [`Error::Store`] when a write fails; [`Error::Invalid`] when the
-/// read-back finds a problem.
-#[cfg(target_os = "linux")]
-pub fn synth_raw(
-    device: &Path,
-    offset: u64,
+/// As [`synth`] for the options; as [`crate::image::write::write_image`] for the target (a refusal,
+/// a failed write; an interrupted NVMe write leaves the first block zeroed: no valid-looking image).
+pub fn synth_to(
+    to: WriteTo<'_>,
     opts: &SynthOptions,
-    force: bool,
-    io_threads: usize,
-    announce: &mut dyn FnMut(&picchio_blockdev::raw::Inspection),
-) -> Result<RawSynthReport> {
-    use picchio_blockdev::raw::{DeviceSink, RawTarget};
-    use picchio_blockdev::{PsyncOptions, PsyncQueue};
-    use picchio_core::OffsetQueue;
-
-    let t0 = Instant::now();
-    let n_entries = opts.n_entries()?;
-    let image_len = opts.plan(device)?;
-    let target = RawTarget::open(device, picchio_core::ByteOffset(offset))?;
-    let inspection = target.inspect(image_len)?;
-    announce(&inspection);
-    let permit = inspection.clone().permit(force)?;
-    let sink = DeviceSink::open(&permit)?;
-    let w = FlatWriter::with_sink(sink, opts.geometry.dims, n_entries)?;
-    let superblock = write_payloads(w, opts, n_entries)?;
-    let name = target.uri();
-    let queue = PsyncQueue::open(device, PsyncOptions::direct(io_threads.max(1)))?;
-    let mut queue = OffsetQueue::new(queue, target.base());
-    let vopts = crate::image::verify::VerifyOptions { io_threads, direct: true, progress: opts.progress };
-    let verify = crate::image::verify::verify_queue(&mut queue, &name, image_len, None, &vopts)?;
-    if !verify.is_clean() || verify.entries != n_entries as usize {
-        return Err(Error::Invalid(format!("{name}: the image was written but reading it back failed:\n{verify}")));
-    }
-    let synth = SynthReport {
-        dest: name,
-        superblock,
-        expert_bytes: opts.geometry.expert_bytes,
-        bytes: image_len,
-        seed: opts.seed,
-        elapsed: t0.elapsed(),
-    };
-    Ok(RawSynthReport { synth, device: device.into(), inspection, verify })
-}
-
-/// What [`synth_nvme`] did.
-#[cfg(target_os = "linux")]
-#[derive(Debug)]
-pub struct NvmeSynthReport {
-    /// The image written (`dest` is `nvme:BDF/NSID`).
-    pub synth: SynthReport,
-    /// The inspection the write was cleared by.
-    pub inspection: crate::image::pack::NvmeInspection,
-    /// The read-back verification through the driver (clean, or [`synth_nvme`] fails).
-    pub verify: crate::image::verify::VerifyReport,
-}
-
-#[cfg(target_os = "linux")]
-impl std::fmt::Display for NvmeSynthReport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        writeln!(f, "{}", self.synth)?;
-        write!(
-            f,
-            "  at LBA 0 of namespace {} ({} B LBAs) through the user-space driver; read back through {}: index \
-             and {} payload hashes OK",
-            self.inspection.namespace.nsid, self.inspection.namespace.lba_size, self.verify.engine, self.verify.entries
-        )
-    }
-}
-
-/// Writes a synthetic image onto namespace `nsid` of the NVMe controller `bdf` (bound to
-/// `vfio-pci`, checked in `sysfs`), through the same driver path as
-/// [`crate::image::pack::pack_nvme`]: `picchio synth --out nvme:BDF[/NSID]`. See [`synth_nvme_queue`].
-///
-/// # Errors
-/// [`Error::Invalid`] when the controller is not bound to `vfio-pci` or cannot be opened; as
-/// [`synth_nvme_queue`] otherwise.
-#[cfg(target_os = "linux")]
-pub fn synth_nvme(
-    sysfs: &Path,
-    bdf: &str,
-    nsid: u32,
-    opts: &SynthOptions,
-    force: bool,
-    announce: &mut dyn FnMut(&crate::image::pack::NvmeInspection),
-) -> Result<NvmeSynthReport> {
-    let name = picchio_core::StoreUri::Nvme { bdf: bdf.into(), nsid }.to_string();
-    crate::image::pack::require_vfio(sysfs, bdf, &name)?;
-    let mut queue = crate::expert::store::open_nvme_queue(&name, bdf, nsid, 32)?;
-    synth_nvme_queue(&mut queue, &name, opts, force, announce)
-}
-
-/// Writes a synthetic image onto the namespace `queue` drives (a VFIO controller, or the controller
-/// model in tests), named `name`, exactly as [`crate::image::pack::pack_nvme_queue`] writes a packed one:
-/// plan and check the size against the namespace, inspect its first blocks and `announce` them,
-/// refuse a signature unless `force`, zero the first block, write payloads and index with NVM Write
-/// commands, Flush, write the superblock, Flush, then read the image back and check every hash.
-///
-/// # Errors
-/// As [`synth`] for the options; [`Error::Engine`] for a refusal (too small, signatures); [`Error::Store`]
-/// when a Write or Flush fails; [`Error::Interrupted`] after SIGINT/SIGTERM (the first block stays
-/// zeroed: no valid-looking image is left); [`Error::Invalid`] when the read-back finds a problem.
-#[cfg(target_os = "linux")]
-pub fn synth_nvme_queue(
-    queue: &mut picchio_nvme::NvmeQueue,
-    name: &str,
-    opts: &SynthOptions,
-    force: bool,
-    announce: &mut dyn FnMut(&crate::image::pack::NvmeInspection),
-) -> Result<NvmeSynthReport> {
-    let t0 = Instant::now();
-    let n_entries = opts.n_entries()?;
-    let image_len = opts.plan(Path::new(name))?;
-    let inspection = crate::image::pack::NvmeInspection::read(queue, name, image_len)?;
-    announce(&inspection);
-    inspection.permit(force)?;
-    let mut sink = picchio_nvme::NvmeSink::open(queue, name, image_len).map_err(|cause| {
-        Error::Store(picchio_core::Error::Write { path: name.into(), what: "the first block", cause })
-    })?;
-    let w = FlatWriter::with_sink(&mut sink, opts.geometry.dims, n_entries)?;
-    let superblock = write_payloads(w, opts, n_entries)?;
-    drop(sink);
-    let vopts = crate::image::verify::VerifyOptions { io_threads: 1, direct: true, progress: opts.progress };
-    let verify = crate::image::verify::verify_queue(queue, name, image_len, None, &vopts)?;
-    if !verify.is_clean() || verify.entries != n_entries as usize {
-        return Err(Error::Invalid(format!("{name}: the image was written but reading it back failed:\n{verify}")));
-    }
-    let synth = SynthReport {
-        dest: name.into(),
-        superblock,
-        expert_bytes: opts.geometry.expert_bytes,
-        bytes: image_len,
-        seed: opts.seed,
-        elapsed: t0.elapsed(),
-    };
-    Ok(NvmeSynthReport { synth, inspection, verify })
+    wopts: &WriteOptions,
+    announce: &mut dyn FnMut(&Plan<'_>),
+) -> Result<SynthReport> {
+    let src = Source { opts, n_entries: opts.n_entries()? };
+    write_image(to, &src, wopts, announce)
 }
 
 #[cfg(test)]

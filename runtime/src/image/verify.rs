@@ -21,20 +21,18 @@ use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use picchio_blockdev::{PsyncOptions, PsyncQueue};
-use picchio_core::format::{decode_index, index_sha256, payload_hash, round_up, Superblock, BLOCK_SIZE};
+use picchio_core::format::{
+    decode_index, index_sha256, payload_hash, round_up, Superblock, BLOCK_SIZE, DENSE_LAYER_PLACEHOLDER,
+};
 use picchio_core::io::{read_blocking, ByteOffset, Completion, IoQueue, ReadReq, Tag};
 use picchio_core::{AlignedBuf, ExpertKey, ExpertLoc};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::expert::layout::ExpertLayout;
 use crate::expert::store::store_dims;
-use crate::image::pack::DENSE_LAYER_PLACEHOLDER;
 use crate::model::config::Config;
 use crate::model::safetensors::TensorStore;
 use crate::progress;
-#[cfg(doc)]
-use crate::Error;
 
 /// Payload bytes in flight at once (at least one payload).
 const WINDOW_BYTES: u64 = 64 << 20;
@@ -215,17 +213,21 @@ struct Model {
 /// # Errors
 /// [`Error::Engine`] when the engine cannot open `store`; otherwise as [`verify_queue`].
 pub fn verify(store: &Path, model: Option<&Path>, opts: &VerifyOptions) -> Result<VerifyReport> {
-    let open = |direct| PsyncQueue::open(store, PsyncOptions { threads: opts.io_threads.max(1), direct });
-    let mut queue = match open(opts.direct) {
-        Ok(q) => q,
-        Err(e @ picchio_blockdev::Error::DirectUnsupported { .. }) => {
-            tracing::warn!("{}; verifying with buffered reads", picchio_core::error::chain(&e));
-            open(false)?
+    use crate::expert::store::{IoEngine, IoOptions};
+    let uri = picchio_core::StoreUri::File(store.into());
+    let io =
+        |direct| IoOptions { engine: IoEngine::Psync, threads: opts.io_threads.max(1), direct, ..Default::default() };
+    let opened = match crate::expert::open::open_engine(&uri, io(opts.direct)) {
+        Ok(o) => o,
+        Err(Error::Engine(e @ picchio_blockdev::Error::DirectUnsupported { .. })) => {
+            tracing::warn!("{e}; verifying with buffered reads");
+            crate::expert::open::open_engine(&uri, io(false))?
         }
-        Err(e) => return Err(e.into()),
+        Err(e) => return Err(e),
     };
-    let image_len = queue.len();
-    verify_queue(&mut queue, &store.display().to_string(), image_len, model, opts)
+    let image_len = opened.image_len;
+    let mut queue = opened.queue;
+    verify_queue(&mut *queue, &store.display().to_string(), image_len, model, opts)
 }
 
 /// Verifies the image on the block device `device` starting at byte `offset`
@@ -239,12 +241,29 @@ pub fn verify(store: &Path, model: Option<&Path>, opts: &VerifyOptions) -> Resul
 /// past the end, or a device the engine cannot open; otherwise as [`verify_queue`].
 #[cfg(target_os = "linux")]
 pub fn verify_raw(device: &Path, offset: u64, model: Option<&Path>, opts: &VerifyOptions) -> Result<VerifyReport> {
-    use picchio_blockdev::raw::RawTarget;
-    use picchio_core::OffsetQueue;
-    let target = RawTarget::open(device, ByteOffset(offset))?;
-    let queue = PsyncQueue::open(device, PsyncOptions { threads: opts.io_threads.max(1), direct: opts.direct })?;
-    let mut queue = OffsetQueue::new(queue, target.base());
-    verify_queue(&mut queue, &target.uri(), target.capacity(), model, opts)
+    let uri = picchio_core::StoreUri::Raw { device: device.into(), offset };
+    verify_store(&uri, model, opts)
+}
+
+/// Verifies the image `uri` names, read through [`crate::expert::open::open_engine`] with the
+/// psync engine (`opts.io_threads` workers, O_DIRECT unless `opts.direct` is false) for a file or
+/// device, our driver for `nvme:` and `nvme-sim:`; the image runs to the end of its target.
+///
+/// # Errors
+/// As [`crate::expert::open::open_engine`]; otherwise as [`verify_queue`].
+pub fn verify_store(uri: &picchio_core::StoreUri, model: Option<&Path>, opts: &VerifyOptions) -> Result<VerifyReport> {
+    use crate::expert::store::{IoEngine, IoOptions};
+    let io = IoOptions {
+        engine: IoEngine::Psync,
+        threads: opts.io_threads.max(1),
+        direct: opts.direct,
+        qd: 32,
+        ..IoOptions::default()
+    };
+    let opened = crate::expert::open::open_engine(uri, io)?;
+    let (name, image_len) = (opened.name.clone(), opened.image_len);
+    let mut queue = opened.into_image_queue();
+    verify_queue(&mut *queue, &name, image_len, model, opts)
 }
 
 /// Verifies the image at LBA 0 of namespace `nsid` of the NVMe controller `bdf`
@@ -257,10 +276,7 @@ pub fn verify_raw(device: &Path, offset: u64, model: Option<&Path>, opts: &Verif
 /// [`verify_queue`].
 #[cfg(target_os = "linux")]
 pub fn verify_nvme(bdf: &str, nsid: u32, model: Option<&Path>, opts: &VerifyOptions) -> Result<VerifyReport> {
-    let name = picchio_core::StoreUri::Nvme { bdf: bdf.into(), nsid }.to_string();
-    let mut queue = crate::expert::store::open_nvme_queue(&name, bdf, nsid, 32)?;
-    let image_len = queue.namespace().bytes();
-    verify_queue(&mut queue, &name, image_len, model, opts)
+    verify_store(&picchio_core::StoreUri::Nvme { bdf: bdf.into(), nsid }, model, opts)
 }
 
 /// Verifies the image of `image_len` bytes that `queue` reads (named `source_name` in messages); see
@@ -281,14 +297,7 @@ pub fn verify_queue<Q: IoQueue + ?Sized>(
     let t0 = Instant::now();
     let bs = BLOCK_SIZE.max(queue.block_size());
     if image_len < u64::from(bs) {
-        return Err(picchio_core::Error::Truncated {
-            source_name: source_name.into(),
-            what: "superblock",
-            offset: 0,
-            end: u64::from(bs),
-            len: image_len,
-        }
-        .into());
+        return Err(picchio_core::loader::short_target(queue, source_name.into(), 0, image_len, bs).into());
     }
     // Read errors name the store, the structure and its offset (a short read says how many bytes came).
     let rd = |queue: &mut Q, what: &'static str, offset: u64, len: u64| -> Result<_> {

@@ -1,8 +1,12 @@
-//! `config.json` of a Qwen3-MoE checkpoint, with Hugging Face's key names verbatim.
+//! `config.json` of a Qwen3-MoE or GPT-OSS checkpoint, with Hugging Face's key names verbatim, read
+//! once and dispatched on `model_type` (`qwen3_moe` | `gpt_oss`, see [`Arch`]).
 //!
-//! Accepts both the hub spelling (`num_experts`, `rope_theta`, `torch_dtype`) and the transformers 5
-//! spelling (`num_local_experts`, `rope_parameters.rope_theta`, `dtype`). Source:
-//! transformers `models/qwen3_moe/configuration_qwen3_moe.py`.
+//! Accepts both the hub spelling and the transformers 5 spelling of every key the runtime uses:
+//! `num_experts` / `num_local_experts`, `num_experts_per_tok` / `experts_per_token` (GPT-OSS),
+//! `rope_theta` + `rope_scaling` / `rope_parameters`, `torch_dtype` / `dtype`. For GPT-OSS the
+//! expert width is `intermediate_size` (stored here as `moe_intermediate_size`, the field every
+//! architecture's experts use). Sources: transformers `models/qwen3_moe/configuration_qwen3_moe.py`,
+//! `models/gpt_oss/configuration_gpt_oss.py`, `modeling_rope_utils.py` (RoPE parameters).
 
 use std::path::{Path, PathBuf};
 
@@ -10,20 +14,108 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
-/// The `rope_parameters` object of transformers 5.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+/// The `rope_parameters` object of transformers 5, or the hub's `rope_scaling` object (same keys,
+/// `type` accepted for `rope_type`; θ then comes from the top-level `rope_theta`).
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
 pub struct RopeParameters {
     /// RoPE base θ.
-    pub rope_theta: Option<f64>,
-    /// Only `default` is implemented.
     #[serde(default)]
+    pub rope_theta: Option<f64>,
+    /// `default` (or absent) or `yarn`; anything else is refused by the config check.
+    #[serde(default, alias = "type")]
     pub rope_type: Option<String>,
+    /// YaRN: context scaling factor s.
+    #[serde(default)]
+    pub factor: Option<f64>,
+    /// YaRN: β_fast (default 32).
+    #[serde(default)]
+    pub beta_fast: Option<f64>,
+    /// YaRN: β_slow (default 1).
+    #[serde(default)]
+    pub beta_slow: Option<f64>,
+    /// YaRN: the pre-training context (default `max_position_embeddings`).
+    #[serde(default)]
+    pub original_max_position_embeddings: Option<f64>,
+    /// YaRN: round the correction range to whole dimensions (default true).
+    #[serde(default)]
+    pub truncate: Option<bool>,
+    /// YaRN: the cos/sin scale (default `0.1 ln(factor) + 1`, or the mscale ratio).
+    #[serde(default)]
+    pub attention_factor: Option<f64>,
+    /// YaRN (DeepSeek spelling): mscale.
+    #[serde(default)]
+    pub mscale: Option<f64>,
+    /// YaRN (DeepSeek spelling): mscale_all_dim.
+    #[serde(default)]
+    pub mscale_all_dim: Option<f64>,
 }
 
-/// A Qwen3-MoE configuration (only the keys the runtime uses; others are ignored).
+/// The model architecture, from `model_type`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    /// `qwen3_moe`: QK-norm, softmax-then-top-k router, SiLU experts, no biases.
+    Qwen3Moe,
+    /// `gpt_oss`: attention biases and sinks, sliding-window layers, YaRN, top-k-then-softmax router
+    /// with bias, clamped SwiGLU experts with biases.
+    GptOss,
+}
+
+impl Arch {
+    /// The `model_type` string.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Arch::Qwen3Moe => "qwen3_moe",
+            Arch::GptOss => "gpt_oss",
+        }
+    }
+}
+
+/// The attention kind of one decoder layer (`layer_types`).
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+pub enum LayerType {
+    /// `full_attention`: every earlier position.
+    #[serde(rename = "full_attention")]
+    Full,
+    /// `sliding_attention`: the last `sliding_window` positions, the query's own included.
+    #[serde(rename = "sliding_attention")]
+    Sliding,
+}
+
+/// The RoPE variant and its parameters, resolved from the config ([`Config::rope`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum RopeScaling {
+    /// Plain RoPE (`rope_type: default`).
+    Default,
+    /// YaRN (transformers `_compute_yarn_parameters`), every default filled in.
+    Yarn {
+        /// Scaling factor s.
+        factor: f64,
+        /// β_fast.
+        beta_fast: f64,
+        /// β_slow.
+        beta_slow: f64,
+        /// Pre-training context length.
+        original_max_position_embeddings: f64,
+        /// Round the correction range to whole dimensions.
+        truncate: bool,
+        /// The factor cos and sin are multiplied by.
+        attention_factor: f64,
+    },
+}
+
+/// RoPE θ and variant of a model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeConfig {
+    /// Base θ.
+    pub theta: f64,
+    /// Variant.
+    pub scaling: RopeScaling,
+}
+
+/// A Qwen3-MoE or GPT-OSS configuration (only the keys the runtime uses; others are ignored).
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 pub struct Config {
-    /// Must be `qwen3_moe`.
+    /// `qwen3_moe` or `gpt_oss` ([`Config::arch`]).
     pub model_type: String,
     /// Vocabulary size V (rows of embed_tokens and lm_head).
     pub vocab_size: usize,
@@ -31,7 +123,7 @@ pub struct Config {
     pub hidden_size: usize,
     /// Width of the dense MLP of `mlp_only_layers` layers.
     pub intermediate_size: usize,
-    /// Width I of each routed expert (gate_up has 2I rows).
+    /// Width I of each routed expert (gate_up has 2I rows); GPT-OSS: `intermediate_size`.
     pub moe_intermediate_size: usize,
     /// Decoder layers.
     pub num_hidden_layers: usize,
@@ -45,7 +137,7 @@ pub struct Config {
     /// Routed experts per MoE layer E.
     #[serde(alias = "num_local_experts")]
     pub num_experts: usize,
-    /// Experts per token (top-k).
+    /// Experts per token (top-k); GPT-OSS hub spelling `experts_per_token`.
     pub num_experts_per_tok: usize,
     /// Renormalise the top-k routing weights to sum to 1.
     #[serde(default)]
@@ -65,18 +157,29 @@ pub struct Config {
     /// RoPE parameters (transformers 5 spelling).
     #[serde(default)]
     pub rope_parameters: Option<RopeParameters>,
-    /// Must be null: scaled RoPE is not implemented for Qwen3-MoE.
+    /// RoPE scaling (hub spelling): null, `default` or `yarn`.
     #[serde(default)]
-    pub rope_scaling: Option<serde_json::Value>,
+    pub rope_scaling: Option<RopeParameters>,
     /// Whether lm_head shares embed_tokens.
     #[serde(default)]
     pub tie_word_embeddings: bool,
     /// Maximum context (positions).
     #[serde(default = "default_max_pos")]
     pub max_position_embeddings: usize,
-    /// Must be false: Qwen3-MoE checkpoints have no attention biases, and the forward pass has none.
+    /// Whether q/k/v/o have biases (GPT-OSS: default true; Qwen3-MoE: must be false, its checkpoints
+    /// have none).
     #[serde(default)]
     pub attention_bias: bool,
+    /// Attention kind per decoder layer (`[num_hidden_layers]`); empty means all full attention
+    /// (GPT-OSS without the key: sliding, full, sliding, ... as transformers' default).
+    #[serde(default)]
+    pub layer_types: Vec<LayerType>,
+    /// Window W of `sliding_attention` layers (positions, the query's own included).
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
+    /// GPT-OSS clamp of the expert SwiGLU (default 7).
+    #[serde(default)]
+    pub swiglu_limit: Option<f64>,
     /// End-of-sequence token id(s), when the config names them.
     #[serde(default)]
     pub eos_token_id: Option<serde_json::Value>,
@@ -108,13 +211,32 @@ impl Config {
         let text = std::fs::read_to_string(path).map_err(Error::io(path, "read config"))?;
         let raw: serde_json::Value =
             serde_json::from_str(&text).map_err(|cause| Error::Config { path: path.into(), cause })?;
-        let model_type = raw.get("model_type").and_then(|v| v.as_str()).unwrap_or("");
-        if model_type != "qwen3_moe" {
-            return Err(Error::UnsupportedModel { path: path.into(), model_type: model_type.into() });
+        let model_type = raw.get("model_type").and_then(|v| v.as_str()).unwrap_or("").to_string();
+        let arch = match model_type.as_str() {
+            "qwen3_moe" => Arch::Qwen3Moe,
+            "gpt_oss" => Arch::GptOss,
+            _ => return Err(Error::UnsupportedModel { path: path.into(), model_type }),
+        };
+        let raw = normalize(raw, arch, path)?;
+        let mut cfg: Config =
+            serde_json::from_value(raw).map_err(|cause| Error::Config { path: path.into(), cause })?;
+        if arch == Arch::GptOss && cfg.layer_types.is_empty() {
+            // transformers GptOssConfig: sliding on even layers, full on odd ones.
+            cfg.layer_types = (0..cfg.num_hidden_layers)
+                .map(|l| if l % 2 == 0 { LayerType::Sliding } else { LayerType::Full })
+                .collect();
         }
-        let cfg: Config = serde_json::from_value(raw).map_err(|cause| Error::Config { path: path.into(), cause })?;
         cfg.check(path)?;
         Ok(cfg)
+    }
+
+    /// The architecture (`model_type`, checked when the config was read).
+    pub fn arch(&self) -> Arch {
+        if self.model_type == "gpt_oss" {
+            Arch::GptOss
+        } else {
+            Arch::Qwen3Moe
+        }
     }
 
     fn check(&self, path: &Path) -> Result<()> {
@@ -152,19 +274,39 @@ impl Config {
         if !self.head_dim().is_multiple_of(2) {
             return Err(bad("head_dim", format!("{} must be even for RoPE", self.head_dim())));
         }
-        if let Some(s) = &self.rope_scaling {
-            let ty = s.get("rope_type").or_else(|| s.get("type")).and_then(|t| t.as_str());
-            if !s.is_null() && ty != Some("default") {
-                return Err(bad("rope_scaling", format!("{s} is not supported (only null / default)")));
+        for (key, p) in [("rope_scaling", &self.rope_scaling), ("rope_parameters", &self.rope_parameters)] {
+            let Some(p) = p else { continue };
+            match p.rope_type.as_deref() {
+                None | Some("default") => {}
+                Some("yarn") => {
+                    if !p.factor.is_some_and(|f| f.is_finite() && f >= 1.0) {
+                        return Err(bad(key, format!("yarn needs a `factor` >= 1, got {:?}", p.factor)));
+                    }
+                }
+                Some(t) => {
+                    return Err(bad(key, format!("rope_type {t:?} is not supported (only default and yarn)")));
+                }
             }
         }
-        if let Some(RopeParameters { rope_type: Some(t), .. }) = &self.rope_parameters {
-            if t != "default" {
-                return Err(bad("rope_parameters", format!("rope_type {t:?} is not supported (only default)")));
-            }
-        }
-        if self.attention_bias {
+        if self.attention_bias && self.arch() == Arch::Qwen3Moe {
             return Err(bad("attention_bias", "true is not supported (Qwen3-MoE has no attention biases)".into()));
+        }
+        if !self.layer_types.is_empty() && self.layer_types.len() != self.num_hidden_layers {
+            return Err(bad(
+                "layer_types",
+                format!("{} entries for num_hidden_layers {}", self.layer_types.len(), self.num_hidden_layers),
+            ));
+        }
+        if let Some(l) = self.layer_types.iter().position(|&t| t == LayerType::Sliding) {
+            if self.sliding_window.is_none_or(|w| w == 0) {
+                return Err(bad(
+                    "sliding_window",
+                    format!("layer {l} is sliding_attention but sliding_window is {:?}", self.sliding_window),
+                ));
+            }
+        }
+        if let Some(v) = self.swiglu_limit.filter(|v| !(v.is_finite() && *v > 0.0)) {
+            return Err(bad("swiglu_limit", format!("{v} must be a positive number")));
         }
         if let Some(&l) = self.mlp_only_layers.iter().find(|&&l| l >= self.num_hidden_layers) {
             return Err(bad("mlp_only_layers", format!("layer {l} >= num_hidden_layers {}", self.num_hidden_layers)));
@@ -182,9 +324,67 @@ impl Config {
         self.rope_parameters.as_ref().and_then(|p| p.rope_theta).or(self.rope_theta).unwrap_or(10_000.0)
     }
 
+    /// θ and the RoPE variant: `rope_parameters` (transformers 5) when it names a type, else
+    /// `rope_scaling` (hub), with transformers' defaults filled in (`beta_fast` 32, `beta_slow` 1,
+    /// `original_max_position_embeddings` = `max_position_embeddings`, `truncate` true,
+    /// `attention_factor` = `mscale(factor, mscale) / mscale(factor, mscale_all_dim)` when both are
+    /// given, else `0.1 ln(factor) + 1`).
+    pub fn rope(&self) -> RopeConfig {
+        let theta = self.rope_theta();
+        let p = [&self.rope_parameters, &self.rope_scaling]
+            .into_iter()
+            .flatten()
+            .find(|p| p.rope_type.as_deref().is_some_and(|t| t != "default"));
+        let scaling = match p {
+            Some(p) if p.rope_type.as_deref() == Some("yarn") => {
+                let factor = p.factor.unwrap_or(1.0);
+                let mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+                let attention_factor = p.attention_factor.unwrap_or(match (p.mscale, p.mscale_all_dim) {
+                    (Some(m), Some(a)) if m != 0.0 && a != 0.0 => mscale(factor, m) / mscale(factor, a),
+                    _ => mscale(factor, 1.0),
+                });
+                RopeScaling::Yarn {
+                    factor,
+                    beta_fast: p.beta_fast.filter(|&b| b != 0.0).unwrap_or(32.0),
+                    beta_slow: p.beta_slow.filter(|&b| b != 0.0).unwrap_or(1.0),
+                    original_max_position_embeddings: p
+                        .original_max_position_embeddings
+                        .unwrap_or(self.max_position_embeddings as f64),
+                    truncate: p.truncate.unwrap_or(true),
+                    attention_factor,
+                }
+            }
+            _ => RopeScaling::Default,
+        };
+        RopeConfig { theta, scaling }
+    }
+
+    /// The attention kind of layer `l` (full when `layer_types` is empty).
+    pub fn layer_type(&self, l: usize) -> LayerType {
+        self.layer_types.get(l).copied().unwrap_or(LayerType::Full)
+    }
+
+    /// The attention window of layer `l` in positions: `Some(sliding_window)` for a sliding layer,
+    /// `None` for full attention.
+    pub fn attention_window(&self, l: usize) -> Option<usize> {
+        match self.layer_type(l) {
+            LayerType::Full => None,
+            LayerType::Sliding => self.sliding_window,
+        }
+    }
+
+    /// The GPT-OSS SwiGLU clamp (`swiglu_limit`, default 7).
+    pub fn swiglu_limit(&self) -> f32 {
+        self.swiglu_limit.unwrap_or(7.0) as f32
+    }
+
     /// Whether layer `l` routes to experts (else it has a dense MLP). transformers:
-    /// `(l not in mlp_only_layers) and num_experts > 0 and (l + 1) % decoder_sparse_step == 0`.
+    /// `(l not in mlp_only_layers) and num_experts > 0 and (l + 1) % decoder_sparse_step == 0`;
+    /// every GPT-OSS layer is MoE.
     pub fn is_moe_layer(&self, l: usize) -> bool {
+        if self.arch() == Arch::GptOss {
+            return l < self.num_hidden_layers;
+        }
         !self.mlp_only_layers.contains(&l) && self.num_experts > 0 && (l + 1).is_multiple_of(self.decoder_sparse_step)
     }
 
@@ -201,6 +401,37 @@ impl Config {
             _ => Vec::new(),
         }
     }
+}
+
+/// Maps the alternative spellings of `raw` onto the field names of [`Config`], refusing two
+/// spellings of one key with different values.
+fn normalize(mut raw: serde_json::Value, arch: Arch, path: &Path) -> Result<serde_json::Value> {
+    let Some(o) = raw.as_object_mut() else { return Ok(raw) };
+    let mut alias = |name: &'static str, other: &'static str| -> Result<()> {
+        match (o.get(name).filter(|v| !v.is_null()).cloned(), o.remove(other).filter(|v| !v.is_null())) {
+            (Some(a), Some(b)) if a != b => Err(Error::ConfigValue {
+                path: path.into(),
+                key: name,
+                message: format!("{a} disagrees with `{other}` {b}"),
+            }),
+            (None, Some(b)) => {
+                o.insert(name.into(), b);
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    };
+    alias("num_experts", "num_local_experts")?;
+    if arch == Arch::GptOss {
+        alias("num_experts_per_tok", "experts_per_token")?;
+        if !o.contains_key("moe_intermediate_size") {
+            if let Some(v) = o.get("intermediate_size").cloned() {
+                o.insert("moe_intermediate_size".into(), v);
+            }
+        }
+        o.entry("attention_bias").or_insert(serde_json::Value::Bool(true));
+    }
+    Ok(raw)
 }
 
 #[cfg(test)]
@@ -256,5 +487,116 @@ mod tests {
         assert!(e.contains("invalid config"), "{e}");
         let e = Config::from_dir(dir.path().join("nope").as_path()).unwrap_err().to_string();
         assert!(e.contains("nope/config.json"), "{e}");
+    }
+
+    fn write(dir: &Path, v: &serde_json::Value) -> PathBuf {
+        let p = dir.join("config.json");
+        std::fs::write(&p, v.to_string()).unwrap();
+        p
+    }
+
+    fn gpt_oss_json() -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(fixture("gpt_oss_mxfp4/config.json")).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn reads_gpt_oss_hub_spelling() {
+        let c = Config::from_dir(&fixture("gpt_oss_mxfp4")).unwrap();
+        assert_eq!(c.arch(), Arch::GptOss);
+        assert_eq!((c.hidden_size, c.head_dim(), c.num_experts, c.num_experts_per_tok), (64, 16, 8, 4));
+        assert_eq!(c.moe_intermediate_size, 64);
+        assert!(c.attention_bias);
+        assert_eq!(c.moe_layers(), vec![0, 1, 2, 3]);
+        assert_eq!(c.layer_types, [LayerType::Sliding, LayerType::Full, LayerType::Sliding, LayerType::Full]);
+        assert_eq!((c.attention_window(0), c.attention_window(1)), (Some(8), None));
+        assert_eq!(c.swiglu_limit(), 7.0);
+        let r = c.rope();
+        assert_eq!(r.theta, 150000.0);
+        let RopeScaling::Yarn {
+            factor,
+            beta_fast,
+            beta_slow,
+            original_max_position_embeddings,
+            truncate,
+            attention_factor,
+        } = r.scaling
+        else {
+            panic!("{r:?}")
+        };
+        assert_eq!(
+            (factor, beta_fast, beta_slow, original_max_position_embeddings, truncate),
+            (32.0, 32.0, 1.0, 4096.0, false)
+        );
+        assert!((attention_factor - (0.1 * 32f64.ln() + 1.0)).abs() < 1e-15);
+        assert_eq!(Config::from_dir(&fixture("gpt_oss_bf16")).unwrap(), c);
+    }
+
+    #[test]
+    fn reads_gpt_oss_transformers5_spelling() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut v = gpt_oss_json();
+        let o = v.as_object_mut().unwrap();
+        o.remove("experts_per_token");
+        o.remove("layer_types");
+        let theta = o.remove("rope_theta").unwrap();
+        let mut rp = o.remove("rope_scaling").unwrap();
+        rp["rope_theta"] = theta;
+        o.insert("rope_parameters".into(), rp);
+        o.insert("dtype".into(), o["torch_dtype"].clone());
+        o.remove("torch_dtype");
+        let a = Config::from_file(&write(dir.path(), &v)).unwrap();
+        let b = Config::from_dir(&fixture("gpt_oss_mxfp4")).unwrap();
+        assert_eq!((a.rope(), a.num_experts, a.num_experts_per_tok), (b.rope(), 8, 4));
+        // transformers' default layer_types: sliding on even layers
+        assert_eq!(a.layer_types, b.layer_types);
+        // only the hub spelling of top-k
+        v.as_object_mut().unwrap().remove("num_experts_per_tok");
+        v["experts_per_token"] = 2.into();
+        assert_eq!(Config::from_file(&write(dir.path(), &v)).unwrap().num_experts_per_tok, 2);
+    }
+
+    #[test]
+    fn gpt_oss_bad_values_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = |f: &dyn Fn(&mut serde_json::Value)| {
+            let mut v = gpt_oss_json();
+            f(&mut v);
+            Config::from_file(&write(dir.path(), &v)).unwrap_err().to_string()
+        };
+        let e = err(&|v| v["layer_types"] = serde_json::json!(["full_attention"]));
+        assert!(e.contains("layer_types") && e.contains("1 entries for num_hidden_layers 4"), "{e}");
+        let e = err(&|v| v["layer_types"][2] = "chunked_attention".into());
+        assert!(e.contains("chunked_attention"), "{e}");
+        let e = err(&|v| {
+            v.as_object_mut().unwrap().remove("sliding_window");
+        });
+        assert!(e.contains("sliding_window") && e.contains("layer 0 is sliding_attention"), "{e}");
+        let e = err(&|v| v["rope_scaling"]["rope_type"] = "longrope".into());
+        assert!(e.contains("rope_scaling") && e.contains("\"longrope\" is not supported"), "{e}");
+        let e = err(&|v| v["experts_per_token"] = 2.into());
+        assert!(e.contains("num_experts_per_tok") && e.contains("experts_per_token"), "{e}");
+        let e = err(&|v| v["num_experts"] = 4.into());
+        assert!(e.contains("num_experts") && e.contains("num_local_experts"), "{e}");
+        let e = err(&|v| v["swiglu_limit"] = (-1.0).into());
+        assert!(e.contains("swiglu_limit"), "{e}");
+    }
+
+    #[test]
+    fn qwen3_with_yarn_rope_scaling_is_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(fixture("qwen3_moe/config.json")).unwrap()).unwrap();
+        v["rope_scaling"] =
+            serde_json::json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768});
+        let c = Config::from_file(&write(dir.path(), &v)).unwrap();
+        let RopeScaling::Yarn { factor, beta_fast, original_max_position_embeddings, truncate, .. } = c.rope().scaling
+        else {
+            panic!()
+        };
+        assert_eq!((factor, beta_fast, original_max_position_embeddings, truncate), (4.0, 32.0, 32768.0, true));
+        assert_eq!(c.layer_type(0), LayerType::Full);
+        v["rope_scaling"] = serde_json::json!({"type": "dynamic", "factor": 2.0});
+        let e = Config::from_file(&write(dir.path(), &v)).unwrap_err().to_string();
+        assert!(e.contains("\"dynamic\" is not supported"), "{e}");
     }
 }

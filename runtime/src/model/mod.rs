@@ -1,13 +1,329 @@
-//! Model architectures. Each is declared like llama2.c `run.c`: `Config`, resident `Weights`, a
-//! `RunState` allocated once, and a `forward` that streams routed experts through an
-//! [`ExpertCache`](crate::expert::cache::ExpertCache) from an [`ExpertLoader`](picchio_core::ExpertLoader).
+//! Model architectures, declared like llama2.c `run.c`: `Config`, resident `Weights`, a
+//! [`RunState`] allocated once, and a `forward` that streams routed experts through an
+//! [`ExpertCache`] from an [`ExpertLoader`].
+//!
+//! [`Model`] is the seam: one loaded model of either architecture ([`ArchWeights`]), sharing the
+//! config, the expert payload layout, the run state, the kernels and the routing observer; each
+//! architecture's forward pass ([`qwen3_moe`], [`gpt_oss`]) is built from the shared pieces:
+//! [`matrix`] (resident matrices), [`attention`] (GQA with optional window and sinks),
+//! [`crate::model::rope`] (RoPE and YaRN), [`crate::model::moe`] (routers, expert activations, canonical sum)
+//! and [`Step::routed_experts`].
 
+pub mod attention;
 pub mod config;
+pub mod gpt_oss;
+pub mod matrix;
 pub mod moe;
 pub mod qwen3_moe;
 pub mod rope;
 pub mod safetensors;
 pub mod sampler;
+pub mod state;
 pub mod tokenizer;
 
-pub use qwen3_moe::{LayerWeights, Matrix, Mlp, Model, RunState, Trace, Weights};
+use std::path::Path;
+use std::sync::Arc;
+
+use picchio_core::ExpertLoader;
+
+use crate::error::{Error, Result};
+use crate::expert::cache::ExpertCache;
+use crate::expert::layout::{ExpertLayout, ExpertNaming, ExpertTensorNames, SafetensorsExperts};
+use crate::kernels::Kernels;
+use crate::model::config::{Arch, Config};
+use crate::model::moe::{combine_canonical, expert_forward_with, ExpertAct, ExpertBias, RoutingObserver};
+use crate::model::safetensors::TensorStore;
+
+pub use matrix::Matrix;
+pub use qwen3_moe::{LayerWeights, Mlp, Weights};
+pub use state::{RunState, Trace};
+
+/// How a MoE layer turns router logits into its top-k routing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RouterKind {
+    /// Qwen3-MoE: softmax over all E, top-k, renormalised when `norm_topk_prob`.
+    SoftmaxTopK {
+        /// `norm_topk_prob`.
+        norm: bool,
+    },
+    /// GPT-OSS: top-k of the logits, softmax over the k.
+    TopKSoftmax,
+}
+
+/// What one forward pass of any architecture works with, borrowed from the [`Model`].
+pub(crate) struct Step<'a> {
+    /// The configuration.
+    pub cfg: &'a Config,
+    /// The routed experts' payload layout.
+    pub layout: &'a ExpertLayout,
+    /// Kernels.
+    pub k: Kernels,
+    /// Scratch and KV cache.
+    pub s: &'a mut RunState,
+    /// The routing observer, if any.
+    pub observer: &'a mut Option<Box<dyn RoutingObserver>>,
+}
+
+impl Step<'_> {
+    /// The routed experts of MoE layer `l` at position `pos`: routes `s.router_logits` with
+    /// `router`, reports the decision to the observer and `trace`, runs the k picked experts on
+    /// `s.xb` (payloads from `cache`, misses loaded through `loader`; `biases` = the layer's resident
+    /// `([E, 2I], [E, H])` expert biases) and sums their weighted outputs in canonical order into
+    /// `s.xb2`.
+    ///
+    /// # Errors
+    /// As [`ExpertCache::fetch`] (an expert that cannot be loaded, naming it).
+    #[allow(clippy::too_many_arguments)]
+    pub fn routed_experts(
+        &mut self,
+        l: usize,
+        pos: usize,
+        router: RouterKind,
+        act: ExpertAct,
+        biases: Option<(&[f32], &[f32])>,
+        cache: &mut ExpertCache,
+        loader: &mut dyn ExpertLoader,
+        trace: Option<&mut Trace>,
+    ) -> Result<()> {
+        let s = &mut *self.s;
+        match router {
+            RouterKind::SoftmaxTopK { norm } => s.routing.route(&s.router_logits, norm),
+            RouterKind::TopKSoftmax => s.routing.route_topk_softmax(&s.router_logits),
+        }
+        if let Some(o) = self.observer.as_deref_mut() {
+            o.routed(l, pos, &s.routing.experts, &s.routing.weights);
+        }
+        if let Some(t) = trace {
+            t.router_logits[l].copy_from_slice(&s.router_logits);
+            t.experts[l].copy_from_slice(&s.routing.experts);
+            t.weights[l].copy_from_slice(&s.routing.weights);
+        }
+        let (k, layout, h, i2) = (self.k, self.layout, self.cfg.hidden_size, 2 * self.cfg.moe_intermediate_size);
+        let (xb, experts, weights) = (&s.xb, &s.routing.experts, &s.routing.weights);
+        let (scratch, outs) = (&mut s.expert_scratch, &mut s.expert_out);
+        cache.fetch(l as u32, experts, loader, &mut |i, payload| {
+            let e = experts[i] as usize;
+            let bias =
+                biases.map(|(gu, d)| ExpertBias { gate_up: &gu[e * i2..(e + 1) * i2], down: &d[e * h..(e + 1) * h] });
+            expert_forward_with(k, layout, payload, xb, weights[i], act, bias, scratch, &mut outs[i * h..(i + 1) * h])
+        })?;
+        combine_canonical(&s.expert_out, &mut s.xb2);
+        Ok(())
+    }
+}
+
+/// The resident weights of one architecture.
+#[derive(Clone, Debug)]
+pub enum ArchWeights {
+    /// `qwen3_moe`.
+    Qwen3Moe(qwen3_moe::Weights),
+    /// `gpt_oss`.
+    GptOss(gpt_oss::Weights),
+}
+
+impl ArchWeights {
+    /// `model.embed_tokens.weight` `[V, H]`.
+    pub fn embed_tokens(&self) -> &Matrix {
+        match self {
+            ArchWeights::Qwen3Moe(w) => &w.embed_tokens,
+            ArchWeights::GptOss(w) => &w.embed_tokens,
+        }
+    }
+
+    /// The output projection `[V, H]` (embed_tokens when tied).
+    pub fn lm_head(&self) -> &Matrix {
+        match self {
+            ArchWeights::Qwen3Moe(w) => w.lm_head(),
+            ArchWeights::GptOss(w) => w.lm_head(),
+        }
+    }
+
+    /// The Qwen3-MoE weights, if this is one.
+    pub fn qwen3_moe(&self) -> Option<&qwen3_moe::Weights> {
+        match self {
+            ArchWeights::Qwen3Moe(w) => Some(w),
+            ArchWeights::GptOss(_) => None,
+        }
+    }
+
+    /// The GPT-OSS weights, if this is one.
+    pub fn gpt_oss(&self) -> Option<&gpt_oss::Weights> {
+        match self {
+            ArchWeights::GptOss(w) => Some(w),
+            ArchWeights::Qwen3Moe(_) => None,
+        }
+    }
+}
+
+/// A loaded model of any architecture ([`Config::arch`]): config, resident weights, expert payload
+/// layout and run state. The expert cache, loaders, kernels and sampler are the same for all.
+pub struct Model {
+    config: Config,
+    store: Arc<TensorStore>,
+    layout: ExpertLayout,
+    weights: ArchWeights,
+    state: RunState,
+    kernels: Kernels,
+    /// Sees every routing decision (`picchio run --trace`); `None` costs one branch per MoE layer.
+    observer: Option<Box<dyn RoutingObserver>>,
+}
+
+impl Model {
+    /// Loads the model of a converted directory (or a Picchio (C) one): `config.json`
+    /// ([`Config::from_dir`]), the safetensors files ([`TensorStore::open`]), the expert payload layout
+    /// ([`ExpertLayout::detect`]) and every resident tensor ([`qwen3_moe::Weights::load`],
+    /// [`gpt_oss::Weights::load`]); the run state holds
+    /// `max_seq` positions.
+    ///
+    /// # Errors
+    /// Those of the steps above, and [`Error::Invalid`] when `max_seq` is 0.
+    pub fn load(dir: &Path, max_seq: usize) -> Result<Model> {
+        if max_seq == 0 {
+            return Err(Error::Invalid(format!("{}: max_seq must be at least 1", dir.display())));
+        }
+        let config = Config::from_dir(dir)?;
+        let store = Arc::new(TensorStore::open(dir)?);
+        if let Some(l) = config.moe_layers().first() {
+            let hf = [
+                format!("model.layers.{l}.mlp.experts.0.gate_proj.weight"),
+                format!("model.layers.{l}.mlp.experts.gate_up_proj"),
+                format!("model.layers.{l}.mlp.experts.gate_up_proj_blocks"),
+            ];
+            let converted = ExpertTensorNames::with(ExpertNaming::for_arch(config.arch()), *l, 0).gate_up;
+            if hf.iter().any(|n| store.contains(n)) && !store.contains(&converted) {
+                return Err(Error::Invalid(format!(
+                    "{} is a Hugging Face checkpoint (it has `{}`): convert it first with `picchio convert`",
+                    dir.display(),
+                    hf.iter().find(|n| store.contains(n)).map(String::as_str).unwrap_or_default()
+                )));
+            }
+        }
+        let layout = ExpertLayout::detect(&store, &config)?;
+        let weights = match config.arch() {
+            Arch::Qwen3Moe => ArchWeights::Qwen3Moe(qwen3_moe::Weights::load(&store, &config)?),
+            Arch::GptOss => ArchWeights::GptOss(gpt_oss::Weights::load(&store, &config)?),
+        };
+        let state = RunState::new(&config, max_seq);
+        Ok(Model { config, store, layout, weights, state, kernels: Kernels::get(), observer: None })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The payload layout of one routed expert (its [`ExpertLayout::len`] sizes the cache slots).
+    pub fn layout(&self) -> &ExpertLayout {
+        &self.layout
+    }
+
+    /// The model directory.
+    pub fn dir(&self) -> &Path {
+        self.store.dir()
+    }
+
+    /// The directory's tensors (shared with a [`SafetensorsExperts`] loader).
+    pub fn tensors(&self) -> &Arc<TensorStore> {
+        &self.store
+    }
+
+    /// The logits `[V]` of the last [`Model::forward`] (zeros before the first).
+    pub fn logits(&self) -> &[f32] {
+        &self.state.logits
+    }
+
+    /// The resident weights.
+    pub fn weights(&self) -> &ArchWeights {
+        &self.weights
+    }
+
+    /// Positions the KV cache holds.
+    pub fn max_seq(&self) -> usize {
+        self.state.max_seq
+    }
+
+    /// Installs `observer`, which then sees every routing decision of the following forward passes
+    /// (see [`RoutingObserver`]); returns the one it replaces, without calling its `finish`.
+    pub fn set_routing_observer(&mut self, observer: Box<dyn RoutingObserver>) -> Option<Box<dyn RoutingObserver>> {
+        self.observer.replace(observer)
+    }
+
+    /// Removes the routing observer and calls its [`RoutingObserver::finish`]; `Ok(None)` when
+    /// there was none.
+    ///
+    /// # Errors
+    /// The observer's `finish` error (e.g. a trace file that could not be written); the observer is
+    /// removed either way.
+    pub fn take_routing_observer(&mut self) -> Result<Option<Box<dyn RoutingObserver>>> {
+        match self.observer.take() {
+            Some(mut o) => o.finish().map(|()| Some(o)),
+            None => Ok(None),
+        }
+    }
+
+    /// An expert cache for this model holding `capacity` experts.
+    ///
+    /// # Errors
+    /// As [`ExpertCache::new`].
+    pub fn new_cache(&self, capacity: usize) -> Result<ExpertCache> {
+        ExpertCache::new(capacity, self.layout.len())
+    }
+
+    /// The always-correct loader: experts copied from this directory's safetensors tensors.
+    pub fn safetensors_loader(&self) -> SafetensorsExperts {
+        SafetensorsExperts::new(Arc::clone(&self.store), self.layout.clone())
+    }
+
+    /// The logits `[V]` after `token` at position `pos`; see [`Model::forward_traced`].
+    ///
+    /// # Errors
+    /// As [`Model::forward_traced`].
+    pub fn forward(
+        &mut self,
+        token: u32,
+        pos: usize,
+        cache: &mut ExpertCache,
+        loader: &mut dyn ExpertLoader,
+    ) -> Result<&[f32]> {
+        self.forward_traced(token, pos, cache, loader, None)
+    }
+
+    /// Runs `token` at position `pos` (positions `0..pos` must have been run before, in order, for the
+    /// KV cache to hold them) and returns the logits `[V]` predicting the next token. Routed experts
+    /// come from `cache`, which loads misses through `loader`. When `trace` is given, it receives the
+    /// hidden states and router decisions of this position.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when `token >= vocab_size`, `pos >= max_seq`, the cache was sized for
+    /// another payload, or an expert cannot be loaded (naming the expert; see [`ExpertCache::fetch`]).
+    pub fn forward_traced(
+        &mut self,
+        token: u32,
+        pos: usize,
+        cache: &mut ExpertCache,
+        loader: &mut dyn ExpertLoader,
+        trace: Option<&mut Trace>,
+    ) -> Result<&[f32]> {
+        let cfg = &self.config;
+        let s = &mut self.state;
+        if token as usize >= cfg.vocab_size {
+            return Err(Error::Invalid(format!("token id {token} is outside the vocabulary ({})", cfg.vocab_size)));
+        }
+        if pos >= s.max_seq {
+            return Err(Error::Invalid(format!("position {pos} is beyond the context of {} positions", s.max_seq)));
+        }
+        if cache.payload_len() != self.layout.len() {
+            return Err(Error::Invalid(format!(
+                "the expert cache holds {}-byte payloads, this model's experts are {} bytes",
+                cache.payload_len(),
+                self.layout.len()
+            )));
+        }
+        let step = Step { cfg, layout: &self.layout, k: self.kernels, s, observer: &mut self.observer };
+        match &self.weights {
+            ArchWeights::Qwen3Moe(w) => qwen3_moe::forward(step, w, token, pos, cache, loader, trace)?,
+            ArchWeights::GptOss(w) => gpt_oss::forward(step, w, token, pos, cache, loader, trace)?,
+        }
+        Ok(&self.state.logits)
+    }
+}

@@ -1,10 +1,12 @@
-//! Mixture-of-Experts pieces of a Qwen3-MoE layer: the router (softmax, top-k, optional
-//! renormalisation), the canonical expert order, the SwiGLU expert computed from a payload slot, and
-//! the combination of expert outputs in canonical order.
+//! Mixture-of-Experts pieces shared by the architectures: the routers (Qwen3-MoE: softmax, top-k,
+//! optional renormalisation; GPT-OSS: top-k on the logits, softmax over the k), the canonical expert
+//! order, the expert computed from a payload slot (SiLU SwiGLU, or GPT-OSS's clamped SwiGLU with
+//! resident biases), and the combination of expert outputs in canonical order.
 //!
 //! Routing follows transformers 5.24 `Qwen3MoeTopKRouter` (tests/fixtures/README.md, "routing"):
 //! softmax over all E router logits in f32, top-k, then (when `norm_topk_prob`) division by the sum of
-//! the k picked probabilities. The **canonical order** of the picked experts is descending weight, ties
+//! the k picked probabilities; and `GptOssTopKRouter`: `torch.topk` of the logits (bias included),
+//! then softmax over those k values. The **canonical order** of the picked experts is descending weight, ties
 //! by ascending expert id; expert outputs are summed in that order whatever order their loads complete
 //! in (DESIGN.md, "Determinism").
 
@@ -47,6 +49,30 @@ impl Routing {
         assert_eq!(logits.len(), self.probs.len(), "router logits: one per expert");
         self.probs.copy_from_slice(logits);
         kernels::softmax_inplace(&mut self.probs);
+        self.pick_topk();
+        if norm_topk_prob {
+            let sum: f32 = self.weights.iter().sum();
+            for w in &mut self.weights {
+                *w /= sum;
+            }
+        }
+    }
+
+    /// Routes one token as GPT-OSS does: the k largest logits `[E]` in canonical order (descending,
+    /// ties by id; a NaN ranks below every number), then softmax over those k values (f32).
+    /// [`Routing::probs`] holds the logits afterwards.
+    ///
+    /// # Panics
+    /// When `logits.len()` differs from the E given to [`Routing::new`].
+    pub fn route_topk_softmax(&mut self, logits: &[f32]) {
+        assert_eq!(logits.len(), self.probs.len(), "router logits: one per expert");
+        self.probs.copy_from_slice(logits);
+        self.pick_topk();
+        kernels::softmax_inplace(&mut self.weights);
+    }
+
+    /// The k largest of `probs` into `experts` / `weights`, canonical order.
+    fn pick_topk(&mut self) {
         let k = self.experts.len();
         // Insertion into a sorted top-k: O(E k), no allocation.
         let mut n = 0;
@@ -64,10 +90,49 @@ impl Routing {
             self.weights[pos] = p;
             n = (n + 1).min(k);
         }
-        if norm_topk_prob {
-            let sum: f32 = self.weights.iter().sum();
-            for w in &mut self.weights {
-                *w /= sum;
+    }
+}
+
+/// The activation between an expert's gate_up and down projections.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ExpertAct {
+    /// Qwen3-MoE: `silu(gate) * up`.
+    Silu,
+    /// GPT-OSS (`GptOssExperts`): `gate = min(gate, limit)`, `up = clamp(up, -limit, limit)`,
+    /// `(up + 1) * gate * sigmoid(alpha * gate)`.
+    ClampedSwiglu {
+        /// `swiglu_limit` (7 in gpt-oss).
+        limit: f32,
+        /// The sigmoid's slope (1.702 in gpt-oss).
+        alpha: f32,
+    },
+}
+
+impl ExpertAct {
+    /// GPT-OSS's slope α of the gated sigmoid.
+    pub const GPT_OSS_ALPHA: f32 = 1.702;
+}
+
+/// The resident biases of one expert (GPT-OSS `experts.gate_up_proj_bias[e]` and `down_proj_bias[e]`).
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertBias<'a> {
+    /// Added to gate_up(x) `[2I]`, interleaved like its rows.
+    pub gate_up: &'a [f32],
+    /// Added to down(h) `[H]`.
+    pub down: &'a [f32],
+}
+
+/// `out[i] = act(gate_up[2i], gate_up[2i + 1])` for an interleaved gate_up `[2I]` → `out [I]`.
+fn activate(act: ExpertAct, gate_up: &[f32], out: &mut [f32]) {
+    match act {
+        ExpertAct::Silu => kernels::silu_mul_interleaved(gate_up, out),
+        ExpertAct::ClampedSwiglu { limit, alpha } => {
+            assert_eq!(gate_up.len(), 2 * out.len(), "clamped SwiGLU: gate_up must hold 2 values per output");
+            for (o, gu) in out.iter_mut().zip(gate_up.chunks_exact(2)) {
+                let gate = gu[0].min(limit);
+                let up = gu[1].clamp(-limit, limit);
+                let glu = gate * (1.0 / (1.0 + (-(gate * alpha)).exp()));
+                *o = (up + 1.0) * glu;
             }
         }
     }
@@ -159,11 +224,38 @@ pub fn expert_forward(
     scratch: &mut ExpertScratch,
     out: &mut [f32],
 ) -> Result<()> {
+    expert_forward_with(k, layout, payload, x, weight, ExpertAct::Silu, None, scratch, out)
+}
+
+/// One routed expert on one token with activation `act` and optional resident `bias`:
+/// `out = weight * (down(act(gate_up(x) + b_gu)) + b_down)` (GPT-OSS: the routing weight multiplies
+/// the biased output, as `GptOssExperts` does). Shapes as [`expert_forward`].
+///
+/// # Errors
+/// As [`expert_mats`].
+#[allow(clippy::too_many_arguments)]
+pub fn expert_forward_with(
+    k: Kernels,
+    layout: &ExpertLayout,
+    payload: &[u8],
+    x: &[f32],
+    weight: f32,
+    act: ExpertAct,
+    bias: Option<ExpertBias<'_>>,
+    scratch: &mut ExpertScratch,
+    out: &mut [f32],
+) -> Result<()> {
     let (gate_up, down) = expert_mats(layout, payload)?;
     // Rows split across rayon for real-size experts; bit-identical for any thread count.
     k.matvec_par(gate_up, x, &mut scratch.gate_up);
-    kernels::silu_mul_interleaved(&scratch.gate_up, &mut scratch.h);
+    if let Some(b) = bias {
+        scratch.gate_up.iter_mut().zip(b.gate_up).for_each(|(v, b)| *v += b);
+    }
+    activate(act, &scratch.gate_up, &mut scratch.h);
     k.matvec_par(down, &scratch.h, out);
+    if let Some(b) = bias {
+        out.iter_mut().zip(b.down).for_each(|(v, b)| *v += b);
+    }
     for o in out.iter_mut() {
         *o *= weight;
     }
@@ -215,6 +307,33 @@ mod tests {
         let mut r = Routing::new(3, 1);
         r.route(&[f32::NAN, 1.0, 0.0], false);
         assert_eq!(r.experts.len(), 1);
+    }
+
+    #[test]
+    fn route_topk_then_softmax() {
+        let mut r = Routing::new(5, 2);
+        let logits = [0.5f32, 2.0, -1.0, 2.0, 3.0];
+        r.route_topk_softmax(&logits);
+        assert_eq!(r.experts, [4, 1]);
+        let z = 3f64.exp() + 2f64.exp();
+        assert!((f64::from(r.weights[0]) - 3f64.exp() / z).abs() < 1e-7);
+        assert!((r.weights.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        // ties by id
+        r.route_topk_softmax(&[1.0, 2.0, 0.0, 2.0, 0.0]);
+        assert_eq!(r.experts, [1, 3]);
+        assert_eq!(r.weights, [0.5, 0.5]);
+    }
+
+    #[test]
+    fn clamped_swiglu_values() {
+        let act = ExpertAct::ClampedSwiglu { limit: 7.0, alpha: 1.702 };
+        let mut out = [0f32; 3];
+        activate(act, &[1.0, 2.0, 10.0, -9.0, -3.0, 8.0], &mut out);
+        let g = |x: f64| x / (1.0 + (-1.702 * x).exp());
+        let want = [g(1.0) * 3.0, g(7.0) * (-7.0 + 1.0), g(-3.0) * 8.0];
+        for (o, w) in out.iter().zip(want) {
+            assert!((f64::from(*o) - w).abs() < 1e-5 * w.abs().max(1.0), "{o} vs {w}");
+        }
     }
 
     fn dense_reference(gate: &[f32], up: &[f32], down: &[f32], x: &[f32], w: f32, h: usize, i: usize) -> Vec<f64> {

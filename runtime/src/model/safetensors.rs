@@ -35,6 +35,72 @@ pub struct TensorRef<'a> {
     pub bytes: &'a [u8],
 }
 
+/// The error for a safetensors file the parser refused with `cause`: when the header parses, the first
+/// tensor whose byte span disagrees with its dtype and shape (name, expected and found bytes), or the
+/// file's truncation ("truncated: N of M bytes"); else the parser's own error. The parser's
+/// `TensorInvalidInfo` and `MetadataIncompleteBuffer` name no tensor and no size.
+fn explain(path: &Path, bytes: &[u8], cause: safetensors::SafeTensorError) -> Error {
+    match tensor_mismatch(bytes) {
+        Some(detail) => Error::SafetensorsTensor { path: path.into(), detail },
+        None => Error::Safetensors { path: path.into(), cause },
+    }
+}
+
+/// What is wrong with a tensor of the safetensors file `bytes`, if its header parses (see [`explain`]).
+fn tensor_mismatch(bytes: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Info {
+        dtype: Dtype,
+        shape: Vec<u64>,
+        data_offsets: (u64, u64),
+    }
+    let n = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
+    let header = bytes.get(8..usize::try_from(n).ok()?.checked_add(8)?)?;
+    let v: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(header).ok()?;
+    let mut tensors: Vec<(String, Info)> = v
+        .into_iter()
+        .filter(|(k, _)| k != "__metadata__")
+        .map(|(k, t)| Some((k, serde_json::from_value(t).ok()?)))
+        .collect::<Option<_>>()?;
+    tensors.sort_by_key(|(_, t)| t.data_offsets);
+    let data_start = 8 + n;
+    let mut end = 0u64;
+    for (name, t) in &tensors {
+        let (b, e) = t.data_offsets;
+        let found = e.checked_sub(b);
+        let bits = t.dtype.bitsize() as u64;
+        let expected = t.shape.iter().try_fold(bits, |acc, &d| acc.checked_mul(d)).map(|b| b.div_ceil(8));
+        if found.is_none() || (expected.is_some() && found != expected) || b != end {
+            let shape = t.shape.iter().map(u64::to_string).collect::<Vec<_>>().join(", ");
+            return Some(format!(
+                "tensor `{name}` ({:?} [{shape}]) needs {} bytes, its data_offsets [{b}, {e}] give {}{}",
+                t.dtype,
+                expected.map_or_else(|| "more than 2^64".into(), |x| x.to_string()),
+                found.map_or_else(|| "a negative count".into(), |x| x.to_string()),
+                if b != end { format!(" (the previous tensor ends at {end})") } else { String::new() },
+            ));
+        }
+        end = e;
+    }
+    let need = data_start.checked_add(end)?;
+    let have = bytes.len() as u64;
+    if have < need {
+        let last = tensors.iter().rev().find(|(_, t)| data_start + t.data_offsets.1 > have)?;
+        let first = tensors.iter().find(|(_, t)| data_start + t.data_offsets.1 > have)?;
+        return Some(format!(
+            "truncated: {have} of {need} bytes (tensor `{}` onwards, through `{}`, lies past the end)",
+            first.0, last.0
+        ));
+    }
+    if have > need {
+        return Some(format!(
+            "{} bytes after the last tensor's data (the file has {have}, the header covers {need})",
+            have - need
+        ));
+    }
+    None
+}
+
 impl TensorStore {
     /// Opens every weight file of `dir` (see the module docs) and indexes its tensors.
     ///
@@ -85,8 +151,7 @@ impl TensorStore {
             let file = File::open(&path).map_err(Error::io(&path, "open"))?;
             // Read-only and private; checkpoints are not modified while a model is loaded.
             let map = crate::sys::map_readonly(&path, &file)?;
-            let (header_len, meta) =
-                SafeTensors::read_metadata(&map).map_err(|cause| Error::Safetensors { path: path.clone(), cause })?;
+            let (header_len, meta) = SafeTensors::read_metadata(&map).map_err(|cause| explain(&path, &map, cause))?;
             let fi = files.len();
             for (tname, info) in meta.tensors() {
                 if let Some(wm) = &weight_map {
@@ -224,6 +289,43 @@ mod tests {
 
     fn fixture(name: &str) -> PathBuf {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(name)
+    }
+
+    /// A one-file model directory holding `bytes` as model.safetensors.
+    fn dir_with(bytes: &[u8]) -> tempfile::TempDir {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("model.safetensors"), bytes).unwrap();
+        d
+    }
+
+    /// A safetensors file of tensors `a` (F32 [4, 2], 32 bytes) and `b` (BF16 [8], 16 bytes).
+    fn two_tensors() -> Vec<u8> {
+        use safetensors::tensor::TensorView;
+        let (a, b) = (vec![0u8; 32], vec![0u8; 16]);
+        let views = [
+            ("a", TensorView::new(Dtype::F32, vec![4, 2], &a).unwrap()),
+            ("b", TensorView::new(Dtype::BF16, vec![8], &b).unwrap()),
+        ];
+        safetensors::serialize(views, None).unwrap()
+    }
+
+    #[test]
+    fn a_truncated_file_names_the_tensor_and_both_byte_counts() {
+        let full = two_tensors();
+        let cut = &full[..full.len() - 10];
+        let e = TensorStore::open(dir_with(cut).path()).err().unwrap().to_string();
+        let want = format!("truncated: {} of {} bytes", cut.len(), full.len());
+        assert!(e.contains(&want) && e.contains("`b`") && e.contains("model.safetensors"), "{e}");
+    }
+
+    #[test]
+    fn a_tensor_whose_span_disagrees_with_its_shape_is_named_with_expected_and_found_bytes() {
+        let header = br#"{"a":{"dtype":"F32","shape":[4,2],"data_offsets":[0,24]}}"#;
+        let mut f = (header.len() as u64).to_le_bytes().to_vec();
+        f.extend_from_slice(header);
+        f.extend_from_slice(&[0; 24]);
+        let e = TensorStore::open(dir_with(&f).path()).err().unwrap().to_string();
+        assert!(e.contains("tensor `a`") && e.contains("needs 32 bytes") && e.contains("give 24"), "{e}");
     }
 
     #[test]

@@ -1,8 +1,9 @@
-//! `picchio convert`: a Hugging Face Qwen3-MoE checkpoint → a Picchio converted directory.
+//! `picchio convert`: a Hugging Face Qwen3-MoE or GPT-OSS checkpoint → a Picchio converted directory.
 //!
 //! The source is config.json plus one `model.safetensors` or shards with
 //! `model.safetensors.index.json` (followed exactly), tensors in BF16, F16 or F32, routed experts
-//! either one tensor per expert or fused 3-D tensors (transformers 5; see [`ExpertSource`]).
+//! either one tensor per expert or fused 3-D tensors (transformers 5), or for GPT-OSS openai's
+//! MXFP4 blocks and scales ([`mxfp4`]) or transformers' `x @ W` fused tensors (see [`ExpertSource`]).
 //!
 //! The converted directory (DESIGN.md, "Converted model directory and expert quantization"):
 //! - every tensor except the routed experts copied unchanged (dtype, shape, bytes): embeddings,
@@ -20,6 +21,8 @@
 //! Experts are quantized in parallel (rayon) and written in a fixed order, so the bytes do not depend
 //! on the thread count.
 
+mod gpt_oss;
+pub mod mxfp4;
 mod plan;
 mod quantize;
 mod shard;
@@ -35,7 +38,7 @@ pub use plan::ExpertSource;
 pub use quantize::expert_payload;
 
 use crate::error::{Error, Result};
-use crate::expert::layout::ExpertLayout;
+use crate::expert::layout::{ExpertLayout, ExpertNaming};
 use crate::model::config::Config;
 use crate::model::safetensors::TensorStore;
 use crate::progress;
@@ -126,6 +129,8 @@ impl std::fmt::Display for ConvertReport {
             [] => "no MoE layer",
             s if s.iter().all(|&x| x == ExpertSource::PerExpert) => "per-expert tensors",
             s if s.iter().all(|&x| x == ExpertSource::Fused) => "fused tensors",
+            s if s.iter().all(|&x| x == ExpertSource::Mxfp4) => "MXFP4 blocks",
+            s if s.iter().all(|&x| x == ExpertSource::FusedTransposed) => "fused x@W tensors",
             _ => "per-expert and fused tensors",
         };
         writeln!(f, "converted {} -> {}", self.src.display(), self.dst.display())?;
@@ -170,8 +175,12 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions) -> Result<ConvertR
     let cfg_path = src.join("config.json");
     let cfg = Config::from_dir(src)?;
     let (h, i) = (cfg.hidden_size, cfg.moe_intermediate_size);
+    let inter_key = match cfg.arch() {
+        crate::model::config::Arch::Qwen3Moe => "moe_intermediate_size",
+        crate::model::config::Arch::GptOss => "intermediate_size",
+    };
     if opts.experts != QuantKind::F32 {
-        for (key, v) in [("hidden_size", h), ("moe_intermediate_size", i)] {
+        for (key, v) in [("hidden_size", h), (inter_key, i)] {
             if v % GROUP_SIZE != 0 {
                 return Err(Error::ConfigValue {
                     path: cfg_path,
@@ -186,19 +195,18 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions) -> Result<ConvertR
         }
     }
     let store = TensorStore::open(src)?;
-    let layout = ExpertLayout::new(opts.experts, h, i)?;
+    let layout = ExpertLayout::new(opts.experts, h, i)?.with_naming(ExpertNaming::for_arch(cfg.arch()));
     let plan = plan::plan(&cfg, &store)?;
     let shards = shard::assign(&plan.units, &store, &layout, opts.max_shard_bytes.max(1))?;
 
-    let parent = dst.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent).map_err(Error::io(parent, "create destination parent"))?;
+    crate::image::write::require_parent_dir(dst)?;
     let tmp = TempDir::create(dst)?;
     let n_tensors: usize = shards.iter().map(|s| s.tensors.len()).sum();
     let bar = progress::bar(n_tensors as u64, "convert", !opts.progress);
     let write_all = || -> Result<usize> {
         for (k, s) in shards.iter().enumerate() {
             let path = tmp.path.join(shard::shard_name(k, shards.len()));
-            write_shard(&path, s, &store, &layout, &plan.sources, &bar)?;
+            write_shard(&path, s, &store, &layout, &plan.sources, cfg.num_experts, &bar)?;
         }
         Ok(rayon::current_num_threads())
     };
@@ -250,6 +258,7 @@ fn write_shard(
     store: &TensorStore,
     layout: &ExpertLayout,
     sources: &[Option<ExpertSource>],
+    experts_per_layer: usize,
     bar: &indicatif::ProgressBar,
 ) -> Result<()> {
     let file = File::create(path).map_err(Error::io(path, "create"))?;
@@ -270,7 +279,7 @@ fn write_shard(
             .par_iter()
             .map(|&(l, e)| {
                 let source = sources[l].expect("experts are planned for MoE layers only");
-                let [gate, up, down] = quantize::read_expert(store, source, layout, l, e)?;
+                let [gate, up, down] = quantize::read_expert(store, source, layout, l, e, experts_per_layer)?;
                 expert_payload(layout, &gate, &up, &down)
             })
             .collect::<Result<Vec<_>>>()?;

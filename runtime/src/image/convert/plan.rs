@@ -36,6 +36,12 @@ pub enum ExpertSource {
     /// transformers 5 fused 3-D tensors: `model.layers.L.mlp.experts.gate_up_proj` `[E, 2I, H]` (gate =
     /// rows `0..I`, up = rows `I..2I`) and `model.layers.L.mlp.experts.down_proj` `[E, H, I]`.
     Fused,
+    /// GPT-OSS, openai's MXFP4 layout: `experts.{gate_up,down}_proj_{blocks,scales}` (see
+    /// [`super::mxfp4`]), gate_up output rows interleaved (even gate, odd up).
+    Mxfp4,
+    /// GPT-OSS, transformers' layout: `experts.gate_up_proj` `[E, H, 2I]` and `experts.down_proj`
+    /// `[E, I, H]` in `x @ W` orientation, gate = columns `0::2`, up = columns `1::2`.
+    FusedTransposed,
 }
 
 /// One unit of output: a tensor copied unchanged, or one routed expert's four tensors.
@@ -87,7 +93,8 @@ pub(crate) fn check_float(t: &TensorRef<'_>) -> Result<()> {
     }
 }
 
-fn check(store: &TensorStore, name: &str, shape: &[usize]) -> Result<()> {
+/// Fails unless tensor `name` exists, is F32/BF16/F16 and has `shape`.
+pub(crate) fn check(store: &TensorStore, name: &str, shape: &[usize]) -> Result<()> {
     let t = store.get(name)?;
     check_float(&t)?;
     t.expect_shape(shape)?;
@@ -101,6 +108,9 @@ fn check(store: &TensorStore, name: &str, shape: &[usize]) -> Result<()> {
 /// tensor; [`Error::Invalid`] for a directory that is already converted, a layer with both expert
 /// layouts, or a routed-expert tensor that config.json does not account for.
 pub(crate) fn plan(cfg: &Config, store: &TensorStore) -> Result<Plan> {
+    if cfg.arch() == crate::model::config::Arch::GptOss {
+        return super::gpt_oss::plan(cfg, store);
+    }
     let (h, i, e) = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts);
     let (hd, nh, nkv) = (cfg.head_dim(), cfg.num_attention_heads, cfg.num_key_value_heads);
     if let Some(&l) = cfg.moe_layers().first() {

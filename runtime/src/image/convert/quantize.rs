@@ -45,7 +45,7 @@ pub fn expert_payload(layout: &ExpertLayout, gate: &[f32], up: &[f32], down: &[f
 }
 
 /// Widens `bytes` (a whole tensor or a slice of one) of `t`'s dtype to f32, refusing non-finite values.
-fn widen(t: &TensorRef<'_>, bytes: &[u8], what: &str) -> Result<Vec<f32>> {
+pub(crate) fn widen(t: &TensorRef<'_>, bytes: &[u8], what: &str) -> Result<Vec<f32>> {
     let v: Vec<f32> = match t.dtype {
         Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
         Dtype::BF16 => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
@@ -70,8 +70,12 @@ pub(crate) fn read_expert(
     layout: &ExpertLayout,
     layer: usize,
     expert: usize,
+    experts_per_layer: usize,
 ) -> Result<[Vec<f32>; 3]> {
     match source {
+        ExpertSource::Mxfp4 | ExpertSource::FusedTransposed => {
+            super::gpt_oss::read_expert(store, source, layout, layer, expert, experts_per_layer)
+        }
         ExpertSource::PerExpert => {
             let [g, u, d] = per_expert(layer, expert);
             let read = |name: &str| -> Result<Vec<f32>> {

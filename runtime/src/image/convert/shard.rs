@@ -16,7 +16,7 @@ use safetensors::Dtype;
 
 use super::plan::Unit;
 use crate::error::{Error, Result};
-use crate::expert::layout::{ExpertLayout, ExpertTensorNames};
+use crate::expert::layout::ExpertLayout;
 use crate::model::safetensors::TensorStore;
 use crate::quant::QuantKind;
 
@@ -35,7 +35,7 @@ pub(crate) struct OutTensor {
 
 /// The tensors of one converted expert, in payload order (flat 1-D, as Picchio (C) writes them).
 pub(crate) fn expert_tensors(layout: &ExpertLayout, layer: usize, expert: usize) -> Vec<OutTensor> {
-    let n = ExpertTensorNames::new(layer, expert);
+    let n = layout.names(layer, expert);
     let packed = if layout.quant == QuantKind::F32 { Dtype::F32 } else { Dtype::U8 };
     let width = |d: Dtype| d.bitsize() / 8;
     [

@@ -1,0 +1,229 @@
+//! The GPT-OSS forward pass, as transformers 5.24 `models/gpt_oss/modeling_gpt_oss.py` computes it
+//! in f32 (eager attention), built from the shared pieces of [`super`]:
+//!
+//! ```text
+//! x = embed_tokens[token]
+//! for each layer l:
+//!     h = rmsnorm(x) ; q, k, v = q_proj h + b_q, k_proj h + b_k, v_proj h + b_v   (no QK-norm)
+//!     q, k = rope(q), rope(k)               (NeoX halves; YaRN: cos/sin times the attention factor)
+//!     o = softmax_with_sink(q k^T / sqrt(head_dim)) v    (GQA; a sliding layer sees the last W positions)
+//!     x = x + o_proj o + b_o
+//!     h = rmsnorm(x)
+//!     r = router h + b_router ; top-k of r, softmax over the k
+//!     x = x + sum_j w_j (down_j(swiglu_clamped(gate_up_j h + b_gu_j)) + b_down_j)   (canonical order)
+//! logits = lm_head rmsnorm(x)
+//! ```
+//!
+//! Routed experts come through an [`ExpertCache`] from an [`ExpertLoader`] (payload = the Q4/Q3/f32
+//! matrices only); their biases `experts.gate_up_proj_bias` `[E, 2I]` and `experts.down_proj_bias`
+//! `[E, H]` are resident here.
+
+use picchio_core::ExpertLoader;
+
+use super::attention::Attention;
+use super::matrix::{add_into, vector, Matrix};
+use super::state::Trace;
+use super::{RouterKind, Step};
+use crate::error::Result;
+use crate::expert::cache::ExpertCache;
+use crate::kernels::Kernels;
+use crate::model::config::Config;
+use crate::model::moe::ExpertAct;
+use crate::model::safetensors::TensorStore;
+
+/// A projection `y = W x + b` (the bias is absent when `attention_bias` is false).
+#[derive(Clone, Debug)]
+pub struct Linear {
+    /// `weight` `[out, in]`.
+    pub weight: Matrix,
+    /// `bias` `[out]`.
+    pub bias: Option<Vec<f32>>,
+}
+
+impl Linear {
+    fn load(store: &TensorStore, name: &str, rows: usize, cols: usize, bias: bool) -> Result<Linear> {
+        let weight = Matrix::load(store, &format!("{name}.weight"), rows, cols)?;
+        let bias = if bias { Some(vector(store, &format!("{name}.bias"), rows)?) } else { None };
+        Ok(Linear { weight, bias })
+    }
+
+    /// `y = W x + b`.
+    fn apply(&self, k: Kernels, x: &[f32], y: &mut [f32]) {
+        k.matvec_par(self.weight.as_mat(), x, y);
+        if let Some(b) = &self.bias {
+            add_into(y, b);
+        }
+    }
+}
+
+/// The resident weights of one GPT-OSS decoder layer `model.layers.N`.
+#[derive(Clone, Debug)]
+pub struct LayerWeights {
+    /// `input_layernorm.weight` `[H]`.
+    pub input_layernorm: Vec<f32>,
+    /// `self_attn.q_proj` `[nh*hd, H]` (+ bias).
+    pub q_proj: Linear,
+    /// `self_attn.k_proj` `[nkv*hd, H]` (+ bias).
+    pub k_proj: Linear,
+    /// `self_attn.v_proj` `[nkv*hd, H]` (+ bias).
+    pub v_proj: Linear,
+    /// `self_attn.o_proj` `[H, nh*hd]` (+ bias).
+    pub o_proj: Linear,
+    /// `self_attn.sinks` `[nh]`: one sink logit per query head.
+    pub sinks: Vec<f32>,
+    /// `post_attention_layernorm.weight` `[H]`.
+    pub post_attention_layernorm: Vec<f32>,
+    /// `mlp.router` `[E, H]` + bias `[E]`.
+    pub router: Linear,
+    /// `mlp.experts.gate_up_proj_bias` `[E, 2I]` (interleaved like the gate_up rows).
+    pub gate_up_bias: Vec<f32>,
+    /// `mlp.experts.down_proj_bias` `[E, H]`.
+    pub down_bias: Vec<f32>,
+}
+
+/// The resident weights of a GPT-OSS model (everything but the routed experts' matrices).
+#[derive(Clone, Debug)]
+pub struct Weights {
+    /// `model.embed_tokens.weight` `[V, H]`.
+    pub embed_tokens: Matrix,
+    /// `model.layers.N.*`.
+    pub layers: Vec<LayerWeights>,
+    /// `model.norm.weight` `[H]`.
+    pub norm: Vec<f32>,
+    /// `lm_head.weight` `[V, H]`; `None` when tied.
+    pub lm_head: Option<Matrix>,
+}
+
+impl Weights {
+    /// Reads every resident tensor of a converted GPT-OSS directory, checking each shape.
+    ///
+    /// # Errors
+    /// [`crate::Error::MissingTensor`], [`crate::Error::TensorShape`], [`crate::Error::TensorDtype`],
+    /// naming tensor and file.
+    pub fn load(store: &TensorStore, cfg: &Config) -> Result<Weights> {
+        let (h, hd, e, i) = (cfg.hidden_size, cfg.head_dim(), cfg.num_experts, cfg.moe_intermediate_size);
+        let (qd, kvd) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
+        let bias = cfg.attention_bias;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for l in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            let lin = |n: &str, r, c, b| Linear::load(store, &format!("{p}.{n}"), r, c, b);
+            let flat = |n: &str, len| vector(store, &format!("{p}.{n}"), len);
+            layers.push(LayerWeights {
+                input_layernorm: flat("input_layernorm.weight", h)?,
+                q_proj: lin("self_attn.q_proj", qd, h, bias)?,
+                k_proj: lin("self_attn.k_proj", kvd, h, bias)?,
+                v_proj: lin("self_attn.v_proj", kvd, h, bias)?,
+                o_proj: lin("self_attn.o_proj", h, qd, bias)?,
+                sinks: flat("self_attn.sinks", cfg.num_attention_heads)?,
+                post_attention_layernorm: flat("post_attention_layernorm.weight", h)?,
+                router: lin("mlp.router", e, h, true)?,
+                gate_up_bias: matrix_f32(store, &format!("{p}.mlp.experts.gate_up_proj_bias"), e, 2 * i)?,
+                down_bias: matrix_f32(store, &format!("{p}.mlp.experts.down_proj_bias"), e, h)?,
+            });
+        }
+        let lm_head = if cfg.tie_word_embeddings && !store.contains("lm_head.weight") {
+            None
+        } else {
+            Some(Matrix::load(store, "lm_head.weight", cfg.vocab_size, h)?)
+        };
+        Ok(Weights {
+            embed_tokens: Matrix::load(store, "model.embed_tokens.weight", cfg.vocab_size, h)?,
+            layers,
+            norm: vector(store, "model.norm.weight", h)?,
+            lm_head,
+        })
+    }
+
+    /// The output projection `[V, H]`: lm_head, or embed_tokens when tied.
+    pub fn lm_head(&self) -> &Matrix {
+        self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
+    }
+}
+
+/// A float tensor `[rows, cols]` widened to f32, row-major.
+fn matrix_f32(store: &TensorStore, name: &str, rows: usize, cols: usize) -> Result<Vec<f32>> {
+    let t = store.get(name)?;
+    t.expect_shape(&[rows, cols])?;
+    t.to_f32()
+}
+
+/// The GPT-OSS forward pass of `token` at `pos` into `step.s.logits` (module docs;
+/// [`super::Model::forward_traced`] checks the token, position and cache first).
+pub(crate) fn forward(
+    step: Step<'_>,
+    w: &Weights,
+    token: u32,
+    pos: usize,
+    cache: &mut ExpertCache,
+    loader: &mut dyn ExpertLoader,
+    mut trace: Option<&mut Trace>,
+) -> Result<()> {
+    let Step { cfg, layout, k, s, observer } = step;
+    let hd = cfg.head_dim();
+    let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+    let kvd = nkv * hd;
+    let eps = cfg.rms_norm_eps as f32;
+    let scale = (hd as f64).powf(-0.5) as f32;
+    let max_seq = s.max_seq;
+    let act = ExpertAct::ClampedSwiglu { limit: cfg.swiglu_limit(), alpha: ExpertAct::GPT_OSS_ALPHA };
+
+    w.embed_tokens.row_into(token as usize, &mut s.x);
+    if let Some(t) = trace.as_deref_mut() {
+        t.hidden[0].copy_from_slice(&s.x);
+    }
+    s.rope.set_pos(pos);
+
+    for (l, lw) in w.layers.iter().enumerate() {
+        // Attention: q, k, v with biases (k and v into this position's KV cache row), RoPE, then
+        // the visible window with the layer's sinks.
+        k.rmsnorm(&mut s.xb, &s.x, &lw.input_layernorm, eps);
+        let row = (l * max_seq + pos) * kvd;
+        lw.q_proj.apply(k, &s.xb, &mut s.q);
+        lw.k_proj.apply(k, &s.xb, &mut s.key_cache[row..row + kvd]);
+        lw.v_proj.apply(k, &s.xb, &mut s.value_cache[row..row + kvd]);
+        s.rope.apply(&mut s.q);
+        s.rope.apply(&mut s.key_cache[row..row + kvd]);
+        let first = Attention::first_visible(pos, cfg.attention_window(l));
+        let attn = Attention {
+            k,
+            keys: &s.key_cache[(l * max_seq + first) * kvd..(l * max_seq + pos + 1) * kvd],
+            values: &s.value_cache[(l * max_seq + first) * kvd..(l * max_seq + pos + 1) * kvd],
+            kvd,
+            hd,
+            n_rep: nh / nkv,
+            scale,
+            sinks: Some(&lw.sinks),
+        };
+        attn.run(&s.q, &mut s.att, max_seq, &mut s.att_out);
+        lw.o_proj.apply(k, &s.att_out, &mut s.xb2);
+        add_into(&mut s.x, &s.xb2);
+
+        // MoE: router with bias, top-k then softmax, clamped-SwiGLU experts with resident biases.
+        k.rmsnorm(&mut s.xb, &s.x, &lw.post_attention_layernorm, eps);
+        lw.router.apply(k, &s.xb, &mut s.router_logits);
+        Step { cfg, layout, k, s: &mut *s, observer: &mut *observer }.routed_experts(
+            l,
+            pos,
+            RouterKind::TopKSoftmax,
+            act,
+            Some((&lw.gate_up_bias, &lw.down_bias)),
+            cache,
+            loader,
+            trace.as_deref_mut(),
+        )?;
+        add_into(&mut s.x, &s.xb2);
+        if let Some(t) = trace.as_deref_mut() {
+            if l + 1 < cfg.num_hidden_layers {
+                t.hidden[l + 1].copy_from_slice(&s.x);
+            }
+        }
+    }
+
+    k.rmsnorm(&mut s.xb, &s.x, &w.norm, eps);
+    if let Some(t) = trace {
+        t.hidden[cfg.num_hidden_layers].copy_from_slice(&s.xb);
+    }
+    k.matvec_par(w.lm_head().as_mat(), &s.xb, &mut s.logits);
+    Ok(())
+}

@@ -161,6 +161,7 @@ fn a_read_only_namespace_fails_the_pack_with_the_write_status() {
     std::fs::write(&ns, vec![0u8; 1 << 20]).unwrap();
     let opts_q = NvmeQueueOptions { qd: 4, timeout: Duration::from_secs(60), ..Default::default() };
     let (mut q, _sim) = NvmeQueue::open_sim_with(SimConfig::single(&ns, 512), &opts_q, HeapDma::new(), true).unwrap();
-    let e = pack_nvme_queue(&mut q, false, &mut |_| {}).unwrap_err().to_string();
+    let e = pack_nvme_queue(&mut q, false, &mut |_| {}).unwrap_err();
+    let e = picchio_core::error::chain(&e).to_string();
     assert!(e.contains("nvme:sim/1") && e.contains("NVMe write of namespace 1"), "{e}");
 }

@@ -561,7 +561,8 @@ mod tests {
         let err = |f: &dyn Fn(&mut serde_json::Value)| {
             let mut v = gpt_oss_json();
             f(&mut v);
-            Config::from_file(&write(dir.path(), &v)).unwrap_err().to_string()
+            // The whole chain: a serde error is the `source()` of `Error::Config`.
+            picchio_core::error::chain(&Config::from_file(&write(dir.path(), &v)).unwrap_err()).to_string()
         };
         let e = err(&|v| v["layer_types"] = serde_json::json!(["full_attention"]));
         assert!(e.contains("layer_types") && e.contains("1 entries for num_hidden_layers 4"), "{e}");

@@ -106,7 +106,7 @@ fn pack_refuses_devices_with_data_and_force_overrides_the_signature() {
     mkfs_ext4(&lo.dev).unwrap();
     let before = std::fs::read(&file).unwrap();
     let (r, plan) = pack_to(&lo.dev, 0, false);
-    let e = r.unwrap_err().to_string();
+    let e = picchio_core::error::chain(&r.unwrap_err()).to_string();
     assert!(e.contains("refusing to write") && e.contains("ext2/3/4 file system (magic 0xEF53 at byte 1080)"), "{e}");
     assert!(plan.contains(&lo.dev.display().to_string()) && plan.contains("[refused without --force]"), "{plan}");
     assert!(std::fs::read(&file).unwrap() == before, "a refused pack wrote to the device");
@@ -122,7 +122,7 @@ fn pack_refuses_devices_with_data_and_force_overrides_the_signature() {
     let file = sparse_file(&tmp.path().join("gpt.img"), 8 * MIB);
     write_gpt_signature(&file, 512);
     let lo = LoopDevice::attach(&file, LoopOptions::default()).unwrap();
-    let e = pack_to(&lo.dev, 0, false).0.unwrap_err().to_string();
+    let e = picchio_core::error::chain(&pack_to(&lo.dev, 0, false).0.unwrap_err()).to_string();
     assert!(e.contains("GPT partition table") && e.contains("MBR partition table"), "{e}");
     drop(lo);
 
@@ -132,9 +132,9 @@ fn pack_refuses_devices_with_data_and_force_overrides_the_signature() {
     mkfs_ext4(&lo.dev).unwrap();
     let mnt = Mounted::mount(&lo.dev, &tmp.path().join("mnt")).unwrap();
     std::fs::write(mnt.dir.join("keep.txt"), b"kept").unwrap();
-    let e = pack_to(&lo.dev, 0, false).0.unwrap_err().to_string();
+    let e = picchio_core::error::chain(&pack_to(&lo.dev, 0, false).0.unwrap_err()).to_string();
     assert!(e.contains(&format!("is mounted at {}", mnt.dir.display())), "{e}");
-    let e = pack_to(&lo.dev, 0, true).0.unwrap_err().to_string();
+    let e = picchio_core::error::chain(&pack_to(&lo.dev, 0, true).0.unwrap_err()).to_string();
     assert!(e.contains("exclusive") && e.contains("Device or resource busy"), "{e}");
     assert_eq!(std::fs::read(mnt.dir.join("keep.txt")).unwrap(), b"kept");
     drop(mnt);
@@ -147,7 +147,7 @@ fn offsets_sizes_and_non_devices_are_checked_before_anything_is_written() {
     let tmp = scratch();
     // A regular file given as raw: is neither written nor read as a device.
     let plain = sparse_file(&tmp.path().join("plain.img"), 4 * MIB);
-    let e = pack_to(&plain, 0, true).0.unwrap_err().to_string();
+    let e = picchio_core::error::chain(&pack_to(&plain, 0, true).0.unwrap_err()).to_string();
     assert!(e.contains("not a block device") && e.contains("file:PATH"), "{e}");
     assert!(std::fs::read(&plain).unwrap().iter().all(|&b| b == 0), "the file was written");
     let e = greedy(&model(), raw(&plain, 0), psync_direct(), Some(4), &c_prompt(), 1).err().unwrap().to_string();
@@ -158,14 +158,15 @@ fn offsets_sizes_and_non_devices_are_checked_before_anything_is_written() {
     let lo = LoopDevice::attach_for_test(test, &file, opts);
     // 512 is not a whole LBA of a 4096-byte-block device: for pack, run and verify.
     let want = "not a multiple of the device's logical block size (4096 bytes)";
-    let e = pack_to(&lo.dev, 512, false).0.unwrap_err().to_string();
+    let e = picchio_core::error::chain(&pack_to(&lo.dev, 512, false).0.unwrap_err()).to_string();
     assert!(e.contains(want), "{e}");
     let e = greedy(&model(), raw(&lo.dev, 512), psync_direct(), Some(4), &c_prompt(), 1).err().unwrap().to_string();
     assert!(e.contains(want), "{e}");
-    let e = verify_raw(&lo.dev, 512, None, &VerifyOptions::default()).unwrap_err().to_string();
+    let e =
+        picchio_core::error::chain(&verify_raw(&lo.dev, 512, None, &VerifyOptions::default()).unwrap_err()).to_string();
     assert!(e.contains(want), "{e}");
     // The image does not fit 4 MiB - 3.75 MiB.
-    let e = pack_to(&lo.dev, 3840 * 1024, false).0.unwrap_err().to_string();
+    let e = picchio_core::error::chain(&pack_to(&lo.dev, 3840 * 1024, false).0.unwrap_err()).to_string();
     assert!(e.contains(&format!("needs {IMAGE_LEN} bytes")) && e.contains("has 262144 bytes"), "{e}");
     assert!(std::fs::read(&file).unwrap().iter().all(|&b| b == 0), "a refused pack wrote to the device");
 }

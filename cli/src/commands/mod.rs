@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod bench_common;
 mod bench_io;
 mod bench_model;
 mod convert;

@@ -14,7 +14,7 @@ use common::{scratch, Rng};
 use loopdev::{
     mkfs_ext4, run, sparse_file, write_gpt_signature, write_mbr_partition, LoopDevice, LoopOptions, Mounted,
 };
-use picchio_blockdev::host::Host;
+use picchio_blockdev::host::{Host, Use};
 use picchio_blockdev::raw::{DeviceSink, Finding, Inspection, Lba, RawDevice, RawTarget, SignatureKind, Verdict};
 use picchio_blockdev::{Error, PsyncOptions, PsyncQueue};
 use picchio_core::loader::StoreDims;
@@ -188,7 +188,9 @@ fn signatures_partitions_and_mounts_are_refused_and_force_overrides_only_ours() 
     let target = RawTarget::open(&lo.dev, ByteOffset(0)).unwrap();
     let insp = target.inspect(MIB).unwrap();
     assert!(
-        insp.findings().iter().any(|f| matches!(f, Finding::Mounted { mount_point, .. } if *mount_point == mnt.dir)),
+        insp.findings()
+            .iter()
+            .any(|f| matches!(f, Finding::InUse(Use::Mounted { mount_point, .. }) if *mount_point == mnt.dir)),
         "{insp}"
     );
     let e = insp.clone().permit(false).unwrap_err().to_string();
@@ -211,7 +213,7 @@ fn signatures_partitions_and_mounts_are_refused_and_force_overrides_only_ours() 
     let insp = RawTarget::open(&lo.dev, ByteOffset(0)).unwrap().inspect(MIB).unwrap();
     let p1_name = p1.file_name().unwrap().to_string_lossy().into_owned();
     assert!(
-        insp.findings().iter().any(|f| matches!(f, Finding::Mounted { device, .. } if *device == p1_name)),
+        insp.findings().iter().any(|f| matches!(f, Finding::InUse(Use::Mounted { device, .. }) if *device == p1_name)),
         "{insp}"
     );
     assert!(kinds(&insp).contains(&SignatureKind::Mbr), "{insp}");

@@ -61,6 +61,20 @@ pub enum Use {
     },
 }
 
+impl std::fmt::Display for Use {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Use::Mounted { device, mount_point, fs_type } => {
+                write!(f, "{device} is mounted at {} ({fs_type})", mount_point.display())
+            }
+            Use::Swap { device } => write!(f, "{device} is an active swap area"),
+            Use::Held { device, holder } => {
+                write!(f, "{device} is held by {holder} (device-mapper, LVM, LUKS or md is built on it)")
+            }
+        }
+    }
+}
+
 /// The kernel's view of block devices: sysfs, the mount table, the active swap areas and the
 /// device(s) of `/`.
 #[derive(Clone, Debug)]

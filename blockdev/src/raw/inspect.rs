@@ -4,7 +4,6 @@
 //! that alone opens a [`super::DeviceSink`].
 
 use std::fmt;
-use std::path::PathBuf;
 
 use picchio_core::human_bytes as human;
 use picchio_core::io::read_blocking;
@@ -111,39 +110,16 @@ fn blkid_adds_to(probe: &BlkidProbe, ours: &[Signature]) -> bool {
 
 impl From<Use> for Finding {
     fn from(u: Use) -> Finding {
-        match u {
-            Use::Mounted { device, mount_point, fs_type } => Finding::Mounted { device, mount_point, fs_type },
-            Use::Swap { device } => Finding::Swap { device },
-            Use::Held { device, holder } => Finding::Held { device, holder },
-        }
+        Finding::InUse(u)
     }
 }
 
 /// One thing found on (or about) a device that writing it would destroy or disturb.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Finding {
-    /// The device, or a partition of it, is mounted.
-    Mounted {
-        /// The kernel name of the mounted device (the target or one of its partitions).
-        device: String,
-        /// Where.
-        mount_point: PathBuf,
-        /// The file-system type.
-        fs_type: String,
-    },
-    /// The device, or a partition of it, is an active swap area (`/proc/swaps`).
-    Swap {
-        /// The kernel name of the swap device.
-        device: String,
-    },
-    /// Something is built on the device or a partition of it (`/sys/class/block/X/holders`:
-    /// device-mapper, LVM, LUKS, md RAID, bcache).
-    Held {
-        /// The held device.
-        device: String,
-        /// The holder (e.g. `dm-0`, `md127`).
-        holder: String,
-    },
+    /// The device, or a partition of it, is in use by the kernel: mounted, an active swap area, or
+    /// held by device-mapper / md ([`Use`], from the host inspection).
+    InUse(Use),
     /// A partition table, file-system, volume or image signature.
     Signature {
         /// What and where.
@@ -259,13 +235,7 @@ impl Finding {
 impl fmt::Display for Finding {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Finding::Mounted { device, mount_point, fs_type } => {
-                write!(f, "{device} is mounted at {} ({fs_type})", mount_point.display())
-            }
-            Finding::Swap { device } => write!(f, "{device} is an active swap area"),
-            Finding::Held { device, holder } => {
-                write!(f, "{device} is held by {holder} (device-mapper, LVM, LUKS or md is built on it)")
-            }
+            Finding::InUse(u) => write!(f, "{u}"),
             Finding::Signature { signature, overwritten } => {
                 let fate = match (signature.kind == SignatureKind::Picchioflat, overwritten) {
                     (true, true) => "an earlier image, overwritten (not a reason to refuse)",
@@ -413,9 +383,13 @@ mod tests {
         assert_eq!(
             found,
             [
-                Finding::Swap { device: "sda".into() },
-                Finding::Held { device: "sda1".into(), holder: "dm-0".into() },
-                Finding::Mounted { device: "sda2".into(), mount_point: "/srv".into(), fs_type: "xfs".into() },
+                Finding::InUse(Use::Swap { device: "sda".into() }),
+                Finding::InUse(Use::Held { device: "sda1".into(), holder: "dm-0".into() }),
+                Finding::InUse(Use::Mounted {
+                    device: "sda2".into(),
+                    mount_point: "/srv".into(),
+                    fs_type: "xfs".into()
+                }),
             ]
         );
         assert!(found.iter().all(|f| f.verdict() == Verdict::Refuse));
@@ -440,7 +414,7 @@ mod tests {
 
     #[test]
     fn decide_refuses_always_before_force_and_reports_what_force_overrode() {
-        let swap = Finding::Swap { device: "sdb1".into() };
+        let swap = Finding::InUse(Use::Swap { device: "sdb1".into() });
         let root = Finding::BacksRoot { device: "vda".into(), root: "/ is on vda".into() };
         assert_eq!(decide(&[], false), Decision::Write { overridden: vec![] });
         assert_eq!(

@@ -456,7 +456,7 @@ pub struct TraceResults {
     pub working_set: usize,
     /// The largest capacity at which LRU can get no hit at all: (MoE layers − 1) × k =
     /// `working_set − k` ([`lru_no_hit_capacity`]). Every token routes each MoE layer once, in
-    /// layer order (prefill too runs one position at a time), so between two uses of an expert of
+    /// layer order (a traced prefill runs one position at a time), so between two uses of an expert of
     /// layer l every other MoE layer is visited at least once: at least (layers − 1) × k other
     /// experts are used in between, and an LRU cache that holds no more than that has evicted it.
     /// Above it LRU can hit (e.g. 13% at capacity 3 with 2 layers × top-2).

@@ -67,6 +67,10 @@ pub struct RunStats {
     pub generated_tokens: usize,
     /// Wall time of the prompt's forward passes, milliseconds.
     pub prefill_ms: f64,
+    /// Expert reads served by the store during the prompt's forward passes (part of `reads`).
+    pub prefill_reads: u64,
+    /// Bytes read from the store during the prompt's forward passes (part of `bytes_read`).
+    pub prefill_bytes_read: u64,
     /// Wall time of the forward passes after the prompt, milliseconds.
     pub decode_ms: f64,
     /// Decode forward passes per second (generated tokens after the first / decode time).
@@ -226,14 +230,14 @@ impl Session {
             wanted: opts.max_new,
             unit: "tokens",
         };
-        for &t in prompt_ids {
-            if crate::interrupt::requested() {
-                return Err(interrupted(0));
-            }
-            self.model.forward(t, pos, &mut self.cache, &mut *self.loader)?;
-            pos += 1;
-        }
+        // The prompt in chunks (`Model::prefill`, which checks for an interrupt before each chunk).
+        match self.model.prefill(prompt_ids, pos, &mut self.cache, &mut *self.loader) {
+            Err(Error::Interrupted { .. }) => return Err(interrupted(0)),
+            r => r?,
+        };
+        pos += prompt_ids.len();
         let prefill = t0.elapsed();
+        let io_prefill = self.io_stats.snapshot();
         let t1 = Instant::now();
         let mut decode_steps = 0usize;
         while tokens.len() < opts.max_new {
@@ -261,6 +265,8 @@ impl Session {
             prompt_tokens: prompt_ids.len(),
             generated_tokens: tokens.len(),
             prefill_ms: prefill.as_secs_f64() * 1e3,
+            prefill_reads: io_prefill.reads - io0.reads,
+            prefill_bytes_read: io_prefill.bytes - io0.bytes,
             decode_ms: decode.as_secs_f64() * 1e3,
             decode_tok_s: if decode_steps > 0 { decode_steps as f64 / decode.as_secs_f64() } else { 0.0 },
             cache_hits: self.cache.hits() - h0,

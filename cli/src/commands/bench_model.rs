@@ -210,6 +210,8 @@ fn record_trace(a: &TraceArgs, model: &Path) -> anyhow::Result<()> {
         max_seq: prompt.len() + a.n,
     };
     let mut s = Session::open(&opts, tokenizer).with_context(|| format!("opening model {}", model.display()))?;
+    // A picchio-trace/1 file is in token-by-token order (the cache simulations replay it so).
+    s.model.set_prefill_chunk(1)?;
     let header = TraceHeader::new(model, s.model.config(), s.cache.slot_len() as u64);
     s.model.set_routing_observer(Box::new(TraceWriter::create(&a.trace, &header)?));
     let g = s.generate(&prompt, &GenerateOptions { max_new: a.n, ..Default::default() })?;

@@ -199,6 +199,7 @@ fn fixture(a: &Args, workdir: &Path, fixture: &Path) -> anyhow::Result<()> {
         max_seq: prompt.len().saturating_add(n),
     };
     let mut s = open_session(&opts, Some(tokenizer))?;
+    s.model.set_prefill_chunk(a.engine.prefill_chunk(false)?)?;
     let g = s.generate(&prompt, &GenerateOptions { max_new: n, ..Default::default() })?;
     let text = s.decode(&g.tokens)?.unwrap_or_default();
     let matches = g.tokens == want[..n.min(want.len())] && n <= want.len();
@@ -258,6 +259,7 @@ fn synthetic(a: &Args, workdir: &Path, gb: f64) -> anyhow::Result<()> {
         max_seq: prompt.len().saturating_add(n),
     };
     let mut s = open_session(&opts, None)?;
+    s.model.set_prefill_chunk(a.engine.prefill_chunk(false)?)?;
     let g = s.generate(&prompt, &GenerateOptions { max_new: n, ..Default::default() })?;
     let text = g.tokens.iter().map(u32::to_string).collect::<Vec<_>>().join(" ");
     report(a, "prompt ids ->", &text, &g, total)

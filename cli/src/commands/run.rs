@@ -6,6 +6,7 @@ use anyhow::{bail, Context};
 use picchio_bench::trace::{TraceHeader, TraceWriter};
 use picchio_core::StoreUri;
 use picchio_runtime::expert::store::{IoEngine, IoOptions};
+use picchio_runtime::model::prefill::DEFAULT_PREFILL_CHUNK;
 use picchio_runtime::model::sampler::SamplerOptions;
 use picchio_runtime::model::tokenizer::Tokenizer;
 use picchio_runtime::run::{dump_logits, GenerateOptions, Session, SessionOptions};
@@ -107,6 +108,13 @@ pub struct EngineArgs {
     /// measurement: tokens are identical either way).
     #[arg(long, overrides_with = "async_moe")]
     pub no_async_moe: bool,
+    /// Prompt tokens per prefill chunk: each chunk runs every dense projection as one matrix-matrix
+    /// product and fetches the union of its routed experts once per MoE layer, so the prompt reads
+    /// each expert (and streams each resident weight) once per chunk instead of once per token.
+    /// 1 runs the prompt token by token; tokens are identical at any size. [default: 64; 1 with
+    /// --trace, whose file is in token-by-token order]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub prefill_chunk: Option<u32>,
 }
 
 /// The engines this OS has, its default first.
@@ -135,6 +143,24 @@ fn engine_of_this_os(s: &str) -> Result<IoEngine, String> {
 }
 
 impl EngineArgs {
+    /// The prefill chunk of `--prefill-chunk` ([`DEFAULT_PREFILL_CHUNK`] when not given); with a
+    /// routing trace (`tracing`), 1 when not given, since a picchio-trace/1 file and the cache
+    /// simulations of `bench trace` are in token-by-token order.
+    ///
+    /// # Errors
+    /// `--prefill-chunk` above 1 together with `--trace`.
+    pub fn prefill_chunk(&self, tracing: bool) -> anyhow::Result<usize> {
+        match (self.prefill_chunk, tracing) {
+            (Some(n), true) if n > 1 => bail!(
+                "--trace records a token-by-token trace (picchio-trace/1 is in position order): \
+                 leave out --prefill-chunk {n} or give --prefill-chunk 1"
+            ),
+            (Some(n), _) => Ok(n as usize),
+            (None, true) => Ok(1),
+            (None, false) => Ok(DEFAULT_PREFILL_CHUNK),
+        }
+    }
+
     /// `io` with the engine, queue and MoE settings of these flags.
     pub fn apply(&self, io: IoOptions) -> IoOptions {
         IoOptions {
@@ -180,7 +206,9 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
         ecap: a.ecap,
         max_seq: prompt_ids.len().saturating_add(a.n),
     };
+    let chunk = a.engine.prefill_chunk(a.trace.is_some())?;
     let mut s = Session::open(&opts, tokenizer).with_context(|| format!("opening model {}", a.model.display()))?;
+    s.model.set_prefill_chunk(chunk)?;
     let gen = GenerateOptions {
         max_new: a.n,
         sampler: SamplerOptions { temperature: a.temperature, top_p: a.top_p, seed: a.seed },

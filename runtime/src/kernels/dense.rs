@@ -78,6 +78,41 @@ pub(super) mod scalar {
             *out = dot_map(&q[r * cols..(r + 1) * cols], x, f32::from) * row_scales[r];
         }
     }
+
+    /// `yt[r * n + t] = W[r, :] . xs[t, :]` for row-major `f32 W [rows, cols]`, `xs [n, cols]`,
+    /// `yt [rows, n]`: each weight row is read once for all `n` inputs, and each output is exactly
+    /// [`matvec_f32`]'s for that input.
+    pub(crate) fn matmul_f32(w: &[f32], xs: &[f32], n: usize, yt: &mut [f32]) {
+        let cols = xs.len() / n;
+        for (r, out) in yt.chunks_exact_mut(n).enumerate() {
+            let row = &w[r * cols..(r + 1) * cols];
+            for (t, o) in out.iter_mut().enumerate() {
+                *o = dot(row, &xs[t * cols..(t + 1) * cols]);
+            }
+        }
+    }
+
+    /// [`matmul_f32`] for row-major `bf16 W`; each output is exactly [`matvec_bf16`]'s.
+    pub(crate) fn matmul_bf16(w: &[bf16], xs: &[f32], n: usize, yt: &mut [f32]) {
+        let cols = xs.len() / n;
+        for (r, out) in yt.chunks_exact_mut(n).enumerate() {
+            let row = &w[r * cols..(r + 1) * cols];
+            for (t, o) in out.iter_mut().enumerate() {
+                *o = dot_map(row, &xs[t * cols..(t + 1) * cols], widen);
+            }
+        }
+    }
+
+    /// [`matmul_f32`] for per-row-scaled `i8 q`; each output is exactly [`matvec_i8_rows`]'s.
+    pub(crate) fn matmul_i8_rows(q: &[i8], row_scales: &[f32], xs: &[f32], n: usize, yt: &mut [f32]) {
+        let cols = xs.len() / n;
+        for (r, out) in yt.chunks_exact_mut(n).enumerate() {
+            let row = &q[r * cols..(r + 1) * cols];
+            for (t, o) in out.iter_mut().enumerate() {
+                *o = dot_map(row, &xs[t * cols..(t + 1) * cols], f32::from) * row_scales[r];
+            }
+        }
+    }
 }
 
 /// AVX2 + FMA twins: 4 accumulators of 8 lanes (32 elements per step), then 8 at a time into the first
@@ -308,6 +343,61 @@ pub(super) mod avx2 {
             *out = unsafe { dot_i8_ptr(q.as_ptr().add(r * cols), x.as_ptr(), cols) } * scale;
         }
     }
+
+    /// `yt[r * n + t] = W[r, :] . xs[t, :]` for row-major `f32 W [rows, cols]`, `xs [n, cols]`,
+    /// `yt [rows, n]`: each weight row is read once for all `n` inputs (it stays in L1 while they
+    /// are read), and each output is computed exactly as [`matvec_f32`] computes it.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn matmul_f32(w: &[f32], xs: &[f32], n: usize, yt: &mut [f32]) {
+        assert!(n > 0 && xs.len() % n == 0 && yt.len() % n == 0);
+        let (rows, cols) = (yt.len() / n, xs.len() / n);
+        assert_eq!(w.len(), size(rows, cols));
+        for (r, out) in yt.chunks_exact_mut(n).enumerate() {
+            for (t, o) in out.iter_mut().enumerate() {
+                // SAFETY: row `r` of `w` and row `t` of `xs` hold `cols` elements each (asserts).
+                *o = unsafe { dot_ptr(w.as_ptr().add(r * cols), xs.as_ptr().add(t * cols), cols) };
+            }
+        }
+    }
+
+    /// [`matmul_f32`] for row-major `bf16 W`; each output exactly [`matvec_bf16`]'s.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn matmul_bf16(w: &[bf16], xs: &[f32], n: usize, yt: &mut [f32]) {
+        assert!(n > 0 && xs.len() % n == 0 && yt.len() % n == 0);
+        let (rows, cols) = (yt.len() / n, xs.len() / n);
+        assert_eq!(w.len(), size(rows, cols));
+        let wp = w.as_ptr().cast::<u16>();
+        for (r, out) in yt.chunks_exact_mut(n).enumerate() {
+            for (t, o) in out.iter_mut().enumerate() {
+                // SAFETY: as in `matmul_f32`; `bf16` is `#[repr(transparent)]` over `u16`.
+                *o = unsafe { dot_bf16_ptr(wp.add(r * cols), xs.as_ptr().add(t * cols), cols) };
+            }
+        }
+    }
+
+    /// [`matmul_f32`] for per-row-scaled `i8 q`; each output exactly [`matvec_i8_rows`]'s.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn matmul_i8_rows(q: &[i8], row_scales: &[f32], xs: &[f32], n: usize, yt: &mut [f32]) {
+        assert!(n > 0 && xs.len() % n == 0 && yt.len() % n == 0);
+        let (rows, cols) = (yt.len() / n, xs.len() / n);
+        assert_eq!(q.len(), size(rows, cols));
+        assert_eq!(row_scales.len(), rows);
+        for ((r, out), &scale) in yt.chunks_exact_mut(n).enumerate().zip(row_scales) {
+            for (t, o) in out.iter_mut().enumerate() {
+                // SAFETY: row `r` of `q` and row `t` of `xs` hold `cols` elements each (asserts).
+                *o = unsafe { dot_i8_ptr(q.as_ptr().add(r * cols), xs.as_ptr().add(t * cols), cols) } * scale;
+            }
+        }
+    }
 }
 
 /// AVX-512F twins: 4 accumulators of 16 lanes (64 elements per step), then 16 at a time into the
@@ -533,6 +623,61 @@ pub(super) mod avx512 {
         for ((r, out), &scale) in y.iter_mut().enumerate().zip(row_scales) {
             // SAFETY: row `r` is inside `q` by the assert.
             *out = unsafe { dot_i8_ptr(q.as_ptr().add(r * cols), x.as_ptr(), cols) } * scale;
+        }
+    }
+
+    /// `yt[r * n + t] = W[r, :] . xs[t, :]` for row-major `f32 W [rows, cols]`, `xs [n, cols]`,
+    /// `yt [rows, n]`: each weight row is read once for all `n` inputs (it stays in L1 while they
+    /// are read), and each output is computed exactly as [`matvec_f32`] computes it.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F, AVX2 and FMA.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(crate) unsafe fn matmul_f32(w: &[f32], xs: &[f32], n: usize, yt: &mut [f32]) {
+        assert!(n > 0 && xs.len() % n == 0 && yt.len() % n == 0);
+        let (rows, cols) = (yt.len() / n, xs.len() / n);
+        assert_eq!(w.len(), size(rows, cols));
+        for (r, out) in yt.chunks_exact_mut(n).enumerate() {
+            for (t, o) in out.iter_mut().enumerate() {
+                // SAFETY: row `r` of `w` and row `t` of `xs` hold `cols` elements each (asserts).
+                *o = unsafe { dot_ptr(w.as_ptr().add(r * cols), xs.as_ptr().add(t * cols), cols) };
+            }
+        }
+    }
+
+    /// [`matmul_f32`] for row-major `bf16 W`; each output exactly [`matvec_bf16`]'s.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F, AVX2 and FMA.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(crate) unsafe fn matmul_bf16(w: &[bf16], xs: &[f32], n: usize, yt: &mut [f32]) {
+        assert!(n > 0 && xs.len() % n == 0 && yt.len() % n == 0);
+        let (rows, cols) = (yt.len() / n, xs.len() / n);
+        assert_eq!(w.len(), size(rows, cols));
+        let wp = w.as_ptr().cast::<u16>();
+        for (r, out) in yt.chunks_exact_mut(n).enumerate() {
+            for (t, o) in out.iter_mut().enumerate() {
+                // SAFETY: as in `matmul_f32`; `bf16` is `#[repr(transparent)]` over `u16`.
+                *o = unsafe { dot_bf16_ptr(wp.add(r * cols), xs.as_ptr().add(t * cols), cols) };
+            }
+        }
+    }
+
+    /// [`matmul_f32`] for per-row-scaled `i8 q`; each output exactly [`matvec_i8_rows`]'s.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F, AVX2 and FMA.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(crate) unsafe fn matmul_i8_rows(q: &[i8], row_scales: &[f32], xs: &[f32], n: usize, yt: &mut [f32]) {
+        assert!(n > 0 && xs.len() % n == 0 && yt.len() % n == 0);
+        let (rows, cols) = (yt.len() / n, xs.len() / n);
+        assert_eq!(q.len(), size(rows, cols));
+        assert_eq!(row_scales.len(), rows);
+        for ((r, out), &scale) in yt.chunks_exact_mut(n).enumerate().zip(row_scales) {
+            for (t, o) in out.iter_mut().enumerate() {
+                // SAFETY: row `r` of `q` and row `t` of `xs` hold `cols` elements each (asserts).
+                *o = unsafe { dot_i8_ptr(q.as_ptr().add(r * cols), xs.as_ptr().add(t * cols), cols) } * scale;
+            }
         }
     }
 }

@@ -18,6 +18,16 @@
 //! the current rayon pool when `rows * cols >= `[`PAR_MIN_ELEMS`]. Every row is computed by the same
 //! code whatever the split, so results are **bit-identical for any thread count**.
 //!
+//! # Matrix-matrix products (chunked prefill)
+//!
+//! [`Kernels::matmul`] and [`Kernels::matmul_par`] apply one matrix to `n` inputs at once:
+//! `xs [n, cols]` (input `t` is row `t`) gives `yt [rows, n]` (**transposed**: `yt[r * n + t]`),
+//! streaming each weight row from memory once for all `n` inputs (the row stays in L1 while the
+//! inputs are read) and, for Q4/Q3, decoding each group once per block of [`MATMUL_BLOCK`] inputs.
+//! Every output is computed by the same instruction sequence as the matrix-vector kernel of the same
+//! level, so `yt[r * n + t]` is **bit-identical** to `y[r]` of `matvec(w, xs[t])`: a chunked
+//! prefill gives exactly the token-by-token logits (the tests check it at every level).
+//!
 //! # Instruction-set levels
 //!
 //! Each kernel has a portable scalar reference (`scalar` modules, also the only code on non-x86
@@ -67,6 +77,10 @@ pub const PAR_MIN_ELEMS: usize = 1 << 18;
 
 /// Target number of weights per rayon task in [`matvec_par`].
 const PAR_CHUNK_ELEMS: usize = 1 << 16;
+
+/// Inputs per block of the Q4/Q3 matrix-matrix kernels ([`Kernels::matmul`]): a weight group is
+/// decoded once for up to this many inputs (one accumulator register each, kept on the stack).
+pub const MATMUL_BLOCK: usize = 64;
 
 /// An instruction-set level for the kernels, ordered from lowest to highest.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -240,6 +254,15 @@ impl<'a> MatRef<'a> {
     }
 }
 
+/// `(rows, cols)` of a [`Kernels::matmul`] call, panicking on a shape that is not `n` whole rows.
+#[track_caller]
+fn matmul_shape(xs: &[f32], n: usize, yt: &[f32]) -> (usize, usize) {
+    assert!(n > 0, "matmul: no inputs (n = 0)");
+    assert!(xs.len().is_multiple_of(n), "matmul: xs has {} values, not {n} whole inputs", xs.len());
+    assert!(yt.len().is_multiple_of(n), "matmul: yt has {} values, not {n} whole outputs", yt.len());
+    (yt.len() / n, xs.len() / n)
+}
+
 /// A set of kernels at one instruction-set [`Level`] that this CPU supports. Copy it freely; the free
 /// functions of this module use [`Kernels::get`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -382,6 +405,44 @@ impl Kernels {
         y.par_chunks_mut(chunk_rows).enumerate().for_each(|(i, y_chunk)| {
             let r0 = i * chunk_rows;
             self.matvec(w.rows(r0, r0 + y_chunk.len(), cols), x, y_chunk);
+        });
+    }
+
+    /// `yt [rows, n]` = W `xs [n, cols]` for any layout, on the calling thread: `n` inputs at once,
+    /// `yt[r * n + t]` bit-identical to [`Kernels::matvec`] of input `t` (see the module docs,
+    /// "Matrix-matrix products"). `rows = yt.len() / n`, `cols = xs.len() / n`.
+    ///
+    /// # Panics
+    /// When `n` is 0, `xs` or `yt` is not a whole number of `n` rows, or the buffers of `w` do not
+    /// match `[rows, cols]`.
+    pub fn matmul(self, w: MatRef<'_>, xs: &[f32], n: usize, yt: &mut [f32]) {
+        let (rows, cols) = matmul_shape(xs, n, yt);
+        w.check(rows, cols);
+        match w {
+            MatRef::F32(w) => dispatch!(self, dense::matmul_f32(w, xs, n, yt)),
+            MatRef::Bf16(w) => dispatch!(self, dense::matmul_bf16(w, xs, n, yt)),
+            MatRef::I8Rows { q, scales } => dispatch!(self, dense::matmul_i8_rows(q, scales, xs, n, yt)),
+            MatRef::Q4 { packed, scales } => dispatch!(self, q4::matmul(packed, scales, xs, n, yt)),
+            MatRef::Q3 { packed, scales } => dispatch!(self, q3::matmul(packed, scales, xs, n, yt)),
+        }
+    }
+
+    /// [`Kernels::matmul`] with the rows split across the current rayon pool when
+    /// `rows * cols >= `[`PAR_MIN_ELEMS`], as [`Kernels::matvec_par`] splits them; bit-identical to
+    /// [`Kernels::matmul`] (and so to [`Kernels::matvec`] per input) for any number of threads.
+    ///
+    /// # Panics
+    /// As [`Kernels::matmul`].
+    pub fn matmul_par(self, w: MatRef<'_>, xs: &[f32], n: usize, yt: &mut [f32]) {
+        let (rows, cols) = matmul_shape(xs, n, yt);
+        w.check(rows, cols);
+        if rows * cols < PAR_MIN_ELEMS || rayon::current_num_threads() < 2 {
+            return self.matmul(w, xs, n, yt);
+        }
+        let chunk_rows = (PAR_CHUNK_ELEMS / cols.max(1)).max(1);
+        yt.par_chunks_mut(chunk_rows * n).enumerate().for_each(|(i, y_chunk)| {
+            let r0 = i * chunk_rows;
+            self.matmul(w.rows(r0, r0 + y_chunk.len() / n, cols), xs, n, y_chunk);
         });
     }
 
@@ -631,6 +692,126 @@ mod tests {
             }
             eprintln!("matvec_q3: checked {}", k.level());
         }
+    }
+
+    /// Every layout at `[rows, cols]` from `w` (quantized ones need `cols % 64 == 0`).
+    struct Mats {
+        w: Vec<f32>,
+        wb: Vec<bf16>,
+        qi: Vec<i8>,
+        si: Vec<f32>,
+        q4: Option<(Vec<u8>, Vec<f32>)>,
+        q3: Option<(Vec<u8>, Vec<f32>)>,
+    }
+
+    impl Mats {
+        fn new(rng: &mut Rng, rows: usize, cols: usize) -> Mats {
+            let w = rng.vec(rows * cols);
+            let quant = cols.is_multiple_of(GROUP_SIZE);
+            Mats {
+                wb: w.iter().map(|&v| bf16::from_f32(v)).collect(),
+                qi: w.iter().map(|&v| (v * 127.0) as i8).collect(),
+                si: (0..rows).map(|_| rng.next().abs() * 0.01).collect(),
+                q4: quant.then(|| quantize_q4(&w, rows, cols)),
+                q3: quant.then(|| quantize_q3(&w, rows, cols)),
+                w,
+            }
+        }
+
+        fn refs(&self) -> Vec<(&'static str, MatRef<'_>)> {
+            let mut v = vec![
+                ("f32", MatRef::F32(&self.w)),
+                ("bf16", MatRef::Bf16(&self.wb)),
+                ("i8_rows", MatRef::I8Rows { q: &self.qi, scales: &self.si }),
+            ];
+            if let Some((p, s)) = &self.q4 {
+                v.push(("q4", MatRef::Q4 { packed: p, scales: s }));
+            }
+            if let Some((p, s)) = &self.q3 {
+                v.push(("q3", MatRef::Q3 { packed: p, scales: s }));
+            }
+            v
+        }
+    }
+
+    /// `yt [rows, n]` back to `[n, rows]`.
+    fn untranspose(yt: &[f32], n: usize) -> Vec<f32> {
+        let rows = yt.len() / n;
+        (0..n * rows).map(|i| yt[(i % rows) * n + i / rows]).collect()
+    }
+
+    #[test]
+    fn matmul_equals_matvec_per_input_bit_for_bit_at_every_level() {
+        let mut rng = Rng::new(0x5eed_0001);
+        let mut levels = vec![Kernels::scalar()];
+        levels.extend(simd_levels("matmul"));
+        let shapes: &[(usize, usize)] = &[(1, 64), (3, 7), (5, 128), (9, 33), (7, 192), (13, 100), (4, 0), (3, 2048)];
+        for &(rows, cols) in shapes {
+            let m = Mats::new(&mut rng, rows, cols);
+            // n crosses the Q4/Q3 block of MATMUL_BLOCK inputs
+            for n in [1usize, 2, 5, MATMUL_BLOCK, MATMUL_BLOCK + 3, 2 * MATMUL_BLOCK + 1] {
+                let xs = rng.vec(n * cols);
+                for k in &levels {
+                    for (name, w) in m.refs() {
+                        let mut yt = vec![f32::NAN; rows * n];
+                        k.matmul(w, &xs, n, &mut yt);
+                        let ys = untranspose(&yt, n);
+                        for t in 0..n {
+                            let mut y = vec![0f32; rows];
+                            k.matvec(w, &xs[t * cols..(t + 1) * cols], &mut y);
+                            let got = &ys[t * rows..(t + 1) * rows];
+                            let same = got.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits());
+                            assert!(same, "{} {name} [{rows}, {cols}] n={n} input {t}: {got:?} vs {y:?}", k.level());
+                        }
+                        // and the twin against the scalar reference, within rounding
+                        let mut r = vec![0f32; rows * n];
+                        Kernels::scalar().matmul(w, &xs, n, &mut r);
+                        for (i, (a, b)) in yt.iter().zip(&r).enumerate() {
+                            let scale: f32 = (0..cols).map(|c| (xs[(i % n) * cols + c] * 2.0).abs()).sum::<f32>();
+                            assert!((a - b).abs() <= REL * scale + 1e-30, "{} {name} vs scalar: {a} vs {b}", k.level());
+                        }
+                    }
+                }
+            }
+        }
+        eprintln!("matmul: checked {:?}", levels.iter().map(|k| k.level()).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn matmul_par_is_bit_identical_for_any_thread_count() {
+        let (rows, cols, n) = (1536usize, 256usize, 5usize);
+        assert!(rows * cols >= PAR_MIN_ELEMS);
+        let mut rng = Rng::new(0x5eed_0002);
+        let m = Mats::new(&mut rng, rows, cols);
+        let xs = rng.vec(n * cols);
+        let mut levels = vec![Kernels::scalar()];
+        levels.extend(simd_levels("matmul_par"));
+        for k in levels {
+            for (name, w) in m.refs() {
+                let mut single = vec![0f32; rows * n];
+                k.matmul(w, &xs, n, &mut single);
+                for threads in [1, 2, 3, 8] {
+                    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                    let mut par = vec![0f32; rows * n];
+                    pool.install(|| k.matmul_par(w, &xs, n, &mut par));
+                    let same = single.iter().zip(&par).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{} {name}: {threads} threads differ", k.level());
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "matmul: no inputs")]
+    fn matmul_needs_inputs() {
+        Kernels::scalar().matmul(MatRef::F32(&[]), &[], 0, &mut []);
+    }
+
+    #[test]
+    #[should_panic(expected = "not 2 whole inputs")]
+    fn matmul_refuses_a_partial_input() {
+        let mut yt = [0f32; 2];
+        Kernels::scalar().matmul(MatRef::F32(&[0.0; 3]), &[0.0; 5], 2, &mut yt);
     }
 
     #[test]

@@ -26,6 +26,30 @@ pub(super) mod scalar {
             *out = acc;
         }
     }
+
+    /// `yt [rows, n]` = W `xs [n, cols]`: each group is decoded once for every input of a block of
+    /// [`super::super::MATMUL_BLOCK`] and its dot products accumulated exactly as [`matvec`] does,
+    /// so each output equals [`matvec`]'s bit for bit.
+    pub(crate) fn matmul(packed: &[u8], scales: &[f32], xs: &[f32], n: usize, yt: &mut [f32]) {
+        const B: usize = super::super::MATMUL_BLOCK;
+        let cols = xs.len() / n;
+        let groups = cols / GROUP_SIZE;
+        for (r, out) in yt.chunks_exact_mut(n).enumerate() {
+            for (b, out) in out.chunks_mut(B).enumerate() {
+                let mut acc = [0f32; B];
+                for g in 0..groups {
+                    let gi = r * groups + g;
+                    let bytes = &packed[gi * Q3_GROUP_BYTES..(gi + 1) * Q3_GROUP_BYTES];
+                    let codes = q3_group_codes(bytes.try_into().expect("24-byte group")).map(f32::from);
+                    for (j, a) in acc[..out.len()].iter_mut().enumerate() {
+                        let x = &xs[(b * B + j) * cols + g * GROUP_SIZE..][..GROUP_SIZE];
+                        *a += dot(&codes, x) * scales[gi];
+                    }
+                }
+                out.copy_from_slice(&acc[..out.len()]);
+            }
+        }
+    }
 }
 
 /// Reads a group's planes as three little-endian `u64`s: low bits of elements 0..32, low bits of
@@ -106,6 +130,90 @@ pub(super) mod avx2 {
                 unsafe { row(packed.as_ptr().add(gi * Q3_GROUP_BYTES), scales.as_ptr().add(gi), x.as_ptr(), groups) };
         }
     }
+
+    /// The 64 codes of the group at `gp` as 8 vectors of 8 `f32`s, as [`row`] extracts them.
+    ///
+    /// # Safety
+    /// AVX2; `gp` valid for reads of 24 bytes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn decode(gp: *const u8) -> [__m256; 8] {
+        // SAFETY: `planes` reads the caller's 24 bytes; the rest is register-only; AVX2 by contract.
+        unsafe {
+            let sh_lo = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+            let sh_hi = _mm256_setr_epi32(14, 15, 16, 17, 18, 19, 20, 21);
+            let (three, four) = (_mm256_set1_epi32(3), _mm256_set1_epi32(4));
+            let (lo, hi) = super::planes(gp);
+            let mut out = [_mm256_setzero_ps(); 8];
+            for (k, o) in out.iter_mut().enumerate() {
+                let l16 = (lo[k / 4] >> (16 * (k % 4))) & 0xffff;
+                let h8 = (hi >> (8 * k)) & 0xff;
+                let v = _mm256_set1_epi32((l16 | (h8 << 16)) as i32);
+                let c = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srlv_epi32(v, sh_lo), three),
+                    _mm256_and_si256(_mm256_srlv_epi32(v, sh_hi), four),
+                );
+                *o = _mm256_cvtepi32_ps(_mm256_sub_epi32(c, four));
+            }
+            out
+        }
+    }
+
+    /// The 8-lane partial dot product of decoded codes `w` with `x[0..64]`, summed exactly as
+    /// [`row`] sums one group.
+    ///
+    /// # Safety
+    /// AVX2 + FMA; `xg` valid for reads of 64 `f32`s.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn group_dot(w: &[__m256; 8], xg: *const f32) -> __m256 {
+        // SAFETY: eight 8-element loads inside the caller's 64 `f32`s; AVX2 + FMA by contract.
+        unsafe {
+            let mut part = [_mm256_setzero_ps(); 4];
+            for (k, wk) in w.iter().enumerate() {
+                part[k % 4] = _mm256_fmadd_ps(*wk, _mm256_loadu_ps(xg.add(8 * k)), part[k % 4]);
+            }
+            _mm256_add_ps(_mm256_add_ps(part[0], part[1]), _mm256_add_ps(part[2], part[3]))
+        }
+    }
+
+    /// `yt [rows, n]` = W `xs [n, cols]` for Q3 `W`: each group is decoded once for a block of up
+    /// to [`super::super::MATMUL_BLOCK`] inputs, and each output equals [`matvec`]'s bit for bit.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn matmul(packed: &[u8], scales: &[f32], xs: &[f32], n: usize, yt: &mut [f32]) {
+        const B: usize = super::super::MATMUL_BLOCK;
+        assert!(n > 0 && xs.len() % n == 0 && yt.len() % n == 0);
+        let (rows, cols) = (yt.len() / n, xs.len() / n);
+        assert_eq!(cols % GROUP_SIZE, 0);
+        let groups = cols / GROUP_SIZE;
+        assert_eq!(packed.len(), size(size(rows, groups), Q3_GROUP_BYTES));
+        assert_eq!(scales.len(), size(rows, groups));
+        for (r, out) in yt.chunks_exact_mut(n).enumerate() {
+            for (b, out) in out.chunks_mut(B).enumerate() {
+                let mut acc = [_mm256_setzero_ps(); B];
+                for g in 0..groups {
+                    let gi = r * groups + g;
+                    // SAFETY: group `gi` is inside `packed` and `scales` (asserts); input `b B + j`
+                    // is a row of `xs` and its group `g` spans 64 of its `cols` values.
+                    unsafe {
+                        let w = decode(packed.as_ptr().add(gi * Q3_GROUP_BYTES));
+                        let sc = _mm256_set1_ps(*scales.get_unchecked(gi));
+                        for (j, a) in acc[..out.len()].iter_mut().enumerate() {
+                            let xg = xs.as_ptr().add((b * B + j) * cols + g * GROUP_SIZE);
+                            *a = _mm256_fmadd_ps(group_dot(&w, xg), sc, *a);
+                        }
+                    }
+                }
+                for (o, &a) in out.iter_mut().zip(&acc) {
+                    // SAFETY: register-only; CPU features by contract.
+                    *o = unsafe { hsum256(a) };
+                }
+            }
+        }
+    }
 }
 
 /// AVX-512F: for 16 elements at a time, their 32 low-plane bits and (pre-shifted) 16 high-plane bits
@@ -174,6 +282,92 @@ pub(super) mod avx512 {
             // SAFETY: row `r` owns groups `gi..gi + groups`, inside both buffers by the asserts.
             *out =
                 unsafe { row(packed.as_ptr().add(gi * Q3_GROUP_BYTES), scales.as_ptr().add(gi), x.as_ptr(), groups) };
+        }
+    }
+
+    /// The 64 codes of the group at `gp` as 4 vectors of 16 `f32`s, as [`row`] extracts them.
+    ///
+    /// # Safety
+    /// AVX-512F; `gp` valid for reads of 24 bytes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn decode(gp: *const u8) -> [__m512; 4] {
+        // SAFETY: `planes` reads the caller's 24 bytes; the rest is register-only; CPU features by
+        // contract.
+        unsafe {
+            let sh_lo = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+            let sh_hi = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            let (three, four) = (_mm512_set1_epi32(3), _mm512_set1_epi32(4));
+            let (lo, hi) = super::planes(gp);
+            let mut out = [_mm512_setzero_ps(); 4];
+            for (k, o) in out.iter_mut().enumerate() {
+                let l32 = (lo[k / 2] >> (32 * (k % 2))) as u32;
+                let h16 = (((hi >> (16 * k)) & 0xffff) << 2) as u32;
+                let vl = _mm512_set1_epi32(l32 as i32);
+                let vh = _mm512_set1_epi32(h16 as i32);
+                let c = _mm512_or_si512(
+                    _mm512_and_si512(_mm512_srlv_epi32(vl, sh_lo), three),
+                    _mm512_and_si512(_mm512_srlv_epi32(vh, sh_hi), four),
+                );
+                *o = _mm512_cvtepi32_ps(_mm512_sub_epi32(c, four));
+            }
+            out
+        }
+    }
+
+    /// The 16-lane partial dot product of decoded codes `w` with `x[0..64]`, summed exactly as
+    /// [`row`] sums one group.
+    ///
+    /// # Safety
+    /// AVX-512F + AVX2 + FMA; `xg` valid for reads of 64 `f32`s.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn group_dot(w: &[__m512; 4], xg: *const f32) -> __m512 {
+        // SAFETY: four 16-element loads inside the caller's 64 `f32`s; CPU features by contract.
+        unsafe {
+            let mut part = [_mm512_setzero_ps(); 4];
+            for (k, part_k) in part.iter_mut().enumerate() {
+                *part_k = _mm512_fmadd_ps(w[k], _mm512_loadu_ps(xg.add(16 * k)), *part_k);
+            }
+            _mm512_add_ps(_mm512_add_ps(part[0], part[1]), _mm512_add_ps(part[2], part[3]))
+        }
+    }
+
+    /// `yt [rows, n]` = W `xs [n, cols]` for Q3 `W`: each group is decoded once for a block of up
+    /// to [`super::super::MATMUL_BLOCK`] inputs, and each output equals [`matvec`]'s bit for bit.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F, AVX2 and FMA.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(crate) unsafe fn matmul(packed: &[u8], scales: &[f32], xs: &[f32], n: usize, yt: &mut [f32]) {
+        const B: usize = super::super::MATMUL_BLOCK;
+        assert!(n > 0 && xs.len() % n == 0 && yt.len() % n == 0);
+        let (rows, cols) = (yt.len() / n, xs.len() / n);
+        assert_eq!(cols % GROUP_SIZE, 0);
+        let groups = cols / GROUP_SIZE;
+        assert_eq!(packed.len(), size(size(rows, groups), Q3_GROUP_BYTES));
+        assert_eq!(scales.len(), size(rows, groups));
+        for (r, out) in yt.chunks_exact_mut(n).enumerate() {
+            for (b, out) in out.chunks_mut(B).enumerate() {
+                let mut acc = [_mm512_setzero_ps(); B];
+                for g in 0..groups {
+                    let gi = r * groups + g;
+                    // SAFETY: group `gi` is inside `packed` and `scales` (asserts); input `b B + j`
+                    // is a row of `xs` and its group `g` spans 64 of its `cols` values.
+                    unsafe {
+                        let w = decode(packed.as_ptr().add(gi * Q3_GROUP_BYTES));
+                        let sc = _mm512_set1_ps(*scales.get_unchecked(gi));
+                        for (j, a) in acc[..out.len()].iter_mut().enumerate() {
+                            let xg = xs.as_ptr().add((b * B + j) * cols + g * GROUP_SIZE);
+                            *a = _mm512_fmadd_ps(group_dot(&w, xg), sc, *a);
+                        }
+                    }
+                }
+                for (o, &a) in out.iter_mut().zip(&acc) {
+                    // SAFETY: register-only; CPU features by contract.
+                    *o = unsafe { hsum512(a) };
+                }
+            }
         }
     }
 }

@@ -25,6 +25,30 @@ pub(super) mod scalar {
             *out = acc;
         }
     }
+
+    /// `yt [rows, n]` = W `xs [n, cols]`: each group is decoded once for every input of a block of
+    /// [`super::super::MATMUL_BLOCK`] and its dot products accumulated exactly as [`matvec`] does,
+    /// so each output equals [`matvec`]'s bit for bit.
+    pub(crate) fn matmul(packed: &[u8], scales: &[f32], xs: &[f32], n: usize, yt: &mut [f32]) {
+        const B: usize = super::super::MATMUL_BLOCK;
+        let cols = xs.len() / n;
+        let groups = cols / GROUP_SIZE;
+        for (r, out) in yt.chunks_exact_mut(n).enumerate() {
+            for (b, out) in out.chunks_mut(B).enumerate() {
+                let mut acc = [0f32; B];
+                for g in 0..groups {
+                    let gi = r * groups + g;
+                    let bytes = &packed[gi * Q4_GROUP_BYTES..(gi + 1) * Q4_GROUP_BYTES];
+                    let codes = q4_group_codes(bytes.try_into().expect("32-byte group")).map(f32::from);
+                    for (j, a) in acc[..out.len()].iter_mut().enumerate() {
+                        let x = &xs[(b * B + j) * cols + g * GROUP_SIZE..][..GROUP_SIZE];
+                        *a += dot(&codes, x) * scales[gi];
+                    }
+                }
+                out.copy_from_slice(&acc[..out.len()]);
+            }
+        }
+    }
 }
 
 /// AVX2 + FMA: 16 packed bytes are widened to 16-bit lanes and their nibbles re-interleaved so the
@@ -115,6 +139,88 @@ pub(super) mod avx2 {
                 unsafe { row(packed.as_ptr().add(gi * Q4_GROUP_BYTES), scales.as_ptr().add(gi), x.as_ptr(), groups) };
         }
     }
+
+    /// The 64 codes of the group at `gp` as 8 vectors of 8 `f32`s, in the order [`row`] uses them.
+    ///
+    /// # Safety
+    /// AVX2; `gp` valid for reads of 32 bytes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn decode(gp: *const u8) -> [__m256; 8] {
+        // SAFETY: two 16-byte loads inside the caller's 32 bytes; AVX2 by contract.
+        unsafe {
+            let mut out = [_mm256_setzero_ps(); 8];
+            for h in 0..2 {
+                let c = codes32(gp.add(16 * h));
+                let lo = _mm256_castsi256_si128(c);
+                let hi = _mm256_extracti128_si256::<1>(c);
+                let q = [lo, _mm_srli_si128::<8>(lo), hi, _mm_srli_si128::<8>(hi)];
+                for (k, qk) in q.into_iter().enumerate() {
+                    out[4 * h + k] = cvt(qk);
+                }
+            }
+            out
+        }
+    }
+
+    /// The 8-lane partial dot product of decoded codes `w` with `x[0..64]`, summed exactly as
+    /// [`row`] sums one group.
+    ///
+    /// # Safety
+    /// AVX2 + FMA; `xg` valid for reads of 64 `f32`s.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn group_dot(w: &[__m256; 8], xg: *const f32) -> __m256 {
+        // SAFETY: eight 8-element loads inside the caller's 64 `f32`s; AVX2 + FMA by contract.
+        unsafe {
+            let mut part = [_mm256_setzero_ps(); 4];
+            for h in 0..2 {
+                for (k, part_k) in part.iter_mut().enumerate() {
+                    let xv = _mm256_loadu_ps(xg.add(32 * h + 8 * k));
+                    *part_k = _mm256_fmadd_ps(w[4 * h + k], xv, *part_k);
+                }
+            }
+            _mm256_add_ps(_mm256_add_ps(part[0], part[1]), _mm256_add_ps(part[2], part[3]))
+        }
+    }
+
+    /// `yt [rows, n]` = W `xs [n, cols]` for Q4 `W`: each group is decoded once for a block of up
+    /// to [`super::super::MATMUL_BLOCK`] inputs, and each output equals [`matvec`]'s bit for bit.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn matmul(packed: &[u8], scales: &[f32], xs: &[f32], n: usize, yt: &mut [f32]) {
+        const B: usize = super::super::MATMUL_BLOCK;
+        assert!(n > 0 && xs.len() % n == 0 && yt.len() % n == 0);
+        let (rows, cols) = (yt.len() / n, xs.len() / n);
+        assert_eq!(cols % GROUP_SIZE, 0);
+        let groups = cols / GROUP_SIZE;
+        assert_eq!(packed.len(), size(size(rows, groups), Q4_GROUP_BYTES));
+        assert_eq!(scales.len(), size(rows, groups));
+        for (r, out) in yt.chunks_exact_mut(n).enumerate() {
+            for (b, out) in out.chunks_mut(B).enumerate() {
+                let mut acc = [_mm256_setzero_ps(); B];
+                for g in 0..groups {
+                    let gi = r * groups + g;
+                    // SAFETY: group `gi` is inside `packed` and `scales` (asserts); input `b B + j`
+                    // is a row of `xs` and its group `g` spans 64 of its `cols` values.
+                    unsafe {
+                        let w = decode(packed.as_ptr().add(gi * Q4_GROUP_BYTES));
+                        let sc = _mm256_set1_ps(*scales.get_unchecked(gi));
+                        for (j, a) in acc[..out.len()].iter_mut().enumerate() {
+                            let xg = xs.as_ptr().add((b * B + j) * cols + g * GROUP_SIZE);
+                            *a = _mm256_fmadd_ps(group_dot(&w, xg), sc, *a);
+                        }
+                    }
+                }
+                for (o, &a) in out.iter_mut().zip(&acc) {
+                    // SAFETY: register-only; AVX2 by contract.
+                    *o = unsafe { hsum256(a) };
+                }
+            }
+        }
+    }
 }
 
 /// AVX-512F: the AVX2 nibble re-interleave for 16 bytes, then 16 codes at a time widened to `f32`
@@ -190,6 +296,81 @@ pub(super) mod avx512 {
             // SAFETY: row `r` owns groups `gi..gi + groups`, inside both buffers by the asserts.
             *out =
                 unsafe { row(packed.as_ptr().add(gi * Q4_GROUP_BYTES), scales.as_ptr().add(gi), x.as_ptr(), groups) };
+        }
+    }
+
+    /// The 64 codes of the group at `gp` as 4 vectors of 16 `f32`s, in the order [`row`] uses them.
+    ///
+    /// # Safety
+    /// AVX-512F + AVX2; `gp` valid for reads of 32 bytes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn decode(gp: *const u8) -> [__m512; 4] {
+        // SAFETY: two 16-byte loads inside the caller's 32 bytes; CPU features by contract.
+        unsafe {
+            let mut out = [_mm512_setzero_ps(); 4];
+            for h in 0..2 {
+                let c = super::avx2::codes32(gp.add(16 * h));
+                out[2 * h] = cvt(_mm256_castsi256_si128(c));
+                out[2 * h + 1] = cvt(_mm256_extracti128_si256::<1>(c));
+            }
+            out
+        }
+    }
+
+    /// The 16-lane partial dot product of decoded codes `w` with `x[0..64]`, summed exactly as
+    /// [`row`] sums one group.
+    ///
+    /// # Safety
+    /// AVX-512F + AVX2 + FMA; `xg` valid for reads of 64 `f32`s.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn group_dot(w: &[__m512; 4], xg: *const f32) -> __m512 {
+        // SAFETY: four 16-element loads inside the caller's 64 `f32`s; CPU features by contract.
+        unsafe {
+            let mut part = [_mm512_setzero_ps(); 4];
+            for (k, part_k) in part.iter_mut().enumerate() {
+                *part_k = _mm512_fmadd_ps(w[k], _mm512_loadu_ps(xg.add(16 * k)), *part_k);
+            }
+            _mm512_add_ps(_mm512_add_ps(part[0], part[1]), _mm512_add_ps(part[2], part[3]))
+        }
+    }
+
+    /// `yt [rows, n]` = W `xs [n, cols]` for Q4 `W`: each group is decoded once for a block of up
+    /// to [`super::super::MATMUL_BLOCK`] inputs, and each output equals [`matvec`]'s bit for bit.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F, AVX2 and FMA.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(crate) unsafe fn matmul(packed: &[u8], scales: &[f32], xs: &[f32], n: usize, yt: &mut [f32]) {
+        const B: usize = super::super::MATMUL_BLOCK;
+        assert!(n > 0 && xs.len() % n == 0 && yt.len() % n == 0);
+        let (rows, cols) = (yt.len() / n, xs.len() / n);
+        assert_eq!(cols % GROUP_SIZE, 0);
+        let groups = cols / GROUP_SIZE;
+        assert_eq!(packed.len(), size(size(rows, groups), Q4_GROUP_BYTES));
+        assert_eq!(scales.len(), size(rows, groups));
+        for (r, out) in yt.chunks_exact_mut(n).enumerate() {
+            for (b, out) in out.chunks_mut(B).enumerate() {
+                let mut acc = [_mm512_setzero_ps(); B];
+                for g in 0..groups {
+                    let gi = r * groups + g;
+                    // SAFETY: group `gi` is inside `packed` and `scales` (asserts); input `b B + j`
+                    // is a row of `xs` and its group `g` spans 64 of its `cols` values.
+                    unsafe {
+                        let w = decode(packed.as_ptr().add(gi * Q4_GROUP_BYTES));
+                        let sc = _mm512_set1_ps(*scales.get_unchecked(gi));
+                        for (j, a) in acc[..out.len()].iter_mut().enumerate() {
+                            let xg = xs.as_ptr().add((b * B + j) * cols + g * GROUP_SIZE);
+                            *a = _mm512_fmadd_ps(group_dot(&w, xg), sc, *a);
+                        }
+                    }
+                }
+                for (o, &a) in out.iter_mut().zip(&acc) {
+                    // SAFETY: register-only; CPU features by contract.
+                    *o = unsafe { hsum512(a) };
+                }
+            }
         }
     }
 }

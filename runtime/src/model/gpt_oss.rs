@@ -22,6 +22,7 @@ use picchio_core::ExpertLoader;
 
 use super::attention::Attention;
 use super::matrix::{add_into, vector, Matrix};
+use super::prefill::{attend_chunk, project, routed_experts_chunk, ChunkState, MoeChunk};
 use super::state::Trace;
 use super::{RouterKind, Step};
 use crate::error::Result;
@@ -45,6 +46,17 @@ impl Linear {
         let weight = Matrix::load(store, &format!("{name}.weight"), rows, cols)?;
         let bias = if bias { Some(vector(store, &format!("{name}.bias"), rows)?) } else { None };
         Ok(Linear { weight, bias })
+    }
+
+    /// `ys [n, out] = W xs [n, in] + b` per token (a prefill chunk; `yt` is the transposed
+    /// matmul scratch), each row bit-identical to [`Linear::apply`] of that token.
+    fn apply_chunk(&self, k: Kernels, xs: &[f32], n: usize, yt: &mut [f32], ys: &mut [f32]) {
+        project(k, self.weight.as_mat(), xs, n, yt, ys);
+        if let Some(b) = &self.bias {
+            for y in ys.chunks_exact_mut(b.len()) {
+                add_into(y, b);
+            }
+        }
     }
 
     /// `y = W x + b`.
@@ -225,5 +237,70 @@ pub(crate) fn forward(
         t.hidden[cfg.num_hidden_layers].copy_from_slice(&s.xb);
     }
     k.matvec_par(w.lm_head().as_mat(), &s.xb, &mut s.logits);
+    Ok(())
+}
+
+/// The GPT-OSS forward pass of one prefill chunk: `tokens` at positions `pos0..pos0 + n` (see
+/// [`super::prefill`]; [`super::Model::prefill`] checks tokens, positions and cache first). The KV
+/// cache gets every position of the chunk; when `last`, `step.s.logits` gets the logits after the
+/// chunk's last token. Bit-identical to [`forward`] token by token.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn prefill_chunk(
+    step: Step<'_>,
+    cs: &mut ChunkState,
+    w: &Weights,
+    tokens: &[u32],
+    pos0: usize,
+    last: bool,
+    cache: &mut ExpertCache,
+    loader: &mut dyn ExpertLoader,
+) -> Result<()> {
+    let Step { cfg, layout, k, s, observer } = step;
+    let (h, hd, n, e) = (cfg.hidden_size, cfg.head_dim(), tokens.len(), cfg.num_experts);
+    let (qd, kvd) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
+    let eps = cfg.rms_norm_eps as f32;
+    let max_seq = s.max_seq;
+    let act = ExpertAct::ClampedSwiglu { limit: cfg.swiglu_limit(), alpha: ExpertAct::GPT_OSS_ALPHA };
+
+    for (t, &tok) in tokens.iter().enumerate() {
+        w.embed_tokens.row_into(tok as usize, &mut cs.x[t * h..(t + 1) * h]);
+        cs.ropes[t].set_pos(pos0 + t);
+    }
+
+    for (l, lw) in w.layers.iter().enumerate() {
+        // Attention: q, k, v with biases for the chunk (k and v into the chunk's KV cache rows),
+        // RoPE per position, then each query over its visible window with the layer's sinks.
+        for t in 0..n {
+            k.rmsnorm(&mut cs.xb[t * h..(t + 1) * h], &cs.x[t * h..(t + 1) * h], &lw.input_layernorm, eps);
+        }
+        let rows = (l * max_seq + pos0) * kvd..(l * max_seq + pos0 + n) * kvd;
+        let xb = &cs.xb[..n * h];
+        lw.q_proj.apply_chunk(k, xb, n, &mut cs.yt, &mut cs.q[..n * qd]);
+        lw.k_proj.apply_chunk(k, xb, n, &mut cs.yt, &mut s.key_cache[rows.clone()]);
+        lw.v_proj.apply_chunk(k, xb, n, &mut cs.yt, &mut s.value_cache[rows.clone()]);
+        let kc = &mut s.key_cache[rows];
+        for t in 0..n {
+            cs.ropes[t].apply(&mut cs.q[t * qd..(t + 1) * qd]);
+            cs.ropes[t].apply(&mut kc[t * kvd..(t + 1) * kvd]);
+        }
+        attend_chunk(k, cfg, s, l, pos0, n, &cs.q[..n * qd], &mut cs.att_out[..n * qd], Some(&lw.sinks));
+        lw.o_proj.apply_chunk(k, &cs.att_out[..n * qd], n, &mut cs.yt, &mut cs.xb2[..n * h]);
+        add_into(&mut cs.x[..n * h], &cs.xb2[..n * h]);
+
+        // MoE: router with bias, top-k then softmax, the union of clamped-SwiGLU experts fetched once.
+        for t in 0..n {
+            k.rmsnorm(&mut cs.xb[t * h..(t + 1) * h], &cs.x[t * h..(t + 1) * h], &lw.post_attention_layernorm, eps);
+        }
+        lw.router.apply_chunk(k, &cs.xb[..n * h], n, &mut cs.yt, &mut cs.router_logits[..n * e]);
+        let m = MoeChunk { cfg, layout, k, routing: &mut s.routing, observer: &mut *observer };
+        let biases = Some((&lw.gate_up_bias[..], &lw.down_bias[..]));
+        routed_experts_chunk(m, cs, l, pos0, n, RouterKind::TopKSoftmax, act, biases, cache, loader)?;
+        add_into(&mut cs.x[..n * h], &cs.xb2[..n * h]);
+    }
+
+    if last {
+        k.rmsnorm(&mut s.xb, &cs.x[(n - 1) * h..n * h], &w.norm, eps);
+        k.matvec_par(w.lm_head().as_mat(), &s.xb, &mut s.logits);
+    }
     Ok(())
 }

@@ -14,6 +14,7 @@ pub mod config;
 pub mod gpt_oss;
 pub mod matrix;
 pub mod moe;
+pub mod prefill;
 pub mod qwen3_moe;
 pub mod rope;
 pub mod safetensors;
@@ -32,6 +33,7 @@ use crate::expert::layout::{ExpertLayout, ExpertNaming, ExpertTensorNames, Safet
 use crate::kernels::Kernels;
 use crate::model::config::{Arch, Config};
 use crate::model::moe::{combine_canonical, expert_forward_with, ExpertAct, ExpertBias, RoutingObserver};
+use crate::model::prefill::{ChunkState, DEFAULT_PREFILL_CHUNK};
 use crate::model::safetensors::TensorStore;
 
 pub use matrix::Matrix;
@@ -166,6 +168,10 @@ pub struct Model {
     kernels: Kernels,
     /// Sees every routing decision (`picchio run --trace`); `None` costs one branch per MoE layer.
     observer: Option<Box<dyn RoutingObserver>>,
+    /// Tokens per prefill chunk ([`Model::set_prefill_chunk`]).
+    prefill_chunk: usize,
+    /// Scratch of the chunked prefill, allocated by the first [`Model::prefill`] that needs it.
+    chunk_state: Option<Box<ChunkState>>,
 }
 
 impl Model {
@@ -204,7 +210,17 @@ impl Model {
             Arch::GptOss => ArchWeights::GptOss(gpt_oss::Weights::load(&store, &config)?),
         };
         let state = RunState::new(&config, max_seq);
-        Ok(Model { config, store, layout, weights, state, kernels: Kernels::get(), observer: None })
+        Ok(Model {
+            config,
+            store,
+            layout,
+            weights,
+            state,
+            kernels: Kernels::get(),
+            observer: None,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            chunk_state: None,
+        })
     }
 
     /// The configuration.
@@ -272,6 +288,114 @@ impl Model {
     /// The always-correct loader: experts copied from this directory's safetensors tensors.
     pub fn safetensors_loader(&self) -> SafetensorsExperts {
         SafetensorsExperts::new(Arc::clone(&self.store), self.layout.clone())
+    }
+
+    /// Sets the tokens per chunk of [`Model::prefill`] (`--prefill-chunk`; default
+    /// [`DEFAULT_PREFILL_CHUNK`]); 1 runs the prompt token by token through [`Model::forward`].
+    ///
+    /// # Errors
+    /// [`Error::BadOption`] (`prefill-chunk`) when `n` is 0.
+    pub fn set_prefill_chunk(&mut self, n: usize) -> Result<()> {
+        if n == 0 {
+            let expected = "at least 1 token per chunk (1 = token by token)".into();
+            return Err(Error::BadOption { option: "prefill-chunk", value: "0".into(), expected });
+        }
+        self.prefill_chunk = n;
+        Ok(())
+    }
+
+    /// Tokens per chunk of [`Model::prefill`].
+    pub fn prefill_chunk(&self) -> usize {
+        self.prefill_chunk
+    }
+
+    /// Runs `tokens` at positions `pos0..pos0 + tokens.len()` (positions `0..pos0` must have been
+    /// run before, so the KV cache holds them) and returns the logits `[V]` after the last one,
+    /// in chunks of [`Model::prefill_chunk`] tokens (see [`prefill`]: dense projections as
+    /// matrix–matrix products over the chunk, causal attention over the KV cache, each MoE layer's
+    /// union of routed experts fetched once per chunk). The result, and the KV cache it leaves, are
+    /// bit-identical to running the tokens one by one through [`Model::forward`], which is what a
+    /// chunk of 1 does. A routing observer sees every token's decision, layer by layer within a
+    /// chunk (see [`RoutingObserver`]); per-position [`Trace`]s come from [`Model::forward_traced`].
+    ///
+    /// Before each chunk it checks [`crate::interrupt::requested`].
+    ///
+    /// # Errors
+    /// [`Error::EmptyPrompt`] for no tokens; [`Error::Invalid`] as [`Model::forward_traced`] (a token
+    /// outside the vocabulary, a position beyond the KV cache, a cache sized for another payload, an
+    /// expert that cannot be loaded); [`Error::Interrupted`] (`done` = tokens run, `unit` =
+    /// `prompt tokens`) after SIGINT/SIGTERM.
+    pub fn prefill(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        cache: &mut ExpertCache,
+        loader: &mut dyn ExpertLoader,
+    ) -> Result<&[f32]> {
+        let cfg = &self.config;
+        if tokens.is_empty() {
+            return Err(Error::EmptyPrompt);
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+            return Err(Error::Invalid(format!("token id {bad} is outside the vocabulary ({})", cfg.vocab_size)));
+        }
+        let end = pos0.saturating_add(tokens.len());
+        if end > self.state.max_seq {
+            return Err(Error::Invalid(format!(
+                "position {} is beyond the context of {} positions",
+                end - 1,
+                self.state.max_seq
+            )));
+        }
+        if cache.payload_len() != self.layout.len() {
+            return Err(Error::Invalid(format!(
+                "the expert cache holds {}-byte payloads, this model's experts are {} bytes",
+                cache.payload_len(),
+                self.layout.len()
+            )));
+        }
+        let chunk = self.prefill_chunk.max(1);
+        let interrupted = |done| Error::Interrupted {
+            signal: crate::interrupt::signal_name(),
+            done,
+            wanted: tokens.len(),
+            unit: "prompt tokens",
+        };
+        if chunk == 1 {
+            for (i, &t) in tokens.iter().enumerate() {
+                if crate::interrupt::requested() {
+                    return Err(interrupted(i));
+                }
+                self.forward(t, pos0 + i, cache, loader)?;
+            }
+            return Ok(&self.state.logits);
+        }
+        let cap = chunk.min(tokens.len());
+        if self.chunk_state.as_ref().is_none_or(|c| c.cap < cap) {
+            self.chunk_state = Some(Box::new(ChunkState::new(&self.config, cap)));
+        }
+        let cs = self.chunk_state.as_deref_mut().expect("allocated above");
+        for (c, part) in tokens.chunks(chunk).enumerate() {
+            let start = c * chunk;
+            if crate::interrupt::requested() {
+                return Err(interrupted(start));
+            }
+            let last = start + part.len() == tokens.len();
+            let step = Step {
+                cfg: &self.config,
+                layout: &self.layout,
+                k: self.kernels,
+                s: &mut self.state,
+                observer: &mut self.observer,
+            };
+            match &self.weights {
+                ArchWeights::Qwen3Moe(w) => {
+                    qwen3_moe::prefill_chunk(step, cs, w, part, pos0 + start, last, cache, loader)?
+                }
+                ArchWeights::GptOss(w) => gpt_oss::prefill_chunk(step, cs, w, part, pos0 + start, last, cache, loader)?,
+            }
+        }
+        Ok(&self.state.logits)
     }
 
     /// The logits `[V]` after `token` at position `pos`; see [`Model::forward_traced`].

@@ -123,7 +123,7 @@ pub struct ExpertBias<'a> {
 }
 
 /// `out[i] = act(gate_up[2i], gate_up[2i + 1])` for an interleaved gate_up `[2I]` → `out [I]`.
-fn activate(act: ExpertAct, gate_up: &[f32], out: &mut [f32]) {
+pub(crate) fn activate(act: ExpertAct, gate_up: &[f32], out: &mut [f32]) {
     match act {
         ExpertAct::Silu => kernels::silu_mul_interleaved(gate_up, out),
         ExpertAct::ClampedSwiglu { limit, alpha } => {
@@ -139,9 +139,13 @@ fn activate(act: ExpertAct, gate_up: &[f32], out: &mut [f32]) {
 }
 
 /// Receives every routing decision a [`crate::model::Model`] makes (`Model::set_routing_observer`):
-/// one call per MoE layer per forward pass, right after the router and before any expert is fetched,
-/// in the order the runtime makes them (position by position, layer by layer). The observer only
-/// reads the decision: the forward pass, and so the tokens, are the same with or without one.
+/// one call per MoE layer per token, right after the router and before any expert is fetched, in
+/// the order the runtime makes them: position by position, layer by layer for
+/// [`Model::forward`](crate::model::Model::forward) (and a prefill chunk of 1); for a chunked
+/// [`Model::prefill`](crate::model::Model::prefill), chunk by chunk, and within a chunk layer by
+/// layer, each layer's tokens in position order (every token's decision is reported once either
+/// way). The observer only reads the decision: the forward pass, and so the tokens, are the same
+/// with or without one.
 ///
 /// `picchio run --trace PATH` installs `picchio_bench::trace::TraceWriter`, which writes the
 /// decisions to a `picchio-trace/1` file (docs/experiments.md, "trace").

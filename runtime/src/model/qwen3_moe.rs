@@ -26,6 +26,7 @@ use picchio_core::ExpertLoader;
 
 use super::attention::Attention;
 use super::matrix::{add_into, vector};
+use super::prefill::{attend_chunk, project, routed_experts_chunk, ChunkState, MoeChunk};
 use super::{RouterKind, Step};
 use crate::error::Result;
 use crate::expert::cache::ExpertCache;
@@ -255,6 +256,101 @@ pub(crate) fn forward(
         t.hidden[cfg.num_hidden_layers].copy_from_slice(&s.xb);
     }
     k.matvec_par(w.lm_head().as_mat(), &s.xb, &mut s.logits);
+    Ok(())
+}
+
+/// The Qwen3-MoE forward pass of one prefill chunk: `tokens` at positions `pos0..pos0 + n` (see
+/// [`super::prefill`]; [`super::Model::prefill`] checks tokens, positions and cache first). The KV
+/// cache gets every position of the chunk; when `last`, `step.s.logits` gets the logits after the
+/// chunk's last token. Bit-identical to [`forward`] token by token.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn prefill_chunk(
+    step: Step<'_>,
+    cs: &mut ChunkState,
+    w: &Weights,
+    tokens: &[u32],
+    pos0: usize,
+    last: bool,
+    cache: &mut ExpertCache,
+    loader: &mut dyn ExpertLoader,
+) -> Result<()> {
+    let Step { cfg, layout, k, s, observer } = step;
+    let (h, hd, n) = (cfg.hidden_size, cfg.head_dim(), tokens.len());
+    let (qd, kvd) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
+    let eps = cfg.rms_norm_eps as f32;
+    let max_seq = s.max_seq;
+
+    // Embeddings, and one RoPE table per position.
+    for (t, &tok) in tokens.iter().enumerate() {
+        w.embed_tokens.row_into(tok as usize, &mut cs.x[t * h..(t + 1) * h]);
+        cs.ropes[t].set_pos(pos0 + t);
+    }
+
+    for (l, lw) in w.layers.iter().enumerate() {
+        // 1. Attention input norm, per token.
+        for t in 0..n {
+            k.rmsnorm(&mut cs.xb[t * h..(t + 1) * h], &cs.x[t * h..(t + 1) * h], &lw.input_layernorm, eps);
+        }
+
+        // 2. q, k, v for the whole chunk; k and v straight into the chunk's KV cache rows.
+        let rows = (l * max_seq + pos0) * kvd..(l * max_seq + pos0 + n) * kvd;
+        let xb = &cs.xb[..n * h];
+        project(k, lw.q_proj.as_mat(), xb, n, &mut cs.yt, &mut cs.q[..n * qd]);
+        project(k, lw.k_proj.as_mat(), xb, n, &mut cs.yt, &mut s.key_cache[rows.clone()]);
+        project(k, lw.v_proj.as_mat(), xb, n, &mut cs.yt, &mut s.value_cache[rows.clone()]);
+
+        // 3-4. Per-head q/k RMSNorm, then RoPE at each token's position.
+        let kc = &mut s.key_cache[rows];
+        for t in 0..n {
+            let (q, kt) = (&mut cs.q[t * qd..(t + 1) * qd], &mut kc[t * kvd..(t + 1) * kvd]);
+            for qh in q.chunks_exact_mut(hd) {
+                k.rmsnorm_inplace(qh, &lw.q_norm, eps);
+            }
+            for kh in kt.chunks_exact_mut(hd) {
+                k.rmsnorm_inplace(kh, &lw.k_norm, eps);
+            }
+            cs.ropes[t].apply(q);
+            cs.ropes[t].apply(kt);
+        }
+
+        // 5. Causal attention, one query at a time over the cache (the chunk's rows included).
+        attend_chunk(k, cfg, s, l, pos0, n, &cs.q[..n * qd], &mut cs.att_out[..n * qd], None);
+
+        // 6. Output projection and residual.
+        project(k, lw.o_proj.as_mat(), &cs.att_out[..n * qd], n, &mut cs.yt, &mut cs.xb2[..n * h]);
+        add_into(&mut cs.x[..n * h], &cs.xb2[..n * h]);
+
+        // 7. MLP input norm.
+        for t in 0..n {
+            k.rmsnorm(&mut cs.xb[t * h..(t + 1) * h], &cs.x[t * h..(t + 1) * h], &lw.post_attention_layernorm, eps);
+        }
+
+        // 8. MLP for the chunk: routed experts (the union fetched once) or dense SwiGLU; residual.
+        match &lw.mlp {
+            Mlp::Moe { gate } => {
+                let e = cfg.num_experts;
+                project(k, gate.as_mat(), &cs.xb[..n * h], n, &mut cs.yt, &mut cs.router_logits[..n * e]);
+                let m = MoeChunk { cfg, layout, k, routing: &mut s.routing, observer: &mut *observer };
+                let router = RouterKind::SoftmaxTopK { norm: cfg.norm_topk_prob };
+                routed_experts_chunk(m, cs, l, pos0, n, router, ExpertAct::Silu, None, cache, loader)?;
+            }
+            Mlp::Dense { gate_proj, up_proj, down_proj } => {
+                let d = cfg.intermediate_size;
+                let xb = &cs.xb[..n * h];
+                project(k, gate_proj.as_mat(), xb, n, &mut cs.yt, &mut cs.mlp_gate[..n * d]);
+                project(k, up_proj.as_mat(), xb, n, &mut cs.yt, &mut cs.mlp_up[..n * d]);
+                kernels::silu_mul(&mut cs.mlp_gate[..n * d], &cs.mlp_up[..n * d]);
+                project(k, down_proj.as_mat(), &cs.mlp_gate[..n * d], n, &mut cs.yt, &mut cs.xb2[..n * h]);
+            }
+        }
+        add_into(&mut cs.x[..n * h], &cs.xb2[..n * h]);
+    }
+
+    // Final norm and lm_head of the prompt's last token only.
+    if last {
+        k.rmsnorm(&mut s.xb, &cs.x[(n - 1) * h..n * h], &w.norm, eps);
+        k.matvec_par(w.lm_head().as_mat(), &s.xb, &mut s.logits);
+    }
     Ok(())
 }
 

@@ -9,7 +9,8 @@ use common::{image, model, ok, picchio};
 use serde_json::Value;
 
 /// The greedy tokens Picchio (C) v0.8.0 printed for this fixture (fixtures/picchio_c/README.md).
-const PICCHIO_C_TOKENS: [u64; 16] = [731, 1930, 347, 2860, 3377, 3184, 3525, 2504, 41, 2411, 547, 193, 3590, 3840, 3815, 1426];
+const PICCHIO_C_TOKENS: [u64; 16] =
+    [731, 1930, 347, 2860, 3377, 3184, 3525, 2504, 41, 2411, 547, 193, 3590, 3840, 3815, 1426];
 
 /// The 12 prompt ids of the qwen3_moe reference.
 fn prompt_ids() -> String {
@@ -21,8 +22,7 @@ fn prompt_ids() -> String {
 
 fn run(chunk: &str, ecap: &str) -> Value {
     let (m, store, ids) = (model(), image(), prompt_ids());
-    let args =
-        ["run", "--model", m.to_str().unwrap(), "--store", &store, "--prompt-ids", &ids, "-n", "16", "--json"];
+    let args = ["run", "--model", m.to_str().unwrap(), "--store", &store, "--prompt-ids", &ids, "-n", "16", "--json"];
     let out = ok(&[&args[..], &["--ecap", ecap, "--prefill-chunk", chunk, "--io", "psync"]].concat());
     serde_json::from_str(&out).unwrap()
 }

@@ -205,8 +205,11 @@ impl<L: ExpertLoader> ExpertLoader for CountingLoader<L> {
     }
 }
 
-/// Records every routing decision as `(layer, pos, experts, weight bits)`.
-struct Recorder(Arc<Mutex<Vec<(usize, usize, Vec<u32>, Vec<u32>)>>>);
+/// One routing decision: `(layer, pos, experts, weight bits)`.
+type Decision = (usize, usize, Vec<u32>, Vec<u32>);
+
+/// Records every routing decision.
+struct Recorder(Arc<Mutex<Vec<Decision>>>);
 
 impl RoutingObserver for Recorder {
     fn routed(&mut self, layer: usize, pos: usize, experts: &[u32], weights: &[f32]) {
@@ -222,12 +225,7 @@ fn q4_qwen3(tmp: &Path) -> PathBuf {
 }
 
 /// The routing decisions of a prefill of `prompt` at `chunk`, and the loader's calls.
-fn routed_prefill(
-    dir: &Path,
-    prompt: &[u32],
-    chunk: usize,
-    ecap: usize,
-) -> (Vec<(usize, usize, Vec<u32>, Vec<u32>)>, Vec<LoadCall>) {
+fn routed_prefill(dir: &Path, prompt: &[u32], chunk: usize, ecap: usize) -> (Vec<Decision>, Vec<LoadCall>) {
     let mut model = Model::load(dir, prompt.len()).unwrap();
     model.set_prefill_chunk(chunk).unwrap();
     let log = Arc::new(Mutex::new(Vec::new()));

@@ -352,7 +352,7 @@ pub(super) mod avx2 {
     /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub(crate) unsafe fn matmul_f32(w: &[f32], xs: &[f32], n: usize, yt: &mut [f32]) {
-        assert!(n > 0 && xs.len() % n == 0 && yt.len() % n == 0);
+        assert!(n > 0 && xs.len().is_multiple_of(n) && yt.len().is_multiple_of(n));
         let (rows, cols) = (yt.len() / n, xs.len() / n);
         assert_eq!(w.len(), size(rows, cols));
         for (r, out) in yt.chunks_exact_mut(n).enumerate() {
@@ -369,7 +369,7 @@ pub(super) mod avx2 {
     /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub(crate) unsafe fn matmul_bf16(w: &[bf16], xs: &[f32], n: usize, yt: &mut [f32]) {
-        assert!(n > 0 && xs.len() % n == 0 && yt.len() % n == 0);
+        assert!(n > 0 && xs.len().is_multiple_of(n) && yt.len().is_multiple_of(n));
         let (rows, cols) = (yt.len() / n, xs.len() / n);
         assert_eq!(w.len(), size(rows, cols));
         let wp = w.as_ptr().cast::<u16>();
@@ -387,7 +387,7 @@ pub(super) mod avx2 {
     /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub(crate) unsafe fn matmul_i8_rows(q: &[i8], row_scales: &[f32], xs: &[f32], n: usize, yt: &mut [f32]) {
-        assert!(n > 0 && xs.len() % n == 0 && yt.len() % n == 0);
+        assert!(n > 0 && xs.len().is_multiple_of(n) && yt.len().is_multiple_of(n));
         let (rows, cols) = (yt.len() / n, xs.len() / n);
         assert_eq!(q.len(), size(rows, cols));
         assert_eq!(row_scales.len(), rows);
@@ -634,7 +634,7 @@ pub(super) mod avx512 {
     /// The CPU must support AVX-512F, AVX2 and FMA.
     #[target_feature(enable = "avx512f,avx2,fma")]
     pub(crate) unsafe fn matmul_f32(w: &[f32], xs: &[f32], n: usize, yt: &mut [f32]) {
-        assert!(n > 0 && xs.len() % n == 0 && yt.len() % n == 0);
+        assert!(n > 0 && xs.len().is_multiple_of(n) && yt.len().is_multiple_of(n));
         let (rows, cols) = (yt.len() / n, xs.len() / n);
         assert_eq!(w.len(), size(rows, cols));
         for (r, out) in yt.chunks_exact_mut(n).enumerate() {
@@ -651,7 +651,7 @@ pub(super) mod avx512 {
     /// The CPU must support AVX-512F, AVX2 and FMA.
     #[target_feature(enable = "avx512f,avx2,fma")]
     pub(crate) unsafe fn matmul_bf16(w: &[bf16], xs: &[f32], n: usize, yt: &mut [f32]) {
-        assert!(n > 0 && xs.len() % n == 0 && yt.len() % n == 0);
+        assert!(n > 0 && xs.len().is_multiple_of(n) && yt.len().is_multiple_of(n));
         let (rows, cols) = (yt.len() / n, xs.len() / n);
         assert_eq!(w.len(), size(rows, cols));
         let wp = w.as_ptr().cast::<u16>();
@@ -669,7 +669,7 @@ pub(super) mod avx512 {
     /// The CPU must support AVX-512F, AVX2 and FMA.
     #[target_feature(enable = "avx512f,avx2,fma")]
     pub(crate) unsafe fn matmul_i8_rows(q: &[i8], row_scales: &[f32], xs: &[f32], n: usize, yt: &mut [f32]) {
-        assert!(n > 0 && xs.len() % n == 0 && yt.len() % n == 0);
+        assert!(n > 0 && xs.len().is_multiple_of(n) && yt.len().is_multiple_of(n));
         let (rows, cols) = (yt.len() / n, xs.len() / n);
         assert_eq!(q.len(), size(rows, cols));
         assert_eq!(row_scales.len(), rows);

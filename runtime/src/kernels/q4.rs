@@ -192,9 +192,9 @@ pub(super) mod avx2 {
     #[target_feature(enable = "avx2,fma")]
     pub(crate) unsafe fn matmul(packed: &[u8], scales: &[f32], xs: &[f32], n: usize, yt: &mut [f32]) {
         const B: usize = super::super::MATMUL_BLOCK;
-        assert!(n > 0 && xs.len() % n == 0 && yt.len() % n == 0);
+        assert!(n > 0 && xs.len().is_multiple_of(n) && yt.len().is_multiple_of(n));
         let (rows, cols) = (yt.len() / n, xs.len() / n);
-        assert_eq!(cols % GROUP_SIZE, 0);
+        assert!(cols.is_multiple_of(GROUP_SIZE));
         let groups = cols / GROUP_SIZE;
         assert_eq!(packed.len(), size(size(rows, groups), Q4_GROUP_BYTES));
         assert_eq!(scales.len(), size(rows, groups));
@@ -344,9 +344,9 @@ pub(super) mod avx512 {
     #[target_feature(enable = "avx512f,avx2,fma")]
     pub(crate) unsafe fn matmul(packed: &[u8], scales: &[f32], xs: &[f32], n: usize, yt: &mut [f32]) {
         const B: usize = super::super::MATMUL_BLOCK;
-        assert!(n > 0 && xs.len() % n == 0 && yt.len() % n == 0);
+        assert!(n > 0 && xs.len().is_multiple_of(n) && yt.len().is_multiple_of(n));
         let (rows, cols) = (yt.len() / n, xs.len() / n);
-        assert_eq!(cols % GROUP_SIZE, 0);
+        assert!(cols.is_multiple_of(GROUP_SIZE));
         let groups = cols / GROUP_SIZE;
         assert_eq!(packed.len(), size(size(rows, groups), Q4_GROUP_BYTES));
         assert_eq!(scales.len(), size(rows, groups));

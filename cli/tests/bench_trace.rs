@@ -35,9 +35,19 @@ fn tracing_changes_neither_tokens_nor_logits() {
     for engine in [["--io", "psync"], ["--io", "uring"]] {
         let (la, lb) = (dir.path().join("a.safetensors"), dir.path().join("b.safetensors"));
         let trace = dir.path().join("t.jsonl");
-        let mut plain = vec!["--store", &store, "--ecap", "5", "--dump-logits", la.to_str().unwrap()];
+        // --trace prefills token by token (a picchio-trace/1 file is in position order): the
+        // untraced run it is compared with, misses included, does too; the default chunked prefill
+        // gives the same tokens and logits.
+        let lc = dir.path().join("c.safetensors");
+        let mut chunked = vec!["--store", &store, "--ecap", "5", "--dump-logits", lc.to_str().unwrap()];
+        chunked.extend_from_slice(&engine);
+        let c = run_json(&chunked);
+        let mut plain =
+            vec!["--store", &store, "--ecap", "5", "--dump-logits", la.to_str().unwrap(), "--prefill-chunk", "1"];
         plain.extend_from_slice(&engine);
         let a = run_json(&plain);
+        assert_eq!(tokens(&a), tokens(&c), "{engine:?}: chunked prefill");
+        assert_eq!(std::fs::read(&la).unwrap(), std::fs::read(&lc).unwrap(), "logits differ with chunked prefill");
         let mut traced = vec![
             "--store",
             &store,

@@ -273,7 +273,7 @@ fn report(a: &Args, what: &str, text: &str, g: &picchio_runtime::run::Generation
     eprintln!(
         "{} tokens at {:.2} tok/s decode (prefill {:.0} ms, decode {:.0} ms)\n\
          expert cache: {} of {} experts; {} hits, {} misses ({:.1}% hit rate)\n\
-         read {:.1} MB in {} expert reads, {:.0} ms waiting ({:.0} MB/s) from {} via {}{}; {} fallbacks",
+         read {:.1} MB in {} expert reads at {:.0} MB/s while in flight ({:.0} ms), {:.0} ms of exposed I/O wait,          from {} via {}{}; {} fallbacks; peak RSS {:.0} MB",
         st.generated_tokens,
         st.decode_tok_s,
         st.prefill_ms,
@@ -285,12 +285,14 @@ fn report(a: &Args, what: &str, text: &str, g: &picchio_runtime::run::Generation
         100.0 * st.cache_hits as f64 / (st.cache_hits + st.cache_misses).max(1) as f64,
         st.bytes_read as f64 / 1e6,
         st.reads,
-        st.read_wall_ms,
         st.read_mb_s,
+        st.read_span_ms,
+        st.read_wait_ms,
         st.store,
         st.engine,
         if st.async_moe { ", async MoE" } else { "" },
-        st.fallbacks
+        st.fallbacks,
+        st.peak_rss_bytes as f64 / 1e6
     );
     Ok(())
 }

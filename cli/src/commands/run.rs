@@ -215,7 +215,7 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
         let st = &g.stats;
         eprintln!(
             "{} tokens, {:.2} tok/s decode (prefill {:.0} ms); cache {} hits / {} misses (capacity {}); \
-             {:.1} MB read in {:.0} ms from {} via {}{}; {} fallbacks",
+             {:.1} MB read ({:.0} MB/s while in flight, {:.0} ms of exposed I/O wait) from {} via {}{};              {} fallbacks; peak RSS {:.0} MB",
             st.generated_tokens,
             st.decode_tok_s,
             st.prefill_ms,
@@ -223,11 +223,13 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
             st.cache_misses,
             st.cache_capacity,
             st.bytes_read as f64 / 1e6,
-            st.read_wall_ms,
+            st.read_mb_s,
+            st.read_wait_ms,
             st.store,
             st.engine,
             if st.async_moe { ", async MoE" } else { "" },
-            st.fallbacks
+            st.fallbacks,
+            st.peak_rss_bytes as f64 / 1e6
         );
     }
     Ok(())

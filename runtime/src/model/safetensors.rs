@@ -232,6 +232,29 @@ impl TensorStore {
     }
 }
 
+impl TensorStore {
+    /// Drops the mapped pages of tensor `name` from the resident set once its bytes were copied out
+    /// (see [`crate::sys::drop_mapped_pages`]): a later [`TensorStore::get`] still reads the same
+    /// bytes, faulting them back in from the page cache or the file. Pages the tensor shares with its
+    /// neighbours at either end go too (they come back the same way). An unknown name is ignored.
+    pub fn release(&self, name: &str) {
+        if let Some((fi, info)) = self.tensors.get(name) {
+            let (path, map, data_start) = &self.files[*fi];
+            let (a, b) = info.data_offsets;
+            crate::sys::drop_mapped_pages(path, map, data_start + a..data_start + b);
+        }
+    }
+
+    /// Drops every mapped page of every file from the resident set ([`TensorStore::release`] of
+    /// everything): after the dense part was copied out, the mapping costs no RSS until a tensor is
+    /// read again (the safetensors fallback reading an expert).
+    pub fn release_all(&self) {
+        for (path, map, _) in &self.files {
+            crate::sys::drop_mapped_pages(path, map, 0..map.len());
+        }
+    }
+}
+
 fn files_path(files: &[(PathBuf, Mmap, usize)], i: usize, dir: &Path, names: &[String]) -> PathBuf {
     files.get(i).map(|f| f.0.clone()).unwrap_or_else(|| dir.join(&names[i]))
 }

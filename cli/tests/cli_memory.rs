@@ -70,37 +70,88 @@ fn pack_peak_rss_is_a_few_payloads_whatever_the_image_size() {
     drop(std::fs::remove_file(&image));
 }
 
+/// `picchio plan --json ARGS` as JSON.
+fn plan(m: &Path, args: &[&str]) -> serde_json::Value {
+    let mut all = vec!["plan", "--model", m.to_str().unwrap(), "--json"];
+    all.extend_from_slice(args);
+    serde_json::from_str(common::ok(&all).trim()).unwrap()
+}
+
+/// `picchio run` of 3 prompt ids and 2 new tokens on `m` with `args`, as JSON.
+fn run(m: &Path, image: &Path, args: &[&str]) -> serde_json::Value {
+    let store = format!("file:{}", image.display());
+    let mut all = vec!["run", "--model", m.to_str().unwrap(), "--store", &store, "--prompt-ids", "1,2,3", "-n", "2"];
+    all.extend_from_slice(args);
+    all.push("--json");
+    serde_json::from_str(common::ok(&all).trim()).unwrap()
+}
+
 #[test]
-fn run_holds_the_dense_part_once() {
+fn run_holds_the_dense_part_once_and_stays_within_its_plan() {
     let dir = common::scratch();
     let m = model(dir.path());
     let image = dir.path().join("e.picchioflat");
     common::ok(&["pack", m.to_str().unwrap(), "--out", image.to_str().unwrap(), "--no-progress"]);
-    // The dense shard (embeddings, lm_head, attention, norms, routers; all bf16, kept as bf16).
-    let dense = std::fs::metadata(m.join("model-00001-of-00004.safetensors")).unwrap().len();
-    let ecap = 8u64;
-    let store = format!("file:{}", image.display());
-    let out = common::ok(&[
+    // The dense shard (embeddings, lm_head, attention, routers in bf16, kept as bf16; norms widened
+    // to f32, so the plan's dense part is within 1% of the file).
+    let shard = std::fs::metadata(m.join("model-00001-of-00004.safetensors")).unwrap().len();
+    let p = plan(&m, &["--ctx", "5", "--ecap", "8"]);
+    let (dense, total) = (p["dense_bytes"].as_u64().unwrap(), p["total_bytes"].as_u64().unwrap());
+    let slot = p["slot_bytes"].as_u64().unwrap();
+    assert!(dense.abs_diff(shard) <= shard / 100, "dense {dense} B, shard {shard} B");
+    assert_eq!(slot, spec().expert_layout().len().div_ceil(4096) as u64 * 4096);
+
+    // The copy of the dense part, 8 slots, the KV cache and the program (the plan's 64 MiB): keeping
+    // the mapped shard resident beside the copy, as before, costs another 151 MB and fails this.
+    let v = run(&m, &image, &["--ecap", "8"]);
+    let peak = v["stats"]["peak_rss_bytes"].as_u64().unwrap();
+    assert!(peak <= total, "peak RSS {peak} B over the plan's {total} B (dense {dense} B)");
+    assert!(peak >= dense, "peak RSS {peak} B is below the dense part {dense} B: not the process's VmHWM?");
+
+    // --mem: the expert cache gets what the budget leaves, and the run stays within the budget.
+    let budget_mb = (total + 2 * slot).div_ceil(1_000_000);
+    let mem = format!("{budget_mb}MB");
+    let p = plan(&m, &["--ctx", "5", "--mem", &mem]);
+    let fixed = total - 8 * slot;
+    let want = (budget_mb * 1_000_000 - fixed) / slot;
+    assert_eq!(p["ecap"].as_u64(), Some(want), "{p}");
+    assert!(want >= 10);
+    let v = run(&m, &image, &["--mem", &mem]);
+    assert_eq!(v["stats"]["cache_capacity"].as_u64(), Some(want));
+    let peak = v["stats"]["peak_rss_bytes"].as_u64().unwrap();
+    assert!(peak <= budget_mb * 1_000_000, "peak RSS {peak} B over --mem {mem}");
+
+    // A budget below one token's working set is refused, with the figures, before loading.
+    let small = format!("{}MB", dense / 1_000_000);
+    let o =
+        common::picchio(&["run", "--model", m.to_str().unwrap(), "--prompt-ids", "1,2,3", "-n", "2", "--mem", &small]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains("below one token's working set") && err.contains("dense part"), "{err}");
+}
+
+#[test]
+fn ecap_per_layer_is_slots_per_moe_layer() {
+    // Picchio (C)'s fixture: 3 MoE layers of 16 experts.
+    let m = common::model();
+    let p = plan(&m, &["--ecap-per-layer", "2", "--ctx", "8"]);
+    assert_eq!((p["ecap"].as_u64(), p["moe_layers"].as_u64()), (Some(6), Some(3)), "{p}");
+    let v = run(&m, &m.join("experts.picchioflat"), &["--ecap-per-layer", "2"]);
+    assert_eq!(v["stats"]["cache_capacity"].as_u64(), Some(6));
+    let text = common::ok(&["plan", "--model", m.to_str().unwrap(), "--ecap-per-layer", "2"]);
+    assert!(text.contains("--ecap-per-layer 2 × 3 MoE layers") && text.contains("KV cache"), "{text}");
+    let o = common::picchio(&["plan", "--model", m.to_str().unwrap(), "--ecap-per-layer", "17"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("a MoE layer has only 16 experts"));
+    let o = common::picchio(&[
         "run",
         "--model",
         m.to_str().unwrap(),
-        "--store",
-        &store,
         "--prompt-ids",
-        "1,2,3",
-        "-n",
-        "2",
+        "1",
         "--ecap",
-        &ecap.to_string(),
-        "--json",
+        "4",
+        "--ecap-per-layer",
+        "2",
     ]);
-    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
-    let peak = v["stats"]["peak_rss_bytes"].as_u64().unwrap();
-    let slots = ecap * spec().expert_layout().len() as u64;
-    // The copy of the dense part, the cache slots, and 64 MiB for the program itself (code, heap,
-    // thread stacks, the KV cache of 5 positions). Keeping the mapped shard resident beside the
-    // copy, as before, costs another `dense` (151 MB) and fails this.
-    let bound = dense + slots + (64 << 20);
-    assert!(peak <= bound, "peak RSS {peak} B > dense {dense} + slots {slots} + 64 MiB = {bound}");
-    assert!(peak >= dense, "peak RSS {peak} B is below the dense part {dense} B: not the process's VmHWM?");
+    assert_eq!(o.status.code(), Some(2), "--ecap and --ecap-per-layer together are a usage error");
 }

@@ -290,7 +290,8 @@ fn report(a: &Args, what: &str, text: &str, g: &picchio_runtime::run::Generation
     eprintln!(
         "{} tokens at {:.2} tok/s decode (prefill {:.0} ms, decode {:.0} ms)\n\
          expert cache: {} of {} experts; {} hits, {} misses ({:.1}% hit rate)\n\
-         read {:.1} MB in {} expert reads at {:.0} MB/s while in flight ({:.0} ms), {:.0} ms of exposed I/O wait,          from {} via {}{}; {} fallbacks; peak RSS {:.0} MB",
+         read {:.1} MB in {} expert reads at {:.0} MB/s while in flight ({:.0} ms), {:.0} ms of exposed I/O wait, \
+         from {} via {}{}; {} fallbacks; peak RSS {:.0} MB",
         st.generated_tokens,
         st.decode_tok_s,
         st.prefill_ms,

@@ -248,7 +248,8 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
         let st = &g.stats;
         eprintln!(
             "{} tokens, {:.2} tok/s decode (prefill {:.0} ms); cache {} hits / {} misses (capacity {}); \
-             {:.1} MB read ({:.0} MB/s while in flight, {:.0} ms of exposed I/O wait) from {} via {}{};              {} fallbacks; peak RSS {:.0} MB",
+             {:.1} MB read ({:.0} MB/s while in flight, {:.0} ms of exposed I/O wait) from {} via {}{}; \
+             {} fallbacks; peak RSS {:.0} MB",
             st.generated_tokens,
             st.decode_tok_s,
             st.prefill_ms,

@@ -212,9 +212,13 @@ pub struct MemPlan {
     pub cgroup_limit_bytes: Option<u64>,
 }
 
-/// GB (10^9 bytes) with two decimals, for messages.
+/// GB (10^9 bytes) with two decimals for messages, or MB with one below 0.1 GB.
 fn gb(b: u64) -> String {
-    format!("{:.2} GB", b as f64 / 1e9)
+    if b < 100_000_000 {
+        format!("{:.1} MB", b as f64 / 1e6)
+    } else {
+        format!("{:.2} GB", b as f64 / 1e9)
+    }
 }
 
 impl MemPlan {

@@ -479,6 +479,8 @@ impl<Q: IoQueue> ExpertLoader for FlatStore<Q> {
             });
         }
         waited += t_submit.elapsed();
+        // When the last completion was reaped: the end of the span reads were in flight.
+        let mut last_reap = None;
         let mut left = pending.len();
         let mut done = vec![false; pending.len()];
         while left > 0 {
@@ -486,6 +488,9 @@ impl<Q: IoQueue> ExpertLoader for FlatStore<Q> {
             let t_reap = Instant::now();
             let reaped = self.queue.reap(1, &mut self.completions);
             waited += t_reap.elapsed();
+            if reaped > 0 {
+                last_reap = Some(Instant::now());
+            }
             if reaped == 0 && self.queue.in_flight() == 0 {
                 // The engine lost requests: fail them rather than wait forever. Their slots are gone
                 // with the engine's bookkeeping, so only the error can be reported.
@@ -540,6 +545,9 @@ impl<Q: IoQueue> ExpertLoader for FlatStore<Q> {
             }
         }
         self.stats.add_wall(waited.as_nanos() as u64);
+        if let Some(end) = last_reap {
+            self.stats.add_span(end.duration_since(t_submit).as_nanos() as u64);
+        }
         let bounce = self.queue.bounce_bytes();
         self.stats.record_bounce(bounce.saturating_sub(self.bounce_seen));
         self.bounce_seen = bounce;

@@ -11,6 +11,7 @@ pub struct IoStats {
     reads: AtomicU64,
     bytes: AtomicU64,
     read_wall_ns: AtomicU64,
+    read_span_ns: AtomicU64,
     fallbacks: AtomicU64,
     errors: AtomicU64,
     missing: AtomicU64,
@@ -25,8 +26,13 @@ pub struct StatsSnapshot {
     pub reads: u64,
     /// Bytes read from the store (padded lengths).
     pub bytes: u64,
-    /// Wall time spent waiting in `load`, in nanoseconds.
+    /// Wall time spent waiting in `load` (blocked in submit and reap: the I/O wait the caller
+    /// sees, not the time the device took), in nanoseconds.
     pub read_wall_ns: u64,
+    /// Wall time during which reads were in flight, in nanoseconds: per `load` call, from the first
+    /// submit to the reap of the last completion (compute done between reaps, with async MoE, is
+    /// inside the span, since the device keeps working then). Bytes over this span is a device rate.
+    pub read_span_ns: u64,
     /// Experts served by the fallback loader after the primary failed.
     pub fallbacks: u64,
     /// Failed reads or checks in the primary store.
@@ -54,6 +60,10 @@ impl IoStats {
     pub fn add_wall(&self, ns: u64) {
         self.read_wall_ns.fetch_add(ns, Relaxed);
     }
+    /// Adds the wall time one load call had reads in flight (see [`StatsSnapshot::read_span_ns`]).
+    pub fn add_span(&self, ns: u64) {
+        self.read_span_ns.fetch_add(ns, Relaxed);
+    }
     /// Counts one expert served by the fallback.
     pub fn record_fallback(&self) {
         self.fallbacks.fetch_add(1, Relaxed);
@@ -76,6 +86,7 @@ impl IoStats {
             reads: self.reads.load(Relaxed),
             bytes: self.bytes.load(Relaxed),
             read_wall_ns: self.read_wall_ns.load(Relaxed),
+            read_span_ns: self.read_span_ns.load(Relaxed),
             fallbacks: self.fallbacks.load(Relaxed),
             errors: self.errors.load(Relaxed),
             missing: self.missing.load(Relaxed),

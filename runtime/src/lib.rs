@@ -5,6 +5,7 @@
 //! - [`kernels`]: the matrix kernels of the forward pass;
 //! - [`expert`]: routed experts at run time (payload layout, expert cache, opening a `--store`);
 //! - [`image`]: writing and checking `.picchioflat` images (convert, pack, verify, synth);
+//! - [`mem`]: memory figures (peak RSS, available memory, cgroup limit) and the memory plan;
 //! - [`run`]: a session (model + store) and generation;
 //! - [`nvme_admin`]: host management of NVMe controllers (binding to `vfio-pci` and back);
 //! - [`sys`]: the runtime's `unsafe` OS calls (mmap, signal disposition), one function each.
@@ -15,6 +16,7 @@ pub mod expert;
 pub mod image;
 pub mod interrupt;
 pub mod kernels;
+pub mod mem;
 pub mod model;
 pub mod nvme_admin;
 pub mod progress;

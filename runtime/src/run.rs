@@ -85,10 +85,21 @@ pub struct RunStats {
     pub reads: u64,
     /// Bytes read from the store.
     pub bytes_read: u64,
-    /// Wall time spent waiting for expert loads, milliseconds.
-    pub read_wall_ms: f64,
-    /// Expert-read throughput while waiting, MB/s (bytes_read / read wall time).
+    /// Exposed I/O wait, milliseconds: wall time the forward pass spent blocked submitting and
+    /// reaping expert reads (what overlapping compute with reads did not hide).
+    pub read_wait_ms: f64,
+    /// Wall time during which expert reads were in flight, milliseconds (per load call, first
+    /// submit to last completion reaped; [`picchio_core::stats::StatsSnapshot::read_span_ns`]).
+    pub read_span_ms: f64,
+    /// The device's delivered rate while reads were in flight, MB/s (10^6 B): bytes_read /
+    /// read_span_ms. Not bytes over the wait, which overstates the device whenever compute hides
+    /// the reads.
     pub read_mb_s: f64,
+    /// Bytes read over the whole generation's wall time (prefill + decode), MB/s.
+    pub read_mb_s_run: f64,
+    /// This process's peak resident set so far, bytes (`VmHWM`, [`crate::mem::peak_rss`]; 0 when
+    /// unknown, off Linux).
+    pub peak_rss_bytes: u64,
     /// Bytes of expert reads the engine copied through bounce buffers rather than reading them
     /// straight into the cache slots (the NVMe driver when the slots are not in its DMA pool; 0 for
     /// every other store).
@@ -124,16 +135,9 @@ pub struct Generation {
 /// Default expert-cache capacity: every expert of the model if they fit in half of the available
 /// memory (`MemAvailable` of /proc/meminfo, or 4 GiB when unknown), else as many as fit (at least top-k).
 pub fn default_ecap(total_experts: usize, slot_bytes: usize, topk: usize) -> usize {
-    let avail = mem_available().unwrap_or(4 << 30);
+    let avail = crate::mem::mem_available().unwrap_or(4 << 30);
     let fit = (avail / 2) / slot_bytes.max(1) as u64;
     (fit as usize).clamp(topk.max(1), total_experts.max(1))
-}
-
-fn mem_available() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
 }
 
 impl Session {
@@ -259,8 +263,11 @@ impl Session {
         }
         let decode = t1.elapsed();
         let io = self.io_stats.snapshot();
-        let read_wall_ms = (io.read_wall_ns - io0.read_wall_ns) as f64 / 1e6;
+        let read_wait_ms = (io.read_wall_ns - io0.read_wall_ns) as f64 / 1e6;
+        let read_span_ms = (io.read_span_ns - io0.read_span_ns) as f64 / 1e6;
         let bytes_read = io.bytes - io0.bytes;
+        let mb_s = |ms: f64| if ms > 0.0 { bytes_read as f64 / 1e6 / (ms / 1e3) } else { 0.0 };
+        let run_ms = (prefill + decode).as_secs_f64() * 1e3;
         let stats = RunStats {
             prompt_tokens: prompt_ids.len(),
             generated_tokens: tokens.len(),
@@ -274,8 +281,11 @@ impl Session {
             cache_capacity: self.cache.capacity(),
             reads: io.reads - io0.reads,
             bytes_read,
-            read_wall_ms,
-            read_mb_s: if read_wall_ms > 0.0 { bytes_read as f64 / 1e6 / (read_wall_ms / 1e3) } else { 0.0 },
+            read_wait_ms,
+            read_span_ms,
+            read_mb_s: mb_s(read_span_ms),
+            read_mb_s_run: mb_s(run_ms),
+            peak_rss_bytes: crate::mem::peak_rss().unwrap_or(0),
             bounce_bytes: io.bounce_bytes - io0.bounce_bytes,
             fallbacks: io.fallbacks - io0.fallbacks,
             store_errors: io.errors - io0.errors,

@@ -25,6 +25,33 @@ pub(crate) fn map_readonly(path: &Path, file: &File) -> Result<Mmap> {
     unsafe { Mmap::map(file) }.map_err(Error::io(path, "mmap"))
 }
 
+/// Drops the pages of `map[range]` from this process's resident set (`madvise(MADV_DONTNEED)`; the
+/// range is widened to whole pages by the kernel and by memmap2, which rounds its start down): the
+/// bytes stay in the page cache, and the next read of them faults them back in, unchanged. What
+/// keeps peak RSS bounded while `pack` copies every expert out of the mapped shards and after a
+/// model's dense tensors were copied out of theirs (an mmap'ed page counts in RSS while it is
+/// mapped). Best effort: a failure (which the kernel reports only for a bad range) is logged and
+/// changes nothing but the resident set. A no-op off Unix.
+pub(crate) fn drop_mapped_pages(path: &Path, map: &Mmap, range: std::ops::Range<usize>) {
+    if range.is_empty() {
+        return;
+    }
+    #[cfg(unix)]
+    {
+        // SAFETY: `map` is a read-only private file mapping ([`map_readonly`]) that nothing ever
+        // writes, so none of its pages was copied on write: MADV_DONTNEED only removes page-table
+        // entries, and every later access (through any `&[u8]` we handed out) faults the same file
+        // bytes back in, which do not change while the map lives (the contract of
+        // [`map_readonly`]). The range is within the map (memmap2 checks it).
+        let r = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, range.start, range.len()) };
+        if let Err(e) = r {
+            tracing::debug!("{}: madvise(DONTNEED) of bytes {range:?}: {e}", path.display());
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = (path, map, range);
+}
+
 /// Restores the default SIGPIPE action (terminate), which the Rust runtime replaces with "ignore", so
 /// that `picchio verify IMG | head` ends quietly when the reader goes away, like other Unix tools,
 /// instead of panicking in `println!` with "failed printing to stdout". Call it first thing in

@@ -27,8 +27,12 @@ pub struct Args {
     pub synthetic_gb: Option<f64>,
     /// Expert-cache capacity as a percentage of all experts [default: 25 for the fixture, 10 for
     /// --synthetic-gb].
-    #[arg(long, value_name = "PCT")]
+    #[arg(long, value_name = "PCT", conflicts_with = "mem")]
     pub cache_percent: Option<f64>,
+    /// Instead of --cache-percent, one memory budget split between the dense part, the KV cache and
+    /// the expert cache (as `picchio run --mem`; the plan is printed on stderr).
+    #[arg(long, value_name = "SIZE")]
+    pub mem: Option<picchio_runtime::mem::MemBudget>,
     /// Tokens to generate [default: the reference's 16 for the fixture, 32 for --synthetic-gb].
     #[arg(short = 'n', long, value_name = "N")]
     pub n: Option<usize>,
@@ -140,6 +144,19 @@ fn ecap_for(total: usize, pct: f64) -> usize {
     ((total as f64 * pct / 100.0).round() as usize).max(1)
 }
 
+/// The expert cache of a demo run of `max_seq` positions: what `--mem` leaves (the plan printed on
+/// stderr), else `--cache-percent` (default `pct`) of the `total` experts.
+fn demo_ecap(a: &Args, model: &Path, total: usize, pct: f64, max_seq: usize) -> anyhow::Result<usize> {
+    match a.mem {
+        Some(m) => {
+            let plan = super::plan::plan_for(model, Some(m), None, max_seq)?;
+            eprintln!("{plan}");
+            Ok(plan.ecap)
+        }
+        None => Ok(ecap_for(total, a.cache_percent.unwrap_or(pct))),
+    }
+}
+
 fn fixture(a: &Args, workdir: &Path, fixture: &Path) -> anyhow::Result<()> {
     let reference: serde_json::Value = {
         let p = fixture.join("reference_q4.json");
@@ -186,7 +203,7 @@ fn fixture(a: &Args, workdir: &Path, fixture: &Path) -> anyhow::Result<()> {
     let n = a.n.unwrap_or(want.len());
     let cfg = picchio_runtime::Config::from_dir(&model)?;
     let total = cfg.moe_layers().len() * cfg.num_experts;
-    let ecap = ecap_for(total, a.cache_percent.unwrap_or(25.0));
+    let ecap = demo_ecap(a, &model, total, 25.0, prompt.len().saturating_add(n))?;
     let opts = SessionOptions {
         model_dir: model.clone(),
         store: StoreUri::File(model.join(DEFAULT_IMAGE)),
@@ -244,9 +261,9 @@ fn synthetic(a: &Args, workdir: &Path, gb: f64) -> anyhow::Result<()> {
     let (spec, model, image) = synthetic_model(workdir, gb, a.json)?;
     let n = a.n.unwrap_or(32);
     let total = spec.layers * spec.experts;
-    let ecap = ecap_for(total, a.cache_percent.unwrap_or(10.0));
     // A fixed pseudo-random prompt of 16 ids.
     let prompt: Vec<u32> = (0..16u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 7) % spec.vocab as u32).collect();
+    let ecap = demo_ecap(a, &model, total, 10.0, prompt.len().saturating_add(n))?;
     let opts = SessionOptions {
         model_dir: model.clone(),
         store: StoreUri::File(image),
@@ -275,7 +292,8 @@ fn report(a: &Args, what: &str, text: &str, g: &picchio_runtime::run::Generation
     eprintln!(
         "{} tokens at {:.2} tok/s decode (prefill {:.0} ms, decode {:.0} ms)\n\
          expert cache: {} of {} experts; {} hits, {} misses ({:.1}% hit rate)\n\
-         read {:.1} MB in {} expert reads, {:.0} ms waiting ({:.0} MB/s) from {} via {}{}; {} fallbacks",
+         read {:.1} MB in {} expert reads at {:.0} MB/s while in flight ({:.0} ms), {:.0} ms of exposed I/O wait, \
+         from {} via {}{}; {} fallbacks; peak RSS {:.0} MB",
         st.generated_tokens,
         st.decode_tok_s,
         st.prefill_ms,
@@ -287,12 +305,14 @@ fn report(a: &Args, what: &str, text: &str, g: &picchio_runtime::run::Generation
         100.0 * st.cache_hits as f64 / (st.cache_hits + st.cache_misses).max(1) as f64,
         st.bytes_read as f64 / 1e6,
         st.reads,
-        st.read_wall_ms,
         st.read_mb_s,
+        st.read_span_ms,
+        st.read_wait_ms,
         st.store,
         st.engine,
         if st.async_moe { ", async MoE" } else { "" },
-        st.fallbacks
+        st.fallbacks,
+        st.peak_rss_bytes as f64 / 1e6
     );
     Ok(())
 }

@@ -10,6 +10,7 @@ mod convert;
 mod demo;
 mod nvme;
 mod pack;
+mod plan;
 mod run;
 mod synth;
 mod verify;
@@ -39,6 +40,9 @@ enum Command {
     Verify(verify::Args),
     /// Generate text with experts streamed from a store.
     Run(run::Args),
+    /// Print the memory plan of a model: the dense part, the KV cache and the expert cache within a
+    /// budget (--mem), without running it.
+    Plan(plan::Args),
     /// The embedded default: convert, pack and run the vendored real-tokenizer model (no download).
     Demo(demo::Args),
     /// List NVMe controllers, hand one to vfio-pci for the user-space driver and back, identify it.
@@ -105,6 +109,7 @@ pub fn exec(cli: Cli) -> anyhow::Result<()> {
         Command::Pack(a) => pack::exec(a),
         Command::Verify(a) => verify::exec(a),
         Command::Run(a) => run::exec(a),
+        Command::Plan(a) => plan::exec(a),
         Command::Demo(a) => demo::exec(a),
         Command::Nvme(a) => nvme::exec(a),
         Command::Bench(a) => bench::exec(a),

@@ -36,9 +36,22 @@ pub struct Args {
     pub io_threads: u16,
     #[command(flatten)]
     pub engine: EngineArgs,
-    /// Expert-cache capacity in experts [default: all experts that fit in half the available memory].
-    #[arg(long, value_name = "N")]
+    /// Expert-cache capacity in experts across all MoE layers [default: what --mem leaves, else all
+    /// experts that fit in half the available memory].
+    #[arg(long, value_name = "N", conflicts_with = "ecap_per_layer")]
     pub ecap: Option<usize>,
+    /// Expert-cache capacity in slots per MoE layer (Picchio (C)'s ECAP): N × MoE layers experts.
+    #[arg(long, value_name = "N")]
+    pub ecap_per_layer: Option<usize>,
+    /// One memory budget for the dense part, the KV cache and the expert cache (which gets the rest):
+    /// bytes (8GB, 8GiB, 500MB; a bare number is GB) or a percentage of the cgroup's memory.max (else
+    /// of MemAvailable), e.g. 50%. The plan is printed on stderr (`picchio plan` prints it alone); a
+    /// budget below one token's working set is refused with the figures.
+    #[arg(long, value_name = "SIZE")]
+    pub mem: Option<picchio_runtime::mem::MemBudget>,
+    /// KV-cache positions [default: prompt + new tokens]; at least that many.
+    #[arg(long, value_name = "N")]
+    pub ctx: Option<usize>,
     /// Check every expert payload's hash after reading it; mismatches fall back to safetensors.
     #[arg(long)]
     pub verify: bool,
@@ -194,6 +207,26 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
         }
         (None, None, _) => unreachable!("clap requires --prompt or --prompt-ids"),
     };
+    let needed = prompt_ids.len().saturating_add(a.n);
+    let max_seq = match a.ctx {
+        Some(c) if c < needed => {
+            bail!("--ctx {c}: the prompt ({}) and -n {} need {needed} positions", prompt_ids.len(), a.n)
+        }
+        Some(c) => c,
+        None => needed,
+    };
+    // With a budget or an explicit cache the plan decides the capacity, and refuses (naming the
+    // figures) before anything loads when it cannot fit; without either, Session's default.
+    let cache = super::plan::cache_request(a.ecap, a.ecap_per_layer);
+    let ecap = if a.mem.is_some() || cache.is_some() {
+        let plan = super::plan::plan_for(&a.model, a.mem, cache, max_seq)?;
+        if a.mem.is_some() {
+            eprintln!("{plan}");
+        }
+        Some(plan.ecap)
+    } else {
+        None
+    };
     let opts = SessionOptions {
         model_dir: a.model.clone(),
         store: a.store.clone(),
@@ -203,8 +236,8 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
             verify: a.verify,
             ..IoOptions::default()
         }),
-        ecap: a.ecap,
-        max_seq: prompt_ids.len().saturating_add(a.n),
+        ecap,
+        max_seq,
     };
     let chunk = a.engine.prefill_chunk(a.trace.is_some())?;
     let mut s = Session::open(&opts, tokenizer).with_context(|| format!("opening model {}", a.model.display()))?;
@@ -243,7 +276,8 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
         let st = &g.stats;
         eprintln!(
             "{} tokens, {:.2} tok/s decode (prefill {:.0} ms); cache {} hits / {} misses (capacity {}); \
-             {:.1} MB read in {:.0} ms from {} via {}{}; {} fallbacks",
+             {:.1} MB read ({:.0} MB/s while in flight, {:.0} ms of exposed I/O wait) from {} via {}{}; \
+             {} fallbacks; peak RSS {:.0} MB",
             st.generated_tokens,
             st.decode_tok_s,
             st.prefill_ms,
@@ -251,11 +285,13 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
             st.cache_misses,
             st.cache_capacity,
             st.bytes_read as f64 / 1e6,
-            st.read_wall_ms,
+            st.read_mb_s,
+            st.read_wait_ms,
             st.store,
             st.engine,
             if st.async_moe { ", async MoE" } else { "" },
-            st.fallbacks
+            st.fallbacks,
+            st.peak_rss_bytes as f64 / 1e6
         );
     }
     Ok(())

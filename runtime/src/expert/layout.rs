@@ -190,7 +190,8 @@ impl ExpertLayout {
         Ok(Self::new(quant, h, i)?.with_naming(naming))
     }
 
-    /// Copies the expert's four tensors from a converted directory into `out[..self.len()]`.
+    /// Copies the expert's four tensors from a converted directory into `out[..self.len()]`, then
+    /// drops their mapped pages from the resident set ([`TensorStore::release`]).
     ///
     /// # Errors
     /// [`Error::MissingTensor`], or [`Error::TensorDtype`] / [`Error::TensorShape`] when a tensor's
@@ -221,6 +222,9 @@ impl ExpertLayout {
                 });
             }
             out[range.clone()].copy_from_slice(t.bytes);
+            // The copy is what counts: the mapped pages leave the resident set, so packing (or
+            // the safetensors fallback) never holds more than the expert being copied.
+            store.release(name);
         }
         Ok(())
     }

@@ -73,6 +73,10 @@ pub struct Packed {
     pub experts: usize,
     /// Slots of dense-MLP layers holding [`DENSE_LAYER_PLACEHOLDER`].
     pub placeholders: usize,
+    /// This process's peak resident set after the last payload, bytes ([`crate::mem::peak_rss`];
+    /// `None` off Linux): a few payloads beyond the program itself, whatever the image size, since
+    /// each expert's mapped pages are dropped once copied.
+    pub peak_rss: Option<u64>,
 }
 
 impl ReportHead for Packed {
@@ -97,7 +101,11 @@ impl ReportHead for Packed {
         if self.placeholders > 0 {
             write!(f, "; {} dense-MLP layer slots hold the placeholder", self.placeholders)?;
         }
-        write!(f, "\n  {} entries, {} bytes, {:.2?}", sb.n_entries, bytes, elapsed)
+        write!(f, "\n  {} entries, {} bytes, {:.2?}", sb.n_entries, bytes, elapsed)?;
+        if let Some(rss) = self.peak_rss {
+            write!(f, "; peak RSS {:.1} MB ({rss} bytes)", rss as f64 / 1e6)?;
+        }
+        Ok(())
     }
 }
 
@@ -204,6 +212,7 @@ impl PayloadSource for Source {
             payload_len: self.layout.len(),
             experts,
             placeholders,
+            peak_rss: crate::mem::peak_rss(),
         };
         Ok((superblock, packed))
     }

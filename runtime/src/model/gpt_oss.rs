@@ -157,7 +157,9 @@ impl Weights {
 fn matrix_f32(store: &TensorStore, name: &str, rows: usize, cols: usize) -> Result<Vec<f32>> {
     let t = store.get(name)?;
     t.expect_shape(&[rows, cols])?;
-    t.to_f32()
+    let v = t.to_f32()?;
+    store.release(name);
+    Ok(v)
 }
 
 /// The GPT-OSS forward pass of `token` at `pos` into `step.s.logits` (module docs;

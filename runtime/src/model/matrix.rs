@@ -54,7 +54,9 @@ impl Matrix {
     }
 
     /// Reads tensor `name` from `store` as a `[rows, cols]` matrix: F32 and BF16 are kept as they are,
-    /// F16 is widened to f32, and I8 takes its row scales from `<name>.qs` (F32 `[rows]`).
+    /// F16 is widened to f32, and I8 takes its row scales from `<name>.qs` (F32 `[rows]`). The
+    /// tensors' mapped pages are then dropped from the resident set ([`TensorStore::release`]), so
+    /// the dense part is resident once (as the copy), not twice.
     ///
     /// # Errors
     /// [`Error::MissingTensor`](crate::Error::MissingTensor), [`Error::TensorShape`](crate::Error::TensorShape) or [`Error::TensorDtype`](crate::Error::TensorDtype), each naming the
@@ -62,22 +64,39 @@ impl Matrix {
     pub fn load(store: &TensorStore, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
         let t = store.get(name)?;
         t.expect_shape(&[rows, cols])?;
-        Ok(match t.dtype {
-            Dtype::F32 => Matrix::F32(f32_values(&t)?),
+        let n = rows * cols;
+        let m = match t.dtype {
+            Dtype::F32 => {
+                let mut w = Vec::with_capacity(n);
+                store.read_released(name, |b| {
+                    w.extend(b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+                })?;
+                Matrix::F32(w)
+            }
             Dtype::F16 => Matrix::F32(t.to_f32()?),
-            Dtype::BF16 => Matrix::Bf16(
-                t.bytes.chunks_exact(2).map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect(),
-            ),
+            Dtype::BF16 => {
+                let mut w = Vec::with_capacity(n);
+                store.read_released(name, |b| {
+                    w.extend(b.chunks_exact(2).map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]]))))
+                })?;
+                Matrix::Bf16(w)
+            }
             Dtype::I8 => {
                 let qs = store.get(&format!("{name}.qs"))?;
                 qs.expect_shape(&[rows])?;
                 if qs.dtype != Dtype::F32 {
                     return Err(qs.dtype_error("F32 (row scales of an I8 matrix)"));
                 }
-                Matrix::I8Rows { q: t.bytes.iter().map(|&b| b as i8).collect(), scales: f32_values(&qs)? }
+                let scales = f32_values(&qs)?;
+                store.release(qs.name);
+                let mut q = Vec::with_capacity(n);
+                store.read_released(name, |b| q.extend(b.iter().map(|&v| v as i8)))?;
+                Matrix::I8Rows { q, scales }
             }
             _ => return Err(t.dtype_error("F32, BF16, F16, or I8 with a `.qs` row scale")),
-        })
+        };
+        store.release(name);
+        Ok(m)
     }
 }
 
@@ -93,7 +112,9 @@ pub(crate) fn f32_values(t: &TensorRef<'_>) -> Result<Vec<f32>> {
 pub(crate) fn vector(store: &TensorStore, name: &str, len: usize) -> Result<Vec<f32>> {
     let t = store.get(name)?;
     t.expect_shape(&[len])?;
-    t.to_f32()
+    let v = t.to_f32()?;
+    store.release(name);
+    Ok(v)
 }
 /// `x[i] += y[i]` (a residual connection; a plain f32 add like transformers' `residual + h`).
 pub(crate) fn add_into(x: &mut [f32], y: &[f32]) {

@@ -209,6 +209,9 @@ impl Model {
             Arch::Qwen3Moe => ArchWeights::Qwen3Moe(qwen3_moe::Weights::load(&store, &config)?),
             Arch::GptOss => ArchWeights::GptOss(gpt_oss::Weights::load(&store, &config)?),
         };
+        // The dense part is resident once, as the copies just made: no mapped page stays behind
+        // (the safetensors fallback faults an expert's pages in only when it reads that expert).
+        store.release_all();
         let state = RunState::new(&config, max_seq);
         Ok(Model {
             config,

@@ -232,6 +232,64 @@ impl TensorStore {
     }
 }
 
+/// How far beyond a released range pages are dropped too, bytes: the kernel's fault-around maps up
+/// to `fault_around_bytes` of already-cached pages around each fault (64 KiB by default, aligned,
+/// never crossing a 2 MiB page-table boundary), so reading the start of a tensor maps the end of the
+/// one before it again. Dropping 2 MiB on either side undoes that whatever the setting.
+const FAULT_AROUND_MARGIN: usize = 2 << 20;
+
+/// The bytes [`TensorStore::read_released`] hands over at a time.
+const RELEASE_CHUNK: usize = 4 << 20;
+
+impl TensorStore {
+    /// Drops the mapped pages of tensor `name` from the resident set once its bytes were copied out
+    /// (see [`crate::sys::drop_mapped_pages`]): a later [`TensorStore::get`] still reads the same
+    /// bytes, faulting them back in from the page cache or the file. Pages within
+    /// [`FAULT_AROUND_MARGIN`] on either side go too (they come back the same way). An unknown name
+    /// is ignored.
+    pub fn release(&self, name: &str) {
+        if let Some((fi, info)) = self.tensors.get(name) {
+            let (a, b) = info.data_offsets;
+            self.release_span(*fi, a..b);
+        }
+    }
+
+    /// [`TensorStore::release`] of bytes `span` of file `fi`'s tensor data (offsets from the data
+    /// start), widened by [`FAULT_AROUND_MARGIN`] and clipped to the file.
+    fn release_span(&self, fi: usize, span: std::ops::Range<usize>) {
+        let (path, map, data_start) = &self.files[fi];
+        let start = (data_start + span.start).saturating_sub(FAULT_AROUND_MARGIN);
+        let end = (data_start + span.end).saturating_add(FAULT_AROUND_MARGIN).min(map.len());
+        crate::sys::drop_mapped_pages(path, map, start..end);
+    }
+
+    /// Hands the bytes of tensor `name` to `f` in pieces of [`RELEASE_CHUNK`] (4 MiB: a multiple of
+    /// every element size), dropping each piece's mapped pages after `f` copied it, so copying a
+    /// tensor out never holds more than a few MiB of it mapped beside the copy.
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`] as [`TensorStore::get`].
+    pub fn read_released(&self, name: &str, mut f: impl FnMut(&[u8])) -> Result<()> {
+        let t = self.get(name)?;
+        let fi = self.tensors[name].0;
+        for (i, piece) in t.bytes.chunks(RELEASE_CHUNK).enumerate() {
+            f(piece);
+            let a = self.tensors[name].1.data_offsets.0 + i * RELEASE_CHUNK;
+            self.release_span(fi, a..a + piece.len());
+        }
+        Ok(())
+    }
+
+    /// Drops every mapped page of every file from the resident set ([`TensorStore::release`] of
+    /// everything): after the dense part was copied out, the mapping costs no RSS until a tensor is
+    /// read again (the safetensors fallback reading an expert).
+    pub fn release_all(&self) {
+        for (path, map, _) in &self.files {
+            crate::sys::drop_mapped_pages(path, map, 0..map.len());
+        }
+    }
+}
+
 fn files_path(files: &[(PathBuf, Mmap, usize)], i: usize, dir: &Path, names: &[String]) -> PathBuf {
     files.get(i).map(|f| f.0.clone()).unwrap_or_else(|| dir.join(&names[i]))
 }

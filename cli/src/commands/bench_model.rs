@@ -237,7 +237,12 @@ pub fn cache(a: CacheArgs) -> anyhow::Result<()> {
     let (model, store) = match (&a.model, a.synthetic_gb) {
         (Some(m), _) => (m.clone(), a.store.clone()),
         (None, Some(gb)) => {
-            let (_, m, image) = super::demo::synthetic_model(&super::demo::workdir(a.workdir.as_deref())?, gb, false)?;
+            let (_, m, image) = super::demo::synthetic_model(
+                &super::demo::workdir(a.workdir.as_deref())?,
+                Default::default(),
+                gb,
+                false,
+            )?;
             let store = if a.store == StoreUri::Auto { StoreUri::File(image) } else { a.store.clone() };
             (m, store)
         }

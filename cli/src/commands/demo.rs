@@ -1,7 +1,8 @@
 //! `picchio demo`: the embedded default. Converts and packs the vendored real-tokenizer Qwen3-MoE
 //! fixture, runs its prompt with an expert cache smaller than the expert set (so experts really stream
 //! from the .picchioflat image), and checks the tokens against transformers' reference. With
-//! `--synthetic-gb N` it instead writes a random-weight model whose experts total N GB.
+//! `--synthetic-gb N [--arch qwen3-30b-a3b|gpt-oss-20b]` it instead writes a random-weight model with
+//! that model's real layer shapes whose experts total N GB ([`picchio_runtime::image::synthetic`]).
 
 use std::path::{Path, PathBuf};
 
@@ -10,7 +11,9 @@ use picchio_core::StoreUri;
 use picchio_runtime::expert::store::{IoOptions, DEFAULT_IMAGE};
 use picchio_runtime::image::convert::{convert, ConvertOptions};
 use picchio_runtime::image::pack::{pack, PackOptions};
-use picchio_runtime::image::synthetic::{write_synthetic, SyntheticSpec};
+use picchio_runtime::image::synthetic::{
+    is_written, write_synthetic, SyntheticArch, SyntheticSpec, WriteSyntheticOptions,
+};
 use picchio_runtime::model::tokenizer::Tokenizer;
 use picchio_runtime::quant::QuantKind;
 use picchio_runtime::run::{GenerateOptions, Session, SessionOptions};
@@ -21,10 +24,15 @@ const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/qw
 /// Options of `picchio demo`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Instead of the fixture, write (once, then reuse) a random-weight Qwen3-30B-A3B-shaped model
-    /// whose Q4 experts total about this many GB, and stream it.
+    /// Instead of the fixture, write (once, then reuse) a random-weight model with --arch's real layer
+    /// shapes and tokenizer, as many layers as make its Q4 experts about this many GB, and stream it.
     #[arg(long, value_name = "GB")]
     pub synthetic_gb: Option<f64>,
+    /// With --synthetic-gb: the real model whose geometry the random-weight model copies,
+    /// qwen3-30b-a3b (128 experts of 2,654,208 B per layer) or gpt-oss-20b (32 experts of 13,996,800
+    /// B per layer) [default: qwen3-30b-a3b].
+    #[arg(long, value_name = "ARCH")]
+    pub arch: Option<SyntheticArch>,
     /// Expert-cache capacity as a percentage of all experts [default: 25 for the fixture, 10 for
     /// --synthetic-gb].
     #[arg(long, value_name = "PCT", conflicts_with = "mem")]
@@ -136,6 +144,9 @@ fn check_args(a: &Args) -> anyhow::Result<()> {
     }
     if a.n == Some(0) {
         bail!("-n must be at least 1");
+    }
+    if a.arch.is_some() && a.synthetic_gb.is_none() {
+        bail!("--arch only applies to --synthetic-gb (the fixture is a tiny Qwen3-MoE)");
     }
     Ok(())
 }
@@ -258,7 +269,7 @@ fn open_session(opts: &SessionOptions, tokenizer: Option<Tokenizer>) -> anyhow::
 }
 
 fn synthetic(a: &Args, workdir: &Path, gb: f64) -> anyhow::Result<()> {
-    let (spec, model, image) = synthetic_model(workdir, gb, a.json)?;
+    let (spec, model, image) = synthetic_model(workdir, a.arch.unwrap_or_default(), gb, a.json)?;
     let n = a.n.unwrap_or(32);
     let total = spec.layers * spec.experts;
     // A fixed pseudo-random prompt of 16 ids.
@@ -275,17 +286,25 @@ fn synthetic(a: &Args, workdir: &Path, gb: f64) -> anyhow::Result<()> {
         ecap: Some(ecap),
         max_seq: prompt.len().saturating_add(n),
     };
-    let mut s = open_session(&opts, None)?;
+    let mut s = open_session(&opts, Tokenizer::from_dir(&model)?)?;
     s.model.set_prefill_chunk(a.engine.prefill_chunk(false)?)?;
     let g = s.generate(&prompt, &GenerateOptions { max_new: n, ..Default::default() })?;
-    let text = g.tokens.iter().map(u32::to_string).collect::<Vec<_>>().join(" ");
-    report(a, "prompt ids ->", &text, &g, total)
+    let ids = g.tokens.iter().map(u32::to_string).collect::<Vec<_>>().join(" ");
+    // With the model's tokenizer, also the text of the ids (random weights: not language).
+    let text = s.decode(&g.tokens).ok().flatten();
+    report(a, "prompt ids ->", text.as_deref().unwrap_or(&ids), &g, total)?;
+    if let (Some(t), false) = (&text, a.json) {
+        eprintln!("as text ({} tokenizer): {t:?}", spec.arch);
+    }
+    Ok(())
 }
 
 fn report(a: &Args, what: &str, text: &str, g: &picchio_runtime::run::Generation, total: usize) -> anyhow::Result<()> {
     let st = &g.stats;
     if a.json {
         println!("{}", serde_json::json!({"prompt_ids": g.prompt_ids, "tokens": g.tokens, "text": text, "stats": st}));
+    } else if a.synthetic_gb.is_some() {
+        println!("{what} {}", g.tokens.iter().map(u32::to_string).collect::<Vec<_>>().join(" "));
     } else {
         println!("{what} {text}");
     }
@@ -317,14 +336,19 @@ fn report(a: &Args, what: &str, text: &str, g: &picchio_runtime::run::Generation
     Ok(())
 }
 
-/// The random-weight model of `--synthetic-gb GB` under `workdir`: written and packed on first use
-/// (an incomplete earlier attempt is removed first), reused afterwards. Returns its spec, directory
-/// and image. Shared by `picchio demo` and `picchio bench cache|trace --synthetic-gb`.
+/// The random-weight `arch` model of `--synthetic-gb GB` under `workdir`, in
+/// `synthetic-<arch>-<L>l-seed0`: written and packed on first use, reused while its config.json's
+/// `picchio_synthetic` stamp (arch, layers, vocabulary, seed, writer version) matches and its image
+/// exists, rewritten otherwise (the writer builds it beside and renames it into place, so an
+/// interrupted write leaves no half directory). It gets the arch's vendored tokenizer when the
+/// checkout the binary was built from is here. Returns its spec, directory and image. Shared by
+/// `picchio demo` and `picchio bench cache|trace --synthetic-gb`.
 ///
 /// # Errors
 /// `gb` outside (0, 4096], or the write/pack errors, naming the path.
 pub(super) fn synthetic_model(
     workdir: &Path,
+    arch: SyntheticArch,
     gb: f64,
     quiet_progress: bool,
 ) -> anyhow::Result<(SyntheticSpec, PathBuf, PathBuf)> {
@@ -333,32 +357,41 @@ pub(super) fn synthetic_model(
     }
     std::fs::create_dir_all(workdir).with_context(|| format!("creating {}", workdir.display()))?;
     let workdir = workdir.canonicalize().with_context(|| format!("resolving {}", workdir.display()))?;
-    let spec = SyntheticSpec::with_expert_gb(gb, 0);
-    let model = workdir.join(format!("synthetic-{}l-seed{}", spec.layers, spec.seed));
+    let spec = SyntheticSpec::with_expert_gb(arch, gb, 0);
+    let model = workdir.join(spec.dir_name());
     let image = model.join(DEFAULT_IMAGE);
-    if image.exists() {
+    if is_written(&model, &spec) {
         eprintln!(
-            "reusing {} ({} layers, {:.2} GB of experts)",
+            "reusing {} ({arch}, {} layers, {:.2} GB of experts)",
             model.display(),
             spec.layers,
             spec.expert_bytes() as f64 / 1e9
         );
     } else {
-        if model.exists() {
-            std::fs::remove_dir_all(&model).with_context(|| format!("removing incomplete {}", model.display()))?;
-        }
         eprintln!(
-            "writing a random-weight model: {} layers × {} experts × {} B = {:.2} GB of Q4 experts -> {}",
+            "writing a random-weight {arch} model: {} layers × {} experts × {} B = {:.2} GB of Q4 experts \
+             (about {:.1} GB on disk with the resident tensors and the image) -> {}",
             spec.layers,
             spec.experts,
             spec.expert_layout().len(),
             spec.expert_bytes() as f64 / 1e9,
+            spec.disk_bytes() as f64 / 1e9,
             model.display()
         );
-        let bar = picchio_runtime::progress::bar(spec.layers as u64 + 1, "writing shards", quiet_progress);
-        write_synthetic(&model, &spec, &mut |done, _| bar.set_position(done as u64))?;
-        bar.finish_and_clear();
-        pack(&model, &image, &PackOptions::default())?;
+        write_synthetic(&model, &spec, &synthetic_options(arch, !quiet_progress))?;
     }
     Ok((spec, model, image))
+}
+
+/// The writer options of a synthetic `arch` model: its vendored tokenizer when the checkout is here
+/// (else a warning: prompts must then be ids).
+pub(super) fn synthetic_options(arch: SyntheticArch, progress: bool) -> WriteSyntheticOptions {
+    let tokenizer = arch.vendored_tokenizer();
+    if tokenizer.is_none() {
+        eprintln!(
+            "warning: the {arch} tokenizer of the checkout this binary was built from is not here; the model \
+             gets no tokenizer.json (prompts must be ids)"
+        );
+    }
+    WriteSyntheticOptions { tokenizer, progress }
 }

@@ -1,9 +1,13 @@
-//! `picchio synth`.
+//! `picchio synth`: a real-geometry image of pseudo-random payloads (`--out`), or with `--model-out`
+//! a complete random-weight model directory (the writer `picchio demo --synthetic-gb` uses).
+
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use picchio_core::StoreUri;
 use picchio_runtime::expert::open::write_target;
 use picchio_runtime::image::synth::{synth, synth_to, Geometry, SynthOptions};
+use picchio_runtime::image::synthetic::{write_synthetic, SyntheticArch, SyntheticSpec};
 use picchio_runtime::image::write::{WriteOptions, WriteTo};
 
 /// Options of `picchio synth`.
@@ -11,7 +15,8 @@ use picchio_runtime::image::write::{WriteOptions, WriteTo};
 pub struct Args {
     /// Expert geometry: qwen3-30b-a3b (48 × 128 experts of 2,654,208 B), gpt-oss-20b (24 × 32 of
     /// 13,996,800 B), gpt-oss-120b (36 × 128 of 13,996,800 B), or custom (--hidden,
-    /// --moe-intermediate, --experts, --model-layers, [--topk], [--expert-bytes]).
+    /// --moe-intermediate, --experts, --model-layers, [--topk], [--expert-bytes]). With --model-out:
+    /// qwen3-30b-a3b or gpt-oss-20b.
     #[arg(long, value_name = "ARCH")]
     pub arch: String,
     /// Where to write the image. A path (or file:PATH; a name containing ':' must be written
@@ -21,9 +26,23 @@ pub struct Args {
     /// partition table or file-system signature, unless --force; never the device behind /), then
     /// reads it back and checks it. nvme:BDF[/NSID] writes the namespace through the user-space
     /// driver exactly as `picchio pack --out nvme:` does (the controller bound to vfio-pci first).
-    #[arg(long, value_name = "PATH|raw:/dev/X[@BYTES]|nvme:BDF[/NSID]")]
-    pub out: String,
+    #[arg(
+        long,
+        value_name = "PATH|raw:/dev/X[@BYTES]|nvme:BDF[/NSID]",
+        required_unless_present = "model_out",
+        conflicts_with = "model_out"
+    )]
+    pub out: Option<String>,
+    /// Instead of an image: write a complete random-weight model directory with --arch's real
+    /// geometry (qwen3-30b-a3b or gpt-oss-20b): config.json, the vendored tokenizer, resident tensors
+    /// (I8 embeddings and lm_head with row scales, F32 attention, norms and router), Q4 expert shards
+    /// and DIR/experts.picchioflat, initialised so a deep random stack routes and decodes like a real
+    /// one (shared/notes/synthetic-models.md). Written beside DIR and renamed into place after a
+    /// free-space check; an existing DIR is replaced only if it is an earlier synthetic model.
+    #[arg(long, value_name = "DIR")]
+    pub model_out: Option<PathBuf>,
     /// Write only the first N layers' entries (the superblock still records the model's layers).
+    /// With --model-out: the model's decoder layers [default: the real model's, 48 or 24].
     #[arg(long, value_name = "N")]
     pub layers: Option<u32>,
     /// Seed of the pseudo-random payload bytes (same seed and geometry: same image).
@@ -91,8 +110,11 @@ fn geometry(a: &Args) -> anyhow::Result<Geometry> {
 }
 
 pub fn exec(a: Args) -> anyhow::Result<()> {
+    if let Some(dir) = &a.model_out {
+        return synth_model(&a, dir);
+    }
     let opts = SynthOptions { geometry: geometry(&a)?, layers: a.layers, seed: a.seed, progress: !a.no_progress };
-    let out = match write_target(&a.out)? {
+    let out = match write_target(a.out.as_deref().expect("clap requires --out or --model-out"))? {
         StoreUri::File(path) => path,
         StoreUri::Raw { device, offset } => {
             picchio_runtime::interrupt::install().context("installing the SIGINT/SIGTERM handlers")?;
@@ -127,5 +149,47 @@ fn synth_device(a: &Args, uri: &StoreUri, opts: &SynthOptions) -> anyhow::Result
     let wopts = WriteOptions { force: a.force, io_threads: a.io_threads, ..WriteOptions::default() };
     let report = synth_to(WriteTo::Uri(uri), opts, &wopts, &mut |plan| eprintln!("{plan}"))?;
     println!("{report}");
+    Ok(())
+}
+
+/// `--model-out DIR`: the random-weight model directory of `--arch`.
+fn synth_model(a: &Args, dir: &Path) -> anyhow::Result<()> {
+    let arch: SyntheticArch = a.arch.parse().with_context(|| format!("--arch {} with --model-out", a.arch))?;
+    geometry(a)?; // refuses the custom-geometry flags
+    if a.force {
+        bail!("--force only applies to --out raw:/dev/X or nvme:BDF (--model-out replaces only an earlier synthetic model)");
+    }
+    let layers = match a.layers {
+        Some(0) => bail!("--layers must be at least 1"),
+        Some(n) => n as usize,
+        None => arch.real_layers(),
+    };
+    let spec = SyntheticSpec::real(arch, layers, a.seed);
+    eprintln!(
+        "writing a random-weight {arch} model: {layers} layers × {} experts × {} B = {:.2} GB of Q4 experts \
+         (about {:.1} GB on disk with the resident tensors and the image) -> {}",
+        spec.experts,
+        spec.expert_layout().len(),
+        spec.expert_bytes() as f64 / 1e9,
+        spec.disk_bytes() as f64 / 1e9,
+        dir.display()
+    );
+    // SIGINT/SIGTERM stop the write between shards; the temporary directory is removed on the way out.
+    picchio_runtime::interrupt::install().context("installing the SIGINT/SIGTERM handlers")?;
+    let opts = super::demo::synthetic_options(arch, !a.no_progress);
+    let tokenizer = opts.tokenizer.clone();
+    write_synthetic(dir, &spec, &opts)?;
+    println!(
+        "{}: random-weight {arch} model (seed {}), {layers} layers, {} experts of {} B ({:.2} GB of Q4 experts), \
+         {:.2} GB resident, tokenizer {}; image {}",
+        dir.display(),
+        spec.seed,
+        spec.experts,
+        spec.expert_layout().len(),
+        spec.expert_bytes() as f64 / 1e9,
+        spec.dense_bytes() as f64 / 1e9,
+        tokenizer.map_or_else(|| "none".to_string(), |t| format!("from {}", t.display())),
+        dir.join(picchio_runtime::expert::store::DEFAULT_IMAGE).display()
+    );
     Ok(())
 }

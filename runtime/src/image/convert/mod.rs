@@ -200,7 +200,7 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions) -> Result<ConvertR
     let shards = shard::assign(&plan.units, &store, &layout, opts.max_shard_bytes.max(1))?;
 
     crate::image::write::require_parent_dir(dst)?;
-    let tmp = TempDir::create(dst)?;
+    let tmp = TempDir::create(dst, "convert")?;
     let n_tensors: usize = shards.iter().map(|s| s.tensors.len()).sum();
     let bar = progress::bar(n_tensors as u64, "convert", !opts.progress);
     let write_all = || -> Result<usize> {
@@ -372,10 +372,10 @@ fn check_paths(src: &Path, dst: &Path, overwrite: bool) -> Result<()> {
     Ok(())
 }
 
-/// The output being built: `.<name>.picchio-convert-<pid>` beside the destination, removed on drop
-/// unless persisted.
-struct TempDir {
-    path: PathBuf,
+/// The output being built: `.<name>.picchio-<tag>-<pid>` beside the destination (tag `convert`, or
+/// `synthetic` for [`crate::image::synthetic`]), removed on drop unless persisted.
+pub(crate) struct TempDir {
+    pub(crate) path: PathBuf,
     done: bool,
 }
 
@@ -385,8 +385,8 @@ impl TempDir {
         dst.with_file_name(format!(".{name}.picchio-{tag}-{}", std::process::id()))
     }
 
-    fn create(dst: &Path) -> Result<Self> {
-        let path = Self::sibling(dst, "convert");
+    pub(crate) fn create(dst: &Path, tag: &str) -> Result<Self> {
+        let path = Self::sibling(dst, tag);
         if path.exists() {
             std::fs::remove_dir_all(&path).map_err(Error::io(&path, "remove stale temporary directory"))?;
         }
@@ -396,7 +396,7 @@ impl TempDir {
 
     /// Renames the finished directory to `dst`, replacing an existing `dst` only once the new one is
     /// complete.
-    fn persist(mut self, dst: &Path) -> Result<()> {
+    pub(crate) fn persist(mut self, dst: &Path) -> Result<()> {
         if std::fs::symlink_metadata(dst).is_ok() {
             let old = Self::sibling(dst, "old");
             std::fs::rename(dst, &old).map_err(Error::io(dst, "move the existing destination aside"))?;

@@ -11,12 +11,13 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use picchio_runtime::image::synthetic::{write_synthetic, SyntheticSpec};
+use picchio_runtime::image::synthetic::{write_synthetic, SyntheticArch, SyntheticSpec, WriteSyntheticOptions};
 
 /// A Qwen3-MoE-shaped random model: 3 layers × 64 experts of 884,736 B (170 MB of experts), hidden
-/// 1024, and a vocabulary of 32,768 (embeddings and lm_head 67 MB each, bf16).
+/// 1024, and a vocabulary of 32,768 (embeddings and lm_head 34 MB each, I8 with row scales).
 fn spec() -> SyntheticSpec {
     SyntheticSpec {
+        arch: SyntheticArch::Qwen3_30bA3b,
         layers: 3,
         hidden: 1024,
         heads: 8,
@@ -32,7 +33,7 @@ fn spec() -> SyntheticSpec {
 
 fn model(dir: &Path) -> PathBuf {
     let m = dir.join("model");
-    write_synthetic(&m, &spec(), &mut |_, _| {}).unwrap();
+    write_synthetic(&m, &spec(), &WriteSyntheticOptions { tokenizer: None, progress: false }).unwrap();
     m
 }
 

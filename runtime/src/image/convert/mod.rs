@@ -25,7 +25,7 @@ mod gpt_oss;
 pub mod mxfp4;
 mod plan;
 mod quantize;
-mod shard;
+pub(crate) mod shard;
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -200,7 +200,7 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions) -> Result<ConvertR
     let shards = shard::assign(&plan.units, &store, &layout, opts.max_shard_bytes.max(1))?;
 
     crate::image::write::require_parent_dir(dst)?;
-    let tmp = TempDir::create(dst)?;
+    let tmp = TempDir::create(dst, "convert")?;
     let n_tensors: usize = shards.iter().map(|s| s.tensors.len()).sum();
     let bar = progress::bar(n_tensors as u64, "convert", !opts.progress);
     let write_all = || -> Result<usize> {
@@ -303,7 +303,7 @@ fn write_shard(
     file.sync_all().map_err(Error::io(path, "sync"))
 }
 
-fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
+pub(crate) fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
     let mut f = File::create(path).map_err(Error::io(path, "create"))?;
     f.write_all(bytes).map_err(Error::io(path, "write"))?;
     f.sync_all().map_err(Error::io(path, "sync"))
@@ -333,7 +333,7 @@ fn resolve(p: &Path) -> Result<PathBuf> {
 
 /// Refuses a destination that is the source, inside it, or contains it, and an existing one unless
 /// `overwrite`.
-fn check_paths(src: &Path, dst: &Path, overwrite: bool) -> Result<()> {
+pub(crate) fn check_paths(src: &Path, dst: &Path, overwrite: bool) -> Result<()> {
     let meta = std::fs::metadata(src).map_err(Error::io(src, "open model directory"))?;
     if !meta.is_dir() {
         return Err(Error::Invalid(format!("{}: not a directory (convert reads a model directory)", src.display())));
@@ -372,10 +372,10 @@ fn check_paths(src: &Path, dst: &Path, overwrite: bool) -> Result<()> {
     Ok(())
 }
 
-/// The output being built: `.<name>.picchio-convert-<pid>` beside the destination, removed on drop
-/// unless persisted.
-struct TempDir {
-    path: PathBuf,
+/// The output being built: `.<name>.picchio-<tag>-<pid>` beside the destination (tag `convert` or
+/// `transcode`), removed on drop unless persisted.
+pub(crate) struct TempDir {
+    pub(crate) path: PathBuf,
     done: bool,
 }
 
@@ -385,8 +385,8 @@ impl TempDir {
         dst.with_file_name(format!(".{name}.picchio-{tag}-{}", std::process::id()))
     }
 
-    fn create(dst: &Path) -> Result<Self> {
-        let path = Self::sibling(dst, "convert");
+    pub(crate) fn create(dst: &Path, tag: &str) -> Result<Self> {
+        let path = Self::sibling(dst, tag);
         if path.exists() {
             std::fs::remove_dir_all(&path).map_err(Error::io(&path, "remove stale temporary directory"))?;
         }
@@ -396,7 +396,7 @@ impl TempDir {
 
     /// Renames the finished directory to `dst`, replacing an existing `dst` only once the new one is
     /// complete.
-    fn persist(mut self, dst: &Path) -> Result<()> {
+    pub(crate) fn persist(mut self, dst: &Path) -> Result<()> {
         if std::fs::symlink_metadata(dst).is_ok() {
             let old = Self::sibling(dst, "old");
             std::fs::rename(dst, &old).map_err(Error::io(dst, "move the existing destination aside"))?;

@@ -184,7 +184,7 @@ fn shape(m: Matrix, h: usize, i: usize) -> (usize, usize) {
     }
 }
 
-/// The source tensor names (packed, scales) and the output tensors of one expert matrix.
+/// The tensor names (packed, scales) of one expert matrix in `layout`'s spelling.
 fn names(layout: &ExpertLayout, layer: usize, expert: usize, m: Matrix) -> (String, String) {
     let n = layout.names(layer, expert);
     match m {

@@ -241,6 +241,19 @@ pub enum Error {
         /// Why it is refused, and the forms accepted there.
         reason: String,
     },
+    /// `picchio transcode` between two expert quantizations it does not convert between (the same
+    /// one, Q3 → Q4, or to `none`); nothing was written.
+    #[error("{}: its routed experts are {from}: refusing to transcode them to {to}: {why}", dir.display())]
+    TranscodeRefused {
+        /// The converted directory.
+        dir: PathBuf,
+        /// Its expert quantization.
+        from: crate::quant::QuantKind,
+        /// The one asked for.
+        to: crate::quant::QuantKind,
+        /// Why, and what to do instead.
+        why: &'static str,
+    },
     /// A user request cannot be satisfied (bad flag combination, empty prompt, ...).
     #[error("{0}")]
     Invalid(String),
@@ -254,7 +267,7 @@ pub enum Error {
         done: usize,
         /// Units asked for.
         wanted: usize,
-        /// What was counted: `tokens` (run), `payloads` (synth, pack), `tensors` (convert).
+        /// What was counted: `tokens` (run), `payloads` (synth, pack), `tensors` (convert, transcode).
         unit: &'static str,
     },
 }

@@ -61,3 +61,68 @@ pub fn copy_dir(src: &Path, dst: &Path) {
 pub fn scratch() -> tempfile::TempDir {
     picchio_testkit::scratch::dir_in(Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/test-scratch"))
 }
+
+/// A model directory holding a packed `experts.picchioflat`, with the prompt and the greedy tokens
+/// every tier must give for it: what the tier tests (raw devices, the NVMe controller model) run
+/// over, so each runs every architecture.
+pub struct TierModel {
+    /// Short name for messages: `picchio_c` or `gpt_oss`.
+    pub name: &'static str,
+    /// The model directory.
+    pub dir: PathBuf,
+    /// Prompt ids.
+    pub prompt: Vec<u32>,
+    /// The expected greedy tokens after `prompt`.
+    pub tokens: Vec<u32>,
+    /// Index entries of the image (layers × experts).
+    pub entries: usize,
+    /// Keeps a converted model's scratch directory alive.
+    _scratch: Option<tempfile::TempDir>,
+}
+
+impl TierModel {
+    /// The packed image in the model directory.
+    pub fn image(&self) -> PathBuf {
+        self.dir.join("experts.picchioflat")
+    }
+
+    /// Picchio (C)'s directory and image as Picchio (C) wrote them, with the tokens it printed.
+    pub fn picchio_c() -> Self {
+        TierModel {
+            name: "picchio_c",
+            dir: fixture("picchio_c/qwen3_moe"),
+            prompt: ids(&reference_json(&fixture("qwen3_moe"), "reference.json"), "prompt_ids"),
+            tokens: PICCHIO_C_TOKENS.to_vec(),
+            entries: 48,
+            _scratch: None,
+        }
+    }
+
+    /// GPT-OSS: `gpt_oss_mxfp4` converted to Q4 and packed in a scratch directory, with
+    /// transformers' Q4 tokens (`reference_q4.json`, which every file tier gives:
+    /// `gpt_oss_tiers.rs`).
+    pub fn gpt_oss() -> Self {
+        use picchio_runtime::image::convert::{convert, ConvertOptions};
+        use picchio_runtime::image::pack::{pack, PackOptions};
+        let tmp = scratch();
+        let dir = tmp.path().join("gpt_oss_mxfp4-q4");
+        convert(&fixture("gpt_oss_mxfp4"), &dir, &ConvertOptions { progress: false, ..Default::default() })
+            .expect("convert gpt_oss_mxfp4");
+        pack(&dir, &dir.join("experts.picchioflat"), &PackOptions { progress: false, ..Default::default() })
+            .expect("pack gpt_oss_mxfp4-q4");
+        let reference = reference_json(&fixture("gpt_oss_mxfp4"), "reference_q4.json");
+        TierModel {
+            name: "gpt_oss",
+            dir,
+            prompt: ids(&reference, "prompt_ids"),
+            tokens: ids(&reference, "greedy_ids"),
+            entries: 4 * 8,
+            _scratch: Some(tmp),
+        }
+    }
+
+    /// Every tier model: Picchio (C)'s Qwen3-MoE and GPT-OSS.
+    pub fn all() -> Vec<Self> {
+        vec![Self::picchio_c(), Self::gpt_oss()]
+    }
+}

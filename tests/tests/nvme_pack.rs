@@ -1,7 +1,8 @@
 //! `picchio pack --out nvme:` through our driver against the controller model (VFIO data path):
 //! NVM Writes + Flush then read-back of every hash, the same refusals as `--out raw:` (file-system
 //! and partition-table signatures in the namespace's first blocks, an image too large), `--force`,
-//! and the runtime reading the packed namespace back to Picchio (C)'s tokens.
+//! and the runtime reading the packed namespace back to each tier model's tokens (Picchio (C)'s
+//! Qwen3-MoE, GPT-OSS).
 #![cfg(target_os = "linux")]
 
 use std::path::Path;
@@ -30,34 +31,35 @@ fn opts(force: bool) -> WriteOptions {
     WriteOptions { force, io_threads: 1, ..WriteOptions::default() }
 }
 
-/// `pack --out nvme:` of the fixture onto the namespace `q` drives.
+/// `pack --out nvme:` of the model directory `model` onto the namespace `q` drives.
 fn pack_nvme_queue(
+    model: &Path,
     q: &mut NvmeQueue,
     force: bool,
     announce: &mut dyn FnMut(&picchio_runtime::image::write::Plan<'_>),
 ) -> picchio_runtime::Result<PackReport> {
     let to = WriteTo::NvmeQueue { queue: q, name: "nvme:sim/1" };
-    picchio_runtime::image::pack::pack_to(&model(), to, &POPTS, &opts(force), announce)
+    picchio_runtime::image::pack::pack_to(model, to, &POPTS, &opts(force), announce)
 }
 
-fn model() -> std::path::PathBuf {
-    fixture("picchio_c/qwen3_moe")
-}
-
-/// Packs onto `ns` through a fresh sim queue; returns the plan printed and the result.
-fn pack_to(ns: &Path, lba: u32, force: bool) -> (String, picchio_runtime::Result<PackReport>) {
+/// Packs `m`'s directory onto `ns` through a fresh sim queue; returns the plan printed and the result.
+fn pack_model(m: &TierModel, ns: &Path, lba: u32, force: bool) -> (String, picchio_runtime::Result<PackReport>) {
     let (mut q, sim) = queue(ns, lba);
     let mut plan = String::new();
-    let r = pack_nvme_queue(&mut q, force, &mut |i| plan = i.to_string());
+    let r = pack_nvme_queue(&m.dir, &mut q, force, &mut |i| plan = i.to_string());
     drop(q);
     assert_eq!(sim.stats().dma_faults, 0);
     (plan, r)
 }
 
-/// Runs the model with experts from the namespace file `ns` (through the driver, zero-copy slots).
-fn run_from(ns: &Path, lba: u32) -> Vec<u32> {
-    let prompt = ids(&reference_json(&fixture("qwen3_moe"), "reference.json"), "prompt_ids");
-    let m = Model::load(&model(), prompt.len() + 16).unwrap();
+/// Packs Picchio (C)'s fixture onto `ns` (see [`pack_model`]).
+fn pack_to(ns: &Path, lba: u32, force: bool) -> (String, picchio_runtime::Result<PackReport>) {
+    pack_model(&TierModel::picchio_c(), ns, lba, force)
+}
+
+/// Runs `tm` with experts from the namespace file `ns` (through the driver, zero-copy slots).
+fn run_model(tm: &TierModel, ns: &Path, lba: u32) -> Vec<u32> {
+    let m = Model::load(&tm.dir, tm.prompt.len() + tm.tokens.len()).unwrap();
     let (cfg, layout) = (m.config().clone(), m.layout().clone());
     let (q, sim) = queue(ns, lba);
     let flat = open_nvme_flat("nvme:sim/1".into(), q, &cfg, &layout, IoOptions::default()).unwrap();
@@ -65,39 +67,50 @@ fn run_from(ns: &Path, lba: u32) -> Vec<u32> {
     let mut cache = ExpertCache::new(4, layout.len()).unwrap();
     assert!(cache.use_slots_from(&mut *loader).is_some());
     let mut s = Session { model: m, cache, loader, info, io_stats, tokenizer: None };
-    let g = s.generate(&prompt, &GenerateOptions { max_new: 16, ..Default::default() }).unwrap();
+    let g = s.generate(&tm.prompt, &GenerateOptions { max_new: tm.tokens.len(), ..Default::default() }).unwrap();
     assert_eq!((g.stats.fallbacks, g.stats.bounce_bytes), (0, 0));
     drop(s);
     drop(sim);
     g.tokens
 }
 
+/// Runs Picchio (C)'s fixture from `ns` (see [`run_model`]).
+fn run_from(ns: &Path, lba: u32) -> Vec<u32> {
+    run_model(&TierModel::picchio_c(), ns, lba)
+}
+
 #[test]
-fn pack_writes_flushes_and_reads_back_then_the_runtime_gives_picchio_c_tokens() {
-    let image = std::fs::read(model().join("experts.picchioflat")).unwrap();
-    for lba in [512u32, 4096] {
-        let tmp = scratch();
-        let ns = tmp.path().join("ns1");
-        let mut junk = vec![0xA5u8; 4 << 20]; // old contents with no known signature
-        junk[..8].copy_from_slice(b"NOTFSYET");
-        std::fs::write(&ns, &junk).unwrap();
-        let (plan, r) = pack_to(&ns, lba, false);
-        let report = r.unwrap();
-        assert!(plan.contains("nvme:sim/1: namespace 1") && plan.contains("found: nothing"), "{plan}");
-        assert!(plan.contains(&format!("writes {} bytes", image.len())), "{plan}");
-        let text = report.to_string();
-        assert!(text.contains(&format!("{} B LBAs", lba)) && text.contains("payload hashes OK"), "{text}");
-        let (commands, verify) = (report.nvme_commands().unwrap(), report.verify().unwrap());
-        assert!(commands.0 > 0 && commands.1 >= 3, "writes and flushes: {:?}", commands);
-        assert!(verify.is_clean() && verify.entries == 48);
-        let disk = std::fs::read(&ns).unwrap();
-        assert!(disk[..image.len()] == image[..], "lba {lba}: the namespace holds Picchio (C)'s image byte for byte");
-        assert!(disk[image.len()..] == junk[image.len()..], "nothing written past the image");
-        assert_eq!(run_from(&ns, lba), PICCHIO_C_TOKENS, "lba {lba}");
-        // Re-packing over our own image is not refused (an earlier image is only noted).
-        let (plan, r) = pack_to(&ns, lba, false);
-        r.unwrap();
-        assert!(plan.contains(".picchioflat image") && plan.contains("not a reason to refuse"), "{plan}");
+fn pack_writes_flushes_and_reads_back_then_the_runtime_gives_each_models_tokens() {
+    for m in TierModel::all() {
+        let image = std::fs::read(m.image()).unwrap();
+        for lba in [512u32, 4096] {
+            let what = format!("{} lba {lba}", m.name);
+            let tmp = scratch();
+            let ns = tmp.path().join("ns1");
+            let mut junk = vec![0xA5u8; 4 << 20]; // old contents with no known signature
+            junk[..8].copy_from_slice(b"NOTFSYET");
+            std::fs::write(&ns, &junk).unwrap();
+            let (plan, r) = pack_model(&m, &ns, lba, false);
+            let report = r.unwrap();
+            assert!(plan.contains("nvme:sim/1: namespace 1") && plan.contains("found: nothing"), "{what}: {plan}");
+            assert!(plan.contains(&format!("writes {} bytes", image.len())), "{what}: {plan}");
+            let text = report.to_string();
+            assert!(text.contains(&format!("{} B LBAs", lba)) && text.contains("payload hashes OK"), "{text}");
+            let (commands, verify) = (report.nvme_commands().unwrap(), report.verify().unwrap());
+            assert!(commands.0 > 0 && commands.1 >= 3, "writes and flushes: {:?}", commands);
+            assert!(verify.is_clean() && verify.entries == m.entries, "{what}");
+            let disk = std::fs::read(&ns).unwrap();
+            assert!(
+                disk[..image.len()] == image[..],
+                "{what}: the namespace holds the file tier's image byte for byte"
+            );
+            assert!(disk[image.len()..] == junk[image.len()..], "nothing written past the image");
+            assert_eq!(run_model(&m, &ns, lba), m.tokens, "{what}");
+            // Re-packing over our own image is not refused (an earlier image is only noted).
+            let (plan, r) = pack_model(&m, &ns, lba, false);
+            r.unwrap();
+            assert!(plan.contains(".picchioflat image") && plan.contains("not a reason to refuse"), "{plan}");
+        }
     }
 }
 
@@ -161,7 +174,7 @@ fn a_read_only_namespace_fails_the_pack_with_the_write_status() {
     std::fs::write(&ns, vec![0u8; 1 << 20]).unwrap();
     let opts_q = NvmeQueueOptions { qd: 4, timeout: Duration::from_secs(60), ..Default::default() };
     let (mut q, _sim) = NvmeQueue::open_sim_with(SimConfig::single(&ns, 512), &opts_q, HeapDma::new(), true).unwrap();
-    let e = pack_nvme_queue(&mut q, false, &mut |_| {}).unwrap_err();
+    let e = pack_nvme_queue(&TierModel::picchio_c().dir, &mut q, false, &mut |_| {}).unwrap_err();
     let e = picchio_core::error::chain(&e).to_string();
     assert!(e.contains("nvme:sim/1") && e.contains("NVMe write of namespace 1"), "{e}");
 }

@@ -1,6 +1,6 @@
-//! Tier S4 end to end on real block devices: the Picchio (C) fixture packed onto loop devices with
-//! 512- and 4096-byte logical blocks, at byte 0 and at an LBA offset, gives Picchio (C)'s tokens
-//! through `Session` with the psync engine (O_DIRECT); `pack --out raw:` refuses devices that carry
+//! Tier S4 end to end on real block devices: each tier model (Picchio (C)'s Qwen3-MoE fixture,
+//! GPT-OSS) packed onto loop devices with 512- and 4096-byte logical blocks, at byte 0 and at an LBA
+//! offset, gives its tokens through `Session` with the psync engine (O_DIRECT); `pack --out raw:` refuses devices that carry
 //! data or are mounted, and `--force` overrides the signature case; a device shorter than the image
 //! and kernel read errors fall back per expert without changing a token.
 //!
@@ -45,51 +45,60 @@ fn ropts(force: bool) -> WriteOptions {
     WriteOptions { force, io_threads: 2, ..WriteOptions::default() }
 }
 
-/// `pack --out raw:` of the fixture, returning the plan it announced as well.
-fn pack_to(dev: &Path, offset: u64, force: bool) -> (picchio_runtime::Result<PackReport>, String) {
+/// `pack --out raw:` of the model directory `dir`, returning the plan it announced as well.
+fn pack_dir(dir: &Path, dev: &Path, offset: u64, force: bool) -> (picchio_runtime::Result<PackReport>, String) {
     let mut plan = String::new();
     let popts = PackOptions { progress: false, ..Default::default() };
     let to = WriteTo::Uri(&raw(dev, offset));
-    let r = picchio_runtime::image::pack::pack_to(&model(), to, &popts, &ropts(force), &mut |i| plan = i.to_string());
+    let r = picchio_runtime::image::pack::pack_to(dir, to, &popts, &ropts(force), &mut |i| plan = i.to_string());
     (r, plan)
+}
+
+/// `pack --out raw:` of Picchio (C)'s fixture (see [`pack_dir`]).
+fn pack_to(dev: &Path, offset: u64, force: bool) -> (picchio_runtime::Result<PackReport>, String) {
+    pack_dir(&model(), dev, offset, force)
 }
 
 #[test]
 #[ignore = "needs root: losetup (CI runs ignored tests as root)"]
-fn raw_devices_with_512_and_4096_byte_lbas_give_picchio_c_tokens() {
-    let test = "raw_devices_with_512_and_4096_byte_lbas_give_picchio_c_tokens";
+fn raw_devices_with_512_and_4096_byte_lbas_give_each_models_tokens() {
+    let test = "raw_devices_with_512_and_4096_byte_lbas_give_each_models_tokens";
     let tmp = scratch();
-    let prompt = c_prompt();
     let mut runs = 0;
-    for (lbs, offset) in [(512u32, 0u64), (4096, 0), (512, 1_048_576), (4096, 1_048_576)] {
-        let file = sparse_file(&tmp.path().join(format!("d{lbs}-{offset}.img")), 4 * MIB);
-        let opts = LoopOptions { sector_size: lbs, ..Default::default() };
-        let lo = LoopDevice::attach_for_test(test, &file, opts);
-        let (report, plan) = pack_to(&lo.dev, offset, false);
-        let report = report.unwrap_or_else(|e| panic!("{lbs}@{offset}: {e}"));
-        eprintln!("{plan}\n{report}");
-        assert!(plan.contains(&format!("writes {IMAGE_LEN} bytes")) && plan.contains("found: nothing"), "{plan}");
-        let verify = report.verify().expect("a raw write is read back");
-        assert_eq!(report.bytes, IMAGE_LEN);
-        assert_eq!(report.raw_inspection().unwrap().target().start().0, offset / u64::from(lbs));
-        assert!(verify.is_clean() && verify.entries == 48, "{}", verify);
-        let uri = raw(&lo.dev, offset);
-        for ecap in [1, 48] {
-            let (g, s) = greedy(&model(), uri.clone(), psync_direct(), Some(ecap), &prompt, N).unwrap();
-            assert_eq!(g.tokens, PICCHIO_C_TOKENS, "raw({lbs})@{offset} ecap {ecap}");
-            assert_eq!((g.stats.fallbacks, g.stats.store_errors), (0, 0), "{:?}", g.stats);
-            assert_eq!(g.stats.reads, g.stats.cache_misses);
-            assert_eq!(s.info.store, uri.to_string());
-            assert!(s.info.engine.starts_with("psync(direct"), "{}", s.info.engine);
-            runs += 1;
+    for m in TierModel::all() {
+        let image_len = std::fs::metadata(m.image()).unwrap().len();
+        let n = m.tokens.len();
+        for (lbs, offset) in [(512u32, 0u64), (4096, 0), (512, 1_048_576), (4096, 1_048_576)] {
+            let what = format!("{} raw({lbs})@{offset}", m.name);
+            let file = sparse_file(&tmp.path().join(format!("{}-d{lbs}-{offset}.img", m.name)), 4 * MIB);
+            let opts = LoopOptions { sector_size: lbs, ..Default::default() };
+            let lo = LoopDevice::attach_for_test(test, &file, opts);
+            let (report, plan) = pack_dir(&m.dir, &lo.dev, offset, false);
+            let report = report.unwrap_or_else(|e| panic!("{what}: {e}"));
+            eprintln!("{plan}\n{report}");
+            assert!(plan.contains(&format!("writes {image_len} bytes")) && plan.contains("found: nothing"), "{plan}");
+            let verify = report.verify().expect("a raw write is read back");
+            assert_eq!(report.bytes, image_len, "{what}");
+            assert_eq!(report.raw_inspection().unwrap().target().start().0, offset / u64::from(lbs));
+            assert!(verify.is_clean() && verify.entries == m.entries, "{what}: {verify}");
+            let uri = raw(&lo.dev, offset);
+            for ecap in [1, m.entries] {
+                let (g, s) = greedy(&m.dir, uri.clone(), psync_direct(), Some(ecap), &m.prompt, n).unwrap();
+                assert_eq!(g.tokens, m.tokens, "{what} ecap {ecap}");
+                assert_eq!((g.stats.fallbacks, g.stats.store_errors), (0, 0), "{:?}", g.stats);
+                assert_eq!(g.stats.reads, g.stats.cache_misses);
+                assert_eq!(s.info.store, uri.to_string());
+                assert!(s.info.engine.starts_with("psync(direct"), "{}", s.info.engine);
+                runs += 1;
+            }
+            // verify raw: reads the same image, compared with the model.
+            let vopts = VerifyOptions { progress: false, ..Default::default() };
+            let v = verify_raw(&lo.dev, offset, Some(&m.dir), &vopts).unwrap();
+            assert!(v.is_clean() && v.compared_with_model && v.entries == m.entries, "{what}: {v}");
+            assert_eq!(v.store, uri.to_string());
         }
-        // verify raw: reads the same image, compared with the model.
-        let v = verify_raw(&lo.dev, offset, Some(&model()), &VerifyOptions { progress: false, ..Default::default() })
-            .unwrap();
-        assert!(v.is_clean() && v.compared_with_model && v.entries == 48, "{v}");
-        assert_eq!(v.store, uri.to_string());
     }
-    eprintln!("{runs} raw-device runs gave Picchio (C)'s tokens");
+    eprintln!("{runs} raw-device runs gave each model's tokens");
 }
 
 #[test]

@@ -1,5 +1,5 @@
 //! A stop request (SIGINT/SIGTERM, raised here with `interrupt::request` as the handler would) ends
-//! every image write — `pack` to a file, `convert`, `synth` onto an NVMe namespace — with
+//! every image write — `pack` to a file, `convert`, `transcode`, `synth` onto an NVMe namespace — with
 //! `Error::Interrupted`, and the unwinding leaves nothing that looks like a result: no temporary
 //! file or directory, no destination, no valid superblock on the namespace.
 //!
@@ -7,6 +7,7 @@
 
 use picchio_runtime::image::convert::{convert, ConvertOptions};
 use picchio_runtime::image::pack::{pack, PackOptions};
+use picchio_runtime::image::transcode::{transcode, TranscodeOptions};
 use picchio_runtime::Error;
 use picchio_tests::*;
 
@@ -31,6 +32,12 @@ fn a_stop_request_ends_every_write_leaving_nothing_behind() {
         convert(&fixture("qwen3_moe"), &dst, &ConvertOptions { progress: false, ..Default::default() }).unwrap_err();
     assert!(matches!(&e, Error::Interrupted { done: 0, unit: "tensors", .. }), "{e}");
     assert!(names(dir.path()).is_empty(), "convert left {:?}", names(dir.path()));
+
+    let dst = dir.path().join("transcoded");
+    let opts = TranscodeOptions { progress: false, ..Default::default() };
+    let e = transcode(&fixture("picchio_c/qwen3_moe"), &dst, &opts).unwrap_err();
+    assert!(matches!(&e, Error::Interrupted { done: 0, unit: "tensors", .. }), "{e}");
+    assert!(names(dir.path()).is_empty(), "transcode left {:?}", names(dir.path()));
 
     #[cfg(target_os = "linux")]
     {

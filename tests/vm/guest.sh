@@ -48,10 +48,12 @@ check_image() { # $1 = check name, $2 = device
 }
 
 # picchio run, tokens compared with EXPECT_TOKENS. $1 = check name, $2 = store URI, $3 = stderr
-# pattern that means "this build has no such store" (then SKIP instead of FAIL).
+# pattern that means "this build has no such store" (then SKIP instead of FAIL); optional $4 = model
+# directory (default /fixture), $5 = prompt ids (default PROMPT_IDS), $6 = tokens (default EXPECT_TOKENS).
 run_picchio() {
   t0="$(up)"
-  timeout "$TEST_TIMEOUT" /test/bin/picchio run --model /fixture --store "$2" --prompt-ids "$PROMPT_IDS" \
+  want="${6:-$EXPECT_TOKENS}"
+  timeout "$TEST_TIMEOUT" /test/bin/picchio run --model "${4:-/fixture}" --store "$2" --prompt-ids "${5:-$PROMPT_IDS}" \
     -n 16 --json > /tmp/picchio.json 2> /tmp/picchio.err
   rc=$?
   toks="$(tr -d ' \n\r\t' < /tmp/picchio.json | sed -n 's/.*"tokens":\[\([0-9,]*\)\].*/\1/p' | tr ',' ' ')"
@@ -60,9 +62,9 @@ run_picchio() {
   elif [ $rc -ne 0 ]; then
     tail -n 20 /tmp/picchio.err
     fail "$1" "picchio run --store $2 exited $rc"
-  elif [ "$toks" != "$EXPECT_TOKENS" ]; then
+  elif [ "$toks" != "$want" ]; then
     tail -n 20 /tmp/picchio.err
-    fail "$1" "tokens '$toks' != expected '$EXPECT_TOKENS'"
+    fail "$1" "tokens '$toks' != expected '$want'"
   else
     pass "$1" "16 tokens match (store $2, $(awk -v a="$t0" -v b="$(up)" 'BEGIN{printf "%.1f", b-a}') s)"
   fi
@@ -143,6 +145,31 @@ pack_nvme_ns1_checks() {
   verify_check verify-nvme "nvme:$BDF" '48 entries'
   run_picchio picchio-nvme-after-pack "nvme:$BDF" ""
   check_zero_copy picchio-nvme-after-pack-zero-copy
+}
+# GPT-OSS beside Qwen3 (VFIO phase, before pack_nvme_ns1_checks writes the Qwen3 image back):
+# /fixture-gpt-oss is tests/fixtures/gpt_oss_mxfp4 converted to Q4 on the host (run.sh). Packed onto
+# namespace 1 through the driver, verified against the directory (32 entries), then run from there
+# with zero-copy slots: the tokens must be the file tier's, i.e. transformers' Q4 tokens
+# (GPT_EXPECT_TOKENS; gpt_oss_tiers.rs checks that every file tier gives them).
+gpt_oss_nvme_checks() {
+  [ $HAVE_CLI = 1 ] || { skip gpt-oss-pack-nvme "no picchio binary packed"; return 0; }
+  [ -f /fixture-gpt-oss/config.json ] || { fail gpt-oss-pack-nvme "no /fixture-gpt-oss (the host's convert failed)"; return 0; }
+  timeout "$TEST_TIMEOUT" /test/bin/picchio pack /fixture-gpt-oss --no-progress --out "nvme:$BDF" --force \
+    > /tmp/pack.out 2>&1
+  prc=$?
+  sed "s/^/picchio pack gpt-oss: /" /tmp/pack.out
+  if [ $prc -ne 0 ]; then fail gpt-oss-pack-nvme "picchio pack exited $prc: $(tail -n 1 /tmp/pack.out)"; return 0; fi
+  if ! grep -q 'payload hashes OK' /tmp/pack.out; then fail gpt-oss-pack-nvme "no 'payload hashes OK'"; return 0; fi
+  pass gpt-oss-pack-nvme "$(grep -m1 'payload hashes OK' /tmp/pack.out | cut -c1-160)"
+  timeout "$TEST_TIMEOUT" /test/bin/picchio verify "nvme:$BDF" --no-progress --model /fixture-gpt-oss > /tmp/verify.out 2>&1
+  vrc=$?
+  sed "s/^/picchio verify gpt-oss: /" /tmp/verify.out
+  if [ $vrc -ne 0 ]; then fail gpt-oss-verify-nvme "picchio verify exited $vrc: $(tail -n 1 /tmp/verify.out)"
+  elif ! grep -q '32 entries' /tmp/verify.out || ! grep -q '^OK' /tmp/verify.out; then
+    fail gpt-oss-verify-nvme "no '32 entries' / OK in the report"
+  else pass gpt-oss-verify-nvme "$(head -n 1 /tmp/verify.out | cut -c1-160)"; fi
+  run_picchio gpt-oss-nvme "nvme:$BDF" "" /fixture-gpt-oss "$GPT_PROMPT_IDS" "$GPT_EXPECT_TOKENS"
+  check_zero_copy gpt-oss-nvme-zero-copy
 }
 # Too few hugepages for the expert cache: with nr_hugepages at the smallest count the driver can start
 # with (found by trying 1, 2, ...; every page is then taken by its queues and bounce buffers), the run
@@ -306,6 +333,7 @@ run_tests /test/tests test "$TEST_ARGS"
 # 6. picchio reading experts through the user-space driver: any failure or token mismatch FAILS.
 if [ -x /test/bin/picchio ]; then run_picchio picchio-nvme "nvme:$BDF" ""; check_zero_copy picchio-nvme-zero-copy
 else skip picchio-nvme "no picchio binary packed"; fi
+gpt_oss_nvme_checks
 pack_nvme_ns1_checks
 zero_copy_shortfall_check
 

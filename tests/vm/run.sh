@@ -24,6 +24,8 @@ HUGEPAGES="${VM_HUGEPAGES:-64}"
 FIXTURE="$ROOT/tests/fixtures/picchio_c/qwen3_moe"
 REF="$ROOT/tests/fixtures/qwen3_moe/reference.json"
 REF_Q4="$ROOT/tests/fixtures/qwen3_moe/reference_q4.json"
+# GPT-OSS beside Qwen3: converted to Q4 on the host (section 2), packed and run in each guest.
+GPT_FIXTURE="$ROOT/tests/fixtures/gpt_oss_mxfp4"
 log() { echo "[vm-run] $*" >&2; }
 mkdir -p "$VM"
 # One run at a time per checkout: runs share target/vm/run and target/vm/cargo.
@@ -129,12 +131,21 @@ for b in "${EXAMPLES[@]:-}"; do [ -n "$b" ] && pack_bin "$b" "$STAGE/test/bin"; 
 [ -n "$PICCHIO_BIN" ] && pack_bin "$PICCHIO_BIN" "$STAGE/test/bin"
 cp "$FIXTURE"/* "$STAGE/fixture/"
 chmod -R u+w "$STAGE/fixture"
+# /fixture-gpt-oss: gpt_oss_mxfp4 converted to Q4 by the static picchio just built (it runs here too).
+if [ -n "$PICCHIO_BIN" ]; then
+  if ! "$PICCHIO_BIN" convert "$GPT_FIXTURE" "$STAGE/fixture-gpt-oss" --no-progress >"$VM/convert-gpt-oss.log" 2>&1; then
+    tail -n 5 "$VM/convert-gpt-oss.log" >&2
+    BUILD_FAIL+=("picchio convert tests/fixtures/gpt_oss_mxfp4 (see target/vm/convert-gpt-oss.log)")
+  fi
+fi
 EXTRA="$VM/run/extra.cpio"
 (cd "$STAGE" && find . -print0 | LC_ALL=C sort -z | cpio --null -o -H newc --quiet) > "$EXTRA"
 log "extra cpio: $(du -h "$EXTRA" | cut -f1) ($(ls "$STAGE/test/tests" | wc -l) test binaries, probe: $(ls "$STAGE/test/probe" | wc -l), picchio: $([ -n "$PICCHIO_BIN" ] && echo yes || echo no))"
 
 PROMPT_IDS="$(jq -r '.prompt_ids | map(tostring) | join(",")' "$REF")"
 EXPECT_TOKENS="$(jq -r '.greedy_ids | map(tostring) | join(" ")' "$REF_Q4")"
+GPT_PROMPT_IDS="$(jq -r '.prompt_ids | map(tostring) | join(",")' "$GPT_FIXTURE/reference_q4.json")"
+GPT_EXPECT_TOKENS="$(jq -r '.greedy_ids | map(tostring) | join(" ")' "$GPT_FIXTURE/reference_q4.json")"
 IMAGE_BYTES="$(stat -c %s "$FIXTURE/experts.picchioflat")"
 SCRATCH_OFFSET=$(( (IMAGE_BYTES + (1 << 20) - 1) / (1 << 20) * (1 << 20) ))
 
@@ -168,6 +179,8 @@ NAMESPACES=$ns
 LBA_SIZE=$lba
 PROMPT_IDS=$PROMPT_IDS
 EXPECT_TOKENS="$EXPECT_TOKENS"
+GPT_PROMPT_IDS=$GPT_PROMPT_IDS
+GPT_EXPECT_TOKENS="$GPT_EXPECT_TOKENS"
 TEST_TIMEOUT=$TEST_TIMEOUT
 HUGEPAGES=$HUGEPAGES
 SCRATCH_NSID=$scratch_ns

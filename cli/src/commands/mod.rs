@@ -13,6 +13,7 @@ mod pack;
 mod plan;
 mod run;
 mod synth;
+mod transcode;
 mod verify;
 
 /// Run Mixture-of-Experts models larger than RAM: routed experts stream from storage.
@@ -35,6 +36,9 @@ enum Command {
     Convert(convert::Args),
     /// Pack a converted model's routed experts into a .picchioflat image.
     Pack(pack::Args),
+    /// Re-quantize a converted model's routed experts (q4 -> q3) into a new directory, without the
+    /// original checkpoint.
+    Transcode(transcode::Args),
     /// Check a .picchioflat image: superblock, index hash, every payload hash, and optionally the bytes
     /// against the model's safetensors experts.
     Verify(verify::Args),
@@ -107,6 +111,7 @@ pub fn exec(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Convert(a) => convert::exec(a),
         Command::Pack(a) => pack::exec(a),
+        Command::Transcode(a) => transcode::exec(a),
         Command::Verify(a) => verify::exec(a),
         Command::Run(a) => run::exec(a),
         Command::Plan(a) => plan::exec(a),

@@ -1,11 +1,12 @@
 //! Writing and checking expert images: converting a Hugging Face checkpoint ([`convert`]), packing
 //! its routed experts into a `.picchioflat` image ([`pack`]), verifying an image ([`verify`]),
-//! synthetic images with a real model's geometry ([`synth`]), the image writer both share ([`write`]) and random-weight models for the demo
-//! ([`synthetic`]).
+//! synthetic images with a real model's geometry ([`synth`]), the image writer both share ([`write`]), random-weight models for the demo
+//! ([`synthetic`]), and re-quantizing a converted directory's experts ([`transcode`]).
 
 pub mod convert;
 pub mod pack;
 pub mod synth;
 pub mod synthetic;
+pub mod transcode;
 pub mod verify;
 pub mod write;

@@ -203,6 +203,23 @@ impl TensorStore {
         self.files.iter().map(|(p, _, _)| p.as_path())
     }
 
+    /// Each weight file (in the order opened) with the names of the tensors it serves, in the order
+    /// of their data in the file (a tensor the index assigns to another file is not listed).
+    pub fn file_tensors(&self) -> Vec<(&Path, Vec<&str>)> {
+        let mut per: Vec<Vec<(usize, &str)>> = vec![Vec::new(); self.files.len()];
+        for (name, (fi, info)) in &self.tensors {
+            per[*fi].push((info.data_offsets.0, name.as_str()));
+        }
+        self.files
+            .iter()
+            .zip(per)
+            .map(|((p, _, _), mut v)| {
+                v.sort();
+                (p.as_path(), v.into_iter().map(|(_, n)| n).collect())
+            })
+            .collect()
+    }
+
     /// Looks up `name`.
     ///
     /// # Errors

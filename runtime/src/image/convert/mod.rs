@@ -25,7 +25,7 @@ mod gpt_oss;
 pub mod mxfp4;
 mod plan;
 mod quantize;
-mod shard;
+pub(crate) mod shard;
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -303,7 +303,7 @@ fn write_shard(
     file.sync_all().map_err(Error::io(path, "sync"))
 }
 
-fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
+pub(crate) fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
     let mut f = File::create(path).map_err(Error::io(path, "create"))?;
     f.write_all(bytes).map_err(Error::io(path, "write"))?;
     f.sync_all().map_err(Error::io(path, "sync"))
@@ -333,7 +333,7 @@ fn resolve(p: &Path) -> Result<PathBuf> {
 
 /// Refuses a destination that is the source, inside it, or contains it, and an existing one unless
 /// `overwrite`.
-fn check_paths(src: &Path, dst: &Path, overwrite: bool) -> Result<()> {
+pub(crate) fn check_paths(src: &Path, dst: &Path, overwrite: bool) -> Result<()> {
     let meta = std::fs::metadata(src).map_err(Error::io(src, "open model directory"))?;
     if !meta.is_dir() {
         return Err(Error::Invalid(format!("{}: not a directory (convert reads a model directory)", src.display())));
@@ -372,8 +372,8 @@ fn check_paths(src: &Path, dst: &Path, overwrite: bool) -> Result<()> {
     Ok(())
 }
 
-/// The output being built: `.<name>.picchio-<tag>-<pid>` beside the destination (tag `convert`, or
-/// `synthetic` for [`crate::image::synthetic`]), removed on drop unless persisted.
+/// The output being built: `.<name>.picchio-<tag>-<pid>` beside the destination (tag `convert`,
+/// `transcode`, or `synthetic` for [`crate::image::synthetic`]), removed on drop unless persisted.
 pub(crate) struct TempDir {
     pub(crate) path: PathBuf,
     done: bool,

@@ -21,10 +21,17 @@ t0=$SECONDS
 cargo fuzz build -O -a
 echo "fuzz: built ${#targets[@]} targets in $((SECONDS - t0)) s"
 bin=target/x86_64-unknown-linux-gnu/release
-# The targets' scratch model directories (tempfile) go here; libFuzzer exits without running their
-# destructors, so the whole folder is removed at the end.
-export TMPDIR="$PWD/scratch/tmp"
-mkdir -p "$TMPDIR"
+# The targets' scratch model directories (tempfile) go here, in memory when /dev/shm is there: the
+# file targets rewrite a file per input, and on ext4 each rewrite of a truncated file waits for the
+# disk (8x fewer executions). libFuzzer exits without running their destructors, so the whole folder
+# is removed at the end.
+if [ -d /dev/shm ] && [ -w /dev/shm ]; then
+  TMPDIR=$(mktemp -d /dev/shm/picchio-fuzz.XXXXXX)
+else
+  TMPDIR="$PWD/scratch/tmp"
+  mkdir -p "$TMPDIR"
+fi
+export TMPDIR
 trap 'rm -rf "$TMPDIR"' EXIT
 # Limits: inputs up to 64 KiB; any single allocation above 512 MiB, RSS above 2 GiB or an input
 # taking over 10 s is a finding.

@@ -130,3 +130,25 @@ put("nvme_cqe", "in_order", bytes([2]) + b"".join(cqe(c, c + 1, 0, 1) for c in r
 put("nvme_cqe", "wrap_and_errors", bytes([2]) + b"".join([
     cqe(2, 1, 0, 1), cqe(0, 2, 0x02, 1), cqe(1, 3, (2 << 8) | 0x81, 1), cqe(0, 0, 0, 0), cqe(2, 1, 0, 0)]))
 put("nvme_cqe", "unknown_cid", bytes([5]) + cqe(0xFFFF, 0, 0, 1) + cqe(0, 0xFFFF, 0, 1))
+
+# --- device_signatures: device heads with the signatures the scan knows (libblkid's offsets).
+put("device_signatures", "blank", bytes(8192))
+mbr = bytearray(4096)
+mbr[446 + 4] = 0x83
+mbr[446 + 16 + 4] = 0xEE
+mbr[510:512] = b"\x55\xaa"
+mbr[512:520] = b"EFI PART"
+put("device_signatures", "mbr_and_gpt", bytes(mbr))
+ext = bytearray(4096)
+ext[1080:1082] = b"\x53\xef"
+struct.pack_into("<I", ext, 1048, 2)
+put("device_signatures", "ext4", bytes(ext))
+fat = bytearray(1024)
+fat[3:11] = b"MSDOS5.0"
+fat[82:90] = b"FAT32   "
+fat[510:512] = b"\x55\xaa"
+put("device_signatures", "vfat", bytes(fat))
+swap = bytearray(4096)
+swap[4086:4096] = b"SWAPSPACE2"
+put("device_signatures", "swap", bytes(swap))
+put("device_signatures", "picchioflat", img[:BS])

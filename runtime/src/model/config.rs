@@ -245,12 +245,12 @@ impl Config {
         }
     }
 
-    /// Refuses sizes no checkpoint has, before they size any work or memory (found by fuzzing,
-    /// docs/fuzzing.md): `num_hidden_layers` above [`MAX_LAYERS`] (the default GPT-OSS `layer_types`,
-    /// [`Config::moe_layers`] and the model's per-layer vectors are that long), and any dimension
-    /// or count that does not fit the `.picchioflat` superblock's 32-bit fields (`moe_inter` is
-    /// 2 × `moe_intermediate_size`), which `expert::store::store_dims` would otherwise
-    /// truncate into a different, valid-looking number.
+    /// Refuses sizes no checkpoint has, before they size any work or memory (found while writing the
+    /// fuzz target `config`, docs/fuzzing.md): `num_hidden_layers` above [`MAX_LAYERS`] (the default
+    /// GPT-OSS `layer_types`, [`Config::moe_layers`] and the model's per-layer vectors are that long),
+    /// and any dimension or count that does not fit the `.picchioflat` superblock's 32-bit fields
+    /// (`moe_inter` is 2 × `moe_intermediate_size`), which `expert::store::store_dims` would
+    /// otherwise truncate into a different, valid-looking number.
     fn check_sizes(&self, path: &Path) -> Result<()> {
         let bad = |key: &'static str, message: String| Error::ConfigValue { path: PathBuf::from(path), key, message };
         if self.num_hidden_layers > MAX_LAYERS {
@@ -625,10 +625,10 @@ mod tests {
 
     #[test]
     fn sizes_no_checkpoint_has_are_refused_before_they_size_anything() {
-        // Regressions (fuzz target `config`): a GPT-OSS config without layer_types and with
-        // num_hidden_layers 10^18 allocated its default layer_types (aborting), a Qwen3 one made
-        // moe_layers() loop 10^18 times; sizes past 32 bits were truncated by store_dims into other,
-        // valid-looking superblock fields.
+        // Regressions (found writing the fuzz target `config`): a GPT-OSS config without layer_types
+        // and with num_hidden_layers 10^18 allocated its default layer_types (aborting), a Qwen3 one
+        // made moe_layers() loop 10^18 times; sizes past 32 bits were truncated by store_dims into
+        // other, valid-looking superblock fields.
         let dir = tempfile::tempdir().unwrap();
         let err = |v: serde_json::Value| {
             picchio_core::error::chain(&Config::from_file(&write(dir.path(), &v)).unwrap_err()).to_string()

@@ -96,8 +96,15 @@ impl IdentifyController {
         }
     }
     /// Maximum transfer in bytes given CAP.MPSMIN's page size (`None` when MDTS is 0, no limit).
+    ///
+    /// A limit of `2^MDTS` pages that does not fit a `usize` (MDTS is a whole byte: up to 255) is no
+    /// limit either: `None`, never a shift that overflows or wraps to 0 (found while writing the fuzz
+    /// target `nvme_identify`, docs/fuzzing.md).
     pub fn max_transfer(&self, min_page: usize) -> Option<usize> {
-        (self.mdts != 0).then(|| min_page << self.mdts)
+        if self.mdts == 0 {
+            return None;
+        }
+        1usize.checked_shl(self.mdts.into()).and_then(|pages| min_page.checked_mul(pages))
     }
 }
 
@@ -200,6 +207,19 @@ mod tests {
         assert_eq!(c.fr, "7.2.0");
         assert_eq!((c.mdts, c.sqes, c.cqes, c.nn), (7, 0x66, 0x44, 3));
         assert_eq!(c.max_transfer(4096), Some(512 * 1024));
+    }
+
+    #[test]
+    fn an_mdts_past_the_address_space_is_no_limit_not_an_overflow() {
+        // Regression (found writing the fuzz target nvme_identify): MDTS 52 gave 4096 << 52 = 0
+        // bytes (then a zero-sized MDTS split), MDTS 64 and above a shift overflow panic.
+        let mut b = vec![0u8; 4096];
+        for (mdts, want) in [(51, Some(1usize << 63)), (52, None), (64, None), (255, None)] {
+            b[ctrl_off::MDTS] = mdts;
+            assert_eq!(IdentifyController::parse(&b).max_transfer(4096), want, "MDTS {mdts}");
+        }
+        b[ctrl_off::MDTS] = 1;
+        assert_eq!(IdentifyController::parse(&b).max_transfer(4096 << 15), Some(1 << 28));
     }
 
     #[test]

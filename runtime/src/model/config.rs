@@ -185,6 +185,10 @@ pub struct Config {
     pub eos_token_id: Option<serde_json::Value>,
 }
 
+/// The most decoder layers a config may declare (no checkpoint has more than a few hundred; the
+/// bound keeps a corrupt `num_hidden_layers` from sizing per-layer work and memory).
+pub const MAX_LAYERS: usize = 1 << 16;
+
 fn one() -> usize {
     1
 }
@@ -220,6 +224,8 @@ impl Config {
         let raw = normalize(raw, arch, path)?;
         let mut cfg: Config =
             serde_json::from_value(raw).map_err(|cause| Error::Config { path: path.into(), cause })?;
+        // Before anything is sized by it (the default layer_types below, per-layer vectors later).
+        cfg.check_sizes(path)?;
         if arch == Arch::GptOss && cfg.layer_types.is_empty() {
             // transformers GptOssConfig: sliding on even layers, full on odd ones.
             cfg.layer_types = (0..cfg.num_hidden_layers)
@@ -237,6 +243,41 @@ impl Config {
         } else {
             Arch::Qwen3Moe
         }
+    }
+
+    /// Refuses sizes no checkpoint has, before they size any work or memory (found while writing the
+    /// fuzz target `config`, docs/fuzzing.md): `num_hidden_layers` above [`MAX_LAYERS`] (the default
+    /// GPT-OSS `layer_types`, [`Config::moe_layers`] and the model's per-layer vectors are that long),
+    /// and any dimension or count that does not fit the `.picchioflat` superblock's 32-bit fields
+    /// (`moe_inter` is 2 × `moe_intermediate_size`), which `expert::store::store_dims` would
+    /// otherwise truncate into a different, valid-looking number.
+    fn check_sizes(&self, path: &Path) -> Result<()> {
+        let bad = |key: &'static str, message: String| Error::ConfigValue { path: PathBuf::from(path), key, message };
+        if self.num_hidden_layers > MAX_LAYERS {
+            return Err(bad(
+                "num_hidden_layers",
+                format!("{} is more than {MAX_LAYERS} layers (a corrupt config?)", self.num_hidden_layers),
+            ));
+        }
+        let max = u32::MAX as usize;
+        for (key, v, limit) in [
+            ("vocab_size", self.vocab_size, max),
+            ("hidden_size", self.hidden_size, max),
+            ("intermediate_size", self.intermediate_size, max),
+            ("moe_intermediate_size", self.moe_intermediate_size, max / 2),
+            ("num_attention_heads", self.num_attention_heads, max),
+            ("num_key_value_heads", self.num_key_value_heads, max),
+            ("head_dim", self.head_dim.unwrap_or(0), max),
+            ("num_experts", self.num_experts, max),
+            ("num_experts_per_tok", self.num_experts_per_tok, max),
+            ("max_position_embeddings", self.max_position_embeddings, max),
+            ("sliding_window", self.sliding_window.unwrap_or(0), max),
+        ] {
+            if v > limit {
+                return Err(bad(key, format!("{v} exceeds {limit}, the largest size a .picchioflat image can record")));
+            }
+        }
+        Ok(())
     }
 
     fn check(&self, path: &Path) -> Result<()> {
@@ -580,6 +621,39 @@ mod tests {
         assert!(e.contains("num_experts") && e.contains("num_local_experts"), "{e}");
         let e = err(&|v| v["swiglu_limit"] = (-1.0).into());
         assert!(e.contains("swiglu_limit"), "{e}");
+    }
+
+    #[test]
+    fn sizes_no_checkpoint_has_are_refused_before_they_size_anything() {
+        // Regressions (found writing the fuzz target `config`): a GPT-OSS config without layer_types
+        // and with num_hidden_layers 10^18 allocated its default layer_types (aborting), a Qwen3 one
+        // made moe_layers() loop 10^18 times; sizes past 32 bits were truncated by store_dims into
+        // other, valid-looking superblock fields.
+        let dir = tempfile::tempdir().unwrap();
+        let err = |v: serde_json::Value| {
+            picchio_core::error::chain(&Config::from_file(&write(dir.path(), &v)).unwrap_err()).to_string()
+        };
+        let mut v = gpt_oss_json();
+        v.as_object_mut().unwrap().remove("layer_types");
+        v["num_hidden_layers"] = 1_000_000_000_000_000_000u64.into();
+        let e = err(v);
+        assert!(e.contains("num_hidden_layers") && e.contains("more than 65536 layers"), "{e}");
+        let qwen: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(fixture("qwen3_moe/config.json")).unwrap()).unwrap();
+        let mut v = qwen.clone();
+        v["num_hidden_layers"] = (MAX_LAYERS + 1).into();
+        assert!(err(v).contains("num_hidden_layers"));
+        let mut v = qwen.clone();
+        v["moe_intermediate_size"] = (1u64 << 31).into();
+        let e = err(v);
+        assert!(e.contains("moe_intermediate_size") && e.contains("exceeds 2147483647"), "{e}");
+        let mut v = qwen;
+        v["num_experts"] = ((1u64 << 32) + 16).into();
+        assert!(err(v).contains("`num_experts`"));
+        let mut v = gpt_oss_json();
+        v["num_hidden_layers"] = MAX_LAYERS.into();
+        v.as_object_mut().unwrap().remove("layer_types");
+        assert_eq!(Config::from_file(&write(dir.path(), &v)).unwrap().layer_types.len(), MAX_LAYERS);
     }
 
     #[test]

@@ -43,6 +43,12 @@ pub struct Session {
     pub io_stats: Arc<IoStats>,
     /// The tokenizer, when the directory has one.
     pub tokenizer: Option<Tokenizer>,
+    /// The ids that end the assistant's turn ([`crate::chat::stop::end_of_turn_ids`]), which
+    /// `stop_at_eos` stops at.
+    pub stop_ids: Vec<u32>,
+    /// The token ids whose keys and values the KV cache holds, at positions `0..kv.len()`: what
+    /// [`Session::complete`](crate::chat::turn) reuses.
+    pub(crate) kv: Vec<u32>,
 }
 
 /// Generation settings.
@@ -52,7 +58,7 @@ pub struct GenerateOptions {
     pub max_new: usize,
     /// Sampling.
     pub sampler: SamplerOptions,
-    /// Stop at the config's end-of-sequence ids.
+    /// Stop at the model's end-of-turn ids ([`Session::stop_ids`]).
     pub stop_at_eos: bool,
     /// Keep the logits each generated token was chosen from.
     pub keep_logits: bool,
@@ -176,7 +182,72 @@ impl Session {
             info.engine = format!("{}; expert cache slots: {slots}", info.engine);
         }
         tracing::info!("experts from {} via {}, cache {ecap} experts", info.store, info.engine);
-        Ok(Session { model, cache, loader, info, io_stats, tokenizer })
+        Self::from_parts(model, cache, loader, info, io_stats, tokenizer)
+    }
+
+    /// A session of parts opened elsewhere (a test's simulated store), with the end-of-turn ids of
+    /// the model's directory and an empty KV record.
+    ///
+    /// # Errors
+    /// As [`crate::chat::stop::end_of_turn_ids`].
+    pub fn from_parts(
+        model: Model,
+        cache: ExpertCache,
+        loader: Box<dyn ExpertLoader>,
+        info: StoreInfo,
+        io_stats: Arc<IoStats>,
+        tokenizer: Option<Tokenizer>,
+    ) -> Result<Self> {
+        let stop_ids = Self::resolve_stop_ids(model.dir(), model.config(), tokenizer.as_ref())?;
+        Ok(Session { model, cache, loader, info, io_stats, tokenizer, stop_ids, kv: Vec::new() })
+    }
+
+    /// The end-of-turn ids of the model directory, with the chat template's when it compiles (a
+    /// template that does not is reported by the chat front ends, not by `run`).
+    fn resolve_stop_ids(dir: &Path, cfg: &crate::Config, tokenizer: Option<&Tokenizer>) -> Result<Vec<u32>> {
+        let format = crate::chat::ChatFormat::from_dir(dir, cfg).unwrap_or_else(|e| {
+            tracing::warn!("{e}");
+            None
+        });
+        let ids = crate::chat::stop::end_of_turn_ids(dir, cfg, tokenizer, format.as_ref())?;
+        for s in &ids {
+            tracing::debug!("end-of-turn id {} from {}", s.id, s.source);
+        }
+        Ok(ids.into_iter().map(|s| s.id).collect())
+    }
+
+    /// The token ids whose K/V the cache holds (positions `0..len`).
+    pub fn kv_ids(&self) -> &[u32] {
+        &self.kv
+    }
+
+    /// Forgets what the KV cache holds: the next request prefills from position 0.
+    pub fn reset_kv(&mut self) {
+        self.kv.clear();
+    }
+
+    /// Runs `ids` at positions `pos0..pos0 + ids.len()` (the KV cache must hold `0..pos0`, as
+    /// [`Session::kv_ids`] records), leaving the logits after the last one in
+    /// [`Model::logits`](crate::model::Model::logits) and `kv` = `kv[..pos0] + ids`. Checks
+    /// [`crate::interrupt::requested`] before every position.
+    ///
+    /// # Errors
+    /// [`Error::Interrupted`] (with `kv` left at what was run); forward-pass errors.
+    pub(crate) fn prefill(&mut self, ids: &[u32], pos0: usize) -> Result<()> {
+        self.kv.truncate(pos0);
+        for (i, &t) in ids.iter().enumerate() {
+            if crate::interrupt::requested() {
+                return Err(Error::Interrupted {
+                    signal: crate::interrupt::signal_name(),
+                    done: i,
+                    wanted: ids.len(),
+                    unit: "prompt tokens",
+                });
+            }
+            self.model.forward(t, pos0 + i, &mut self.cache, &mut *self.loader)?;
+            self.kv.push(t);
+        }
+        Ok(())
     }
 
     /// Encodes `text` with the model's tokenizer.
@@ -212,7 +283,9 @@ impl Session {
         if needed > self.model.max_seq() {
             return Err(Error::ContextOverflow { needed, context: self.model.max_seq(), config: None });
         }
-        let eos = if opts.stop_at_eos { self.model.config().eos_ids() } else { Vec::new() };
+        let eos = if opts.stop_at_eos { self.stop_ids.clone() } else { Vec::new() };
+        // Positions from 0: whatever the KV cache held is overwritten.
+        self.kv.clear();
         let (h0, m0, io0) = (self.cache.hits(), self.cache.misses(), self.io_stats.snapshot());
         let mut sampler = Sampler::new(opts.sampler);
         let mut tokens = Vec::with_capacity(opts.max_new);
@@ -231,6 +304,7 @@ impl Session {
                 return Err(interrupted(0));
             }
             self.model.forward(t, pos, &mut self.cache, &mut *self.loader)?;
+            self.kv.push(t);
             pos += 1;
         }
         let prefill = t0.elapsed();
@@ -238,7 +312,11 @@ impl Session {
         let mut decode_steps = 0usize;
         while tokens.len() < opts.max_new {
             let logits = self.model.logits();
-            let next = sampler.sample(logits);
+            let next = if opts.sampler.penalizes() {
+                sampler.sample_after(logits, &[prompt_ids, &tokens[..]].concat(), &tokens)
+            } else {
+                sampler.sample(logits)
+            };
             if opts.keep_logits {
                 kept.extend_from_slice(logits);
             }
@@ -250,16 +328,32 @@ impl Session {
                 return Err(interrupted(tokens.len()));
             }
             self.model.forward(next, pos, &mut self.cache, &mut *self.loader)?;
+            self.kv.push(next);
             pos += 1;
             decode_steps += 1;
         }
         let decode = t1.elapsed();
+        let stats = self.stats_since((h0, m0, io0), prompt_ids.len(), tokens.len(), prefill, decode, decode_steps);
+        Ok(Generation { prompt_ids: prompt_ids.to_vec(), tokens, logits: kept, stats })
+    }
+
+    /// The figures of a generation that started when the cache and I/O counters were `start`.
+    pub(crate) fn stats_since(
+        &self,
+        start: (u64, u64, picchio_core::StatsSnapshot),
+        prompt_tokens: usize,
+        generated_tokens: usize,
+        prefill: std::time::Duration,
+        decode: std::time::Duration,
+        decode_steps: usize,
+    ) -> RunStats {
+        let (h0, m0, io0) = start;
         let io = self.io_stats.snapshot();
         let read_wall_ms = (io.read_wall_ns - io0.read_wall_ns) as f64 / 1e6;
         let bytes_read = io.bytes - io0.bytes;
-        let stats = RunStats {
-            prompt_tokens: prompt_ids.len(),
-            generated_tokens: tokens.len(),
+        RunStats {
+            prompt_tokens,
+            generated_tokens,
             prefill_ms: prefill.as_secs_f64() * 1e3,
             decode_ms: decode.as_secs_f64() * 1e3,
             decode_tok_s: if decode_steps > 0 { decode_steps as f64 / decode.as_secs_f64() } else { 0.0 },
@@ -277,8 +371,7 @@ impl Session {
             store: self.info.store.clone(),
             engine: self.info.engine.clone(),
             async_moe: self.cache.async_moe(),
-        };
-        Ok(Generation { prompt_ids: prompt_ids.to_vec(), tokens, logits: kept, stats })
+        }
     }
 
     /// Decodes ids to text when a tokenizer is present.

@@ -64,7 +64,7 @@ fn run_from(ns: &Path, lba: u32) -> Vec<u32> {
     let (mut loader, info, io_stats) = with_fallback(flat, m.tensors().clone(), &layout);
     let mut cache = ExpertCache::new(4, layout.len()).unwrap();
     assert!(cache.use_slots_from(&mut *loader).is_some());
-    let mut s = Session { model: m, cache, loader, info, io_stats, tokenizer: None };
+    let mut s = Session::from_parts(m, cache, loader, info, io_stats, None).unwrap();
     let g = s.generate(&prompt, &GenerateOptions { max_new: 16, ..Default::default() }).unwrap();
     assert_eq!((g.stats.fallbacks, g.stats.bounce_bytes), (0, 0));
     drop(s);

@@ -95,16 +95,17 @@ impl JinjaTemplate {
     pub fn render(&self, messages: &[Message], opts: RenderOptions) -> Result<String> {
         check_messages(messages)?;
         let tmpl = self.env.get_template(NAME).map_err(|e| template_error(&self.path, &e))?;
-        let mut ctx = serde_json::Map::new();
-        ctx.insert("messages".into(), serde_json::to_value(messages).map_err(|e| Error::Invalid(e.to_string()))?);
+        // minijinja values, not serde_json's (whose maps sort their keys): fields keep their order.
+        let mut ctx = std::collections::BTreeMap::new();
+        ctx.insert("messages".to_string(), minijinja::Value::from_serialize(messages));
         ctx.insert("add_generation_prompt".into(), opts.add_generation_prompt.into());
         if let Some(t) = opts.enable_thinking {
             ctx.insert("enable_thinking".into(), t.into());
         }
         for (k, v) in &self.specials {
-            ctx.insert(k.clone(), v.clone().into());
+            ctx.insert(k.clone(), v.as_str().into());
         }
-        tmpl.render(minijinja::Value::from_serialize(&ctx)).map_err(|e| template_error(&self.path, &e))
+        tmpl.render(ctx).map_err(|e| template_error(&self.path, &e))
     }
 
     /// The file the template came from.
@@ -156,8 +157,9 @@ fn raise_exception(message: String) -> std::result::Result<minijinja::Value, min
 }
 
 /// transformers' `tojson` filter: `json.dumps(x, ensure_ascii=False, indent=indent,
-/// separators=separators, sort_keys=sort_keys)` — Python's separators `", "` and `": "` (minijinja's
-/// own filter writes compact, HTML-escaped JSON). Supports `indent` (an integer) and `sort_keys`.
+/// separators=separators, sort_keys=sort_keys)` — Python's separators `", "` and `": "` and the
+/// mapping's own key order (minijinja's own filter writes compact, HTML-escaped JSON). Supports
+/// `indent` (an integer) and `sort_keys`.
 fn tojson(
     value: minijinja::Value,
     kwargs: minijinja::value::Kwargs,
@@ -165,16 +167,26 @@ fn tojson(
     let indent: Option<usize> = kwargs.get("indent")?;
     let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
     kwargs.assert_all_used()?;
-    let v = serde_json::to_value(&value)
-        .map_err(|e| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string()))?;
     let mut out = String::new();
-    py_json(&v, indent, sort_keys.unwrap_or(false), 0, &mut out);
+    py_json(&value, indent, sort_keys.unwrap_or(false), 0, &mut out)?;
     Ok(minijinja::Value::from_safe_string(out))
 }
 
-/// Writes `v` as Python's `json.dumps(v, ensure_ascii=False)` does (with `indent` when given).
-pub fn py_json(v: &serde_json::Value, indent: Option<usize>, sort_keys: bool, depth: usize, out: &mut String) {
-    use serde_json::Value as J;
+/// Writes `v` as Python's `json.dumps(v, ensure_ascii=False)` does (with `indent` when given),
+/// maps in their own key order unless `sort_keys`.
+///
+/// # Errors
+/// A value JSON cannot hold (an undefined attribute of a map is written `null`, as Python's
+/// `None`).
+pub fn py_json(
+    v: &minijinja::Value,
+    indent: Option<usize>,
+    sort_keys: bool,
+    depth: usize,
+    out: &mut String,
+) -> std::result::Result<(), minijinja::Error> {
+    use minijinja::value::ValueKind;
+    let bad = |e: serde_json::Error| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string());
     let newline = |out: &mut String, depth: usize| {
         if let Some(n) = indent {
             out.push('\n');
@@ -182,44 +194,51 @@ pub fn py_json(v: &serde_json::Value, indent: Option<usize>, sort_keys: bool, de
         }
     };
     let item_sep = if indent.is_some() { "," } else { ", " };
-    match v {
-        J::Array(a) if !a.is_empty() => {
+    match v.kind() {
+        ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+        ValueKind::Seq | ValueKind::Iterable => {
+            let items: Vec<_> = v.try_iter()?.collect();
+            if items.is_empty() {
+                out.push_str("[]");
+                return Ok(());
+            }
             out.push('[');
-            for (i, x) in a.iter().enumerate() {
+            for (i, x) in items.iter().enumerate() {
                 if i > 0 {
                     out.push_str(item_sep);
                 }
                 newline(out, depth + 1);
-                py_json(x, indent, sort_keys, depth + 1, out);
+                py_json(x, indent, sort_keys, depth + 1, out)?;
             }
             newline(out, depth);
             out.push(']');
         }
-        J::Object(o) if !o.is_empty() => {
-            let mut items: Vec<_> = o.iter().collect();
+        ValueKind::Map => {
+            let mut keys: Vec<_> = v.try_iter()?.collect();
+            if keys.is_empty() {
+                out.push_str("{}");
+                return Ok(());
+            }
             if sort_keys {
-                items.sort_by(|a, b| a.0.cmp(b.0));
+                keys.sort();
             }
             out.push('{');
-            for (i, (k, x)) in items.into_iter().enumerate() {
+            for (i, k) in keys.iter().enumerate() {
                 if i > 0 {
                     out.push_str(item_sep);
                 }
                 newline(out, depth + 1);
-                out.push_str(&serde_json::Value::String(k.clone()).to_string());
+                let key = k.as_str().map_or_else(|| k.to_string(), str::to_owned);
+                out.push_str(&serde_json::to_string(&key).map_err(bad)?);
                 out.push_str(": ");
-                py_json(x, indent, sort_keys, depth + 1, out);
+                py_json(&v.get_item(k)?, indent, sort_keys, depth + 1, out)?;
             }
             newline(out, depth);
             out.push('}');
         }
-        J::Number(n) if n.is_f64() => {
-            let f = n.as_f64().unwrap_or(0.0);
-            // Python writes integral floats as `1.0`, serde_json too; non-integral alike.
-            out.push_str(&serde_json::Value::from(f).to_string());
-        }
-        other => out.push_str(&other.to_string()),
+        _ => out.push_str(&serde_json::to_string(v).map_err(bad)?),
     }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -228,15 +247,18 @@ mod tests {
 
     #[test]
     fn tojson_matches_python_json_dumps() {
-        let v: serde_json::Value =
-            serde_json::from_str(r#"{"name": "f", "a": [1, 2.5, true, null, "é\n\"<>"], "o": {}, "e": []}"#).unwrap();
-        let mut s = String::new();
-        py_json(&v, None, false, 0, &mut s);
-        // Python: json.dumps(v, ensure_ascii=False)
-        assert_eq!(s, r#"{"name": "f", "a": [1, 2.5, true, null, "é\n\"<>"], "o": {}, "e": []}"#);
-        let mut s = String::new();
-        py_json(&serde_json::json!({"b": [1], "a": 2}), Some(2), true, 0, &mut s);
-        assert_eq!(s, "{\n  \"a\": 2,\n  \"b\": [\n    1\n  ]\n}");
+        let render = |src: &str| {
+            let t = JinjaTemplate::new(src, Path::new("/t"), None).unwrap();
+            t.render(&[Message::new("user", "x")], RenderOptions::default()).unwrap()
+        };
+        // Python: json.dumps({"name": "f", "a": [1, 2.5, True, None, 'é\n"<>'], "o": {}, "e": []},
+        // ensure_ascii=False): insertion order, ", " and ": ", nothing HTML-escaped.
+        let src = r#"{{ {"name": "f", "a": [1, 2.5, true, none, "é\n\"<>"], "o": {}, "e": []} | tojson }}"#;
+        assert_eq!(render(src), r#"{"name": "f", "a": [1, 2.5, true, null, "é\n\"<>"], "o": {}, "e": []}"#);
+        let src = r#"{{ {"b": [1], "a": 2} | tojson(indent=2, sort_keys=true) }}"#;
+        assert_eq!(render(src), "{\n  \"a\": 2,\n  \"b\": [\n    1\n  ]\n}");
+        // A message's fields in their declared order.
+        assert_eq!(render("{{ messages[0] | tojson }}"), r#"{"role": "user", "content": "x"}"#);
     }
 
     #[test]

@@ -2,7 +2,8 @@
 //! the second prefilling only what the first did not leave in the KV cache (checked against the
 //! prompts rendered from the saved conversation and `picchio run`'s greedy tokens), `/save`,
 //! `/reset` starting from an empty cache, and Ctrl-C stopping an answer but not the program (a
-//! second Ctrl-C at the prompt ends it).
+//! second Ctrl-C at the prompt ends it). Linux only (tmux; the test kit's tool check).
+#![cfg(target_os = "linux")]
 
 mod common;
 

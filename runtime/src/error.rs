@@ -155,6 +155,17 @@ pub enum Error {
         /// The tokenizers crate's message.
         message: String,
     },
+    /// A chat template failed to compile or to render (a Jinja syntax error, an undefined call, the
+    /// template's own `raise_exception`), naming the line of the template.
+    #[error("{path}: chat template{}: {message}", line.map(|l| format!(" line {l}")).unwrap_or_default())]
+    Template {
+        /// tokenizer_config.json or chat_template.jinja.
+        path: PathBuf,
+        /// 1-based line of the template where rendering failed, when known.
+        line: Option<usize>,
+        /// minijinja's message.
+        message: String,
+    },
     /// An option has a value the operation does not accept. `option` is the field of the options
     /// struct (`ecap` of [`crate::run::SessionOptions`], `max_seq`), not a command-line flag: the
     /// binary maps it to its flag.

@@ -7,10 +7,12 @@
 //! - [`image`]: writing and checking `.picchioflat` images (convert, pack, verify, synth);
 //! - [`mem`]: memory figures (peak RSS, available memory, cgroup limit) and the memory plan;
 //! - [`run`]: a session (model + store) and generation;
+//! - [`chat`]: chat templates, end-of-turn ids, reasoning, generation reusing the KV cache;
 //! - [`nvme_admin`]: host management of NVMe controllers (binding to `vfio-pci` and back);
 //! - [`sys`]: the runtime's `unsafe` OS calls (mmap, signal disposition), one function each.
 #![deny(missing_docs)]
 
+pub mod chat;
 pub mod error;
 pub mod expert;
 pub mod image;

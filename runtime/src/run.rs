@@ -43,6 +43,12 @@ pub struct Session {
     pub io_stats: Arc<IoStats>,
     /// The tokenizer, when the directory has one.
     pub tokenizer: Option<Tokenizer>,
+    /// The ids that end the assistant's turn ([`crate::chat::stop::end_of_turn_ids`]), which
+    /// `stop_at_eos` stops at.
+    pub stop_ids: Vec<u32>,
+    /// The token ids whose keys and values the KV cache holds, at positions `0..kv.len()`: what
+    /// [`Session::complete`](crate::chat::turn) reuses.
+    pub(crate) kv: Vec<u32>,
 }
 
 /// Generation settings.
@@ -52,7 +58,7 @@ pub struct GenerateOptions {
     pub max_new: usize,
     /// Sampling.
     pub sampler: SamplerOptions,
-    /// Stop at the config's end-of-sequence ids.
+    /// Stop at the model's end-of-turn ids ([`Session::stop_ids`]).
     pub stop_at_eos: bool,
     /// Keep the logits each generated token was chosen from.
     pub keep_logits: bool,
@@ -184,7 +190,65 @@ impl Session {
             info.engine = format!("{}; expert cache slots: {slots}", info.engine);
         }
         tracing::info!("experts from {} via {}, cache {ecap} experts", info.store, info.engine);
-        Ok(Session { model, cache, loader, info, io_stats, tokenizer })
+        Self::from_parts(model, cache, loader, info, io_stats, tokenizer)
+    }
+
+    /// A session of parts opened elsewhere (a test's simulated store), with the end-of-turn ids of
+    /// the model's directory and an empty KV record.
+    ///
+    /// # Errors
+    /// As [`crate::chat::stop::end_of_turn_ids`].
+    pub fn from_parts(
+        model: Model,
+        cache: ExpertCache,
+        loader: Box<dyn ExpertLoader>,
+        info: StoreInfo,
+        io_stats: Arc<IoStats>,
+        tokenizer: Option<Tokenizer>,
+    ) -> Result<Self> {
+        let stop_ids = Self::resolve_stop_ids(model.dir(), model.config(), tokenizer.as_ref())?;
+        Ok(Session { model, cache, loader, info, io_stats, tokenizer, stop_ids, kv: Vec::new() })
+    }
+
+    /// The end-of-turn ids of the model directory, with the chat template's when it compiles (a
+    /// template that does not is reported by the chat front ends, not by `run`).
+    fn resolve_stop_ids(dir: &Path, cfg: &crate::Config, tokenizer: Option<&Tokenizer>) -> Result<Vec<u32>> {
+        let format = crate::chat::ChatFormat::from_dir(dir, cfg).unwrap_or_else(|e| {
+            tracing::warn!("{e}");
+            None
+        });
+        let ids = crate::chat::stop::end_of_turn_ids(dir, cfg, tokenizer, format.as_ref())?;
+        for s in &ids {
+            tracing::debug!("end-of-turn id {} from {}", s.id, s.source);
+        }
+        Ok(ids.into_iter().map(|s| s.id).collect())
+    }
+
+    /// The token ids whose K/V the cache holds (positions `0..len`).
+    pub fn kv_ids(&self) -> &[u32] {
+        &self.kv
+    }
+
+    /// Forgets what the KV cache holds: the next request prefills from position 0.
+    pub fn reset_kv(&mut self) {
+        self.kv.clear();
+    }
+
+    /// Runs `ids` (at least one) at positions `pos0..pos0 + ids.len()` (the KV cache must hold
+    /// `0..pos0`, as [`Session::kv_ids`] records) through [`Model::prefill`](crate::model::Model::prefill),
+    /// in chunks of `--prefill-chunk` tokens, leaving the logits after the last one in
+    /// [`Model::logits`](crate::model::Model::logits) and `kv` = `kv[..pos0] + ids`. Checks
+    /// [`crate::interrupt::requested`] before every chunk.
+    ///
+    /// # Errors
+    /// [`Error::Interrupted`] and forward-pass errors, with `kv` left at `kv[..pos0]`.
+    pub(crate) fn prefill(&mut self, ids: &[u32], pos0: usize) -> Result<()> {
+        // On an error the KV cache is taken to hold only `0..pos0`: positions past it are rewritten
+        // by the next prefill.
+        self.kv.truncate(pos0);
+        self.model.prefill(ids, pos0, &mut self.cache, &mut *self.loader)?;
+        self.kv.extend_from_slice(ids);
+        Ok(())
     }
 
     /// Encodes `text` with the model's tokenizer.
@@ -220,7 +284,9 @@ impl Session {
         if needed > self.model.max_seq() {
             return Err(Error::ContextOverflow { needed, context: self.model.max_seq(), config: None });
         }
-        let eos = if opts.stop_at_eos { self.model.config().eos_ids() } else { Vec::new() };
+        let eos = if opts.stop_at_eos { self.stop_ids.clone() } else { Vec::new() };
+        // Positions from 0: whatever the KV cache held is overwritten.
+        self.kv.clear();
         let (h0, m0, io0) = (self.cache.hits(), self.cache.misses(), self.io_stats.snapshot());
         let mut sampler = Sampler::new(opts.sampler);
         let mut tokens = Vec::with_capacity(opts.max_new);
@@ -235,7 +301,7 @@ impl Session {
             unit: "tokens",
         };
         // The prompt in chunks (`Model::prefill`, which checks for an interrupt before each chunk).
-        match self.model.prefill(prompt_ids, pos, &mut self.cache, &mut *self.loader) {
+        match self.prefill(prompt_ids, pos) {
             Err(Error::Interrupted { .. }) => return Err(interrupted(0)),
             r => r?,
         };
@@ -246,7 +312,11 @@ impl Session {
         let mut decode_steps = 0usize;
         while tokens.len() < opts.max_new {
             let logits = self.model.logits();
-            let next = sampler.sample(logits);
+            let next = if opts.sampler.penalizes() {
+                sampler.sample_after(logits, &[prompt_ids, &tokens[..]].concat(), &tokens)
+            } else {
+                sampler.sample(logits)
+            };
             if opts.keep_logits {
                 kept.extend_from_slice(logits);
             }
@@ -258,19 +328,39 @@ impl Session {
                 return Err(interrupted(tokens.len()));
             }
             self.model.forward(next, pos, &mut self.cache, &mut *self.loader)?;
+            self.kv.push(next);
             pos += 1;
             decode_steps += 1;
         }
         let decode = t1.elapsed();
+        let stats =
+            self.stats_since((h0, m0, io0), io_prefill, prompt_ids.len(), tokens.len(), prefill, decode, decode_steps);
+        Ok(Generation { prompt_ids: prompt_ids.to_vec(), tokens, logits: kept, stats })
+    }
+
+    /// The figures of a generation that started when the cache and I/O counters were `start`
+    /// (hits, misses, I/O) and whose prefill ended when the I/O counters were `io_prefill`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn stats_since(
+        &self,
+        start: (u64, u64, picchio_core::StatsSnapshot),
+        io_prefill: picchio_core::StatsSnapshot,
+        prompt_tokens: usize,
+        generated_tokens: usize,
+        prefill: std::time::Duration,
+        decode: std::time::Duration,
+        decode_steps: usize,
+    ) -> RunStats {
+        let (h0, m0, io0) = start;
         let io = self.io_stats.snapshot();
         let read_wait_ms = (io.read_wall_ns - io0.read_wall_ns) as f64 / 1e6;
         let read_span_ms = (io.read_span_ns - io0.read_span_ns) as f64 / 1e6;
         let bytes_read = io.bytes - io0.bytes;
         let mb_s = |ms: f64| if ms > 0.0 { bytes_read as f64 / 1e6 / (ms / 1e3) } else { 0.0 };
         let run_ms = (prefill + decode).as_secs_f64() * 1e3;
-        let stats = RunStats {
-            prompt_tokens: prompt_ids.len(),
-            generated_tokens: tokens.len(),
+        RunStats {
+            prompt_tokens,
+            generated_tokens,
             prefill_ms: prefill.as_secs_f64() * 1e3,
             prefill_reads: io_prefill.reads - io0.reads,
             prefill_bytes_read: io_prefill.bytes - io0.bytes,
@@ -293,8 +383,7 @@ impl Session {
             store: self.info.store.clone(),
             engine: self.info.engine.clone(),
             async_moe: self.cache.async_moe(),
-        };
-        Ok(Generation { prompt_ids: prompt_ids.to_vec(), tokens, logits: kept, stats })
+        }
     }
 
     /// Decodes ids to text when a tokenizer is present.

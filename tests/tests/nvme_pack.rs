@@ -66,7 +66,7 @@ fn run_model(tm: &TierModel, ns: &Path, lba: u32) -> Vec<u32> {
     let (mut loader, info, io_stats) = with_fallback(flat, m.tensors().clone(), &layout);
     let mut cache = ExpertCache::new(4, layout.len()).unwrap();
     assert!(cache.use_slots_from(&mut *loader).is_some());
-    let mut s = Session { model: m, cache, loader, info, io_stats, tokenizer: None };
+    let mut s = Session::from_parts(m, cache, loader, info, io_stats, None).unwrap();
     let g = s.generate(&tm.prompt, &GenerateOptions { max_new: tm.tokens.len(), ..Default::default() }).unwrap();
     assert_eq!((g.stats.fallbacks, g.stats.bounce_bytes), (0, 0));
     drop(s);

@@ -36,7 +36,7 @@ fn faults_during_generation_fall_back_to_safetensors_and_the_tokens_stay_exact()
     let (loader, info, io_stats) = with_fallback(flat, model.tensors().clone(), &layout);
     // A small cache: every token misses, so the faults land during generation.
     let cache = ExpertCache::new(4, layout.len()).unwrap();
-    let mut s = Session { model, cache, loader, info, io_stats, tokenizer: None };
+    let mut s = Session::from_parts(model, cache, loader, info, io_stats, None).unwrap();
     let at = sim.io_count();
     sim.inject(Fault::io_hold(at + 3));
     sim.inject(Fault::io_drop(at + 20));

@@ -31,7 +31,7 @@ fn sim_session(m: &TierModel, lba: u32, ecap: usize, pool: bool, dma: HeapDma) -
     let got = cache.use_slots_from(&mut *loader);
     assert_eq!(got.is_some(), pool, "{got:?}");
     assert_eq!(loader.describe().contains("zero-copy slots"), pool, "{}", loader.describe());
-    (Session { model, cache, loader, info, io_stats, tokenizer: None }, sim)
+    (Session::from_parts(model, cache, loader, info, io_stats, None).unwrap(), sim)
 }
 
 #[test]

@@ -6,12 +6,16 @@ mod bench;
 mod bench_common;
 mod bench_io;
 mod bench_model;
+mod chat;
 mod convert;
 mod demo;
+mod model_args;
 mod nvme;
 mod pack;
 mod plan;
 mod run;
+mod serve;
+mod serve_http;
 mod synth;
 mod transcode;
 mod verify;
@@ -47,6 +51,12 @@ enum Command {
     /// Print the memory plan of a model: the dense part, the KV cache and the expert cache within a
     /// budget (--mem), without running it.
     Plan(plan::Args),
+    /// Talk to the model in the terminal (the bare `picchio --model DIR [--store URI]` is this):
+    /// streamed answers, the conversation's KV cache reused between turns.
+    Chat(chat::Args),
+    /// Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
+    /// /v1/models; /health, /metrics).
+    Serve(serve::Args),
     /// The embedded default: convert, pack and run the vendored real-tokenizer model (no download).
     Demo(demo::Args),
     /// List NVMe controllers, hand one to vfio-pci for the user-space driver and back, identify it.
@@ -70,8 +80,27 @@ const ABOUT: &str = "picchio runs Mixture-of-Experts models larger than RAM, str
 /// error naming the option. Exits 2 (usage) on a parse error, 0 for `--help`/`--version`.
 pub fn parse() -> Cli {
     use clap::FromArgMatches;
-    let matches = command().try_get_matches().unwrap_or_else(|e| negative_unsigned(e).exit());
+    let matches =
+        command().try_get_matches_from(bare_chat(std::env::args_os())).unwrap_or_else(|e| negative_unsigned(e).exit());
     Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
+/// The bare form `picchio [-v] --model DIR [--store URI] ...` (or `picchio --store URI` with
+/// `$PICCHIO_MODEL`) is `picchio chat ...`: `chat` is inserted before the first argument when that
+/// is `--model` or `--store`.
+fn bare_chat(args: impl Iterator<Item = std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    let mut args: Vec<_> = args.collect();
+    let first = args.iter().skip(1).position(|a| {
+        let a = a.to_string_lossy();
+        !(a == "-q" || a == "--quiet" || a == "--verbose" || (a.starts_with("-v") && a[1..].chars().all(|c| c == 'v')))
+    });
+    if let Some(i) = first.map(|i| i + 1) {
+        let a = args[i].to_string_lossy();
+        if ["--model", "--store"].iter().any(|f| a == *f || a.starts_with(&format!("{f}="))) {
+            args.insert(i, "chat".into());
+        }
+    }
+    args
 }
 
 /// [`Cli`]'s command with [`allow_negative_numbers`] applied to every subcommand.
@@ -115,6 +144,8 @@ pub fn exec(cli: Cli) -> anyhow::Result<()> {
         Command::Verify(a) => verify::exec(a),
         Command::Run(a) => run::exec(a),
         Command::Plan(a) => plan::exec(a),
+        Command::Chat(a) => chat::exec(a),
+        Command::Serve(a) => serve::exec(a),
         Command::Demo(a) => demo::exec(a),
         Command::Nvme(a) => nvme::exec(a),
         Command::Bench(a) => bench::exec(a),
@@ -124,6 +155,23 @@ pub fn exec(cli: Cli) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn bare_model_or_store_is_chat() {
+        let v = |args: &[&str]| {
+            super::bare_chat(args.iter().map(|a| std::ffi::OsString::from(*a)))
+                .into_iter()
+                .map(|a| a.into_string().unwrap())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            v(&["picchio", "--model", "m", "--store", "s"]),
+            ["picchio", "chat", "--model", "m", "--store", "s"]
+        );
+        assert_eq!(v(&["picchio", "-vv", "--store=raw:/dev/x"]), ["picchio", "-vv", "chat", "--store=raw:/dev/x"]);
+        assert_eq!(v(&["picchio", "run", "--model", "m"]), ["picchio", "run", "--model", "m"]);
+        assert_eq!(v(&["picchio"]), ["picchio"]);
+    }
+
     #[test]
     fn cli_is_consistent() {
         super::command().debug_assert();

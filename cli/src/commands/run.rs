@@ -70,10 +70,13 @@ pub struct Args {
     /// Nucleus sampling mass in (0, 1].
     #[arg(long, value_name = "P", default_value_t = 1.0)]
     pub top_p: f32,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// Sampling seed.
     #[arg(long, value_name = "S", default_value_t = 0)]
     pub seed: u64,
-    /// Stop at the config's end-of-sequence token.
+    /// Stop at the model's end-of-turn ids: generation_config.json's and config.json's
+    /// `eos_token_id`, the tokenizer config's `eos_token`, the chat template's end-of-turn token.
     #[arg(long)]
     pub stop_at_eos: bool,
     /// Print one JSON object on stdout: prompt_ids, tokens, text, stats.
@@ -87,6 +90,37 @@ pub struct Args {
     /// picchio-trace/1 file (JSON lines; docs/experiments.md, "trace"), for `picchio bench trace`.
     #[arg(long, value_name = "PATH")]
     pub trace: Option<PathBuf>,
+}
+
+/// Sampling options beyond temperature and top-p, shared by `run` and `chat`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct SamplingArgs {
+    /// Keep only the K most probable tokens when sampling; 0 keeps all.
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    pub top_k: usize,
+    /// Keep only tokens at least P times as probable as the most probable one; 0 disables.
+    #[arg(long, value_name = "P", default_value_t = 0.0)]
+    pub min_p: f32,
+    /// Repetition penalty over the sequence's ids (transformers' `repetition_penalty`; 1 is none).
+    #[arg(long, value_name = "R", default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+}
+
+impl SamplingArgs {
+    /// The sampler options of these flags with `temperature`, `top_p` and `seed`, range-checked.
+    pub fn options(&self, temperature: f32, top_p: f32, seed: u64) -> anyhow::Result<SamplerOptions> {
+        let o = SamplerOptions {
+            temperature,
+            top_p,
+            seed,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            ..SamplerOptions::default()
+        };
+        o.check().map_err(|m| anyhow::anyhow!("--{}", m.replacen('_', "-", 1)))?;
+        Ok(o)
+    }
 }
 
 /// Engine and MoE scheduling options shared by `run` and `demo`.
@@ -198,6 +232,7 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
     if !(a.temperature.is_finite() && a.temperature >= 0.0) {
         bail!("--temperature must be a finite number >= 0 (0 is greedy), got {}", a.temperature);
     }
+    let sampler = a.sampling.options(a.temperature, a.top_p, a.seed)?;
     let tokenizer = Tokenizer::from_dir(&a.model)?;
     let prompt_ids = match (&a.prompt, &a.prompt_ids, &tokenizer) {
         (_, Some(ids), _) => ids.clone(),
@@ -242,12 +277,8 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
     let chunk = a.engine.prefill_chunk(a.trace.is_some())?;
     let mut s = Session::open(&opts, tokenizer).with_context(|| format!("opening model {}", a.model.display()))?;
     s.model.set_prefill_chunk(chunk)?;
-    let gen = GenerateOptions {
-        max_new: a.n,
-        sampler: SamplerOptions { temperature: a.temperature, top_p: a.top_p, seed: a.seed },
-        stop_at_eos: a.stop_at_eos,
-        keep_logits: a.dump_logits.is_some(),
-    };
+    let gen =
+        GenerateOptions { max_new: a.n, sampler, stop_at_eos: a.stop_at_eos, keep_logits: a.dump_logits.is_some() };
     if let Some(p) = &a.trace {
         let header = TraceHeader::new(&a.model, s.model.config(), s.cache.slot_len() as u64);
         s.model.set_routing_observer(Box::new(TraceWriter::create(p, &header)?));

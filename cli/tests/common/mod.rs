@@ -5,6 +5,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
+pub mod serve;
+
 /// Picchio (C)'s fixture model directory (config, safetensors, `experts.picchioflat`).
 pub fn model() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/picchio_c/qwen3_moe")

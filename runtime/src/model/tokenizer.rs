@@ -47,6 +47,35 @@ impl Tokenizer {
         self.inner.decode(ids, false).map_err(|e| Error::Tokenizer { path: self.path.clone(), message: e.to_string() })
     }
 
+    /// Decodes ids to text without the special tokens (`skip_special_tokens=True`): what a chat shows.
+    ///
+    /// # Errors
+    /// [`Error::Tokenizer`].
+    pub fn decode_text(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, true).map_err(|e| Error::Tokenizer { path: self.path.clone(), message: e.to_string() })
+    }
+
+    /// The id of the token spelled `token` (a vocabulary entry or an added token such as `<|im_end|>`).
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// The spelling of token `id`, if the vocabulary has it.
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// Whether `id` is an added token marked `special` (`<|im_end|>`, `<|return|>`), which decoding
+    /// for display skips.
+    pub fn is_special(&self, id: u32) -> bool {
+        self.inner.get_added_tokens_decoder().get(&id).is_some_and(|t| t.special)
+    }
+
+    /// The tokenizer.json this was loaded from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
     /// Vocabulary size including added tokens.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)

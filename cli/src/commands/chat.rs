@@ -1,0 +1,267 @@
+//! `picchio chat` (and the bare `picchio --model DIR [--store URI]`): a conversation in the
+//! terminal. Answers stream as they are generated; the conversation is re-rendered with the
+//! model's chat template each turn and only what is new is prefilled (the KV cache of the earlier
+//! turns is reused, [`picchio_runtime::chat::turn`]); reasoning is shown dimmed or hidden; each
+//! turn ends with its tok/s and cache hit rates. Ctrl-C stops the answer; at the prompt it (or
+//! `/exit`, or end of input) ends the program, dropping the session cleanly.
+
+use std::io::{BufRead, Write};
+use std::ops::ControlFlow;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
+
+use anyhow::Context;
+use picchio_runtime::chat::engine::{Engine, FinishReason, Request};
+use picchio_runtime::chat::Message;
+
+/// Whether reasoning is printed.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReasoningShow {
+    /// Printed dimmed before the answer.
+    Show,
+    /// Not printed (it still counts as generated tokens).
+    Hide,
+}
+
+/// Options of `picchio chat`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    pub model: super::model_args::ModelArgs,
+    /// Show or hide the model's reasoning (Qwen3's <think>, GPT-OSS's analysis channel).
+    #[arg(long, value_enum, default_value_t = ReasoningShow::Show)]
+    pub reasoning: ReasoningShow,
+    /// A system message at the start of the conversation.
+    #[arg(long, value_name = "TEXT")]
+    pub system: Option<String>,
+    /// Tokens per answer at most [default: the rest of the context].
+    #[arg(short = 'n', long = "max-new-tokens", value_name = "N")]
+    pub n: Option<usize>,
+    /// Go on past the model's end-of-turn tokens (until -n or the context is full).
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Sampling temperature; 0 (the default) is greedy.
+    #[arg(long, value_name = "T", default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus sampling mass in (0, 1].
+    #[arg(long, value_name = "P", default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Sampling seed.
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    pub seed: u64,
+    #[command(flatten)]
+    pub sampling: super::run::SamplingArgs,
+}
+
+const HELP: &str = "commands: /reset (new conversation), /stats, /save FILE, /load FILE, /exit; Ctrl-C stops an answer";
+
+/// Totals over the session, for `/stats`.
+#[derive(Default)]
+struct Totals {
+    turns: usize,
+    prompt: usize,
+    cached: usize,
+    generated: usize,
+    hits: u64,
+    misses: u64,
+    bytes: u64,
+}
+
+pub fn exec(a: Args) -> anyhow::Result<()> {
+    let sampler = a.sampling.options(a.temperature, a.top_p, a.seed)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, stop.clone()).context("installing the Ctrl-C handler")?;
+    }
+    let mut engine = a.model.open()?;
+    if engine.format.is_none() {
+        anyhow::bail!(
+            "{} has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja): use `picchio run`",
+            a.model.model.display()
+        );
+    }
+    eprintln!(
+        "picchio chat: {} ({}, store {}, context {} tokens). {HELP}",
+        engine.name,
+        engine.format.as_ref().map(|f| f.describe()).unwrap_or_default(),
+        engine.session.info.store,
+        engine.context()
+    );
+    let lines = stdin_lines();
+    let mut messages = initial(&a);
+    let mut totals = Totals::default();
+    let out = std::io::stdout();
+    loop {
+        print!("> ");
+        out.lock().flush()?;
+        // Wait for a line; Ctrl-C here ends the program.
+        let line = loop {
+            if stop.swap(false, Ordering::Relaxed) {
+                println!();
+                eprintln!("bye");
+                return Ok(());
+            }
+            match lines.recv_timeout(Duration::from_millis(100)) {
+                Ok(l) => break Some(l),
+                Err(mpsc::RecvTimeoutError::Timeout) => continue,
+                Err(mpsc::RecvTimeoutError::Disconnected) => break None,
+            }
+        };
+        let Some(line) = line else {
+            println!();
+            return Ok(());
+        };
+        let line = line.trim_end_matches(['\r', '\n']);
+        if line.trim().is_empty() {
+            continue;
+        }
+        if let Some(cmd) = line.strip_prefix('/') {
+            let (name, arg) = cmd.split_once(' ').map_or((cmd, ""), |(n, r)| (n, r.trim()));
+            match name {
+                "exit" | "quit" => return Ok(()),
+                "reset" => {
+                    messages = initial(&a);
+                    engine.session.reset_kv();
+                    println!("(new conversation)");
+                }
+                "stats" => print_stats(&engine, &totals, &messages),
+                "save" if !arg.is_empty() => match save(Path::new(arg), &messages) {
+                    Ok(()) => println!("(saved {} messages to {arg})", messages.len()),
+                    Err(e) => println!("(could not save: {e:#})"),
+                },
+                "load" if !arg.is_empty() => match load(Path::new(arg)) {
+                    Ok(m) => {
+                        messages = m;
+                        println!("(loaded {} messages from {arg})", messages.len());
+                    }
+                    Err(e) => println!("(could not load: {e:#})"),
+                },
+                _ => println!("({HELP})"),
+            }
+            continue;
+        }
+        messages.push(Message::new("user", line));
+        let req = Request { max_tokens: a.n, sampler, ignore_eos: a.ignore_eos, ..Request::chat(messages.clone()) };
+        let mut dim = false;
+        let show = a.reasoning == ReasoningShow::Show;
+        let result = engine.run(&req, &mut |d| {
+            let mut o = out.lock();
+            if show && !d.reasoning.is_empty() {
+                if !dim {
+                    let _ = write!(o, "\x1b[2m");
+                    dim = true;
+                }
+                let _ = write!(o, "{}", d.reasoning);
+            }
+            if !d.content.is_empty() {
+                if dim {
+                    let _ = writeln!(o, "\x1b[0m");
+                    dim = false;
+                }
+                let _ = write!(o, "{}", d.content);
+            }
+            let _ = o.flush();
+            if stop.swap(false, Ordering::Relaxed) {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        });
+        if dim {
+            print!("\x1b[0m");
+        }
+        println!();
+        let o = match result {
+            Ok(o) => o,
+            Err(e) => {
+                messages.pop();
+                println!("(error: {})", picchio_core::error::chain(&e));
+                continue;
+            }
+        };
+        if o.finish == FinishReason::Cancelled {
+            println!("(stopped)");
+        }
+        let st = &o.turn.stats;
+        totals.turns += 1;
+        totals.prompt += st.prompt_tokens;
+        totals.cached += o.turn.cached_tokens;
+        totals.generated += o.turn.completion_tokens();
+        totals.hits += st.cache_hits;
+        totals.misses += st.cache_misses;
+        totals.bytes += st.bytes_read;
+        let tok_s = if o.turn.tokens.len() > 1 { st.decode_tok_s } else { 0.0 };
+        eprintln!(
+            "[{} tokens, {tok_s:.1} tok/s; prompt {} tokens, {} reused from the KV cache ({:.0}%), {} prefilled in {:.0} ms; \
+             first token after {:.0} ms; expert cache {:.0}% hits ({} / {}), {:.1} MB read]",
+            o.turn.completion_tokens(),
+            st.prompt_tokens,
+            o.turn.cached_tokens,
+            100.0 * o.turn.cached_tokens as f64 / st.prompt_tokens.max(1) as f64,
+            st.prompt_tokens - o.turn.cached_tokens,
+            st.prefill_ms,
+            o.turn.first_token_ms,
+            100.0 * st.cache_hits as f64 / (st.cache_hits + st.cache_misses).max(1) as f64,
+            st.cache_hits,
+            st.cache_hits + st.cache_misses,
+            st.bytes_read as f64 / 1e6
+        );
+        let reasoning = (!o.reasoning.is_empty()).then(|| o.reasoning.clone());
+        messages.push(Message { role: "assistant".into(), content: o.content.clone(), reasoning_content: reasoning });
+    }
+}
+
+fn initial(a: &Args) -> Vec<Message> {
+    a.system.iter().map(|s| Message::new("system", s)).collect()
+}
+
+/// Lines of stdin, read on a thread so the prompt can notice Ctrl-C.
+fn stdin_lines() -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let stdin = std::io::stdin();
+        for line in stdin.lock().lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+fn print_stats(engine: &Engine, t: &Totals, messages: &[Message]) {
+    println!(
+        "({} turns, {} messages; {} prompt tokens of which {} reused ({:.0}%), {} generated; KV cache {} of {} positions; \
+         expert cache {} hits / {} misses, {:.1} MB read from {})",
+        t.turns,
+        messages.len(),
+        t.prompt,
+        t.cached,
+        100.0 * t.cached as f64 / t.prompt.max(1) as f64,
+        t.generated,
+        engine.session.kv_ids().len(),
+        engine.context(),
+        t.hits,
+        t.misses,
+        t.bytes as f64 / 1e6,
+        engine.session.info.store
+    );
+}
+
+fn save(path: &Path, messages: &[Message]) -> anyhow::Result<()> {
+    let text = serde_json::to_string_pretty(&serde_json::json!({ "messages": messages }))?;
+    std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))
+}
+
+fn load(path: &Path) -> anyhow::Result<Vec<Message>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+    let m: Vec<Message> = serde_json::from_value(v["messages"].clone())
+        .with_context(|| format!("{}: expected {{\"messages\": [{{\"role\", \"content\"}}...]}}", path.display()))?;
+    picchio_runtime::chat::template::check_messages(&m)?;
+    Ok(m)
+}

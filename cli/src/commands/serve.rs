@@ -1,0 +1,237 @@
+//! `picchio serve`: an OpenAI-compatible HTTP server over one model. This file is the process
+//! side: options, the generation worker (one thread owning the model session and its KV cache,
+//! taking requests in arrival order from a bounded queue) and the figures `/metrics` shows; the
+//! HTTP layer is [`super::serve_http`], the generation itself the runtime's
+//! [`picchio_runtime::chat::engine::Engine`].
+
+use std::net::IpAddr;
+use std::ops::ControlFlow;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+
+use anyhow::Context;
+use picchio_runtime::chat::engine::{is_bad_request, Delta, Engine, Outcome, Request};
+
+/// Options of `picchio serve`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    pub model: super::model_args::ModelArgs,
+    /// Address to listen on (loopback by default: give 0.0.0.0 to serve the network, with --api-key).
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1")]
+    pub host: IpAddr,
+    /// TCP port (0 picks a free one; the address is printed on stderr).
+    #[arg(long, value_name = "PORT", default_value_t = 8080)]
+    pub port: u16,
+    /// Require `Authorization: Bearer K` on /v1/ requests [default: $PICCHIO_API_KEY, else none].
+    #[arg(long, value_name = "K", env = "PICCHIO_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Requests that may wait while one runs; more get 503.
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    pub queue: usize,
+    /// Largest request body in bytes; larger ones get 413.
+    #[arg(long, value_name = "BYTES", default_value_t = 4 << 20)]
+    pub max_body: usize,
+}
+
+/// What the worker tells a request's handler.
+pub enum Event {
+    /// The request started generating (it left the queue).
+    Started,
+    /// New text.
+    Delta(Delta),
+    /// The end: the outcome, or an error with its HTTP status.
+    Done(Result<Box<Outcome>, Failure>),
+}
+
+/// A request that failed, with the status and OpenAI error code it maps to.
+pub struct Failure {
+    /// 400 for bad requests, 500 otherwise.
+    pub status: u16,
+    /// OpenAI's `code` (`context_length_exceeded`), when one applies.
+    pub code: Option<&'static str>,
+    /// The message (the error chain).
+    pub message: String,
+}
+
+/// A queued request.
+pub struct Job {
+    /// What to run.
+    pub request: Request,
+    /// Where its events go; when the receiver is gone (the client left) generation stops.
+    pub events: tokio::sync::mpsc::UnboundedSender<Event>,
+}
+
+/// Counters for `/metrics` (Prometheus text format).
+#[derive(Default)]
+pub struct Metrics {
+    /// Requests that finished (any outcome).
+    pub requests: AtomicU64,
+    /// Requests that failed (400 or 500).
+    pub failed: AtomicU64,
+    /// Requests whose client went away before the end.
+    pub cancelled: AtomicU64,
+    /// Requests refused because the queue was full.
+    pub rejected: AtomicU64,
+    /// Prompt tokens of all requests.
+    pub prompt_tokens: AtomicU64,
+    /// Prompt tokens served from the KV cache.
+    pub cached_tokens: AtomicU64,
+    /// Generated tokens.
+    pub completion_tokens: AtomicU64,
+    /// Requests waiting.
+    pub queue_depth: AtomicUsize,
+    /// Expert-cache hits / misses and bytes read by the store.
+    pub expert_hits: AtomicU64,
+    /// See `expert_hits`.
+    pub expert_misses: AtomicU64,
+    /// See `expert_hits`.
+    pub bytes_read: AtomicU64,
+    /// Decode tok/s of the last request, as f64 bits.
+    pub last_tok_s: AtomicU64,
+}
+
+impl Metrics {
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut out = String::new();
+        let mut put = |name: &str, kind: &str, help: &str, v: String| {
+            out.push_str(&format!("# HELP picchio_{name} {help}\n# TYPE picchio_{name} {kind}\npicchio_{name} {v}\n"));
+        };
+        put("requests_total", "counter", "Requests that finished.", g(&self.requests).to_string());
+        put("requests_failed_total", "counter", "Requests that failed.", g(&self.failed).to_string());
+        put("requests_cancelled_total", "counter", "Requests whose client went away.", g(&self.cancelled).to_string());
+        put("requests_rejected_total", "counter", "Requests refused: queue full.", g(&self.rejected).to_string());
+        put("prompt_tokens_total", "counter", "Prompt tokens.", g(&self.prompt_tokens).to_string());
+        put(
+            "cached_prompt_tokens_total",
+            "counter",
+            "Prompt tokens reused from the KV cache.",
+            g(&self.cached_tokens).to_string(),
+        );
+        put("completion_tokens_total", "counter", "Generated tokens.", g(&self.completion_tokens).to_string());
+        put("queue_depth", "gauge", "Requests waiting.", self.queue_depth.load(Ordering::Relaxed).to_string());
+        put("expert_cache_hits_total", "counter", "Expert-cache hits.", g(&self.expert_hits).to_string());
+        put("expert_cache_misses_total", "counter", "Expert-cache misses (loads).", g(&self.expert_misses).to_string());
+        put("store_bytes_read_total", "counter", "Bytes read from the expert store.", g(&self.bytes_read).to_string());
+        put(
+            "decode_tokens_per_second",
+            "gauge",
+            "Decode speed of the last request.",
+            f64::from_bits(g(&self.last_tok_s)).to_string(),
+        );
+        out
+    }
+}
+
+/// The handle the HTTP layer holds: the queue's sending end and the figures.
+pub struct Server {
+    /// The model's name (what `/v1/models` lists and requests must name).
+    pub model: String,
+    /// Context of the KV cache.
+    pub context: usize,
+    /// The API key, when one is required.
+    pub api_key: Option<String>,
+    /// The queue into the worker.
+    pub queue: Mutex<mpsc::SyncSender<Job>>,
+    /// Figures.
+    pub metrics: Arc<Metrics>,
+}
+
+impl Server {
+    /// Queues `job`; false when the queue is full.
+    pub fn submit(&self, job: Job) -> bool {
+        let q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        self.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
+        match q.try_send(job) {
+            Ok(()) => true,
+            Err(_) => {
+                self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+                self.metrics.rejected.fetch_add(1, Ordering::Relaxed);
+                false
+            }
+        }
+    }
+}
+
+/// Runs queued jobs one at a time on `engine` until the queue's senders are gone.
+fn worker(mut engine: Engine, jobs: mpsc::Receiver<Job>, metrics: Arc<Metrics>) {
+    while let Ok(job) = jobs.recv() {
+        metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+        if job.events.send(Event::Started).is_err() {
+            metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+            continue; // the client left while waiting
+        }
+        let mut gone = false;
+        let result = engine.run(&job.request, &mut |d| {
+            if job.events.send(Event::Delta(d.clone())).is_err() {
+                gone = true;
+                return ControlFlow::Break(());
+            }
+            ControlFlow::Continue(())
+        });
+        metrics.requests.fetch_add(1, Ordering::Relaxed);
+        let done = match result {
+            Ok(o) => {
+                let st = &o.turn.stats;
+                metrics.prompt_tokens.fetch_add(st.prompt_tokens as u64, Ordering::Relaxed);
+                metrics.cached_tokens.fetch_add(o.turn.cached_tokens as u64, Ordering::Relaxed);
+                metrics.completion_tokens.fetch_add(o.turn.completion_tokens() as u64, Ordering::Relaxed);
+                metrics.expert_hits.fetch_add(st.cache_hits, Ordering::Relaxed);
+                metrics.expert_misses.fetch_add(st.cache_misses, Ordering::Relaxed);
+                metrics.bytes_read.fetch_add(st.bytes_read, Ordering::Relaxed);
+                metrics.last_tok_s.store(st.decode_tok_s.to_bits(), Ordering::Relaxed);
+                if gone {
+                    metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(Box::new(o))
+            }
+            Err(e) => {
+                metrics.failed.fetch_add(1, Ordering::Relaxed);
+                let bad = is_bad_request(&e);
+                let code = match &e {
+                    picchio_runtime::Error::ContextOverflow { .. } => Some("context_length_exceeded"),
+                    _ => None,
+                };
+                if !bad {
+                    tracing::error!("request failed: {}", picchio_core::error::chain(&e));
+                }
+                Err(Failure {
+                    status: if bad { 400 } else { 500 },
+                    code,
+                    message: picchio_core::error::chain(&e).to_string(),
+                })
+            }
+        };
+        let _ = job.events.send(Event::Done(done));
+    }
+}
+
+pub fn exec(a: Args) -> anyhow::Result<()> {
+    if a.queue == 0 {
+        anyhow::bail!("--queue must be at least 1");
+    }
+    let engine = a.model.open()?;
+    let (model, context) = (engine.name.clone(), engine.context());
+    let (tx, rx) = mpsc::sync_channel(a.queue);
+    let metrics = Arc::new(Metrics::default());
+    let m = metrics.clone();
+    let worker = std::thread::Builder::new()
+        .name("picchio-generate".into())
+        .spawn(move || worker(engine, rx, m))
+        .context("starting the generation thread")?;
+    let server = Arc::new(Server { model, context, api_key: a.api_key.clone(), queue: Mutex::new(tx), metrics });
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let served = rt.block_on(super::serve_http::serve(server.clone(), a.host, a.port, a.max_body));
+    // Dropping the queue's last sender ends the worker, which drops the session (an nvme:
+    // controller is shut down cleanly).
+    drop(rt);
+    drop(server);
+    let _ = worker.join();
+    served
+}

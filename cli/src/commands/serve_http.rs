@@ -1,0 +1,493 @@
+//! The HTTP layer of `picchio serve` (axum): OpenAI's `GET /v1/models`, `POST /v1/chat/completions`
+//! and `POST /v1/completions` (streamed as server-sent events ending in `data: [DONE]`, or whole),
+//! `GET /health` and `GET /metrics`; request parsing and OpenAI's JSON error shape
+//! (`{"error": {"message", "type", "param", "code"}}`) with the matching status. Generation happens
+//! on the worker of [`super::serve`]; a handler only queues a job and relays its events, and when
+//! the client goes away the event channel closes, which stops the generation.
+
+use std::convert::Infallible;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event as Sse, Sse as SseBody};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use picchio_runtime::chat::engine::{FinishReason, Outcome, Prompt, Request};
+use picchio_runtime::chat::Message;
+use picchio_runtime::model::sampler::SamplerOptions;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use super::serve::{Event, Failure, Job, Server};
+
+type St = State<Arc<Server>>;
+
+/// Listens on `host:port` and serves until SIGINT/SIGTERM.
+///
+/// # Errors
+/// Binding the address, serving.
+pub async fn serve(server: Arc<Server>, host: IpAddr, port: u16, max_body: usize) -> anyhow::Result<()> {
+    let app = Router::new()
+        .route("/v1/models", get(models))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(max_body))
+        .with_state(server);
+    let listener =
+        tokio::net::TcpListener::bind((host, port)).await.map_err(|e| anyhow::anyhow!("binding {host}:{port}: {e}"))?;
+    let addr = listener.local_addr()?;
+    // Tests and scripts read this line to find a --port 0 server.
+    eprintln!("picchio serve: listening on http://{addr} (OpenAI API under /v1)");
+    axum::serve(listener, app).with_graceful_shutdown(shutdown()).await?;
+    Ok(())
+}
+
+async fn shutdown() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            s.recv().await;
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { () = ctrl_c => {}, () = term => {} }
+    eprintln!("picchio serve: shutting down");
+}
+
+/// An OpenAI-shaped error response.
+fn error(status: StatusCode, kind: &str, code: Option<&str>, message: impl Into<String>) -> Response {
+    let body = json!({"error": {"message": message.into(), "type": kind, "param": null, "code": code}});
+    (status, Json(body)).into_response()
+}
+
+fn bad_request(message: impl Into<String>) -> Response {
+    error(StatusCode::BAD_REQUEST, "invalid_request_error", None, message)
+}
+
+async fn not_found() -> Response {
+    error(StatusCode::NOT_FOUND, "invalid_request_error", Some("not_found"), "no such endpoint")
+}
+
+async fn health() -> Response {
+    Json(json!({"status": "ok"})).into_response()
+}
+
+async fn metrics(State(s): St) -> Response {
+    ([("content-type", "text/plain; version=0.0.4")], s.metrics.render()).into_response()
+}
+
+/// `Err(401)` unless the server has no key or `Authorization: Bearer <key>` names it.
+#[allow(clippy::result_large_err)]
+fn authorize(s: &Server, headers: &HeaderMap) -> Result<(), Response> {
+    let Some(key) = &s.api_key else { return Ok(()) };
+    let given = headers.get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    match given {
+        Some(g) if g == key => Ok(()),
+        Some(_) => {
+            Err(error(StatusCode::UNAUTHORIZED, "invalid_request_error", Some("invalid_api_key"), "incorrect API key"))
+        }
+        None => Err(error(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            Some("invalid_api_key"),
+            "this server needs an API key: send `Authorization: Bearer <key>`",
+        )),
+    }
+}
+
+async fn models(State(s): St, headers: HeaderMap) -> Response {
+    if let Err(r) = authorize(&s, &headers) {
+        return r;
+    }
+    Json(json!({"object": "list", "data": [model_card(&s)]})).into_response()
+}
+
+fn model_card(s: &Server) -> Value {
+    json!({"id": s.model, "object": "model", "created": 0, "owned_by": "picchio", "context_length": s.context})
+}
+
+/// The fields of both endpoints' bodies that picchio reads (others are ignored, as OpenAI-compatible
+/// servers do).
+#[derive(Deserialize)]
+struct Body {
+    model: Option<String>,
+    messages: Option<Vec<WireMessage>>,
+    prompt: Option<Value>,
+    max_tokens: Option<i64>,
+    max_completion_tokens: Option<i64>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    top_k: Option<i64>,
+    min_p: Option<f32>,
+    seed: Option<i64>,
+    stop: Option<Value>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    repetition_penalty: Option<f32>,
+    #[serde(default)]
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    ignore_eos: bool,
+    /// vLLM's extension: return the prompt's and the answer's token ids.
+    #[serde(default)]
+    return_token_ids: bool,
+    /// vLLM's `chat_template_kwargs` (`enable_thinking` is read).
+    chat_template_kwargs: Option<Value>,
+    n: Option<i64>,
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+#[derive(Deserialize)]
+struct WireMessage {
+    role: String,
+    #[serde(default)]
+    content: Value,
+    reasoning_content: Option<String>,
+}
+
+/// A message's `content`: a string, null, or a list of parts of which the `text` parts count.
+fn content_text(i: usize, v: &Value) -> Result<String, String> {
+    match v {
+        Value::String(s) => Ok(s.clone()),
+        Value::Null => Ok(String::new()),
+        Value::Array(parts) => {
+            let mut out = String::new();
+            for p in parts {
+                match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                    (Some("text"), Some(t)) => out.push_str(t),
+                    (kind, _) => {
+                        return Err(format!(
+                            "messages[{i}]: content part of type {} is not supported (text only)",
+                            kind.unwrap_or("?")
+                        ))
+                    }
+                }
+            }
+            Ok(out)
+        }
+        _ => Err(format!("messages[{i}].content must be a string or a list of text parts")),
+    }
+}
+
+/// The engine request of a body, or the 400/404 response explaining why not.
+#[allow(clippy::result_large_err)]
+fn parse(s: &Server, bytes: Result<Bytes, BytesRejection>, chat: bool) -> Result<(Request, Body), Response> {
+    let bytes = bytes.map_err(|r| {
+        let status = r.status();
+        let kind = if status == StatusCode::PAYLOAD_TOO_LARGE { "request_too_large" } else { "invalid_request_error" };
+        error(status, kind, None, r.body_text())
+    })?;
+    let body: Body =
+        serde_json::from_slice(&bytes).map_err(|e| bad_request(format!("the body is not a valid request: {e}")))?;
+    if let Some(m) = &body.model {
+        if *m != s.model {
+            let msg = format!("the model `{m}` does not exist; this server has `{}`", s.model);
+            return Err(error(StatusCode::NOT_FOUND, "invalid_request_error", Some("model_not_found"), msg));
+        }
+    }
+    if body.n.is_some_and(|n| n != 1) {
+        return Err(bad_request("n must be 1"));
+    }
+    let max_tokens = match body.max_completion_tokens.or(body.max_tokens) {
+        Some(n) if n < 1 => return Err(bad_request(format!("max_tokens must be at least 1, got {n}"))),
+        Some(n) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
+        None => None,
+    };
+    let prompt = if chat {
+        let Some(msgs) = &body.messages else { return Err(bad_request("`messages` is required")) };
+        let mut out = Vec::with_capacity(msgs.len());
+        for (i, m) in msgs.iter().enumerate() {
+            let content = content_text(i, &m.content).map_err(bad_request)?;
+            out.push(Message { role: m.role.clone(), content, reasoning_content: m.reasoning_content.clone() });
+        }
+        Prompt::Chat(out)
+    } else {
+        match &body.prompt {
+            Some(Value::String(t)) => Prompt::Text(t.clone()),
+            Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+                Prompt::Text(a[0].as_str().unwrap_or("").into())
+            }
+            Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_u64) => {
+                let ids: Option<Vec<u32>> = a.iter().map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok())).collect();
+                Prompt::Ids(ids.ok_or_else(|| bad_request("prompt token ids must be below 2^32"))?)
+            }
+            Some(_) => {
+                return Err(bad_request("`prompt` must be a string, a list of one string, or a list of token ids"))
+            }
+            None => return Err(bad_request("`prompt` is required")),
+        }
+    };
+    let stop = match &body.stop {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(t)) => vec![t.clone()],
+        Some(Value::Array(a)) if a.iter().all(Value::is_string) => {
+            a.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect()
+        }
+        Some(_) => return Err(bad_request("`stop` must be a string or a list of strings")),
+    };
+    let top_k = match body.top_k {
+        Some(k) if k < -1 => return Err(bad_request(format!("top_k must be >= 0 (or -1 for all), got {k}"))),
+        Some(k) if k <= 0 => 0,
+        Some(k) => usize::try_from(k).unwrap_or(usize::MAX),
+        None => 0,
+    };
+    let d = SamplerOptions::default();
+    let sampler = SamplerOptions {
+        // OpenAI's default temperature is 1.
+        temperature: body.temperature.unwrap_or(1.0),
+        top_p: body.top_p.unwrap_or(1.0),
+        seed: body.seed.map_or(0, |s| s as u64),
+        top_k,
+        min_p: body.min_p.unwrap_or(0.0),
+        repetition_penalty: body.repetition_penalty.unwrap_or(1.0),
+        presence_penalty: body.presence_penalty.unwrap_or(d.presence_penalty),
+        frequency_penalty: body.frequency_penalty.unwrap_or(d.frequency_penalty),
+    };
+    sampler.check().map_err(bad_request)?;
+    let enable_thinking =
+        body.chat_template_kwargs.as_ref().and_then(|k| k.get("enable_thinking")).and_then(Value::as_bool);
+    let req = Request { prompt, max_tokens, sampler, stop, ignore_eos: body.ignore_eos, enable_thinking };
+    Ok((req, body))
+}
+
+async fn chat_completions(State(s): St, headers: HeaderMap, bytes: Result<Bytes, BytesRejection>) -> Response {
+    handle(s, headers, bytes, true).await
+}
+
+async fn completions(State(s): St, headers: HeaderMap, bytes: Result<Bytes, BytesRejection>) -> Response {
+    handle(s, headers, bytes, false).await
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+async fn handle(s: Arc<Server>, headers: HeaderMap, bytes: Result<Bytes, BytesRejection>, chat: bool) -> Response {
+    if let Err(r) = authorize(&s, &headers) {
+        return r;
+    }
+    let (request, body) = match parse(&s, bytes, chat) {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    if !s.submit(Job { request, events: tx }) {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            Some("queue_full"),
+            "the request queue is full; retry later",
+        );
+    }
+    let id = format!("{}-{}", if chat { "chatcmpl" } else { "cmpl" }, NEXT_ID.fetch_add(1, Ordering::Relaxed));
+    let meta = Meta {
+        id,
+        model: s.model.clone(),
+        created: unix_now(),
+        chat,
+        include_usage: body.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        token_ids: body.return_token_ids,
+    };
+    // Wait for the worker to start the job; a request refused before generating (a bad prompt, a
+    // context overflow) gets a plain error response, not a stream.
+    let mut first = Vec::new();
+    loop {
+        match rx.recv().await {
+            Some(Event::Started) => continue,
+            Some(Event::Done(Err(f))) => return failure(&f),
+            Some(e) => {
+                first.push(e);
+                break;
+            }
+            None => {
+                return error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", None, "the generation thread stopped")
+            }
+        }
+    }
+    if body.stream {
+        stream(meta, first, rx).into_response()
+    } else {
+        whole(meta, first, rx).await
+    }
+}
+
+fn failure(f: &Failure) -> Response {
+    let status = StatusCode::from_u16(f.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let kind = if f.status == 400 { "invalid_request_error" } else { "server_error" };
+    error(status, kind, f.code, f.message.clone())
+}
+
+struct Meta {
+    id: String,
+    model: String,
+    created: u64,
+    chat: bool,
+    include_usage: bool,
+    token_ids: bool,
+}
+
+fn finish_reason(o: &Outcome) -> &'static str {
+    match o.finish {
+        FinishReason::Length => "length",
+        _ => "stop",
+    }
+}
+
+fn usage(o: &Outcome) -> Value {
+    let (p, c) = (o.prompt_ids.len(), o.turn.completion_tokens());
+    json!({
+        "prompt_tokens": p,
+        "completion_tokens": c,
+        "total_tokens": p + c,
+        "prompt_tokens_details": {"cached_tokens": o.turn.cached_tokens},
+    })
+}
+
+fn answer_ids(o: &Outcome) -> Vec<u32> {
+    o.turn.tokens.iter().copied().chain(o.turn.stop_id).collect()
+}
+
+/// A non-streamed answer: collects the events to the end.
+async fn whole(meta: Meta, first: Vec<Event>, mut rx: UnboundedReceiver<Event>) -> Response {
+    let mut pending = first.into_iter();
+    let outcome = loop {
+        let e = match pending.next() {
+            Some(e) => Some(e),
+            None => rx.recv().await,
+        };
+        match e {
+            Some(Event::Done(Ok(o))) => break o,
+            Some(Event::Done(Err(f))) => return failure(&f),
+            Some(_) => continue,
+            None => {
+                return error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", None, "the generation thread stopped")
+            }
+        }
+    };
+    let o = &*outcome;
+    let mut choice = if meta.chat {
+        let mut msg = json!({"role": "assistant", "content": o.content});
+        if !o.reasoning.is_empty() {
+            msg["reasoning_content"] = json!(o.reasoning);
+        }
+        json!({"index": 0, "message": msg, "finish_reason": finish_reason(o), "logprobs": null})
+    } else {
+        json!({"index": 0, "text": o.content, "finish_reason": finish_reason(o), "logprobs": null})
+    };
+    let mut body = json!({
+        "id": meta.id,
+        "object": if meta.chat { "chat.completion" } else { "text_completion" },
+        "created": meta.created,
+        "model": meta.model,
+        "usage": usage(o),
+    });
+    if meta.token_ids {
+        choice["token_ids"] = json!(answer_ids(o));
+        body["prompt_token_ids"] = json!(o.prompt_ids);
+    }
+    body["choices"] = json!([choice]);
+    Json(body).into_response()
+}
+
+/// A streamed answer: one SSE chunk per delta, then the finish chunk, the usage chunk when asked
+/// for, and `data: [DONE]`. The relay task ends when the client goes away (its send fails), which
+/// drops the worker's receiver and so stops the generation.
+fn stream(meta: Meta, first: Vec<Event>, mut rx: UnboundedReceiver<Event>) -> impl IntoResponse {
+    let (tx, out) = tokio::sync::mpsc::channel::<Result<Sse, Infallible>>(16);
+    tokio::spawn(async move {
+        let chunk = |choice: Value, usage: Option<Value>| {
+            let mut v = json!({
+                "id": meta.id,
+                "object": if meta.chat { "chat.completion.chunk" } else { "text_completion" },
+                "created": meta.created,
+                "model": meta.model,
+                "choices": if choice.is_null() { json!([]) } else { json!([choice]) },
+            });
+            if let Some(u) = usage {
+                v["usage"] = u;
+            }
+            Ok(Sse::default().data(v.to_string()))
+        };
+        if meta.chat {
+            let c = json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null});
+            if tx.send(chunk(c, None)).await.is_err() {
+                return;
+            }
+        }
+        let mut pending = first.into_iter();
+        loop {
+            let e = match pending.next() {
+                Some(e) => Some(e),
+                None => rx.recv().await,
+            };
+            let Some(e) = e else { return };
+            match e {
+                Event::Started => {}
+                Event::Delta(d) => {
+                    let c = if meta.chat {
+                        let mut delta = json!({});
+                        if !d.content.is_empty() {
+                            delta["content"] = json!(d.content);
+                        }
+                        if !d.reasoning.is_empty() {
+                            delta["reasoning_content"] = json!(d.reasoning);
+                        }
+                        json!({"index": 0, "delta": delta, "finish_reason": null})
+                    } else {
+                        json!({"index": 0, "text": d.content, "finish_reason": null})
+                    };
+                    if tx.send(chunk(c, None)).await.is_err() {
+                        return; // the client left: dropping rx stops the generation
+                    }
+                }
+                Event::Done(Err(f)) => {
+                    let v =
+                        json!({"error": {"message": f.message, "type": "server_error", "param": null, "code": f.code}});
+                    let _ = tx.send(Ok(Sse::default().data(v.to_string()))).await;
+                    break;
+                }
+                Event::Done(Ok(o)) => {
+                    let mut c = if meta.chat {
+                        json!({"index": 0, "delta": {}, "finish_reason": finish_reason(&o)})
+                    } else {
+                        json!({"index": 0, "text": "", "finish_reason": finish_reason(&o)})
+                    };
+                    if meta.token_ids {
+                        c["token_ids"] = json!(answer_ids(&o));
+                    }
+                    if tx.send(chunk(c, None)).await.is_err() {
+                        return;
+                    }
+                    if meta.include_usage && tx.send(chunk(Value::Null, Some(usage(&o)))).await.is_err() {
+                        return;
+                    }
+                    break;
+                }
+            }
+        }
+        let _ = tx.send(Ok(Sse::default().data("[DONE]"))).await;
+    });
+    SseBody::new(tokio_stream::wrappers::ReceiverStream::new(out))
+}

@@ -1,0 +1,181 @@
+//! `picchio chat` in a real terminal (a tmux pane) on the vendored real-tokenizer model: two turns,
+//! the second prefilling only what the first did not leave in the KV cache (checked against the
+//! prompts rendered from the saved conversation and `picchio run`'s greedy tokens), `/save`,
+//! `/reset` starting from an empty cache, and Ctrl-C stopping an answer but not the program (a
+//! second Ctrl-C at the prompt ends it). Linux only (tmux; the test kit's tool check).
+#![cfg(target_os = "linux")]
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::serve::packed_model;
+use picchio_runtime::chat::{ChatFormat, Message, RenderOptions};
+use picchio_runtime::model::tokenizer::Tokenizer;
+use picchio_runtime::Config;
+
+const TEST: &str = "chat_in_tmux";
+
+struct Tmux {
+    name: String,
+}
+
+impl Tmux {
+    /// A detached tmux session running `cmd` (kept open after it exits so its screen can be read).
+    fn start(name: &str, cmd: &str) -> Tmux {
+        let name = format!("picchio-{name}-{}", std::process::id());
+        let ok = Command::new("tmux")
+            .args(["new-session", "-d", "-s", &name, "-x", "200", "-y", "60", cmd])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "tmux new-session failed");
+        let _ = Command::new("tmux").args(["set-option", "-t", &name, "remain-on-exit", "on"]).status();
+        Tmux { name }
+    }
+
+    fn keys(&self, keys: &[&str]) {
+        let mut args = vec!["send-keys", "-t", &self.name];
+        args.extend_from_slice(keys);
+        assert!(Command::new("tmux").args(&args).status().unwrap().success());
+    }
+
+    fn line(&self, text: &str) {
+        self.keys(&["-l", text]);
+        self.keys(&["Enter"]);
+    }
+
+    fn screen(&self) -> String {
+        let o = Command::new("tmux").args(["capture-pane", "-p", "-J", "-S", "-", "-t", &self.name]).output().unwrap();
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
+    fn dead(&self) -> bool {
+        let o =
+            Command::new("tmux").args(["display-message", "-p", "-t", &self.name, "#{pane_dead}"]).output().unwrap();
+        String::from_utf8_lossy(&o.stdout).trim() == "1"
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        eprintln!("--- tmux screen of {}:\n{}", self.name, self.screen());
+        let _ = Command::new("tmux").args(["kill-session", "-t", &self.name]).status();
+    }
+}
+
+/// The stats lines (`[N tokens, ...]`) of the log.
+fn stats(log: &Path) -> Vec<String> {
+    std::fs::read_to_string(log).unwrap_or_default().lines().filter(|l| l.starts_with('[')).map(str::to_owned).collect()
+}
+
+/// `(prompt tokens, reused)` of a stats line `[..; prompt P tokens, R reused ...]`.
+fn prompt_and_reused(line: &str) -> (usize, usize) {
+    let after = line.split("prompt ").nth(1).unwrap();
+    let mut w = after.split_whitespace();
+    let p = w.next().unwrap().parse().unwrap();
+    let r = w.nth(1).unwrap().parse().unwrap();
+    (p, r)
+}
+
+fn wait(what: &str, t: &Tmux, mut cond: impl FnMut() -> bool) {
+    let held = picchio_testkit::wait_until(picchio_testkit::bin::HANG_LIMIT, &mut cond);
+    assert!(held, "{what} never happened; screen:\n{}", t.screen());
+}
+
+fn ids_of(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+#[test]
+#[ignore = "needs tmux"]
+fn chat_in_tmux() {
+    picchio_testkit::loopdev::require_tool(TEST, "tmux", &["-V"]);
+    let tmp = common::scratch();
+    let model = packed_model(tmp.path());
+    let (m, exe) = (model.to_str().unwrap(), env!("CARGO_BIN_EXE_picchio"));
+    let log = tmp.path().join("chat.log");
+    let saved = tmp.path().join("conv.json");
+
+    // Two turns, /save, /reset, a third turn, /exit. The bare form `picchio --model DIR` is chat.
+    let cmd = format!("exec {exe} --model {m} --ecap 4 --ctx 256 -n 8 2>{}", log.display());
+    let t = Tmux::start("turns", &cmd);
+    wait("the banner", &t, || std::fs::read_to_string(&log).unwrap_or_default().contains("picchio chat:"));
+    t.line("Hi there");
+    wait("turn 1", &t, || stats(&log).len() == 1);
+    t.line("Tell me more.");
+    wait("turn 2", &t, || stats(&log).len() == 2);
+    t.line(&format!("/save {}", saved.display()));
+    wait("/save", &t, || t.screen().contains("(saved 4 messages"));
+    t.line("/reset");
+    wait("/reset", &t, || t.screen().contains("(new conversation)"));
+    t.line("Hi there");
+    wait("turn 3", &t, || stats(&log).len() == 3);
+    t.line("/stats");
+    wait("/stats", &t, || t.screen().contains("(3 turns, 2 messages"));
+    t.line("/exit");
+    wait("exit", &t, || t.dead());
+    let st = stats(&log);
+
+    // Expected: turn 1 reuses nothing; turn 2 reuses the longest common prefix of its prompt with
+    // what turn 1 left in the KV cache (turn 1's prompt and answer but its last token); turn 3,
+    // after /reset, nothing.
+    let conv: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&saved).unwrap()).unwrap();
+    let msgs: Vec<Message> = serde_json::from_value(conv["messages"].clone()).unwrap();
+    assert_eq!(msgs.iter().map(|m| m.role.as_str()).collect::<Vec<_>>(), ["user", "assistant", "user", "assistant"]);
+    let cfg = Config::from_dir(&model).unwrap();
+    let f = ChatFormat::from_dir(&model, &cfg).unwrap().unwrap();
+    let tok = Tokenizer::from_dir(&model).unwrap().unwrap();
+    let gen = RenderOptions { add_generation_prompt: true, enable_thinking: None };
+    let p1 = tok.encode(&f.render(&msgs[..1], gen).unwrap()).unwrap();
+    let p2 = tok.encode(&f.render(&msgs[..3], gen).unwrap()).unwrap();
+    let ids = p1.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    let run: serde_json::Value = serde_json::from_str(&common::ok(&[
+        "run",
+        "--model",
+        m,
+        "--ecap",
+        "4",
+        "--prompt-ids",
+        &ids,
+        "-n",
+        "8",
+        "--json",
+        "--stop-at-eos",
+    ]))
+    .unwrap();
+    let a1 = ids_of(&run["tokens"]);
+    assert_eq!(tok.decode_text(&a1).unwrap(), msgs[1].content, "turn 1's answer is run's greedy answer");
+    let kv1 = [&p1[..], &a1[..a1.len() - 1]].concat();
+    let shared = p2.iter().zip(&kv1).take_while(|(a, b)| a == b).count();
+    assert!(shared >= p1.len(), "turn 2 shares turn 1's prompt");
+    assert_eq!(prompt_and_reused(&st[0]), (p1.len(), 0), "{}", st[0]);
+    assert_eq!(prompt_and_reused(&st[1]), (p2.len(), shared), "{}", st[1]);
+    assert!(st[1].contains(&format!("{} prefilled", p2.len() - shared)), "{}", st[1]);
+    assert_eq!(prompt_and_reused(&st[2]), (p1.len(), 0), "after /reset: {}", st[2]);
+
+    // Ctrl-C during a long answer stops it; the program goes on; Ctrl-C at the prompt ends it.
+    let log2 = tmp.path().join("chat2.log");
+    let cmd = format!("exec {exe} chat --model {m} --ecap 4 --ctx 512 -n 480 --ignore-eos 2>{}", log2.display());
+    let t2 = Tmux::start("ctrlc", &cmd);
+    wait("the banner", &t2, || std::fs::read_to_string(&log2).unwrap_or_default().contains("picchio chat:"));
+    t2.line("Hi there");
+    // The answer has begun when text follows the prompt line.
+    wait("the answer to begin", &t2, || {
+        let s = t2.screen();
+        s.split("> Hi there").nth(1).is_some_and(|rest| rest.trim().chars().count() > 3)
+    });
+    t2.keys(&["C-c"]);
+    wait("the answer to stop", &t2, || t2.screen().contains("(stopped)"));
+    let st = stats(&log2);
+    assert_eq!(st.len(), 1);
+    let n: usize = st[0].trim_start_matches('[').split_whitespace().next().unwrap().parse().unwrap();
+    assert!(n < 480, "Ctrl-C stopped the answer early: {}", st[0]);
+    assert!(!t2.dead(), "Ctrl-C during an answer does not end the program");
+    t2.line("/stats");
+    wait("/stats after Ctrl-C", &t2, || t2.screen().contains("(1 turns, 2 messages"));
+    t2.keys(&["C-c"]);
+    wait("exit on Ctrl-C at the prompt", &t2, || t2.dead());
+    assert!(std::fs::read_to_string(&log2).unwrap().contains("bye"));
+}

@@ -1,0 +1,175 @@
+//! `picchio serve` over plain HTTP on the vendored real-tokenizer model: the endpoints answer in
+//! OpenAI's shapes, and every bad input of the issue gets OpenAI's JSON error with the right status
+//! and nothing generated: an unknown role, an empty message list, a body that is not UTF-8 or too
+//! large, a prompt longer than the context, `max_tokens` 0 or negative, an unknown model, a
+//! missing or wrong API key, a full queue. (The official `openai` client drives it in
+//! serve_openai.rs.)
+
+mod common;
+
+use common::serve::{packed_model, Served};
+use serde_json::{json, Value};
+
+fn chat(content: &str, extra: Value) -> Value {
+    let mut v = json!({"model": "m", "messages": [{"role": "user", "content": content}], "temperature": 0});
+    for (k, x) in extra.as_object().unwrap() {
+        v[k] = x.clone();
+    }
+    v
+}
+
+fn err(v: &Value) -> (&str, Option<&str>) {
+    (v["error"]["message"].as_str().unwrap_or_else(|| panic!("no error message: {v}")), v["error"]["code"].as_str())
+}
+
+#[test]
+fn endpoints_answer_and_bad_requests_get_openai_errors() {
+    let tmp = common::scratch();
+    let model = packed_model(tmp.path());
+    let s = Served::start(&model, &["--ctx", "64", "--max-body", "4096"]);
+
+    assert_eq!(s.get("/health"), (200, r#"{"status":"ok"}"#.into()));
+    let (st, body) = s.get("/v1/models");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!((st, v["data"][0]["id"].as_str()), (200, Some("m")));
+
+    // A good request: greedy, 5 tokens, usage counted.
+    let (st, v) = s.post("/v1/chat/completions", &chat("Hi there", json!({"max_tokens": 5})));
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["usage"]["completion_tokens"], 5);
+    // <|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n: 10 tokens (chat/qwen3_rendering.json).
+    assert_eq!(v["usage"]["prompt_tokens"], 10);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    let generated = s.metric("picchio_completion_tokens_total");
+    assert_eq!(generated, 5.0);
+
+    // (what, body, status, text in the message, OpenAI code)
+    type Case<'a> = (&'a str, Vec<u8>, u16, &'a str, Option<&'a str>);
+    let cases: Vec<Case> = vec![
+        (
+            "unknown role",
+            json!({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}).to_string().into_bytes(),
+            400,
+            "message 0 has role `wizard`",
+            None,
+        ),
+        ("empty message list", json!({"model": "m", "messages": []}).to_string().into_bytes(), 400, "empty", None),
+        ("no messages", json!({"model": "m"}).to_string().into_bytes(), 400, "`messages` is required", None),
+        (
+            "not UTF-8",
+            b"{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"\xff\xfe\"}]}".to_vec(),
+            400,
+            "not a valid request",
+            None,
+        ),
+        ("not JSON", b"{\"model\": ".to_vec(), 400, "not a valid request", None),
+        ("too large", chat(&"x".repeat(5000), json!({})).to_string().into_bytes(), 413, "length limit", None),
+        (
+            "longer than the context",
+            chat(&"word ".repeat(80), json!({"max_tokens": 4})).to_string().into_bytes(),
+            400,
+            "exceed",
+            Some("context_length_exceeded"),
+        ),
+        (
+            "prompt + max_tokens beyond the context",
+            chat("Hi there", json!({"max_tokens": 60})).to_string().into_bytes(),
+            400,
+            "exceed",
+            Some("context_length_exceeded"),
+        ),
+        ("max_tokens 0", chat("Hi", json!({"max_tokens": 0})).to_string().into_bytes(), 400, "max_tokens", None),
+        ("max_tokens < 0", chat("Hi", json!({"max_tokens": -3})).to_string().into_bytes(), 400, "max_tokens", None),
+        (
+            "max_completion_tokens < 0",
+            chat("Hi", json!({"max_completion_tokens": -1})).to_string().into_bytes(),
+            400,
+            "max_tokens",
+            None,
+        ),
+        (
+            "unknown model",
+            json!({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}).to_string().into_bytes(),
+            404,
+            "`gpt-9` does not exist",
+            Some("model_not_found"),
+        ),
+        ("bad temperature", chat("Hi", json!({"temperature": -1})).to_string().into_bytes(), 400, "temperature", None),
+        ("bad top_p", chat("Hi", json!({"top_p": 0})).to_string().into_bytes(), 400, "top_p", None),
+    ];
+    for (what, body, status, text, code) in cases {
+        let (st, raw) = s.request("POST", "/v1/chat/completions", &[], &body);
+        let v: Value = serde_json::from_str(&raw).unwrap_or_else(|e| panic!("{what}: not JSON ({e}): {raw}"));
+        assert_eq!(st, status, "{what}: {v}");
+        let (msg, c) = err(&v);
+        assert!(msg.contains(text), "{what}: {msg}");
+        assert_eq!(c, code, "{what}");
+    }
+    // Completions: a prompt as text, as ids, and bad prompts.
+    let (st, v) = s.post(
+        "/v1/completions",
+        &json!({"model": "m", "prompt": "The quick brown", "max_tokens": 3, "temperature": 0}),
+    );
+    assert_eq!((st, v["usage"]["completion_tokens"].as_u64()), (200, Some(3)), "{v}");
+    let (st, v) = s.post("/v1/completions", &json!({"prompt": [785, 3974], "max_tokens": 2, "temperature": 0}));
+    assert_eq!((st, v["usage"]["prompt_tokens"].as_u64()), (200, Some(2)), "{v}");
+    let (st, v) = s.post("/v1/completions", &json!({"prompt": [999999999], "max_tokens": 2}));
+    assert_eq!(st, 400, "{v}");
+    assert!(err(&v).0.contains("outside the vocabulary"), "{v}");
+    let (st, v) = s.post("/v1/completions", &json!({"prompt": {"a": 1}}));
+    assert_eq!(st, 400, "{v}");
+    let (st, _) = s.get("/v1/nothing");
+    assert_eq!(st, 404);
+    // None of the refused requests generated anything.
+    assert_eq!(s.metric("picchio_completion_tokens_total"), generated + 5.0);
+}
+
+#[test]
+fn an_api_key_is_required_when_set() {
+    let tmp = common::scratch();
+    let model = packed_model(tmp.path());
+    let s = Served::start(&model, &["--api-key", "sekrit"]);
+    let (st, raw) = s.request("GET", "/v1/models", &[], b"");
+    assert_eq!(st, 401, "{raw}");
+    assert!(raw.contains("invalid_api_key"), "{raw}");
+    let (st, raw) = s.request("GET", "/v1/models", &[("Authorization", "Bearer wrong")], b"");
+    assert_eq!(st, 401, "{raw}");
+    assert!(raw.contains("incorrect API key"), "{raw}");
+    let body = chat("Hi", json!({"max_tokens": 2})).to_string();
+    let (st, _) = s.request("POST", "/v1/chat/completions", &[], body.as_bytes());
+    assert_eq!(st, 401);
+    let (st, raw) = s.request("POST", "/v1/chat/completions", &[("Authorization", "Bearer sekrit")], body.as_bytes());
+    assert_eq!(st, 200, "{raw}");
+    // /health stays open (for load balancers).
+    assert_eq!(s.get("/health").0, 200);
+}
+
+#[test]
+fn requests_beyond_the_queue_bound_get_503() {
+    let tmp = common::scratch();
+    let model = packed_model(tmp.path());
+    let s = Served::start(&model, &["--queue", "1", "--ctx", "512"]);
+    // A long streamed answer keeps the worker busy; read its first event so it is surely running.
+    let long = chat("Hi there", json!({"max_tokens": 500, "stream": true, "ignore_eos": true})).to_string();
+    let mut a = s.send("POST", "/v1/chat/completions", &[], long.as_bytes());
+    let mut first = [0u8; 1];
+    std::io::Read::read_exact(&mut a, &mut first).unwrap();
+    // One request may wait...
+    let short = chat("Hi", json!({"max_tokens": 2})).to_string();
+    let b = s.send("POST", "/v1/chat/completions", &[], short.as_bytes());
+    common::serve::wait_for(|| s.metric("picchio_queue_depth") == 1.0);
+    // ...the next one is refused.
+    let (st, raw) = s.request("POST", "/v1/chat/completions", &[], short.as_bytes());
+    assert_eq!(st, 503, "{raw}");
+    assert!(raw.contains("queue_full"), "{raw}");
+    assert_eq!(s.metric("picchio_requests_rejected_total"), 1.0);
+    // The waiting one is answered once the long one ends.
+    let mut raw = Vec::new();
+    std::io::Read::read_to_end(&mut { b }, &mut raw).unwrap();
+    let (st, body) = common::serve::parse_response(&raw);
+    assert_eq!(st, 200, "{body}");
+    let mut rest = Vec::new();
+    std::io::Read::read_to_end(&mut a, &mut rest).unwrap();
+    assert!(String::from_utf8_lossy(&rest).contains("data: [DONE]"));
+}

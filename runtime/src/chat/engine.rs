@@ -1,0 +1,366 @@
+//! One request, start to end, for the chat front ends: render the messages with the model's chat
+//! format (or take raw text / ids), check the context, generate with KV reuse
+//! ([`Session::complete`]), turn the tokens into text as they come (holding back an unfinished
+//! UTF-8 sequence and anything that may be the start of a stop string), split reasoning from the
+//! answer, and stop at an end-of-turn id, a stop string, `max_tokens`, or when the caller's callback
+//! says so (a client that went away, Ctrl-C). No terminal or HTTP code here.
+
+use std::ops::ControlFlow;
+
+use super::template::RenderOptions;
+use super::turn::{Finish, Turn, TurnOptions};
+use super::{ChatFormat, Message, Reasoning, ReasoningStream};
+use crate::error::{Error, Result};
+use crate::model::sampler::SamplerOptions;
+use crate::run::Session;
+
+/// What to generate after.
+#[derive(Clone, Debug)]
+pub enum Prompt {
+    /// A conversation, rendered with the model's chat format and a generation prompt.
+    Chat(Vec<Message>),
+    /// Raw text, tokenized as is (OpenAI's completions).
+    Text(String),
+    /// Token ids.
+    Ids(Vec<u32>),
+}
+
+/// One request.
+#[derive(Clone, Debug)]
+pub struct Request {
+    /// The prompt.
+    pub prompt: Prompt,
+    /// Tokens to generate at most; `None` is the rest of the context.
+    pub max_tokens: Option<usize>,
+    /// Sampling.
+    pub sampler: SamplerOptions,
+    /// Stop strings: the answer ends before the first one (which is not returned).
+    pub stop: Vec<String>,
+    /// Go on past the end-of-turn ids.
+    pub ignore_eos: bool,
+    /// Qwen3's `enable_thinking` for the template.
+    pub enable_thinking: Option<bool>,
+}
+
+impl Request {
+    /// A greedy chat request with defaults.
+    pub fn chat(messages: Vec<Message>) -> Request {
+        Request {
+            prompt: Prompt::Chat(messages),
+            max_tokens: None,
+            sampler: SamplerOptions::default(),
+            stop: Vec::new(),
+            ignore_eos: false,
+            enable_thinking: None,
+        }
+    }
+}
+
+/// New text of a running answer.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Delta {
+    /// New reasoning text.
+    pub reasoning: String,
+    /// New answer text.
+    pub content: String,
+}
+
+/// Why a request ended, in OpenAI's words.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-turn id or a stop string.
+    Stop,
+    /// `max_tokens` (or the end of the context).
+    Length,
+    /// The callback stopped it.
+    Cancelled,
+}
+
+impl FinishReason {
+    /// `stop`, `length`, `cancelled`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// The result of a request.
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    /// The prompt's ids.
+    pub prompt_ids: Vec<u32>,
+    /// The answer text (reasoning apart, stop string cut).
+    pub content: String,
+    /// The reasoning text.
+    pub reasoning: String,
+    /// Why it ended.
+    pub finish: FinishReason,
+    /// The generation (tokens, cached prefix, figures).
+    pub turn: Turn,
+}
+
+/// A session and its chat format: runs [`Request`]s one after another, reusing the KV cache.
+pub struct Engine {
+    /// The model session.
+    pub session: Session,
+    /// The chat format, when the model has one.
+    pub format: Option<ChatFormat>,
+    /// A name for the model (the directory's name): what `/v1/models` lists.
+    pub name: String,
+}
+
+/// A request that cannot run as asked: the HTTP front end answers 400 with the message.
+pub fn is_bad_request(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::Invalid(_)
+            | Error::EmptyPrompt
+            | Error::OutOfVocabulary { .. }
+            | Error::ContextOverflow { .. }
+            | Error::Template { .. }
+            | Error::BadOption { .. }
+    )
+}
+
+impl Engine {
+    /// An engine over `session`, with the chat format of the model's directory.
+    ///
+    /// # Errors
+    /// As [`ChatFormat::from_dir`] (a template that does not compile).
+    pub fn new(session: Session) -> Result<Engine> {
+        let dir = session.model.dir().to_path_buf();
+        let format = ChatFormat::from_dir(&dir, session.model.config())?;
+        let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
+        Ok(Engine { session, format, name })
+    }
+
+    /// The context (KV cache positions).
+    pub fn context(&self) -> usize {
+        self.session.model.max_seq()
+    }
+
+    /// The prompt's ids: the rendered conversation, the tokenized text, or the ids.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] without a chat format or tokenizer; rendering errors.
+    pub fn prompt_ids(&self, prompt: &Prompt, enable_thinking: Option<bool>) -> Result<Vec<u32>> {
+        match prompt {
+            Prompt::Ids(ids) => Ok(ids.clone()),
+            Prompt::Text(t) => self.session.encode(t),
+            Prompt::Chat(messages) => {
+                let Some(f) = &self.format else {
+                    return Err(Error::Invalid(format!(
+                        "{} has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja)",
+                        self.session.model.dir().display()
+                    )));
+                };
+                let text = f.render(messages, RenderOptions { add_generation_prompt: true, enable_thinking })?;
+                self.session.encode(&text)
+            }
+        }
+    }
+
+    /// Runs `req`. `on_delta` sees the new reasoning/answer text as soon as it is final (no stop
+    /// string can begin in it); [`ControlFlow::Break`] stops the generation (finish `cancelled`).
+    ///
+    /// # Errors
+    /// Bad requests ([`is_bad_request`]: rendering, an empty prompt, a prompt plus `max_tokens`
+    /// longer than the context, `max_tokens` 0) before anything runs; generation errors.
+    pub fn run(&mut self, req: &Request, on_delta: &mut dyn FnMut(&Delta) -> ControlFlow<()>) -> Result<Outcome> {
+        if let Some(m) = req.stop.iter().find(|s| s.is_empty()) {
+            return Err(Error::Invalid(format!("stop strings must not be empty (got {m:?})")));
+        }
+        req.sampler.check().map_err(Error::Invalid)?;
+        let prompt_ids = self.prompt_ids(&req.prompt, req.enable_thinking)?;
+        if prompt_ids.is_empty() {
+            return Err(Error::EmptyPrompt);
+        }
+        let ctx = self.context();
+        let max_new = match req.max_tokens {
+            Some(0) => return Err(Error::Invalid("max_tokens must be at least 1".into())),
+            Some(n) => n,
+            None if prompt_ids.len() >= ctx => {
+                return Err(Error::ContextOverflow { needed: prompt_ids.len() + 1, context: ctx, config: None })
+            }
+            None => ctx - prompt_ids.len(),
+        };
+        let chat = matches!(req.prompt, Prompt::Chat(_));
+        let kind = match (&self.format, chat) {
+            (Some(f), true) => Some(f.reasoning()),
+            _ => None,
+        };
+        let opts = TurnOptions { max_new, sampler: req.sampler, stop_at_eos: !req.ignore_eos };
+        let mut text = TextStream::new(kind, req.stop.clone());
+        let mut tokens = Vec::new();
+        let mut stopped_by_string = false;
+        let session = &mut self.session;
+        let tok = session.tokenizer.take();
+        let result = session.complete(&prompt_ids, &opts, &mut |id| {
+            tokens.push(id);
+            let Some(t) = &tok else { return ControlFlow::Continue(()) };
+            // Harmony needs its channel markers; Qwen3's <think> tags are not special tokens.
+            let decoded = if kind == Some(Reasoning::Harmony) { t.decode(&tokens) } else { t.decode_text(&tokens) };
+            let Ok(decoded) = decoded else { return ControlFlow::Continue(()) };
+            let (delta, hit) = text.push(&decoded, false);
+            if !delta.reasoning.is_empty() || !delta.content.is_empty() {
+                on_delta(&delta)?;
+            }
+            if hit {
+                stopped_by_string = true;
+                return ControlFlow::Break(());
+            }
+            ControlFlow::Continue(())
+        });
+        session.tokenizer = tok;
+        let turn = result?;
+        // What was held back (a possible stop-string start, a partial character) is final now.
+        if !stopped_by_string {
+            if let Some(t) = &session.tokenizer {
+                let ids = &turn.tokens;
+                let decoded = if kind == Some(Reasoning::Harmony) { t.decode(ids)? } else { t.decode_text(ids)? };
+                let (delta, _) = text.push(&decoded, true);
+                if !delta.reasoning.is_empty() || !delta.content.is_empty() {
+                    let _ = on_delta(&delta);
+                }
+            }
+        }
+        let finish = match turn.finish {
+            _ if stopped_by_string => FinishReason::Stop,
+            Finish::Stop => FinishReason::Stop,
+            Finish::Length => FinishReason::Length,
+            Finish::Cancelled => FinishReason::Cancelled,
+        };
+        let (reasoning, content) = (text.reasoning, text.content);
+        Ok(Outcome { prompt_ids, content, reasoning, finish, turn })
+    }
+}
+
+/// Turns the growing decoded text into final deltas: splits reasoning from the answer, cuts the
+/// answer at the first stop string, and holds back a trailing partial UTF-8 character (decoded as
+/// U+FFFD) and any answer suffix that may begin a stop string.
+struct TextStream {
+    split: Option<ReasoningStream>,
+    stop: Vec<String>,
+    reasoning: String,
+    /// The answer as far as it is known (may run past what was emitted).
+    answer: String,
+    /// The answer emitted so far.
+    content: String,
+}
+
+impl TextStream {
+    fn new(kind: Option<Reasoning>, stop: Vec<String>) -> Self {
+        TextStream {
+            split: kind.map(ReasoningStream::new),
+            stop,
+            reasoning: String::new(),
+            answer: String::new(),
+            content: String::new(),
+        }
+    }
+
+    /// Given the whole decoded text so far, returns the new final text and whether a stop string
+    /// was reached. `last` releases everything held back.
+    fn push(&mut self, decoded: &str, last: bool) -> (Delta, bool) {
+        let decoded = if last { decoded } else { decoded.trim_end_matches('\u{FFFD}') };
+        let mut delta = Delta::default();
+        match &mut self.split {
+            Some(s) => {
+                let (r, a) = s.push(decoded);
+                self.reasoning.push_str(&r);
+                delta.reasoning = r;
+                self.answer.push_str(&a);
+            }
+            None => self.answer = decoded.to_string(),
+        }
+        let hit = self.stop.iter().filter_map(|s| self.answer.find(s.as_str())).min();
+        let end = match hit {
+            Some(i) => i,
+            None if last => self.answer.len(),
+            None => self.answer.len() - held_back(&self.answer, &self.stop),
+        };
+        if end > self.content.len() && self.answer.is_char_boundary(end) && self.answer.starts_with(&self.content) {
+            delta.content = self.answer[self.content.len()..end].to_string();
+            self.content.push_str(&delta.content);
+        }
+        (delta, hit.is_some())
+    }
+}
+
+/// Bytes at the end of `text` that are a proper prefix of one of `stop` (they may become a stop
+/// string with the next token), rounded to a character boundary.
+fn held_back(text: &str, stop: &[String]) -> usize {
+    let mut n = 0;
+    for s in stop {
+        for k in (1..s.len()).rev() {
+            if k > n && s.is_char_boundary(k) && text.ends_with(&s[..k]) {
+                n = k;
+                break;
+            }
+        }
+    }
+    n
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn feed(stream: &mut TextStream, pieces: &[&str]) -> (String, String, bool) {
+        let (mut r, mut c, mut text) = (String::new(), String::new(), String::new());
+        for p in pieces {
+            text.push_str(p);
+            let (d, hit) = stream.push(&text, false);
+            r.push_str(&d.reasoning);
+            c.push_str(&d.content);
+            if hit {
+                return (r, c, true);
+            }
+        }
+        let (d, _) = stream.push(&text, true);
+        r.push_str(&d.reasoning);
+        c.push_str(&d.content);
+        (r, c, false)
+    }
+
+    #[test]
+    fn stop_strings_cut_the_answer_and_partial_matches_wait() {
+        let mut s = TextStream::new(None, vec!["STOP".into()]);
+        let mut text = String::new();
+        let mut out = Vec::new();
+        for p in ["Hello ", "ST", "OP and more"] {
+            text.push_str(p);
+            let (d, hit) = s.push(&text, false);
+            out.push((d.content, hit));
+        }
+        assert_eq!(out, [("Hello ".into(), false), (String::new(), false), (String::new(), true)]);
+        assert_eq!(s.content, "Hello ");
+        // A partial match that does not complete is released.
+        let mut s = TextStream::new(None, vec!["STOP".into()]);
+        assert_eq!(feed(&mut s, &["a S", "Tx"]), (String::new(), "a STx".into(), false));
+        // A partial UTF-8 character waits for the rest.
+        let mut s = TextStream::new(None, vec![]);
+        let (d, _) = s.push("ok\u{FFFD}", false);
+        assert_eq!(d.content, "ok");
+        let (d, _) = s.push("ok😀", false);
+        assert_eq!(d.content, "😀");
+    }
+
+    #[test]
+    fn reasoning_goes_apart_and_stop_strings_apply_to_the_answer() {
+        let mut s = TextStream::new(Some(Reasoning::Think), vec!["END".into()]);
+        let got = feed(&mut s, &["<think>", "\nEND is", " fine here\n", "</think>", "\n\nAnswer", " END tail"]);
+        assert_eq!(got, ("END is fine here".into(), "Answer ".into(), true));
+    }
+
+    #[test]
+    fn held_back_is_the_longest_stop_prefix() {
+        let stop = vec!["</s>".to_string(), "xyz".to_string()];
+        assert_eq!(held_back("abc</", &stop), 2);
+        assert_eq!(held_back("abcxy", &stop), 2);
+        assert_eq!(held_back("abc", &stop), 0);
+    }
+}

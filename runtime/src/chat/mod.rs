@@ -1,0 +1,198 @@
+//! Chat: formatting a conversation with the model's own template ([`template`], [`harmony`]), the
+//! ids that end the assistant's turn ([`stop`]), separating reasoning from the answer in what the
+//! model writes ([`Reasoning`]), and generation that reuses the KV cache of the longest common
+//! prefix with what the session ran before ([`turn`]). The front ends (`picchio chat`, `picchio
+//! serve`) live in the CLI; this module has no terminal or HTTP code.
+
+pub mod engine;
+pub mod harmony;
+pub mod stop;
+pub mod template;
+pub mod turn;
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+use crate::model::config::{Arch, Config};
+pub use template::{Message, RenderOptions};
+
+/// How a model's conversations are rendered.
+pub enum ChatFormat {
+    /// A Jinja chat template (tokenizer_config.json's `chat_template`, or chat_template.jinja).
+    Jinja(Box<template::JinjaTemplate>),
+    /// GPT-OSS's harmony format.
+    Harmony(harmony::Harmony),
+}
+
+impl ChatFormat {
+    /// The model directory's chat format: chat_template.jinja when present, else the
+    /// `chat_template` of tokenizer_config.json (a string, or a list of `{name, template}` of which
+    /// `default` is used), else harmony for a GPT-OSS config, else `None`.
+    ///
+    /// # Errors
+    /// [`Error::Io`] for an unreadable file, [`Error::Config`] for a tokenizer_config.json that is
+    /// not JSON, [`Error::Template`] for a template that does not compile.
+    pub fn from_dir(dir: &Path, cfg: &Config) -> Result<Option<ChatFormat>> {
+        let tc = read_tokenizer_config(dir)?;
+        let jinja = dir.join("chat_template.jinja");
+        if jinja.is_file() {
+            let src = std::fs::read_to_string(&jinja).map_err(Error::io(&jinja, "read the chat template"))?;
+            return Ok(Some(ChatFormat::Jinja(Box::new(template::JinjaTemplate::new(&src, &jinja, tc.as_ref())?))));
+        }
+        let tc_path = dir.join("tokenizer_config.json");
+        let src = match tc.as_ref().and_then(|t| t.get("chat_template")) {
+            Some(serde_json::Value::String(s)) => Some(s.clone()),
+            Some(serde_json::Value::Array(list)) => list
+                .iter()
+                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                .and_then(|t| t.get("template")?.as_str().map(str::to_owned)),
+            _ => None,
+        };
+        if let Some(src) = src {
+            return Ok(Some(ChatFormat::Jinja(Box::new(template::JinjaTemplate::new(&src, &tc_path, tc.as_ref())?))));
+        }
+        if cfg.arch() == Arch::GptOss {
+            return Ok(Some(ChatFormat::Harmony(harmony::Harmony::default())));
+        }
+        Ok(None)
+    }
+
+    /// Renders `messages` as the model's prompt text.
+    ///
+    /// # Errors
+    /// As [`template::JinjaTemplate::render`] / [`harmony::Harmony::render`].
+    pub fn render(&self, messages: &[Message], opts: RenderOptions) -> Result<String> {
+        match self {
+            ChatFormat::Jinja(t) => t.render(messages, opts),
+            ChatFormat::Harmony(h) => h.render(messages, opts.add_generation_prompt),
+        }
+    }
+
+    /// How reasoning is marked in what the model writes.
+    pub fn reasoning(&self) -> Reasoning {
+        match self {
+            ChatFormat::Jinja(_) => Reasoning::Think,
+            ChatFormat::Harmony(_) => Reasoning::Harmony,
+        }
+    }
+
+    /// A short name: the template file, or `harmony`.
+    pub fn describe(&self) -> String {
+        match self {
+            ChatFormat::Jinja(t) => format!("jinja template from {}", t.path().display()),
+            ChatFormat::Harmony(h) => format!("harmony (reasoning {})", h.reasoning_effort),
+        }
+    }
+}
+
+/// tokenizer_config.json of `dir`, parsed, or `None` when absent.
+///
+/// # Errors
+/// [`Error::Io`], [`Error::Config`] (not JSON).
+pub fn read_tokenizer_config(dir: &Path) -> Result<Option<serde_json::Value>> {
+    let path: PathBuf = dir.join("tokenizer_config.json");
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(&path).map_err(Error::io(&path, "read"))?;
+    serde_json::from_str(&text).map(Some).map_err(|cause| Error::Config { path, cause })
+}
+
+/// How a model marks its reasoning in its output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reasoning {
+    /// Qwen3: `<think>…</think>` before the answer.
+    Think,
+    /// GPT-OSS: the `analysis` channel before the `final` one.
+    Harmony,
+}
+
+impl Reasoning {
+    /// Splits the assistant text generated so far (decoded with special tokens) into (reasoning,
+    /// answer). For `Think`: the text before `</think>` (without `<think>` and the newlines around)
+    /// is reasoning, the text after it (leading newlines dropped) the answer; an open `<think>`
+    /// without its end is all reasoning; no tag at all is all answer, unchanged.
+    pub fn split(self, text: &str) -> (String, String) {
+        match self {
+            Reasoning::Harmony => harmony::split_output(text),
+            Reasoning::Think => {
+                let t = text.trim_start_matches('\n');
+                if let Some((r, a)) = t.split_once("</think>") {
+                    let r = r.strip_prefix("<think>").unwrap_or(r);
+                    (r.trim_matches('\n').to_string(), a.trim_start_matches('\n').to_string())
+                } else if let Some(r) = t.strip_prefix("<think>") {
+                    (r.trim_matches('\n').to_string(), String::new())
+                } else if "<think>".starts_with(t) && !t.is_empty() {
+                    (String::new(), String::new()) // a tag still being written
+                } else {
+                    (String::new(), text.to_string())
+                }
+            }
+        }
+    }
+}
+
+/// Streams the reasoning and the answer apart while tokens arrive: each [`ReasoningStream::push`] of
+/// the whole text so far returns what is new in each part since the last call.
+pub struct ReasoningStream {
+    kind: Reasoning,
+    reasoning: String,
+    answer: String,
+}
+
+impl ReasoningStream {
+    /// A stream for `kind`.
+    pub fn new(kind: Reasoning) -> Self {
+        ReasoningStream { kind, reasoning: String::new(), answer: String::new() }
+    }
+
+    /// Given the whole assistant text so far, returns (new reasoning, new answer). A part that was
+    /// rewritten rather than extended (a trailing newline that turned out to be the end of the
+    /// reasoning) yields nothing new.
+    pub fn push(&mut self, text: &str) -> (String, String) {
+        let (r, a) = self.kind.split(text);
+        let dr = delta(&mut self.reasoning, r);
+        let da = delta(&mut self.answer, a);
+        (dr, da)
+    }
+
+    /// The reasoning and answer seen so far.
+    pub fn parts(&self) -> (&str, &str) {
+        (&self.reasoning, &self.answer)
+    }
+}
+
+fn delta(seen: &mut String, now: String) -> String {
+    if now.len() > seen.len() && now.starts_with(seen.as_str()) {
+        let d = now[seen.len()..].to_string();
+        *seen = now;
+        d
+    } else {
+        String::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn think_tags_split_reasoning_from_the_answer() {
+        let k = Reasoning::Think;
+        assert_eq!(k.split("<think>\nhmm\n</think>\n\nYes."), ("hmm".into(), "Yes.".into()));
+        assert_eq!(k.split("<think>\nhm"), ("hm".into(), String::new()));
+        assert_eq!(k.split("Plain."), (String::new(), "Plain.".into()));
+        assert_eq!(k.split("\nPlain."), (String::new(), "\nPlain.".into()));
+        assert_eq!(k.split("<thi"), (String::new(), String::new()));
+        let mut s = ReasoningStream::new(k);
+        let mut text = String::new();
+        let (mut r, mut a) = (String::new(), String::new());
+        for piece in ["<think>", "\n", "a", "b\n", "</think>", "\n\n", "X", "Y"] {
+            text.push_str(piece);
+            let (dr, da) = s.push(&text);
+            r.push_str(&dr);
+            a.push_str(&da);
+        }
+        assert_eq!((r.as_str(), a.as_str()), ("ab", "XY"));
+    }
+}

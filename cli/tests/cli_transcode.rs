@@ -73,13 +73,18 @@ fn transcode_refuses_a_no_op_and_q3_to_q4_naming_the_directory() {
 
 #[test]
 fn sigint_during_transcode_exits_130_and_leaves_no_temporary_directory() {
-    use picchio_runtime::image::synthetic::{write_synthetic, SyntheticSpec};
+    use picchio_runtime::image::synthetic::{write_synthetic, SyntheticArch, SyntheticSpec, WriteSyntheticOptions};
     let tmp = scratch();
     // 128 experts of Qwen3-30B-A3B's size (340 MB of Q4): seconds of transcoding, where the fixture
-    // takes milliseconds.
-    let spec = SyntheticSpec { layers: 2, experts: 64, ..SyntheticSpec::with_expert_gb(0.1, 7) };
+    // takes milliseconds. A small vocabulary (no tokenizer) keeps the dense part small.
+    let spec = SyntheticSpec {
+        layers: 2,
+        experts: 64,
+        vocab: 4096,
+        ..SyntheticSpec::with_expert_gb(SyntheticArch::Qwen3_30bA3b, 0.1, 7)
+    };
     let src = tmp.path().join("big");
-    write_synthetic(&src, &spec, &mut |_, _| {}).unwrap();
+    write_synthetic(&src, &spec, &WriteSyntheticOptions::default()).unwrap();
     let before = names(tmp.path());
     let child = Command::new(env!("CARGO_BIN_EXE_picchio"))
         .args(["transcode", "big", "--to", "q3", "--no-progress"])

@@ -133,7 +133,8 @@ impl Session {
             decode_steps += 1;
         }
         let generated = tokens.len() + usize::from(stop_id.is_some());
-        let mut stats = self.stats_since(start, io_prefill, prompt.len(), generated, prefill, t1.elapsed(), decode_steps);
+        let mut stats =
+            self.stats_since(start, io_prefill, prompt.len(), generated, prefill, t1.elapsed(), decode_steps);
         stats.prompt_tokens = prompt.len();
         Ok(Turn { tokens, stop_id, finish, cached_tokens: cached, first_token_ms, stats })
     }

@@ -4,6 +4,7 @@
 //! ([`synthetic`]).
 
 pub mod convert;
+pub mod guard;
 pub mod pack;
 pub mod synth;
 pub mod synthetic;

@@ -179,7 +179,10 @@ pub fn write_synthetic(dir: &Path, spec: &SyntheticSpec, progress: &mut dyn FnMu
     if dir.exists() {
         return Err(Error::Exists { path: dir.into(), what: "directory", overwrite: None });
     }
-    let tmp = dir.with_extension(format!("tmp-{}", std::process::id()));
+    let mut name = dir.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".tmp-{}", std::process::id()));
+    let tmp = dir.with_file_name(name);
+    crate::image::guard::sweep_leftovers(dir, "demo")?;
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(Error::io(&tmp, "create directory"))?;
     let result = write_into(&tmp, spec, progress)

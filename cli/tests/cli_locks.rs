@@ -80,8 +80,19 @@ fn kill_9_of_a_writer_keeps_the_old_image_and_the_next_writer_removes_its_leftov
     std::fs::copy(model().join("experts.picchioflat"), &out).unwrap();
     let old = std::fs::read(&out).unwrap();
     let args = big_synth(&out);
-    let mut leftovers = Vec::new();
-    // Killed just after its temporary file appears, a quarter through, half through.
+    // A live process's temporary file (ours: this test is running) is another writer's, kept.
+    let live = tmp_of(&out, std::process::id());
+    std::fs::write(&live, b"a writer at work").unwrap();
+    let removed = |e: &str, (tmp, bytes): &(PathBuf, u64)| {
+        assert!(!tmp.exists(), "{} left behind", tmp.display());
+        assert!(
+            e.contains(&format!("removed {} ({bytes} bytes", tmp.display())) && e.contains("no longer running"),
+            "{e}"
+        );
+    };
+    let mut leftover: Option<(PathBuf, u64)> = None;
+    // Killed just after its temporary file appears, a quarter through, half through; each writer
+    // removes the previous one's leftover.
     for at in [0, BIG_LEN / 4, BIG_LEN / 2] {
         let mut child = spawn(&args);
         let tmp = tmp_of(&out, child.id());
@@ -95,12 +106,11 @@ fn kill_9_of_a_writer_keeps_the_old_image_and_the_next_writer_removes_its_leftov
         assert_eq!(o.status.code(), None, "synth was killed by the signal, not finished");
         assert!(std::fs::read(&out).unwrap() == old, "the killed write changed the old image");
         assert!(tmp.exists(), "kill -9 leaves the temporary file (nothing can remove it)");
-        leftovers.push((tmp.clone(), len(&tmp)));
+        if let Some(prev) = &leftover {
+            removed(&stderr(&o), prev);
+        }
+        leftover = Some((tmp.clone(), len(&tmp)));
     }
-    // A live process's temporary file (ours: this test is running) is another writer's, kept.
-    let live = tmp_of(&out, std::process::id());
-    std::fs::write(&live, b"a writer at work").unwrap();
-
     // The next writer removes each dead one and says so, with its size.
     let o = picchio(&[
         "synth",
@@ -120,13 +130,8 @@ fn kill_9_of_a_writer_keeps_the_old_image_and_the_next_writer_removes_its_leftov
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let e = stderr(&o);
-    for (tmp, bytes) in &leftovers {
-        assert!(!tmp.exists(), "{} left behind", tmp.display());
-        assert!(
-            e.contains(&format!("removed {} ({bytes} bytes", tmp.display())) && e.contains("no longer running"),
-            "{e}"
-        );
-    }
+    removed(&e, leftover.as_ref().unwrap());
+    assert!(std::fs::read(&out).unwrap() != old, "the small synth replaced the image");
     assert!(live.exists(), "the live process's temporary file was removed");
     assert!(!e.contains(&live.display().to_string()), "{e}");
     std::fs::remove_file(&live).unwrap();

@@ -196,18 +196,33 @@ fn by_whom(pids: &[u32]) -> String {
 /// A shared lock on an image file or device node, held for as long as a reader reads it.
 #[derive(Debug)]
 pub struct ReadLock {
-    _file: File,
+    _file: Option<File>,
 }
 
 impl ReadLock {
     /// Takes a shared lock on `path` (`name` is the store as messages name it). A file is locked
     /// waiting out a writer's brief probe; a device node an exclusive holder of which is writing it
-    /// is refused at once.
+    /// is refused at once. Anything but a regular file (or, for a device, a block device) is not
+    /// opened here, so a FIFO never blocks: the engine's open names what it is (no lock is taken).
     ///
     /// # Errors
     /// [`Error::Io`] when `path` cannot be opened or locked; [`Error::Invalid`] naming the writer
     /// while a device is being written.
     pub fn acquire(path: &Path, name: &str, device: bool) -> Result<ReadLock> {
+        let lockable = std::fs::metadata(path).map(|m| {
+            #[cfg(unix)]
+            let block = std::os::unix::fs::FileTypeExt::is_block_device(&m.file_type());
+            #[cfg(not(unix))]
+            let block = false;
+            if device {
+                block
+            } else {
+                m.is_file()
+            }
+        });
+        if !lockable.unwrap_or(false) {
+            return Ok(ReadLock { _file: None });
+        }
         let file = File::open(path).map_err(Error::io(path, "open to take a shared (reader's) lock"))?;
         match file.try_lock_shared() {
             Ok(()) => {}
@@ -222,7 +237,7 @@ impl ReadLock {
             }
             Err(TryLockError::Error(e)) => return Err(Error::io(path, "take a shared (reader's) lock")(e)),
         }
-        Ok(ReadLock { _file: file })
+        Ok(ReadLock { _file: Some(file) })
     }
 }
 

@@ -31,10 +31,10 @@ pub struct Args {
     /// With --out raw: or nvme:, write the target although it carries a partition table or a
     /// file-system signature, or (raw:) is found mounted or in use; everything on it is lost. The
     /// kernel still refuses a device that a mounted file system, swap area or device-mapper holds,
-    /// and the device backing / is never written. With a file --out (or none), replace the image
+    /// and the device backing / is never written. With a file --out, replace the image
     /// although another picchio process (run, verify, bench) is reading it: that reader keeps
     /// serving the old image from its open file; a raw: device being read is written anyway.
-    #[arg(long)]
+    #[arg(long, requires = "out")]
     pub force: bool,
     /// Pack only the first N layers (a prefix store; later layers are served from safetensors).
     #[arg(long, value_name = "N")]

@@ -421,6 +421,7 @@ pub fn dump_logits(path: &Path, logits: &[f32], vocab: usize) -> Result<()> {
         .map_err(|e| Error::Invalid(format!("{}: {e}", path.display())))?;
     let data = safetensors::serialize([("logits", view)], None)
         .map_err(|e| Error::io(path, "encode logits")(std::io::Error::other(e.to_string())))?;
+    crate::image::guard::sweep_leftovers(path, "run --dump-logits")?;
     let mut name = path.file_name().unwrap_or_default().to_os_string();
     name.push(format!(".tmp-{}", std::process::id()));
     let tmp = path.with_file_name(name);

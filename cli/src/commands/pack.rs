@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use picchio_core::StoreUri;
 use picchio_runtime::expert::open::write_target;
 use picchio_runtime::expert::store::DEFAULT_IMAGE;
@@ -31,7 +31,9 @@ pub struct Args {
     /// With --out raw: or nvme:, write the target although it carries a partition table or a
     /// file-system signature, or (raw:) is found mounted or in use; everything on it is lost. The
     /// kernel still refuses a device that a mounted file system, swap area or device-mapper holds,
-    /// and the device backing / is never written.
+    /// and the device backing / is never written. With a file --out, replace the image
+    /// although another picchio process (run, verify, bench) is reading it: that reader keeps
+    /// serving the old image from its open file; a raw: device being read is written anyway.
     #[arg(long, requires = "out")]
     pub force: bool,
     /// Pack only the first N layers (a prefix store; later layers are served from safetensors).
@@ -57,10 +59,13 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
         Some(StoreUri::Nvme { bdf, nsid }) => return pack_nvme(&a, &bdf, nsid, opts),
         Some(other) => unreachable!("write_target refuses {other}"),
     };
-    if a.force {
-        bail!("--force only applies to --out raw:/dev/X or nvme:BDF (a file image is replaced atomically anyway)");
-    }
-    let report = pack(&a.model, &out, &opts)?;
+    let report = if a.force {
+        // A file image another picchio process is reading is replaced anyway (it keeps its old bytes).
+        let wopts = WriteOptions { force: true, ..WriteOptions::default() };
+        pack_to(&a.model, WriteTo::Uri(&StoreUri::File(out)), &opts, &wopts, &mut |_| {})?
+    } else {
+        pack(&a.model, &out, &opts)?
+    };
     // The summary is the command's result: stdout (logs, and progress, go to stderr).
     println!("{report}");
     Ok(())

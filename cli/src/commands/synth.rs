@@ -68,7 +68,8 @@ pub struct Args {
     #[arg(long, value_name = "BYTES")]
     pub expert_bytes: Option<u64>,
     /// With --out raw:, write the device although it carries a partition table or a file-system
-    /// signature, or is found mounted or in use. Never the device backing /.
+    /// signature, or is found mounted or in use (never the device backing /); and write a file or
+    /// device another picchio process is reading (a file's reader keeps the old image).
     #[arg(long)]
     pub force: bool,
     /// Reader threads for reading a raw: image back after writing it.
@@ -126,12 +127,15 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
         }
         other => unreachable!("write_target refuses {other}"),
     };
-    if a.force {
-        bail!("--force only applies to --out raw:/dev/X or nvme:BDF (a file image is replaced atomically anyway)");
-    }
     // SIGINT/SIGTERM stop the write between payloads; the temporary file is removed on the way out.
     picchio_runtime::interrupt::install().context("installing the SIGINT/SIGTERM handlers")?;
-    let report = synth(&out, &opts)?;
+    let report = if a.force {
+        // A file image another picchio process is reading is replaced anyway (it keeps its old bytes).
+        let wopts = WriteOptions { force: true, ..WriteOptions::default() };
+        synth_to(WriteTo::Uri(&StoreUri::File(out)), &opts, &wopts, &mut |_| {})?
+    } else {
+        synth(&out, &opts)?
+    };
     println!("{report}");
     Ok(())
 }

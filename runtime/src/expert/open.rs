@@ -63,8 +63,10 @@ pub fn open_engine(uri: &StoreUri, io: IoOptions) -> Result<Opened> {
                 .into(),
         }),
         StoreUri::File(path) => {
+            let name = format!("file:{}", path.display());
+            let lock = crate::image::guard::ReadLock::acquire(path, &name, false)?;
             let (queue, len) = open_queue(path, io)?;
-            Ok(Opened { queue, base: 0, image_len: len, name: format!("file:{}", path.display()) })
+            Ok(Opened { queue: Locked::wrap(queue, lock), base: 0, image_len: len, name })
         }
         StoreUri::Raw { device, offset } => open_raw(device, *offset, io),
         StoreUri::Nvme { bdf, nsid } => open_nvme(&uri.to_string(), bdf, *nsid, io.qd),
@@ -81,7 +83,9 @@ fn open_raw(device: &Path, offset: u64, io: IoOptions) -> Result<Opened> {
     };
     #[cfg(not(target_os = "linux"))]
     let (name, base) = (StoreUri::Raw { device: device.into(), offset }.to_string(), offset);
+    let lock = crate::image::guard::ReadLock::acquire(device, &name, true)?;
     let (queue, len) = open_queue(device, io)?;
+    let queue = Locked::wrap(queue, lock);
     if base >= len {
         return Err(Error::Invalid(format!(
             "{name}: offset {base} is at or past the end of {} ({len} bytes)",
@@ -89,6 +93,43 @@ fn open_raw(device: &Path, offset: u64, io: IoOptions) -> Result<Opened> {
         )));
     }
     Ok(Opened { queue, base, image_len: len - base, name })
+}
+
+/// A kernel engine's queue holding the reader's shared lock on its file or device node
+/// ([`crate::image::guard::ReadLock`]) for as long as it lives.
+struct Locked {
+    inner: Box<dyn IoQueue>,
+    _lock: crate::image::guard::ReadLock,
+}
+
+impl Locked {
+    fn wrap(inner: Box<dyn IoQueue>, lock: crate::image::guard::ReadLock) -> Box<dyn IoQueue> {
+        Box::new(Locked { inner, _lock: lock })
+    }
+}
+
+impl IoQueue for Locked {
+    fn block_size(&self) -> u32 {
+        self.inner.block_size()
+    }
+    fn submit(&mut self, req: picchio_core::ReadReq) {
+        self.inner.submit(req)
+    }
+    fn reap(&mut self, min: usize, out: &mut Vec<picchio_core::Completion>) -> usize {
+        self.inner.reap(min, out)
+    }
+    fn in_flight(&self) -> usize {
+        self.inner.in_flight()
+    }
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn slot_allocator(&mut self, count: usize, len: usize) -> Option<Box<dyn picchio_core::SlotAllocator>> {
+        self.inner.slot_allocator(count, len)
+    }
+    fn bounce_bytes(&self) -> u64 {
+        self.inner.bounce_bytes()
+    }
 }
 
 /// `nvme:`: namespace `nsid` of the controller `bdf` (bound to `vfio-pci`) with our driver: VFIO,

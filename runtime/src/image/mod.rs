@@ -4,6 +4,7 @@
 //! ([`synthetic`]), and re-quantizing a converted directory's experts ([`transcode`]).
 
 pub mod convert;
+pub mod guard;
 pub mod pack;
 pub mod synth;
 pub mod synthetic;

@@ -449,6 +449,9 @@ pub fn write_synthetic(dir: &Path, spec: &SyntheticSpec, opts: &WriteSyntheticOp
     }
     let tok_bytes: u64 = tokenizer_files.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
     crate::image::write::check_free_space(dir, spec.disk_bytes() + tok_bytes)?;
+    // Another writer of `dir` is refused, and what a killed one left beside it goes first.
+    let _claim = crate::image::guard::WriteLock::file(dir, true)?;
+    crate::image::guard::sweep_leftovers(dir, "synth")?;
     let tmp = TempDir::create(dir, "synthetic")?;
     for src in &tokenizer_files {
         let to = tmp.path.join(src.file_name().expect("a file"));

@@ -329,6 +329,9 @@ pub fn transcode(src: &Path, dst: &Path, opts: &TranscodeOptions) -> Result<Tran
     images_not_copied.sort();
 
     crate::image::write::require_parent_dir(dst)?;
+    // Another writer of `dst` is refused, and what a killed one left beside it goes first.
+    let _claim = crate::image::guard::WriteLock::file(dst, true)?;
+    crate::image::guard::sweep_leftovers(dst, "transcode")?;
     let mut needed: u64 =
         files.iter().map(|f| f.bytes).sum::<u64>() + headers.iter().map(|h| h.len() as u64).sum::<u64>();
     for name in &copied {

@@ -278,7 +278,7 @@ pub fn write_image<P: PayloadSource>(
         WriteTo::Uri(uri) => uri,
     };
     match uri {
-        StoreUri::File(out) => write_file(out, src, t0),
+        StoreUri::File(out) => write_file(out, src, opts, t0),
         #[cfg(target_os = "linux")]
         StoreUri::Raw { device, offset } => write_raw(device, *offset, src, opts, announce, t0),
         #[cfg(target_os = "linux")]
@@ -305,9 +305,18 @@ pub fn write_image<P: PayloadSource>(
     }
 }
 
-fn write_file<P: PayloadSource>(out: &Path, src: &P, t0: Instant) -> Result<WriteReport<P::Summary>> {
+fn write_file<P: PayloadSource>(
+    out: &Path,
+    src: &P,
+    opts: &WriteOptions,
+    t0: Instant,
+) -> Result<WriteReport<P::Summary>> {
     let image_len = src.plan(out)?;
     check_replaceable(out, src.command())?;
+    require_parent_dir(out)?;
+    // Held until the image is renamed into place: a second writer of `out` is refused meanwhile.
+    let _claim = crate::image::guard::WriteLock::file(out, opts.force)?;
+    crate::image::guard::sweep_leftovers(out, src.command())?;
     check_free_space(out, image_len)?;
     let w = FlatWriter::create(out, src.dims(), src.n_entries())?;
     let (superblock, summary) = src.write(w)?;
@@ -339,9 +348,12 @@ fn write_raw<P: PayloadSource>(
     let inspection = target.inspect(image_len)?;
     announce(&Plan::Raw(&inspection));
     let permit = inspection.clone().permit(opts.force)?;
+    // Readers of the device refuse while it is written; a reader already at it refuses us.
+    let claim = crate::image::guard::WriteLock::device(device, opts.force)?;
     let sink = DeviceSink::open(&permit)?;
     let w = FlatWriter::with_sink(sink, src.dims(), src.n_entries())?;
     let (superblock, summary) = src.write(w)?;
+    drop(claim);
     let name = target.uri();
     // The writer (and its exclusive claim) is closed; read the device back, around the page cache.
     let io = crate::expert::store::IoOptions {

@@ -171,6 +171,16 @@ impl std::fmt::Display for ConvertReport {
 /// On error nothing is left at `dst` (an existing `dst` is untouched) and `src` is never written.
 pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions) -> Result<ConvertReport> {
     let t0 = Instant::now();
+    // Another convert onto `dst` is refused, and what a killed one left beside it goes first
+    // (a destination it had moved aside comes back) — before `dst` is judged.
+    let _claim = match dst.parent() {
+        Some(p) if !p.as_os_str().is_empty() && !p.is_dir() => None,
+        _ => {
+            let claim = crate::image::guard::WriteLock::file(dst, true)?;
+            crate::image::guard::sweep_leftovers(dst, "convert")?;
+            Some(claim)
+        }
+    };
     check_paths(src, dst, opts.overwrite)?;
     let cfg_path = src.join("config.json");
     let cfg = Config::from_dir(src)?;

@@ -1,0 +1,293 @@
+//! Writers killed mid-write and writers meeting readers, through the real binary:
+//! - `kill -9` of `picchio synth` (the image writer pack shares) at a few points of its write leaves
+//!   the previous image byte-identical and a `<image>.tmp-<pid>` leftover, which the next writer
+//!   removes and names; a live process's temporary file is kept.
+//! - A `picchio run` reading an image makes `pack --out` onto it refuse (naming the run's pid) and
+//!   `--force` proceed; two writers of one output: the second is refused while the first writes.
+//! - The same on a loop device (root).
+#![cfg(target_os = "linux")]
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use common::{model, picchio, private_model, scratch};
+use picchio_testkit::bin::{stderr, wait_bounded};
+use picchio_testkit::wait_until;
+
+/// Bounds every wait for a child (a hang fails the test; not a timing assertion).
+const LIMIT: Duration = Duration::from_secs(300);
+
+/// `picchio synth` arguments for a custom image of 16 × 8 experts of 1,769,472 bytes (~226 MB): big
+/// enough that its write is still under way when the test has seen its temporary file grow.
+fn big_synth(out: &Path) -> Vec<String> {
+    [
+        "synth",
+        "--arch",
+        "custom",
+        "--hidden",
+        "1024",
+        "--moe-intermediate",
+        "1024",
+        "--experts",
+        "16",
+        "--model-layers",
+        "8",
+        "--no-progress",
+        "--out",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([out.display().to_string()])
+    .collect()
+}
+
+const BIG_LEN: u64 = 16 * 8 * 1_769_472;
+
+fn spawn(args: &[String]) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_picchio"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start picchio")
+}
+
+fn tmp_of(out: &Path, pid: u32) -> PathBuf {
+    let mut n = out.file_name().unwrap().to_os_string();
+    n.push(format!(".tmp-{pid}"));
+    out.with_file_name(n)
+}
+
+fn len(p: &Path) -> u64 {
+    std::fs::metadata(p).map(|m| m.len()).unwrap_or(0)
+}
+
+fn kill9(child: &mut Child) {
+    // SAFETY: `kill` sends a signal to our own child, not yet reaped.
+    assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGKILL) }, 0);
+}
+
+#[test]
+fn kill_9_of_a_writer_keeps_the_old_image_and_the_next_writer_removes_its_leftover() {
+    let dir = scratch();
+    let out = dir.path().join("experts.picchioflat");
+    std::fs::copy(model().join("experts.picchioflat"), &out).unwrap();
+    let old = std::fs::read(&out).unwrap();
+    let args = big_synth(&out);
+    // A live process's temporary file (ours: this test is running) is another writer's, kept.
+    let live = tmp_of(&out, std::process::id());
+    std::fs::write(&live, b"a writer at work").unwrap();
+    let removed = |e: &str, (tmp, bytes): &(PathBuf, u64)| {
+        assert!(!tmp.exists(), "{} left behind", tmp.display());
+        assert!(
+            e.contains(&format!("removed {} ({bytes} bytes", tmp.display())) && e.contains("no longer running"),
+            "{e}"
+        );
+    };
+    let mut leftover: Option<(PathBuf, u64)> = None;
+    // Killed just after its temporary file appears, a quarter through, half through; each writer
+    // removes the previous one's leftover.
+    for at in [0, BIG_LEN / 4, BIG_LEN / 2] {
+        let mut child = spawn(&args);
+        let tmp = tmp_of(&out, child.id());
+        let seen = wait_until(LIMIT, || (tmp.exists() && len(&tmp) >= at) || child.try_wait().unwrap().is_some());
+        assert!(
+            seen && child.try_wait().unwrap().is_none(),
+            "synth ended before its temporary file reached {at} bytes"
+        );
+        kill9(&mut child);
+        let o = wait_bounded(child, LIMIT).expect("the killed synth exits");
+        assert_eq!(o.status.code(), None, "synth was killed by the signal, not finished");
+        assert!(std::fs::read(&out).unwrap() == old, "the killed write changed the old image");
+        assert!(tmp.exists(), "kill -9 leaves the temporary file (nothing can remove it)");
+        if let Some(prev) = &leftover {
+            removed(&stderr(&o), prev);
+        }
+        leftover = Some((tmp.clone(), len(&tmp)));
+    }
+    // The next writer removes each dead one and says so, with its size.
+    let o = picchio(&[
+        "synth",
+        "--arch",
+        "custom",
+        "--hidden",
+        "64",
+        "--moe-intermediate",
+        "64",
+        "--experts",
+        "4",
+        "--model-layers",
+        "2",
+        "--no-progress",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let e = stderr(&o);
+    removed(&e, leftover.as_ref().unwrap());
+    assert!(std::fs::read(&out).unwrap() != old, "the small synth replaced the image");
+    assert!(live.exists(), "the live process's temporary file was removed");
+    assert!(!e.contains(&live.display().to_string()), "{e}");
+    std::fs::remove_file(&live).unwrap();
+}
+
+/// The 12 prompt ids of the qwen3_moe reference.
+fn prompt_ids() -> String {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/qwen3_moe/reference.json");
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap();
+    let ids: Vec<String> = r["prompt_ids"].as_array().unwrap().iter().map(|v| v.to_string()).collect();
+    ids.join(",")
+}
+
+/// Tokens asked for: far more than the run produces before the test stops it.
+const TOKENS: usize = 100_000;
+
+/// A private copy of the fixture whose config allows [`TOKENS`] positions.
+fn long_context_model(dir: &Path) -> PathBuf {
+    let m = private_model(dir);
+    let cfg = m.join("config.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&cfg).unwrap()).unwrap();
+    v["max_position_embeddings"] = serde_json::json!(TOKENS + 1024);
+    std::fs::write(&cfg, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
+    m
+}
+
+/// A long `picchio -v run` on `model` reading `store`, returned once it has opened the store (its
+/// "experts from" line), with its stderr collected by a thread.
+fn start_run(model: &Path, store: &str) -> (Child, std::thread::JoinHandle<String>) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_picchio"))
+        .args(["-v", "run", "--model"])
+        .arg(model)
+        .args(["--store", store, "--prompt-ids", &prompt_ids(), "-n", &TOKENS.to_string(), "--json"])
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run picchio");
+    let (tx, rx) = mpsc::channel();
+    let err = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut all = String::new();
+        for line in BufReader::new(err).lines() {
+            let line = line.unwrap();
+            if line.contains("experts from") {
+                let _ = tx.send(());
+            }
+            all.push_str(&line);
+            all.push('\n');
+        }
+        all
+    });
+    if rx.recv_timeout(LIMIT).is_err() {
+        let _ = child.kill();
+        panic!("the run never opened its store:\n{}", reader.join().unwrap());
+    }
+    (child, reader)
+}
+
+fn stop(mut child: Child, reader: std::thread::JoinHandle<String>) -> String {
+    kill9(&mut child);
+    wait_bounded(child, LIMIT).expect("the run exits");
+    reader.join().unwrap()
+}
+
+#[test]
+fn pack_onto_an_image_a_run_reads_refuses_naming_the_run_and_force_replaces_it() {
+    let dir = scratch();
+    let m = long_context_model(dir.path());
+    let img = m.join("experts.picchioflat");
+    let before = std::fs::read(&img).unwrap();
+    let (run, reader) = start_run(&m, &format!("file:{}", img.display()));
+    let pid = run.id();
+    let (ms, is) = (m.to_str().unwrap(), img.to_str().unwrap());
+
+    let o = picchio(&["pack", ms, "--out", is, "--no-progress"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(
+        e.contains(&format!("{is} is being read by another picchio process (pid {pid}); stop it or use --force")),
+        "{e}"
+    );
+    assert!(std::fs::read(&img).unwrap() == before, "a refused pack changed the image");
+
+    // --force replaces it by rename; the run goes on reading its open (old) file.
+    let o = picchio(&["pack", ms, "--out", is, "--force", "--no-progress"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let log = stop(run, reader);
+    assert!(!log.contains("Error"), "{log}");
+    // The default --out is the same image.
+    let o = picchio(&["pack", ms, "--no-progress"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+#[test]
+fn two_writers_of_one_output_the_second_is_refused_while_the_first_writes() {
+    let dir = scratch();
+    let out = dir.path().join("e.picchioflat");
+    let mut first = spawn(&big_synth(&out));
+    let tmp = tmp_of(&out, first.id());
+    assert!(wait_until(LIMIT, || tmp.exists() || first.try_wait().unwrap().is_some()));
+    // Frozen mid-write, holding its claim, until the test kills it.
+    // SAFETY: `kill` sends a signal to our own child, not yet reaped.
+    assert_eq!(unsafe { libc::kill(first.id() as libc::pid_t, libc::SIGSTOP) }, 0);
+    assert!(tmp.exists(), "the first synth finished before the test could stop it");
+    let m = model();
+    let o = picchio(&["pack", m.to_str().unwrap(), "--out", out.to_str().unwrap(), "--no-progress"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(
+        e.contains(&format!("{} is being written by another picchio process (pid {})", out.display(), first.id())),
+        "{e}"
+    );
+    assert!(tmp.exists(), "the refused writer touched the first one's temporary file");
+    // Even --force does not let two writers write one file at once.
+    let o = picchio(&["pack", m.to_str().unwrap(), "--out", out.to_str().unwrap(), "--force", "--no-progress"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    kill9(&mut first);
+    wait_bounded(first, LIMIT).expect("the first synth exits");
+    // Once the first writer is gone its lock is too: the next one writes (and removes its leftover).
+    let o = picchio(&["pack", m.to_str().unwrap(), "--out", out.to_str().unwrap(), "--no-progress"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains(&format!("removed {}", tmp.display())), "{}", stderr(&o));
+    assert!(std::fs::read(&out).unwrap() == std::fs::read(m.join("experts.picchioflat")).unwrap());
+}
+
+#[test]
+#[ignore = "needs root: losetup (CI runs ignored tests as root)"]
+fn pack_onto_a_loop_device_a_run_reads_refuses_and_force_writes_it() {
+    use picchio_testkit::loopdev::{self, sparse_file, LoopDevice, LoopOptions};
+    let test = "pack_onto_a_loop_device_a_run_reads_refuses_and_force_writes_it";
+    loopdev::require_root(test);
+    let dir = scratch();
+    let m = long_context_model(dir.path());
+    let file = sparse_file(&dir.path().join("dev.img"), 4 << 20);
+    let lo = LoopDevice::attach_for_test(test, &file, LoopOptions::default());
+    let (ms, raw) = (m.to_str().unwrap(), format!("raw:{}", lo.dev.display()));
+    let o = picchio(&["pack", ms, "--out", &raw, "--no-progress"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let before = std::fs::read(&file).unwrap();
+
+    let (run, reader) = start_run(&m, &raw);
+    let pid = run.id();
+    let o = picchio(&["pack", ms, "--out", &raw, "--no-progress"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(
+        e.contains(&format!(
+            "{} is being read by another picchio process (pid {pid}); stop it or use --force",
+            lo.dev.display()
+        )),
+        "{e}"
+    );
+    assert!(std::fs::read(&file).unwrap() == before, "a refused pack wrote the device");
+    let o = picchio(&["pack", ms, "--out", &raw, "--force", "--no-progress"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    stop(run, reader);
+}

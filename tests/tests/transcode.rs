@@ -171,7 +171,12 @@ fn tokens_on_every_tier(dir: &Path, prompt: &[u32], n: usize) -> Vec<u32> {
     let image = dir.join("experts.picchioflat");
     pack(dir, &image, &PackOptions { progress: false, ..Default::default() }).unwrap();
     let mut ios = vec![psync(false), psync(true)];
-    if picchio_blockdev::UringQueue::probe().is_ok() {
+    // io_uring is Linux's (the Windows build has no UringQueue).
+    #[cfg(target_os = "linux")]
+    let uring = picchio_blockdev::UringQueue::probe().is_ok();
+    #[cfg(not(target_os = "linux"))]
+    let uring = false;
+    if uring {
         ios.push(IoOptions { engine: IoEngine::Uring, direct: true, ..IoOptions::default() });
     } else {
         eprintln!("SKIPPED: io_uring unavailable (psync only)");

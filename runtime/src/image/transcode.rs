@@ -338,7 +338,7 @@ pub fn transcode(src: &Path, dst: &Path, opts: &TranscodeOptions) -> Result<Tran
         let p = src.join(name);
         needed += std::fs::metadata(&p).map_err(Error::io(&p, "read"))?.len();
     }
-    check_space(dst, needed)?;
+    crate::image::write::check_free_space(dst, needed)?;
 
     let tmp = TempDir::create(dst, "transcode")?;
     let n_items: usize = files.iter().map(|f| f.items.len()).sum();
@@ -392,30 +392,6 @@ pub fn transcode(src: &Path, dst: &Path, opts: &TranscodeOptions) -> Result<Tran
         threads,
         elapsed: t0.elapsed(),
     })
-}
-
-/// Refuses to start when the destination's file system has fewer than `needed` bytes available
-/// (`statvfs`; nothing is checked where it is unavailable).
-fn check_space(dst: &Path, needed: u64) -> Result<()> {
-    let dir = match dst.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    let Some(available) =
-        picchio_blockdev::host::free_bytes(dir).map_err(Error::io(dir, "query the free space (statvfs)"))?
-    else {
-        return Ok(());
-    };
-    if needed > available {
-        return Err(Error::Invalid(format!(
-            "{}: the transcoded directory needs {needed} bytes ({:.2} GB) but its file system has {available} bytes \
-             ({:.2} GB) available: free space or choose another --out",
-            dst.display(),
-            needed as f64 / 1e9,
-            available as f64 / 1e9
-        )));
-    }
-    Ok(())
 }
 
 /// Writes one output file: its header, then its items in order (expert matrices transcoded in

@@ -481,10 +481,11 @@ pub fn require_parent_dir(out: &Path) -> Result<()> {
     }
 }
 
-/// Refuses to start writing an image of `needed` bytes at the file `out` when the file system that
-/// will hold it (the one of `out`'s directory, where the temporary file goes) has fewer bytes
+/// Refuses to start writing `needed` bytes at `out` (an image file, or a model directory from
+/// convert, transcode or the synthetic writer) when the file system that will hold it (the one of
+/// `out`'s directory, where the temporary file or directory goes) has fewer bytes
 /// available to us (`statvfs`: `f_bavail × f_frsize`, what an unprivileged writer may use). The old
-/// image, if any, stays until the rename, so all `needed` bytes must be free. On targets without
+/// output, if any, stays until the rename, so all `needed` bytes must be free. On targets without
 /// `statvfs` (Windows) nothing is checked and a full disk shows as the write error.
 ///
 /// # Errors
@@ -503,7 +504,7 @@ pub fn check_free_space(out: &Path, needed: u64) -> Result<()> {
     };
     if needed > available {
         return Err(Error::Invalid(format!(
-            "{}: the image needs {needed} bytes ({:.2} GB) but its file system has {available} bytes ({:.2} GB) \
+            "{}: writing it needs {needed} bytes ({:.2} GB) but its file system has {available} bytes ({:.2} GB) \
              available: free space or choose another --out",
             out.display(),
             needed as f64 / 1e9,

@@ -26,6 +26,6 @@ pub fn open_store(
 ) -> Result<FlatStore<PsyncQueue>> {
     let queue = PsyncQueue::open(path, opts)?;
     let image_len = queue.len();
-    let store_opts = FlatStoreOptions { base_offset: 0, image_len, verify, expect };
+    let store_opts = FlatStoreOptions { base_offset: 0, image_len, verify, expect, recheck_every: 0 };
     Ok(FlatStore::open(queue, path.display().to_string(), store_opts)?)
 }

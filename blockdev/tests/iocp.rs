@@ -114,7 +114,7 @@ fn flat_store_loads_every_expert_through_iocp() {
     w.finish().unwrap();
 
     let q = IocpQueue::open(&path, IocpOptions::default()).unwrap();
-    let opts = FlatStoreOptions { base_offset: 0, image_len: q.len(), verify: true, expect: None };
+    let opts = FlatStoreOptions { base_offset: 0, image_len: q.len(), verify: true, expect: None, recheck_every: 0 };
     let mut store = FlatStore::open(q, path.display().to_string(), opts).unwrap_or_else(|e| panic!("{e}"));
     assert!(store.describe().contains("iocp(direct, qd 32)"), "{}", store.describe());
     let slot = round_up(16384, 4096) as usize;

@@ -65,8 +65,13 @@ fn write_image(target: &RawTarget, force: bool) -> Result<u64, Error> {
 /// Opens the image at `target` with the psync engine (direct) and checks every payload.
 fn read_back(target: &RawTarget) {
     let q = PsyncQueue::open(target.device().path(), PsyncOptions::direct(2)).unwrap();
-    let opts =
-        FlatStoreOptions { base_offset: target.base().0, image_len: target.capacity(), verify: true, expect: None };
+    let opts = FlatStoreOptions {
+        base_offset: target.base().0,
+        image_len: target.capacity(),
+        verify: true,
+        expect: None,
+        recheck_every: 0,
+    };
     let mut store = FlatStore::open(q, target.uri(), opts).unwrap();
     let want = payloads();
     for layer in 0..2u32 {
@@ -291,7 +296,7 @@ fn kernel_read_errors_from_a_cut_backing_file_fail_only_those_experts() {
     drop(f);
     let q = PsyncQueue::open(&lo.dev, PsyncOptions::direct(2)).unwrap();
     assert_eq!(q.len(), 4 * MIB, "the loop device keeps its size");
-    let opts = FlatStoreOptions { base_offset: 0, image_len: 4 * MIB, verify: true, expect: None };
+    let opts = FlatStoreOptions { base_offset: 0, image_len: 4 * MIB, verify: true, expect: None, recheck_every: 0 };
     let mut store = FlatStore::open(q, target.uri(), opts).unwrap();
     let mut outcome = Vec::new();
     for layer in 0..2u32 {
@@ -350,7 +355,7 @@ fn device_mapper_error_target_fails_only_the_mapped_experts() {
     let _dm = Dm(name.clone());
     let dm_path = PathBuf::from(format!("/dev/mapper/{name}"));
     let q = PsyncQueue::open(&dm_path, PsyncOptions::direct(2)).unwrap();
-    let opts = FlatStoreOptions { base_offset: 0, image_len: 4 * MIB, verify: true, expect: None };
+    let opts = FlatStoreOptions { base_offset: 0, image_len: 4 * MIB, verify: true, expect: None, recheck_every: 0 };
     let mut store = FlatStore::open(q, format!("raw:{}", dm_path.display()), opts).unwrap();
     let mut failed = Vec::new();
     for layer in 0..2u32 {

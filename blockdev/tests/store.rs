@@ -270,3 +270,78 @@ fn image_shrunk_after_open_reports_short_reads() {
         );
     }
 }
+
+/// Overwrites the image file in place (same inode, as a program writing it would; not a rename)
+/// with another image of the same layout whose payloads are the complement of the first's.
+fn rewrite_in_place(img: &Image) {
+    let other = img.path.with_file_name("other.picchioflat");
+    let n = img.payloads.len() as u32;
+    let mut w = FlatWriter::create(&other, DIMS, n).unwrap();
+    for p in &img.payloads {
+        w.push(&p.iter().map(|b| !b).collect::<Vec<u8>>()).unwrap();
+    }
+    w.finish().unwrap();
+    img.write_at(0, &std::fs::read(&other).unwrap());
+    OpenOptions::new().write(true).open(&img.path).unwrap().sync_all().unwrap();
+}
+
+fn open_rechecking(img: &Image, opts: PsyncOptions, verify: bool, recheck_every: u32) -> FlatStore<PsyncQueue> {
+    let queue = PsyncQueue::open(&img.path, opts).unwrap();
+    let o = picchio_core::FlatStoreOptions { image_len: queue.len(), verify, recheck_every, ..Default::default() };
+    FlatStore::open(queue, img.path.display().to_string(), o).unwrap()
+}
+
+#[test]
+fn an_image_rewritten_under_a_verifying_reader_is_never_mixed_and_then_no_longer_read() {
+    for (opts, dir) in engines("an_image_rewritten_under_a_verifying_reader") {
+        let img = Image::assorted(dir.path());
+        let mut store = open_rechecking(&img, opts, true, 0);
+        assert_loaded(&img, 0, &load(&mut store, 0, &[0, 1, 2, 3]));
+        assert_eq!(store.changed(), None);
+        rewrite_in_place(&img);
+        // Every payload now read belongs to the other image: each fails its hash (never handed out
+        // as this image's), and the check after the batch finds the new superblock.
+        let got = load(&mut store, 1, &[0, 1, 2, 3]);
+        for (e, (_, r)) in &got {
+            assert!(matches!(r, Err(LoadError::Hash { .. })), "expert {e}: {r:?}");
+        }
+        let what = store.changed().expect("the change was detected").to_string();
+        assert!(what.contains("now describes another index"), "{what}");
+        // From now on nothing is read from it: every request fails at once, naming why.
+        let reads = store.stats().snapshot().reads;
+        let got = load(&mut store, 2, &[0, 3]);
+        for (_, r) in got.values() {
+            let e = r.as_ref().unwrap_err();
+            assert!(
+                matches!(e, LoadError::Changed { .. }) && e.to_string().contains("changed under this reader"),
+                "{e}"
+            );
+        }
+        assert_eq!(store.stats().snapshot().reads, reads, "a changed image was read again");
+    }
+}
+
+#[test]
+fn without_verify_a_rewrite_is_found_by_the_periodic_check_after_the_batch_that_read_it() {
+    for (opts, dir) in engines("without_verify_a_rewrite_is_found_by_the_periodic_check") {
+        let img = Image::assorted(dir.path());
+        let mut store = open_rechecking(&img, opts, false, 1);
+        assert_loaded(&img, 0, &load(&mut store, 0, &[0, 1]));
+        assert_eq!(store.changed(), None, "an unchanged image is not taken for changed");
+        rewrite_in_place(&img);
+        // The limit, stated in FlatStore's docs: without --verify the batch that first reads the
+        // new bytes hands them out; the check after it stops every later read.
+        let got = load(&mut store, 1, &[0]);
+        assert!(got[&0].1.is_ok());
+        assert!(store.changed().is_some());
+        assert!(matches!(load(&mut store, 1, &[1])[&1].1, Err(LoadError::Changed { .. })));
+        // With no periodic check (recheck_every 0) and no failure, nothing is compared.
+        let second = dir.path().join("second");
+        std::fs::create_dir_all(&second).unwrap();
+        let img2 = Image::assorted(&second);
+        let mut store = open_rechecking(&img2, opts, false, 0);
+        rewrite_in_place(&img2);
+        assert!(load(&mut store, 1, &[0])[&0].1.is_ok());
+        assert_eq!(store.changed(), None);
+    }
+}

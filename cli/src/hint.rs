@@ -59,9 +59,54 @@ fn quant(e: &QuantError) -> Option<&'static str> {
     }
 }
 
+/// The process limit an OS error in `e`'s chain ran into, named with its value from `limits` (the
+/// text of `/proc/self/limits`; empty where there is none): `EMFILE` is `RLIMIT_NOFILE`, `ENFILE`
+/// the system's file table. `None` for any other error.
+pub(crate) fn limit(e: &anyhow::Error, limits: &str) -> Option<String> {
+    let os = e.chain().find_map(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .and_then(|io| io.raw_os_error())
+            .filter(|&n| n == libc::EMFILE || n == libc::ENFILE)
+    })?;
+    if os == libc::ENFILE {
+        return Some(
+            "the system's table of open files is full (ENFILE): see /proc/sys/fs/file-nr and fs.file-max".into(),
+        );
+    }
+    // `Max open files            1024                 4096                 files`
+    let (soft, hard) = limits
+        .lines()
+        .find_map(|l| l.strip_prefix("Max open files"))
+        .map(|rest| {
+            let mut w = rest.split_whitespace();
+            (w.next().unwrap_or("?").to_string(), w.next().unwrap_or("?").to_string())
+        })
+        .unwrap_or_else(|| ("?".into(), "?".into()));
+    Some(format!(
+        "picchio may have at most {soft} files open at once (RLIMIT_NOFILE, `ulimit -n`; hard limit {hard}) and \
+         needed more: raise it, e.g. `ulimit -n 4096`"
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn too_many_open_files_names_the_limit() {
+        let limits = "Limit                     Soft Limit           Hard Limit           Units\n\
+                      Max open files            6                    6                    files\n";
+        let emfile =
+            anyhow::Error::new(std::io::Error::from_raw_os_error(libc::EMFILE)).context("/m/config.json: read");
+        let h = limit(&emfile, limits).unwrap();
+        assert!(
+            h.starts_with("picchio may have at most 6 files open at once (RLIMIT_NOFILE") && h.contains("hard limit 6"),
+            "{h}"
+        );
+        let enfile = anyhow::Error::new(std::io::Error::from_raw_os_error(libc::ENFILE));
+        assert!(limit(&enfile, limits).unwrap().contains("ENFILE"));
+        assert_eq!(limit(&anyhow::Error::new(std::io::Error::from_raw_os_error(libc::EIO)), limits), None);
+    }
 
     fn hint_of(e: impl std::error::Error + Send + Sync + 'static) -> Option<&'static str> {
         hint(&anyhow::Error::new(e).context("picchio run"))

@@ -14,6 +14,9 @@ fn main() {
         if let Some(h) = hint::hint(&e) {
             eprintln!("hint: {h}");
         }
+        if let Some(h) = hint::limit(&e, &std::fs::read_to_string("/proc/self/limits").unwrap_or_default()) {
+            eprintln!("hint: {h}");
+        }
         // SIGINT/SIGTERM: everything was dropped (an nvme: controller shut down) on the way here.
         let interrupted = e.chain().any(|c| {
             matches!(c.downcast_ref::<picchio_runtime::Error>(), Some(picchio_runtime::Error::Interrupted { .. }))

@@ -5,6 +5,8 @@
 //! - A `picchio run` reading an image makes `pack --out` onto it refuse (naming the run's pid) and
 //!   `--force` proceed; two writers of one output: the second is refused while the first writes.
 //! - The same on a loop device (root).
+//! - An image overwritten in place under a `--verify` run: the run gives the same tokens (each payload
+//!   of the other image fails its hash; the changed superblock is found and the rest falls back).
 #![cfg(target_os = "linux")]
 
 mod common;
@@ -290,4 +292,160 @@ fn pack_onto_a_loop_device_a_run_reads_refuses_and_force_writes_it() {
     let o = picchio(&["pack", ms, "--out", &raw, "--force", "--no-progress"]);
     assert!(o.status.success(), "{}", stderr(&o));
     stop(run, reader);
+}
+
+#[test]
+fn an_image_overwritten_in_place_under_a_verifying_run_gives_the_same_tokens() {
+    let dir = scratch();
+    let m = private_model(dir.path());
+    let img = m.join("experts.picchioflat");
+    let (ms, store) = (m.to_str().unwrap().to_string(), format!("file:{}", img.display()));
+    let ids = prompt_ids();
+    // A cache of 4 experts for 3 layers × top-4: every layer of every token reads from the image.
+    let args = [
+        "run",
+        "--model",
+        &ms,
+        "--store",
+        &store,
+        "--verify",
+        "--ecap",
+        "4",
+        "--prompt-ids",
+        &ids,
+        "-n",
+        "12",
+        "--json",
+    ];
+    let json = |out: &[u8]| -> serde_json::Value { serde_json::from_slice(out).expect("run --json") };
+    let reference = json(&picchio(&args).stdout);
+    assert_eq!(reference["stats"]["fallbacks"], 0, "{reference}");
+    // Another image of the same geometry (other payloads, index and superblock).
+    let other = dir.path().join("other.picchioflat");
+    let o = picchio(&[
+        "synth",
+        "--arch",
+        "custom",
+        "--hidden",
+        "64",
+        "--moe-intermediate",
+        "64",
+        "--experts",
+        "16",
+        "--model-layers",
+        "3",
+        "--seed",
+        "9",
+        "--no-progress",
+        "--out",
+        other.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    // The run stops itself after its second batch of expert reads (PICCHIO_STOP_AFTER_LOADS); the
+    // image is then overwritten in place (same inode, as a program writing the file would) and the
+    // run goes on reading it.
+    let child = Command::new(env!("CARGO_BIN_EXE_picchio"))
+        .args(args)
+        .env(picchio_core::stop_point::LOADS_ENV, "2")
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id() as libc::pid_t;
+    let mut status = 0;
+    // SAFETY: waits for our own child; `status` is a valid out-pointer.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, libc::WUNTRACED) }, pid);
+    assert!(libc::WIFSTOPPED(status), "the run ended before its second load batch");
+    {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
+        f.write_all(&std::fs::read(&other).unwrap()).unwrap();
+        f.sync_all().unwrap();
+    }
+    // SAFETY: signals our own stopped child.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    let o = wait_bounded(child, LIMIT).expect("the run ends");
+    let e = stderr(&o);
+    assert!(o.status.success(), "{e}");
+    let got = json(&o.stdout);
+    assert_eq!(got["tokens"], reference["tokens"], "mixed tokens: {e}");
+    assert!(got["stats"]["fallbacks"].as_u64().unwrap() > 0, "{got}");
+    assert!(e.contains("the image changed under this run") && e.contains("nothing more is read from it"), "{e}");
+}
+
+#[test]
+#[ignore = "needs root: losetup (CI runs ignored tests as root)"]
+fn force_onto_a_loop_device_under_a_verifying_run_gives_the_same_tokens() {
+    use picchio_testkit::loopdev::{self, sparse_file, LoopDevice, LoopOptions};
+    let test = "force_onto_a_loop_device_under_a_verifying_run_gives_the_same_tokens";
+    loopdev::require_root(test);
+    let dir = scratch();
+    let m = private_model(dir.path());
+    let file = sparse_file(&dir.path().join("dev.img"), 4 << 20);
+    let lo = LoopDevice::attach_for_test(test, &file, LoopOptions::default());
+    let (ms, raw) = (m.to_str().unwrap().to_string(), format!("raw:{}", lo.dev.display()));
+    let o = picchio(&["pack", &ms, "--out", &raw, "--no-progress"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ids = prompt_ids();
+    let args =
+        ["run", "--model", &ms, "--store", &raw, "--verify", "--ecap", "4", "--prompt-ids", &ids, "-n", "12", "--json"];
+    let json = |out: &[u8]| -> serde_json::Value { serde_json::from_slice(out).expect("run --json") };
+    let reference = json(&picchio(&args).stdout);
+    assert_eq!(reference["stats"]["fallbacks"], 0, "{reference}");
+
+    let child = Command::new(env!("CARGO_BIN_EXE_picchio"))
+        .args(args)
+        .env(picchio_core::stop_point::LOADS_ENV, "2")
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id() as libc::pid_t;
+    let mut status = 0;
+    // SAFETY: waits for our own child; `status` is a valid out-pointer.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, libc::WUNTRACED) }, pid);
+    assert!(libc::WIFSTOPPED(status), "the run ended before its second load batch");
+    // The run holds the device: without --force the writer refuses; with it, it writes another
+    // image (other payloads, index and superblock) under the run.
+    let synth = |force: bool| {
+        let mut a = vec![
+            "synth",
+            "--arch",
+            "custom",
+            "--hidden",
+            "64",
+            "--moe-intermediate",
+            "64",
+            "--experts",
+            "16",
+            "--model-layers",
+            "3",
+            "--seed",
+            "9",
+            "--no-progress",
+            "--out",
+            &raw,
+        ];
+        if force {
+            a.push("--force");
+        }
+        picchio(&a)
+    };
+    assert_eq!(synth(false).status.code(), Some(1));
+    let o = synth(true);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // SAFETY: signals our own stopped child.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    let o = wait_bounded(child, LIMIT).expect("the run ends");
+    let e = stderr(&o);
+    assert!(o.status.success(), "{e}");
+    let got = json(&o.stdout);
+    assert_eq!(got["tokens"], reference["tokens"], "mixed tokens: {e}");
+    assert!(got["stats"]["fallbacks"].as_u64().unwrap() > 0, "{got}");
+    assert!(e.contains("the image changed under this run"), "{e}");
 }

@@ -14,6 +14,7 @@ pub mod loader;
 pub mod offset;
 pub mod rng;
 pub mod stats;
+pub mod stop_point;
 pub mod units;
 pub mod uri;
 

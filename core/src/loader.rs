@@ -103,6 +103,17 @@ pub enum LoadError {
         /// Bytes needed.
         need: usize,
     },
+    /// The image changed under the reader after it was opened (its superblock or index is no longer
+    /// the one [`FlatStore::open`] checked): nothing more is read from it.
+    #[error("{source_name}: not reading {key}: the image changed under this reader ({what})")]
+    Changed {
+        /// The store.
+        source_name: String,
+        /// The expert.
+        key: ExpertKey,
+        /// What differs from what was opened.
+        what: String,
+    },
     /// A loader-specific failure (e.g. a safetensors tensor missing), described in full.
     #[error("{0}")]
     Other(String),
@@ -215,10 +226,30 @@ pub struct FlatStoreOptions {
     pub verify: bool,
     /// Checks against the model, when a model uses the store.
     pub expect: Option<StoreExpect>,
+    /// Re-read the superblock after every this many [`ExpertLoader::load`] calls that read something
+    /// and compare it with the one opened (0: only after a failed read, short read or hash mismatch;
+    /// see [`FlatStore`], "An image that changes under its reader").
+    pub recheck_every: u32,
 }
 
 /// A `.picchioflat` image served through an [`IoQueue`]: one aligned read of `padded_len` bytes per
 /// expert, with the superblock and every index entry checked once at open.
+///
+/// # An image that changes under its reader
+/// Another process may overwrite the image in place while it is read (`pack --force` onto a `raw:`
+/// device a run reads; any program writing the file). The store keeps the superblock block it opened
+/// and compares it with the one on the target again ([`FlatStore::check_unchanged`]):
+/// - after every batch in which a read failed, came back short or (under `--verify`) a payload's hash
+///   differed from the index: then also the index is read again and hashed;
+/// - every [`FlatStoreOptions::recheck_every`] batches that read something (the superblock only).
+///
+/// Once it differs, the image is marked changed: one error is logged, and every
+/// later request fails at once with [`LoadError::Changed`] without touching the target, so a
+/// [`FallbackLoader`] serves every expert from then on. What that guarantees: under `--verify` no
+/// payload of another image is ever handed out (each is checked against the index opened, a
+/// 64-bit hash); without it, payloads read between the overwrite and the next check are used as
+/// read. Picchio's device writer destroys the old superblock before it writes any payload, so a check
+/// after a batch sees every such overwrite that the batch could have read.
 pub struct FlatStore<Q: IoQueue> {
     queue: Q,
     source_name: String,
@@ -229,6 +260,12 @@ pub struct FlatStore<Q: IoQueue> {
     completions: Vec<Completion>,
     /// The engine's [`IoQueue::bounce_bytes`] already added to `stats`.
     bounce_seen: u64,
+    /// The superblock block as opened (its first [`BLOCK_SIZE`] bytes).
+    sb_block: Vec<u8>,
+    /// Batches that read something since the superblock was last compared.
+    since_check: u32,
+    /// Set once the image is found changed: what differs.
+    changed: Option<String>,
 }
 
 impl<Q: IoQueue> FlatStore<Q> {
@@ -261,6 +298,7 @@ impl<Q: IoQueue> FlatStore<Q> {
         };
         let sb_buf = rd(&mut queue, "superblock", 0, bs)?;
         let sb = Superblock::decode(sb_buf.as_slice(), &source_name, opts.image_len)?;
+        let sb_block = sb_buf.as_slice()[..BLOCK_SIZE as usize].to_vec();
         let index_read = round_up(sb.index_len.max(1), u64::from(bs));
         let index_read = u32::try_from(index_read).map_err(|_| Error::BadField {
             source_name: source_name.clone(),
@@ -335,7 +373,70 @@ impl<Q: IoQueue> FlatStore<Q> {
             stats: Arc::default(),
             completions: Vec::new(),
             bounce_seen,
+            sb_block,
+            since_check: 0,
+            changed: None,
         })
+    }
+
+    /// Whether the image on the target is still the one opened: reads the superblock block again and
+    /// compares it byte for byte (and, with `index`, reads the index again and checks its SHA-256
+    /// against the opened superblock's). `Ok(Some(what))` says what differs; `Ok(None)`: unchanged.
+    /// Engine reads only; called by [`ExpertLoader::load`] (see the type's docs), public for tests
+    /// and tools.
+    ///
+    /// # Errors
+    /// The engine's error when a read fails (a failing device is not taken for a changed image: its
+    /// failing reads fall back one by one).
+    pub fn check_unchanged(&mut self, index: bool) -> std::io::Result<Option<String>> {
+        let bs = BLOCK_SIZE.max(self.queue.block_size());
+        let base = self.opts.base_offset;
+        let now = read_blocking(&mut self.queue, base, bs)?;
+        let now = &now.as_slice()[..BLOCK_SIZE as usize];
+        if now != self.sb_block.as_slice() {
+            let what = match Superblock::decode(now, &self.source_name, self.opts.image_len) {
+                Err(e) => format!("its superblock is no longer valid: {e}"),
+                Ok(sb) if sb.index_sha256 != self.sb.index_sha256 => format!(
+                    "its superblock now describes another index (SHA-256 {}…, opened {}…)",
+                    hex(&sb.index_sha256[..8]),
+                    hex(&self.sb.index_sha256[..8])
+                ),
+                Ok(_) => "its superblock block differs from the one opened".to_string(),
+            };
+            return Ok(Some(what));
+        }
+        if index {
+            let len = round_up(self.sb.index_len.max(1), u64::from(bs)) as u32;
+            let buf = read_blocking(&mut self.queue, base + self.sb.index_offset, len)?;
+            if index_sha256(&buf.as_slice()[..self.sb.index_len as usize]) != self.sb.index_sha256 {
+                return Ok(Some("its index no longer matches the SHA-256 in the superblock opened".into()));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The image was found changed (see the type's docs): what differs.
+    pub fn changed(&self) -> Option<&str> {
+        self.changed.as_deref()
+    }
+
+    /// Runs [`FlatStore::check_unchanged`] after a batch (`failed`: a read in it failed), marking
+    /// the image changed and logging once when it differs.
+    fn recheck(&mut self, failed: bool) {
+        self.since_check += 1;
+        let due = self.opts.recheck_every > 0 && self.since_check >= self.opts.recheck_every;
+        if self.changed.is_some() || !(failed || due) {
+            return;
+        }
+        self.since_check = 0;
+        if let Ok(Some(what)) = self.check_unchanged(failed) {
+            tracing::error!(
+                "{}: the image changed under this run ({what}): nothing more is read from it; every expert \
+                 comes from the fallback from now on",
+                self.source_name
+            );
+            self.changed = Some(what);
+        }
     }
 
     /// Shares statistics with another owner (e.g. the runtime's report).
@@ -445,6 +546,12 @@ impl<Q: IoQueue> ExpertLoader for FlatStore<Q> {
         let mut pending: Vec<(ExpertKey, ExpertLoc)> = Vec::with_capacity(requests.len());
         for (expert, buf) in requests {
             let key = ExpertKey { layer, expert };
+            if let Some(what) = &self.changed {
+                self.stats.record_error();
+                let e = LoadError::Changed { source_name: self.source_name.clone(), key, what: what.clone() };
+                ready(Loaded { key, buf, result: Err(e) });
+                continue;
+            }
             let loc = match self.entry(key) {
                 Ok(loc) => loc,
                 Err(e) => {
@@ -483,6 +590,7 @@ impl<Q: IoQueue> ExpertLoader for FlatStore<Q> {
         let mut last_reap = None;
         let mut left = pending.len();
         let mut done = vec![false; pending.len()];
+        let mut failed = false;
         while left > 0 {
             self.completions.clear();
             let t_reap = Instant::now();
@@ -540,6 +648,7 @@ impl<Q: IoQueue> ExpertLoader for FlatStore<Q> {
                 };
                 if result.is_err() {
                     self.stats.record_error();
+                    failed = true;
                 }
                 ready(Loaded { key, buf: c.buf, result });
             }
@@ -551,6 +660,12 @@ impl<Q: IoQueue> ExpertLoader for FlatStore<Q> {
         let bounce = self.queue.bounce_bytes();
         self.stats.record_bounce(bounce.saturating_sub(self.bounce_seen));
         self.bounce_seen = bounce;
+        if !pending.is_empty() {
+            crate::stop_point::loaded();
+            self.recheck(failed);
+            // The check's own reads are not expert loads.
+            self.bounce_seen = self.queue.bounce_bytes();
+        }
     }
 
     fn slot_allocator(&mut self, count: usize, len: usize) -> Option<Box<dyn SlotAllocator>> {
@@ -600,6 +715,7 @@ fn cause(e: &LoadError) -> &'static str {
         LoadError::Short { .. } => "short read",
         LoadError::Hash { .. } => "hash mismatch",
         LoadError::SlotTooSmall { .. } => "slot too small",
+        LoadError::Changed { .. } => "image changed under the run",
         LoadError::Other(_) => "other",
     }
 }
@@ -641,7 +757,9 @@ impl<P: ExpertLoader, F: ExpertLoader> ExpertLoader for FallbackLoader<P, F> {
                 *causes.entry(cause(&e)).or_default() += 1;
                 // Once per expert, not per request; a prefix store misses whole layers by design:
                 // one line for the store.
-                if logged.insert(l.key) {
+                // An image found changed said so once (FlatStore logs it); no line per expert.
+                let changed = matches!(e, LoadError::Changed { .. });
+                if logged.insert(l.key) && !changed {
                     if !missing {
                         tracing::warn!(
                             "{}; serving {} from the fallback (logged once per expert)",

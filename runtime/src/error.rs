@@ -265,6 +265,28 @@ pub enum Error {
         /// Why, and what to do instead.
         why: &'static str,
     },
+    /// A write ran out of space on its file system (`ENOSPC`, `EDQUOT`) after the free-space check
+    /// before it had passed ([`crate::image::write::out_of_space`]); the partial output was removed.
+    #[error(
+        "{}: the file system ran out of space while writing it: it needs {needed} bytes ({:.2} GB) and {} \
+         available now; the free-space check before the write passed, so something else used the space \
+         meanwhile; the partial output was removed and nothing is at {}: free space and run again",
+        path.display(),
+        *needed as f64 / 1e9,
+        available.map_or("an unknown number of bytes are".to_string(), |a| format!("{a} bytes ({:.2} GB) are", a as f64 / 1e9)),
+        path.display()
+    )]
+    NoSpace {
+        /// The output (image file or model directory), by its final name.
+        path: PathBuf,
+        /// Bytes the whole output needs.
+        needed: u64,
+        /// Bytes available on its file system after the failure (`statvfs`), if known.
+        available: Option<u64>,
+        /// The write error, naming the file being written when it failed.
+        #[source]
+        cause: Box<Error>,
+    },
     /// A user request cannot be satisfied (bad flag combination, empty prompt, ...).
     #[error("{0}")]
     Invalid(String),

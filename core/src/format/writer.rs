@@ -223,6 +223,7 @@ impl ImageSink for FileSink {
         }
         out.write_all(bytes)?;
         self.pos = offset + bytes.len() as u64;
+        crate::stop_point::wrote(bytes.len() as u64);
         Ok(())
     }
 

@@ -247,9 +247,16 @@ pub fn flat_from(
         image_len: opened.image_len,
         verify,
         expect: Some(StoreExpect { dims: store_dims(cfg), payload_len: layout.len() as u32 }),
+        recheck_every: RECHECK_EVERY,
     };
     Ok(FlatStore::open(opened.queue, opened.name, opts)?)
 }
+
+/// How often a run's flat store compares the superblock on the target with the one it opened: after
+/// every this many MoE-layer batches that read something (about one token of a 48-layer model), one
+/// 4 KiB read, besides the check after any failed read ([`FlatStore`], "An image that changes under
+/// its reader").
+pub const RECHECK_EVERY: u32 = 64;
 
 /// The image at LBA 0 of an open NVMe queue's namespace (the controller model in tests, whose
 /// `Sim` handle injects faults), named `name`, checked against the model like [`open_flat`].

@@ -410,8 +410,16 @@ fn write_shard(path: &Path, tensors: &[OwnedTensor]) -> Result<()> {
             TensorView::new(*d, s.clone(), b).map(|v| (n.clone(), v)).map_err(|e| Error::Invalid(format!("{n}: {e}")))
         })
         .collect::<Result<Vec<_>>>()?;
-    safetensors::serialize_to_file(views, None, path)
-        .map_err(|e| Error::io(path, "write synthetic shard")(std::io::Error::other(e.to_string())))
+    safetensors::serialize_to_file(views, None, path).map_err(|e| {
+        // Keep the OS error itself (a full disk is told apart by its kind), not only its text.
+        let cause = match e {
+            safetensors::SafeTensorError::IoError(io) => io,
+            other => std::io::Error::other(other.to_string()),
+        };
+        Error::io(path, "write synthetic shard")(cause)
+    })?;
+    picchio_core::stop_point::wrote(std::fs::metadata(path).map(|m| m.len()).unwrap_or(0));
+    Ok(())
 }
 
 /// Writes the complete converted model directory of `spec` into `dir`: config.json (with
@@ -448,18 +456,25 @@ pub fn write_synthetic(dir: &Path, spec: &SyntheticSpec, opts: &WriteSyntheticOp
         std::fs::create_dir_all(parent).map_err(Error::io(parent, "create directory"))?;
     }
     let tok_bytes: u64 = tokenizer_files.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
-    crate::image::write::check_free_space(dir, spec.disk_bytes() + tok_bytes)?;
-    // Another writer of `dir` is refused, and what a killed one left beside it goes first.
+    let needed = spec.disk_bytes() + tok_bytes;
+    // Another writer of `dir` is refused, and what a killed one left beside it goes first, before
+    // the free-space check (a killed writer's leftover is no reason to refuse).
     let _claim = crate::image::guard::WriteLock::file(dir, true)?;
     crate::image::guard::sweep_leftovers(dir, "synth")?;
-    let tmp = TempDir::create(dir, "synthetic")?;
-    for src in &tokenizer_files {
-        let to = tmp.path.join(src.file_name().expect("a file"));
-        std::fs::copy(src, &to).map_err(Error::io(src, "copy the tokenizer into the synthetic model"))?;
-    }
-    write_shards(&tmp.path, spec, opts.progress)?;
-    pack(&tmp.path, &tmp.path.join(DEFAULT_IMAGE), &PackOptions { layers: None, progress: opts.progress })?;
-    tmp.persist(dir)
+    crate::image::write::check_free_space(dir, needed)?;
+    // The write phase: a failure drops `tmp` (the partial output goes) before the error is told.
+    let write_phase = || -> Result<()> {
+        let tmp = TempDir::create(dir, "synthetic")?;
+        for src in &tokenizer_files {
+            let to = tmp.path.join(src.file_name().expect("a file"));
+            let n = std::fs::copy(src, &to).map_err(Error::io(src, "copy the tokenizer into the synthetic model"))?;
+            picchio_core::stop_point::wrote(n);
+        }
+        write_shards(&tmp.path, spec, opts.progress)?;
+        pack(&tmp.path, &tmp.path.join(DEFAULT_IMAGE), &PackOptions { layers: None, progress: opts.progress })?;
+        tmp.persist(dir)
+    };
+    write_phase().map_err(crate::image::write::out_of_space(dir, needed))
 }
 
 /// The tokenizer files of `dir` to copy, after checking its vocabulary fits in `spec`'s.
@@ -555,7 +570,8 @@ fn layer_experts(s: &SyntheticSpec, l: usize) -> Vec<OwnedTensor> {
 /// config.json, the shards and the index into `dir`.
 fn write_shards(dir: &Path, s: &SyntheticSpec, progress: bool) -> Result<()> {
     let cfg = serde_json::to_string_pretty(&s.config_json()).expect("json");
-    std::fs::write(dir.join("config.json"), cfg).map_err(Error::io(dir.join("config.json"), "write"))?;
+    std::fs::write(dir.join("config.json"), &cfg).map_err(Error::io(dir.join("config.json"), "write"))?;
+    picchio_core::stop_point::wrote(cfg.len() as u64);
     let h = s.hidden;
     let total_shards = s.layers + 1;
     let bar = crate::progress::bar(total_shards as u64, "writing shards", !progress);
@@ -594,7 +610,9 @@ fn write_shards(dir: &Path, s: &SyntheticSpec, progress: bool) -> Result<()> {
     bar.finish_and_clear();
     let index = serde_json::json!({"metadata": {"total_size": total_size}, "weight_map": weight_map});
     let p = dir.join("model.safetensors.index.json");
-    std::fs::write(&p, serde_json::to_string_pretty(&index).expect("json")).map_err(Error::io(&p, "write"))?;
+    let index = serde_json::to_string_pretty(&index).expect("json");
+    std::fs::write(&p, &index).map_err(Error::io(&p, "write"))?;
+    picchio_core::stop_point::wrote(index.len() as u64);
     Ok(())
 }
 

@@ -340,42 +340,47 @@ pub fn transcode(src: &Path, dst: &Path, opts: &TranscodeOptions) -> Result<Tran
     }
     crate::image::write::check_free_space(dst, needed)?;
 
-    let tmp = TempDir::create(dst, "transcode")?;
-    let n_items: usize = files.iter().map(|f| f.items.len()).sum();
-    let bar = progress::bar(n_items as u64, "transcode", !opts.progress);
-    let write_all = || -> Result<usize> {
-        for (f, h) in files.iter().zip(&headers) {
-            write_file_items(&tmp.path.join(&f.name), f, h, &store, &from, to.quant, &bar)?;
-        }
-        Ok(rayon::current_num_threads())
-    };
-    let threads = match opts.threads {
-        Some(n) => rayon::ThreadPoolBuilder::new()
-            .num_threads(n.max(1))
-            .build()
-            .map_err(|e| Error::Invalid(format!("cannot start {n} transcoding threads: {e}")))?
-            .install(write_all)?,
-        None => write_all()?,
-    };
-    bar.finish_and_clear();
-    if src.join("model.safetensors.index.json").is_file() {
-        let mut map = BTreeMap::new();
-        for f in &files {
-            for t in &f.tensors {
-                map.insert(t.name.as_str(), f.name.as_str());
+    // The write phase: a failure drops `tmp` (the partial output goes) before the error is told.
+    let write_phase = || -> Result<usize> {
+        let tmp = TempDir::create(dst, "transcode")?;
+        let n_items: usize = files.iter().map(|f| f.items.len()).sum();
+        let bar = progress::bar(n_items as u64, "transcode", !opts.progress);
+        let write_all = || -> Result<usize> {
+            for (f, h) in files.iter().zip(&headers) {
+                write_file_items(&tmp.path.join(&f.name), f, h, &store, &from, to.quant, &bar)?;
             }
+            Ok(rayon::current_num_threads())
+        };
+        let threads = match opts.threads {
+            Some(n) => rayon::ThreadPoolBuilder::new()
+                .num_threads(n.max(1))
+                .build()
+                .map_err(|e| Error::Invalid(format!("cannot start {n} transcoding threads: {e}")))?
+                .install(write_all)?,
+            None => write_all()?,
+        };
+        bar.finish_and_clear();
+        if src.join("model.safetensors.index.json").is_file() {
+            let mut map = BTreeMap::new();
+            for f in &files {
+                for t in &f.tensors {
+                    map.insert(t.name.as_str(), f.name.as_str());
+                }
+            }
+            let total: u64 = files.iter().map(|f| f.bytes).sum();
+            let v = serde_json::json!({ "metadata": { "total_size": total }, "weight_map": map });
+            let text = serde_json::to_string_pretty(&v).expect("a JSON value serializes") + "\n";
+            write_file(&tmp.path.join("model.safetensors.index.json"), text.as_bytes())?;
         }
-        let total: u64 = files.iter().map(|f| f.bytes).sum();
-        let v = serde_json::json!({ "metadata": { "total_size": total }, "weight_map": map });
-        let text = serde_json::to_string_pretty(&v).expect("a JSON value serializes") + "\n";
-        write_file(&tmp.path.join("model.safetensors.index.json"), text.as_bytes())?;
-    }
-    for name in &copied {
-        let from_path = src.join(name);
-        let bytes = std::fs::read(&from_path).map_err(Error::io(&from_path, "read"))?;
-        write_file(&tmp.path.join(name), &bytes)?;
-    }
-    tmp.persist(dst)?;
+        for name in &copied {
+            let from_path = src.join(name);
+            let bytes = std::fs::read(&from_path).map_err(Error::io(&from_path, "read"))?;
+            write_file(&tmp.path.join(name), &bytes)?;
+        }
+        tmp.persist(dst)?;
+        Ok(threads)
+    };
+    let threads = write_phase().map_err(crate::image::write::out_of_space(dst, needed))?;
 
     Ok(TranscodeReport {
         src: src.into(),
@@ -408,6 +413,7 @@ fn write_file_items(
     let file = File::create(path).map_err(Error::io(path, "create"))?;
     let mut w = BufWriter::with_capacity(8 << 20, file);
     w.write_all(header).map_err(Error::io(path, "write"))?;
+    picchio_core::stop_point::wrote(header.len() as u64);
     let chunk = (4 * rayon::current_num_threads()).max(16);
     let mut written = 0u64;
     for c in f.items.chunks(chunk) {
@@ -423,6 +429,7 @@ fn write_file_items(
             .collect::<Result<Vec<_>>>()?;
         for b in bytes {
             w.write_all(&b).map_err(Error::io(path, "write"))?;
+            picchio_core::stop_point::wrote(b.len() as u64);
             written += b.len() as u64;
             bar.inc(1);
         }

@@ -318,8 +318,9 @@ fn write_file<P: PayloadSource>(
     let _claim = crate::image::guard::WriteLock::file(out, opts.force)?;
     crate::image::guard::sweep_leftovers(out, src.command())?;
     check_free_space(out, image_len)?;
-    let w = FlatWriter::create(out, src.dims(), src.n_entries())?;
-    let (superblock, summary) = src.write(w)?;
+    let (superblock, summary) = FlatWriter::create(out, src.dims(), src.n_entries())
+        .and_then(|w| src.write(w))
+        .map_err(out_of_space(out, image_len))?;
     let bytes = std::fs::metadata(out).map_err(Error::io(out, "stat the written image"))?.len();
     debug_assert_eq!(bytes, image_len, "the image size planned for a device");
     Ok(WriteReport {
@@ -512,6 +513,40 @@ pub fn check_free_space(out: &Path, needed: u64) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// For a write to `out` (an image file or a model directory) that needed `needed` bytes: turns an
+/// error caused by its file system filling up (`ENOSPC`, or `EDQUOT` for a quota) into
+/// [`Error::NoSpace`] naming `out`, the bytes needed and the bytes available now; any other error
+/// passes through. Call it on the write phase's error after its temporary output was dropped (the
+/// message says the partial output is gone). The free-space check before the write passed, so a
+/// full disk here means something else used the space meanwhile (another writer, a log).
+pub fn out_of_space(out: &Path, needed: u64) -> impl FnOnce(Error) -> Error + '_ {
+    move |e| {
+        let full = {
+            let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+            let mut found = false;
+            while let Some(c) = cur {
+                if let Some(io) = c.downcast_ref::<std::io::Error>() {
+                    if matches!(io.kind(), std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded) {
+                        found = true;
+                        break;
+                    }
+                }
+                cur = c.source();
+            }
+            found
+        };
+        if !full {
+            return e;
+        }
+        let dir = match out.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        let available = picchio_blockdev::host::free_bytes(dir).ok().flatten();
+        Error::NoSpace { path: out.into(), needed, available, cause: Box::new(e) }
+    }
 }
 
 /// What writing an image to an NVMe namespace through our driver would overwrite: the plan

@@ -210,38 +210,53 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions) -> Result<ConvertR
     let shards = shard::assign(&plan.units, &store, &layout, opts.max_shard_bytes.max(1))?;
 
     crate::image::write::require_parent_dir(dst)?;
-    let tmp = TempDir::create(dst, "convert")?;
-    let n_tensors: usize = shards.iter().map(|s| s.tensors.len()).sum();
-    let bar = progress::bar(n_tensors as u64, "convert", !opts.progress);
-    let write_all = || -> Result<usize> {
-        for (k, s) in shards.iter().enumerate() {
-            let path = tmp.path.join(shard::shard_name(k, shards.len()));
-            write_shard(&path, s, &store, &layout, &plan.sources, cfg.num_experts, &bar)?;
-        }
-        Ok(rayon::current_num_threads())
-    };
-    let threads = match opts.threads {
-        Some(n) => rayon::ThreadPoolBuilder::new()
-            .num_threads(n.max(1))
-            .build()
-            .map_err(|e| Error::Invalid(format!("cannot start {n} conversion threads: {e}")))?
-            .install(write_all)?,
-        None => write_all()?,
-    };
-    bar.finish_and_clear();
-    let index = tmp.path.join("model.safetensors.index.json");
-    write_file(&index, shard::index_json(&shards).as_bytes())?;
-    let mut copied = Vec::new();
-    for name in std::iter::once("config.json").chain(COPIED_FILES.iter().copied()) {
-        let from = src.join(name);
-        if name != "config.json" && !from.is_file() {
-            continue;
-        }
-        let bytes = std::fs::read(&from).map_err(Error::io(&from, "read"))?;
-        write_file(&tmp.path.join(name), &bytes)?;
-        copied.push(name.to_string());
+    // Room for the shards (data and headers), the index and the copied files, before a byte is written.
+    let mut needed: u64 = 0;
+    for (k, sh) in shards.iter().enumerate() {
+        needed += sh.bytes + shard::header(&sh.tensors, &dst.join(shard::shard_name(k, shards.len())))?.len() as u64;
     }
-    tmp.persist(dst)?;
+    needed += shard::index_json(&shards).len() as u64;
+    for name in std::iter::once("config.json").chain(COPIED_FILES.iter().copied()) {
+        needed += std::fs::metadata(src.join(name)).map(|m| m.len()).unwrap_or(0);
+    }
+    crate::image::write::check_free_space(dst, needed)?;
+    // The write phase: a failure drops `tmp` (the partial output goes) before the error is told.
+    let write_phase = || -> Result<(usize, Vec<String>)> {
+        let tmp = TempDir::create(dst, "convert")?;
+        let n_tensors: usize = shards.iter().map(|s| s.tensors.len()).sum();
+        let bar = progress::bar(n_tensors as u64, "convert", !opts.progress);
+        let write_all = || -> Result<usize> {
+            for (k, s) in shards.iter().enumerate() {
+                let path = tmp.path.join(shard::shard_name(k, shards.len()));
+                write_shard(&path, s, &store, &layout, &plan.sources, cfg.num_experts, &bar)?;
+            }
+            Ok(rayon::current_num_threads())
+        };
+        let threads = match opts.threads {
+            Some(n) => rayon::ThreadPoolBuilder::new()
+                .num_threads(n.max(1))
+                .build()
+                .map_err(|e| Error::Invalid(format!("cannot start {n} conversion threads: {e}")))?
+                .install(write_all)?,
+            None => write_all()?,
+        };
+        bar.finish_and_clear();
+        let index = tmp.path.join("model.safetensors.index.json");
+        write_file(&index, shard::index_json(&shards).as_bytes())?;
+        let mut copied = Vec::new();
+        for name in std::iter::once("config.json").chain(COPIED_FILES.iter().copied()) {
+            let from = src.join(name);
+            if name != "config.json" && !from.is_file() {
+                continue;
+            }
+            let bytes = std::fs::read(&from).map_err(Error::io(&from, "read"))?;
+            write_file(&tmp.path.join(name), &bytes)?;
+            copied.push(name.to_string());
+        }
+        tmp.persist(dst)?;
+        Ok((threads, copied))
+    };
+    let (threads, copied) = write_phase().map_err(crate::image::write::out_of_space(dst, needed))?;
 
     let dense_tensors = plan.units.iter().filter(|u| matches!(u, Unit::Dense(_))).count();
     Ok(ConvertReport {
@@ -275,6 +290,7 @@ fn write_shard(
     let mut w = BufWriter::with_capacity(8 << 20, file);
     let header = shard::header(&s.tensors, path)?;
     w.write_all(&header).map_err(Error::io(path, "write"))?;
+    picchio_core::stop_point::wrote(header.len() as u64);
     let per_expert = shard::expert_tensors(layout, 0, 0).len() as u64;
     let chunk = (4 * rayon::current_num_threads()).max(16);
     let mut written = 0u64;
@@ -295,6 +311,7 @@ fn write_shard(
             .collect::<Result<Vec<_>>>()?;
         for p in payloads {
             w.write_all(&p).map_err(Error::io(path, "write"))?;
+            picchio_core::stop_point::wrote(p.len() as u64);
             written += p.len() as u64;
             bar.inc(per_expert);
         }
@@ -303,6 +320,7 @@ fn write_shard(
         stop()?;
         let t = store.get(name)?;
         w.write_all(t.bytes).map_err(Error::io(path, "write"))?;
+        picchio_core::stop_point::wrote(t.bytes.len() as u64);
         written += t.bytes.len() as u64;
         bar.inc(1);
     }
@@ -316,6 +334,7 @@ fn write_shard(
 pub(crate) fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
     let mut f = File::create(path).map_err(Error::io(path, "create"))?;
     f.write_all(bytes).map_err(Error::io(path, "write"))?;
+    picchio_core::stop_point::wrote(bytes.len() as u64);
     f.sync_all().map_err(Error::io(path, "sync"))
 }
 

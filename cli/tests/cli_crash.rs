@@ -1,0 +1,244 @@
+//! `kill -9` of every writer at seeded points of its write, through the real binary: `pack`, `synth`
+//! (an image file), `convert` and `transcode` (model directories).
+//!
+//! A kill point is a byte count, not a sleep: the writer runs with `PICCHIO_STOP_AFTER_BYTES=N`
+//! (`picchio_core::stop_point`) and stops itself (`SIGSTOP`) once it has written `N` bytes of its
+//! output; the test waits for the stop (`waitpid(WUNTRACED)`) and sends `SIGKILL`. `N` is drawn by
+//! SplitMix64 from the seed over the size of the complete output, so a seed names one point of the
+//! write on every machine. After each kill:
+//! - the previous output (image file or directory) is byte-identical to what it was;
+//! - the killed writer's temporary output is there (nothing can remove it at a kill);
+//! - the next writer of the same target removes it and names it and its size on stderr.
+//!
+//! The last writer runs to the end: its output replaces the old one and nothing else is left in
+//! the directory. [`SEEDS`] seeds per writer (each one is a writer started and killed part way).
+#![cfg(target_os = "linux")]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::{ok, private_model, scratch};
+use picchio_core::rng::SplitMix64;
+use picchio_testkit::bin::wait_bounded;
+
+/// Kill points per writer.
+const SEEDS: u64 = 10;
+
+/// Bounds each wait for a child (a hang fails the test; not a timing assertion).
+const LIMIT: Duration = Duration::from_secs(300);
+
+/// Every file under `p` (a file, or a directory tree) by relative path, with its bytes.
+fn contents(p: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    fn walk(root: &Path, p: &Path, out: &mut BTreeMap<PathBuf, Vec<u8>>) {
+        if p.is_dir() {
+            for e in std::fs::read_dir(p).unwrap() {
+                walk(root, &e.unwrap().path(), out);
+            }
+        } else {
+            out.insert(p.strip_prefix(root).unwrap().into(), std::fs::read(p).unwrap());
+        }
+    }
+    walk(p, p, &mut out);
+    out
+}
+
+fn size(p: &Path) -> u64 {
+    contents(p).values().map(|b| b.len() as u64).sum()
+}
+
+/// How a writer stopped at its kill point ended.
+enum Ended {
+    /// Stopped at the point (still to be killed).
+    Stopped(Child),
+    /// Exited before reaching it: its stderr.
+    Exited(String),
+}
+
+/// Starts `picchio ARGS` with `PICCHIO_STOP_AFTER_BYTES=at`, stderr to `log`, and waits until it
+/// stops itself there (or exits).
+fn start_stopped(args: &[String], at: u64, log: &Path) -> Ended {
+    let child = Command::new(env!("CARGO_BIN_EXE_picchio"))
+        .args(args)
+        .env(picchio_core::stop_point::BYTES_ENV, at.to_string())
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(File::create(log).unwrap())
+        .spawn()
+        .expect("start picchio");
+    let mut status = 0;
+    // SAFETY: waits for our own child; `status` is a valid out-pointer.
+    let r = unsafe { libc::waitpid(child.id() as libc::pid_t, &mut status, libc::WUNTRACED) };
+    assert_eq!(r, child.id() as libc::pid_t, "waitpid: {}", std::io::Error::last_os_error());
+    if libc::WIFSTOPPED(status) {
+        Ended::Stopped(child)
+    } else {
+        // Reaped by waitpid: `child` must not be waited for again.
+        std::mem::forget(child);
+        Ended::Exited(std::fs::read_to_string(log).unwrap_or_default())
+    }
+}
+
+fn kill9(child: Child) {
+    // SAFETY: signals our own child, stopped and not yet reaped.
+    assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGKILL) }, 0);
+    let o = wait_bounded(child, LIMIT).expect("the killed writer exits");
+    assert_eq!(o.status.code(), None, "killed by the signal");
+}
+
+/// One writer under test: `args` writes `out`; a killed one (pid) leaves `leftover(pid)`.
+struct Writer<'a> {
+    name: &'a str,
+    args: Vec<String>,
+    out: PathBuf,
+    leftover: Box<dyn Fn(u32) -> PathBuf + 'a>,
+}
+
+/// The seeded kill schedule of one writer, run against its existing complete output.
+fn kill_at_seeded_points(w: &Writer<'_>, logs: &Path) {
+    let old = contents(&w.out);
+    let total = size(&w.out);
+    assert!(total > 0, "{}: no previous output at {}", w.name, w.out.display());
+    let mut previous: Option<(PathBuf, u64)> = None;
+    for seed in 0..SEEDS {
+        // SplitMix64 over the seed and the writer's name: a point in [0, total).
+        let salt = w.name.bytes().fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
+        let at = SplitMix64::new(seed ^ salt).below(total);
+        let log = logs.join(format!("{}-{seed}.log", w.name));
+        let child = match start_stopped(&w.args, at, &log) {
+            Ended::Stopped(c) => c,
+            Ended::Exited(e) => panic!("{} seed {seed}: exited before writing {at} of {total} bytes:\n{e}", w.name),
+        };
+        let pid = child.id();
+        let err = std::fs::read_to_string(&log).unwrap();
+        kill9(child);
+        eprintln!("{} seed {seed}: killed -9 after {at} of {total} bytes", w.name);
+        assert!(contents(&w.out) == old, "{} seed {seed}: the killed write changed {}", w.name, w.out.display());
+        let tmp = (w.leftover)(pid);
+        assert!(tmp.exists(), "{} seed {seed}: no temporary output {} after the kill", w.name, tmp.display());
+        if let Some((prev, bytes)) = &previous {
+            assert!(!prev.exists(), "{} seed {seed}: {} left behind", w.name, prev.display());
+            assert!(
+                err.contains(&format!("removed {} ({bytes} bytes", prev.display()))
+                    && err.contains("no longer running"),
+                "{} seed {seed}: the previous leftover was not named:\n{err}",
+                w.name
+            );
+        }
+        previous = Some((tmp.clone(), size(&tmp)));
+    }
+    // The next complete run removes the last leftover, says so, and replaces the output.
+    let o = common::picchio(&w.args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(o.status.success(), "{}: the final run failed", w.name);
+    let err = String::from_utf8_lossy(&o.stderr);
+    let (prev, bytes) = previous.unwrap();
+    assert!(err.contains(&format!("removed {} ({bytes} bytes", prev.display())), "{err}");
+    assert!(!prev.exists());
+    // Deterministic writers: the new output equals the old one byte for byte.
+    assert!(contents(&w.out) == old, "{}: the complete run wrote other bytes", w.name);
+    let dir = w.out.parent().unwrap();
+    let name = w.out.file_name().unwrap().to_string_lossy().into_owned();
+    let stray: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(&name) && *n != name)
+        .collect();
+    assert!(stray.is_empty(), "{}: left beside {}: {stray:?}", w.name, w.out.display());
+}
+
+fn s(p: &Path) -> String {
+    p.display().to_string()
+}
+
+fn tmp_file(out: &Path) -> impl Fn(u32) -> PathBuf + '_ {
+    move |pid| {
+        let mut n = out.file_name().unwrap().to_os_string();
+        n.push(format!(".tmp-{pid}"));
+        out.with_file_name(n)
+    }
+}
+
+fn tmp_dir<'a>(out: &'a Path, tag: &'a str) -> impl Fn(u32) -> PathBuf + 'a {
+    move |pid| out.with_file_name(format!(".{}.picchio-{tag}-{pid}", out.file_name().unwrap().to_string_lossy()))
+}
+
+#[test]
+fn kill_9_of_pack_at_seeded_points_keeps_the_old_image_and_the_next_pack_removes_the_leftover() {
+    let dir = scratch();
+    let m = private_model(dir.path());
+    let out = m.join("experts.picchioflat");
+    let w = Writer {
+        name: "pack",
+        args: vec!["pack".into(), s(&m), "--no-progress".into()],
+        out: out.clone(),
+        leftover: Box::new(tmp_file(&out)),
+    };
+    kill_at_seeded_points(&w, dir.path());
+}
+
+#[test]
+fn kill_9_of_synth_at_seeded_points_keeps_the_old_image_and_the_next_synth_removes_the_leftover() {
+    let dir = scratch();
+    let out = dir.path().join("synth.picchioflat");
+    let args: Vec<String> = [
+        "synth",
+        "--arch",
+        "custom",
+        "--hidden",
+        "256",
+        "--moe-intermediate",
+        "256",
+        "--experts",
+        "8",
+        "--model-layers",
+        "4",
+        "--seed",
+        "7",
+        "--no-progress",
+        "--out",
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .chain([s(&out)])
+    .collect();
+    ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let w = Writer { name: "synth", args, out: out.clone(), leftover: Box::new(tmp_file(&out)) };
+    kill_at_seeded_points(&w, dir.path());
+}
+
+fn hf_fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/qwen3_moe")
+}
+
+#[test]
+fn kill_9_of_convert_at_seeded_points_keeps_the_old_directory_and_the_next_convert_removes_the_leftover() {
+    let dir = scratch();
+    let out = dir.path().join("converted");
+    ok(&["convert", &s(&hf_fixture()), &s(&out), "--no-progress"]);
+    let w = Writer {
+        name: "convert",
+        args: vec!["convert".into(), s(&hf_fixture()), s(&out), "--force".into(), "--no-progress".into()],
+        out: out.clone(),
+        leftover: Box::new(tmp_dir(&out, "convert")),
+    };
+    kill_at_seeded_points(&w, dir.path());
+}
+
+#[test]
+fn kill_9_of_transcode_at_seeded_points_keeps_the_old_directory_and_the_next_transcode_removes_the_leftover() {
+    let dir = scratch();
+    let src = dir.path().join("q4");
+    ok(&["convert", &s(&hf_fixture()), &s(&src), "--no-progress"]);
+    let out = dir.path().join("q3");
+    let args: Vec<String> =
+        ["transcode", &s(&src), "--to", "q3", "--out", &s(&out), "--force", "--no-progress"].map(String::from).into();
+    ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let w = Writer { name: "transcode", args, out: out.clone(), leftover: Box::new(tmp_dir(&out, "transcode")) };
+    kill_at_seeded_points(&w, dir.path());
+}

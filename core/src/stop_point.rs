@@ -1,0 +1,82 @@
+//! Test hooks for crash and fault tests: a process that stops itself (`SIGSTOP`) at a point named by
+//! a count, so a test can act at exactly that point instead of after a sleep.
+//!
+//! - `PICCHIO_STOP_AFTER_BYTES=N` ([`BYTES_ENV`]): the writers (`pack`, `synth`, `convert`,
+//!   `transcode`, the synthetic-model writer) stop once they have handed `N` bytes of output to the
+//!   kernel in all ([`wrote`] is called after each write into a temporary output).
+//! - `PICCHIO_STOP_AFTER_LOADS=N` ([`LOADS_ENV`]): a reader stops after the `N`th batch of expert
+//!   reads a [`crate::FlatStore`] completed ([`loaded`]).
+//!
+//! The test waits for the stop (`waitpid(WUNTRACED)`), then kills the process with `SIGKILL` at
+//! exactly that point, or changes the world under it (fills its file system, rewrites its image) and
+//! lets it go on with `SIGCONT`. The same count stops the process at the same point on every machine.
+//!
+//! The same idea as the failpoints of TiKV's `fail` crate or FoundationDB's buggify, reduced to the
+//! points these tests need. Without the variables (every real run) a call is one load of a cached
+//! `u64::MAX` and a compare. Off Unix the variables are ignored.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+/// The writers' variable: a decimal byte count.
+pub const BYTES_ENV: &str = "PICCHIO_STOP_AFTER_BYTES";
+/// The readers' variable: a decimal count of load batches.
+pub const LOADS_ENV: &str = "PICCHIO_STOP_AFTER_LOADS";
+
+/// One counted point.
+struct Point {
+    env: &'static str,
+    unit: &'static str,
+    limit: OnceLock<u64>,
+    count: AtomicU64,
+    stopped: AtomicBool,
+}
+
+impl Point {
+    const fn new(env: &'static str, unit: &'static str) -> Point {
+        Point { env, unit, limit: OnceLock::new(), count: AtomicU64::new(0), stopped: AtomicBool::new(false) }
+    }
+
+    fn add(&self, n: u64) {
+        let limit = *self
+            .limit
+            .get_or_init(|| std::env::var(self.env).ok().and_then(|v| v.trim().parse().ok()).unwrap_or(u64::MAX));
+        if limit == u64::MAX {
+            return;
+        }
+        let after = self.count.fetch_add(n, Ordering::Relaxed).saturating_add(n);
+        // The call that reaches the count stops the process, once.
+        if after >= limit && !self.stopped.swap(true, Ordering::Relaxed) {
+            eprintln!("picchio: {}={limit}: stopping (SIGSTOP) after {after} {}", self.env, self.unit);
+            stop_self();
+        }
+    }
+}
+
+static BYTES: Point = Point::new(BYTES_ENV, "bytes written");
+static LOADS: Point = Point::new(LOADS_ENV, "load batches");
+
+/// Records that a writer handed `bytes` more bytes of output to the kernel; stops the process the
+/// first time the total reaches [`BYTES_ENV`]'s count. Call it after each write of a temporary
+/// output (an image's payloads, a shard's tensors, a copied file).
+pub fn wrote(bytes: u64) {
+    BYTES.add(bytes);
+}
+
+/// Records that a [`crate::FlatStore`] completed a batch of expert reads; stops the process after
+/// the [`LOADS_ENV`]th.
+pub fn loaded() {
+    LOADS.add(1);
+}
+
+#[cfg(unix)]
+fn stop_self() {
+    // SAFETY: `kill` on our own pid has no memory-safety preconditions; SIGSTOP cannot be caught, so
+    // no handler of ours runs. All threads stop until SIGCONT (or SIGKILL).
+    unsafe {
+        libc::kill(libc::getpid(), libc::SIGSTOP);
+    }
+}
+
+#[cfg(not(unix))]
+fn stop_self() {}

@@ -319,6 +319,7 @@ fn write_file<P: PayloadSource>(
     crate::image::guard::sweep_leftovers(out, src.command())?;
     check_free_space(out, image_len)?;
     let (superblock, summary) = FlatWriter::create(out, src.dims(), src.n_entries())
+        .map_err(Error::from)
         .and_then(|w| src.write(w))
         .map_err(out_of_space(out, image_len))?;
     let bytes = std::fs::metadata(out).map_err(Error::io(out, "stat the written image"))?.len();

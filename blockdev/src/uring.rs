@@ -678,6 +678,12 @@ fn setup_reason(errno: Option<i32>, disabled: Option<u32>) -> String {
         (Some(libc::ENOMEM), _) => "the rings cannot be allocated (ENOMEM: before Linux 5.12 they count against \
                                     RLIMIT_MEMLOCK; raise `ulimit -l`)"
             .into(),
+        (Some(libc::EMFILE), _) => "no file descriptor left for the ring (EMFILE: the process's RLIMIT_NOFILE, \
+                                    `ulimit -n`, is reached)"
+            .into(),
+        (Some(libc::ENFILE), _) => {
+            "no file descriptor left for the ring (ENFILE: the system's file table is full)".into()
+        }
         // The OS error itself is the `source()` of the error this reason goes into.
         (Some(e), _) => format!("io_uring_setup failed: unexpected errno {e}"),
         (None, _) => "io_uring_setup failed".into(),
@@ -777,6 +783,7 @@ mod tests {
         assert!(setup_reason(Some(libc::EPERM), Some(0)).contains("seccomp"));
         assert!(setup_reason(Some(libc::EPERM), None).contains("seccomp"));
         assert!(setup_reason(Some(libc::ENOMEM), None).contains("RLIMIT_MEMLOCK"));
+        assert!(setup_reason(Some(libc::EMFILE), None).contains("RLIMIT_NOFILE"));
         assert!(setup_reason(Some(libc::EFAULT), None).starts_with("io_uring_setup failed: "));
     }
 

@@ -270,7 +270,7 @@ pub enum Error {
     #[error(
         "{}: the file system ran out of space while writing it: it needs {needed} bytes ({:.2} GB) and {} \
          available now; the free-space check before the write passed, so something else used the space \
-         meanwhile; the partial output was removed and nothing is at {}: free space and run again",
+         meanwhile; the partial output was removed and {} was left as it was: free space and run again",
         path.display(),
         *needed as f64 / 1e9,
         available.map_or("an unknown number of bytes are".to_string(), |a| format!("{a} bytes ({:.2} GB) are", a as f64 / 1e9)),

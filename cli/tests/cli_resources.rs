@@ -4,7 +4,8 @@
 //!   (`PICCHIO_STOP_AFTER_BYTES`), the test fills the file system, and the writer goes on into a real
 //!   `ENOSPC`. Then: exit 1, an error naming the output, the bytes it needs and the bytes available,
 //!   nothing at the final name (or the old output untouched), no temporary output left.
-//! - EMFILE: `run` and `pack` with `RLIMIT_NOFILE` lowered for the child: a clear error naming the
+//! - EMFILE: `run` and `pack` with `RLIMIT_NOFILE` lowered to 4 for the child: `run` reads with psync
+//!   (no fd for an io_uring ring), saying so with the limit; `pack` stops with an error naming the
 //!   file and a hint naming the limit.
 //! - RLIMIT_MEMLOCK at 0 (and, as root, without CAP_IPC_LOCK) for `run --io uring`: io_uring needs
 //!   no locked memory here (no registered buffers; rings are not charged to it since Linux 5.12), so
@@ -154,7 +155,7 @@ fn enospc_in_the_middle_of_every_writer_is_a_clear_error_and_leaves_nothing_half
             e.contains(&format!(
                 "Error: {}: the file system ran out of space while writing it: it needs ",
                 out.display()
-            )) && e.contains("bytes are available now")
+            )) && e.contains("are available now")
                 && e.contains("No space left on device"),
             "{what}: {e}"
         );
@@ -206,21 +207,21 @@ fn too_few_file_descriptors_for_run_and_pack_is_a_clear_error_naming_the_limit()
     let e = stderr(&o);
     assert!(o.status.success(), "{e}");
     assert!(e.contains("EMFILE") && e.contains("RLIMIT_NOFILE") && e.contains("psync"), "{e}");
-    // None beside stdin/out/err: a clear error naming the file and the limit.
-    for (what, args) in [
-        ("run", run.to_vec()),
-        ("pack", vec!["pack", m.to_str().unwrap(), "--out", out.to_str().unwrap(), "--no-progress"]),
-    ] {
-        let o = with_rlimit(&args, libc::RLIMIT_NOFILE, 3);
-        let e = stderr(&o);
-        assert_eq!(o.status.code(), Some(1), "{what}: {e}");
-        assert!(e.contains("Too many open files"), "{what}: {e}");
-        assert!(
-            e.contains("hint: picchio may have at most 3 files open at once (RLIMIT_NOFILE"),
-            "{what}: the limit is not named: {e}"
-        );
-        assert!(!out.exists() && names(dir.path()).is_empty(), "{what}: left {:?}", names(dir.path()));
-    }
+    // The same one descriptor is too few for pack: a clear error naming the file and the limit.
+    // (Fewer than 4 is too few for the dynamic loader: the program never starts.)
+    let o = with_rlimit(
+        &["pack", m.to_str().unwrap(), "--out", out.to_str().unwrap(), "--no-progress"],
+        libc::RLIMIT_NOFILE,
+        4,
+    );
+    let e = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{e}");
+    assert!(e.contains("Too many open files"), "{e}");
+    assert!(
+        e.contains("hint: picchio may have at most 4 files open at once (RLIMIT_NOFILE"),
+        "the limit is not named: {e}"
+    );
+    assert!(!out.exists() && names(dir.path()).is_empty(), "left {:?}", names(dir.path()));
 }
 
 #[test]

@@ -183,8 +183,9 @@ fn a_read_only_namespace_fails_the_pack_with_the_write_status() {
 /// tests/vm case `dm` drops every write and succeeds). Every way it can fail is one typed error,
 /// [`picchio_runtime::Error::ReadBack`], naming the target and saying the device did not keep the
 /// writes: a read of the superblock failing (the whole image unreadable) as well as one payload read
-/// failing (listed by (layer, expert)). The commands are counted on a clean pack first: writes and
-/// flushes, then the read-back's reads, the last of which is a payload's.
+/// failing (listed by (layer, expert)). The commands are counted on a clean pack first: the read-back
+/// is its last 2 + n_entries commands (superblock, index, one read per payload), after the
+/// inspection's reads, the writes and the flushes.
 #[test]
 fn a_read_back_that_fails_is_a_typed_error_naming_the_target_for_the_image_and_for_one_payload() {
     use picchio_nvme::sim::Fault;
@@ -196,14 +197,16 @@ fn a_read_back_that_fails_is_a_typed_error_naming_the_target_for_the_image_and_f
     let (mut q, sim) = queue(&ns, 512);
     let report = pack_nvme_queue(&m.dir, &mut q, false, &mut |_| {}).unwrap();
     let (writes, flushes) = report.nvme_commands().unwrap();
+    assert_eq!(report.verify().unwrap().entries, m.entries);
     let total = sim.io_count();
-    assert!(total > writes + flushes + 2, "superblock, index and payload reads follow the writes: {total}");
+    let first_read_back = total - m.entries as u64 - 1;
+    assert!(first_read_back > writes + flushes, "the read-back follows {writes} writes and {flushes} flushes: {total}");
     drop(q);
-    for (nth, what) in [(writes + flushes + 1, "superblock"), (total, "payload")] {
+    for (nth, what) in [(first_read_back, "superblock"), (total, "payload")] {
         let (mut q, sim) = queue(&ns, 512);
         sim.inject(Fault::io_status(nth, Status::UNRECOVERED_READ_ERROR));
         let e = pack_nvme_queue(&m.dir, &mut q, true, &mut |_| {}).unwrap_err();
-        assert_eq!(sim.io_count(), total, "{what}: the same commands as the clean pack");
+        assert_eq!(sim.io_count(), nth, "{what}: the clean pack's commands, up to the failed read and no further");
         assert!(matches!(e, picchio_runtime::Error::ReadBack { .. }), "{what}: {e:?}");
         let text = picchio_core::error::chain(&e).to_string();
         assert!(

@@ -23,6 +23,17 @@
 //! SQEs it pushed from the FIFO so those reads run while the caller computes. With `sqpoll` the
 //! kernel's polling thread picks SQEs up as they are pushed and `submit` wakes it when it sleeps.
 //!
+//! # SQPOLL waits never rely on one wakeup
+//! With `sqpoll`, a wait for completions is one `io_uring_enter(GETEVENTS)` that passes
+//! `IORING_ENTER_SQ_WAKEUP` when the ring's `IORING_SQ_NEED_WAKEUP` flag, read after a full fence
+//! (the pairing with the kernel thread's own barrier), says the thread sleeps. That protocol is
+//! right, yet a waiter was once seen blocked in `io_cqring_wait` for good with the polling thread
+//! asleep and reads pending (a loaded host; liburing issue 367 reports the same state, released only
+//! by a timeout). So each SQPOLL wait lasts at most [`SQPOLL_WAIT_SLICE`]: when a slice ends with
+//! fewer completions than wanted, the thread is woken whatever the flag says and the wait starts
+//! again with the flag re-read. A wakeup lost anywhere (ours, or a kernel path that parks the thread
+//! with work queued) then costs one slice, not the process.
+//!
 //! # Why no registered (fixed) buffers
 //! `IORING_OP_READ_FIXED` saves pinning the buffer's pages per read, but needs every target buffer
 //! in a table registered up front. Here buffers *move*: each request brings its own cache slot, the
@@ -42,7 +53,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Instant;
 
-use io_uring::{opcode, squeue, types, IoUring};
+use io_uring::{opcode, squeue, types, EnterFlags, IoUring};
 use picchio_core::{AlignedBuf, Completion, IoQueue, ReadReq, Tag};
 
 use crate::align::{self, DioAlign};
@@ -61,6 +72,10 @@ const MAX_RETRIES: u32 = 64;
 
 /// Idle time after which the SQPOLL kernel thread sleeps (and `submit` must wake it), milliseconds.
 const SQPOLL_IDLE_MS: u32 = 1000;
+
+/// Longest single SQPOLL wait for completions before the polling thread is woken unconditionally and
+/// the wait re-entered (see the module documentation). Long against a syscall, short against a hang.
+const SQPOLL_WAIT_SLICE: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// Where the kernel says whether io_uring may be used (Linux 6.6+): 0 yes, 1 only for
 /// `kernel.io_uring_group` members and CAP_SYS_ADMIN, 2 no.
@@ -169,6 +184,12 @@ pub struct UringQueue {
     /// Test twin: an error for the next `io_uring_enter`.
     #[cfg(test)]
     enter_fault: Option<i32>,
+    /// SQPOLL waits whose slice ended short and that woke the polling thread unconditionally.
+    sqpoll_rewakes: u64,
+    /// Test twin: this many SQPOLL waits leave `IORING_ENTER_SQ_WAKEUP` out although the thread
+    /// sleeps (the lost wakeup, made on purpose).
+    #[cfg(test)]
+    lose_wakeups: u32,
 }
 
 impl UringQueue {
@@ -202,7 +223,12 @@ impl UringQueue {
     /// while probing the target; [`Error::UringOption`] naming `--sqpoll`, `--iopoll` or
     /// `register_files` when the kernel or device refuses it.
     pub fn open(path: impl AsRef<Path>, opts: UringOptions) -> Result<Self> {
-        let path = path.as_ref();
+        Self::open_with_idle(path.as_ref(), opts, SQPOLL_IDLE_MS)
+    }
+
+    /// [`UringQueue::open`] with the SQPOLL thread's idle time `sqpoll_idle_ms` (tests make it sleep
+    /// between submissions with 1 ms).
+    fn open_with_idle(path: &Path, opts: UringOptions, sqpoll_idle_ms: u32) -> Result<Self> {
         if !(1..=MAX_QD).contains(&opts.qd) {
             return Err(Error::InvalidOptions { message: format!("--qd must be in 1..={MAX_QD} (got {})", opts.qd) });
         }
@@ -216,7 +242,7 @@ impl UringQueue {
         let probe = sys::probe(&file, path, opts.direct)?;
         let align = align::choose(opts.direct, probe.statx_dio, probe.logical_block)
             .map_err(|reason| Error::DirectUnsupported { path: path.into(), reason, cause: None })?;
-        let ring = build_ring(path, &opts)?;
+        let ring = build_ring(path, &opts, sqpoll_idle_ms)?;
         let mut opts = opts;
         if opts.sqpoll && !opts.register_files && !ring.params().is_feature_sqpoll_nonfixed() {
             tracing::debug!("{}: this kernel's SQPOLL needs registered files; registering", path.display());
@@ -262,6 +288,9 @@ impl UringQueue {
             faults: Vec::new(),
             #[cfg(test)]
             enter_fault: None,
+            sqpoll_rewakes: 0,
+            #[cfg(test)]
+            lose_wakeups: 0,
         };
         if opts.iopoll {
             q.check_iopoll()?;
@@ -464,18 +493,74 @@ impl UringQueue {
         #[cfg(test)]
         let r = match self.enter_fault.take() {
             Some(errno) => Err(io::Error::from_raw_os_error(errno)),
-            None => self.ring.submit_and_wait(want),
+            None => self.submit_and_wait(want),
         };
         #[cfg(not(test))]
-        let r = self.ring.submit_and_wait(want);
+        let r = self.submit_and_wait(want);
         match r.map_err(|e| e.raw_os_error()) {
             Ok(_) => {}
-            Err(Some(libc::EINTR)) => {}
+            // ETIME: an SQPOLL wait slice ended (the thread has been woken); the caller loops.
+            Err(Some(libc::EINTR | libc::ETIME)) => {}
             // EAGAIN: the kernel is short of memory for requests; EBUSY: completions must be reaped
             // first. Both clear up once the caller's loop harvests.
             Err(Some(libc::EAGAIN | libc::EBUSY)) => std::thread::yield_now(),
             Err(errno) => self.fail_all(errno.unwrap_or(libc::EIO)),
         }
+    }
+
+    /// `submit_and_wait`, with SQPOLL waits in slices (see the module documentation): the io-uring
+    /// crate's own for everything else.
+    fn submit_and_wait(&mut self, want: usize) -> io::Result<usize> {
+        if !self.opts.sqpoll {
+            return self.ring.submit_and_wait(want);
+        }
+        #[cfg(test)]
+        if self.lose_wakeups > 0 && self.ring.submission().need_wakeup() {
+            self.lose_wakeups -= 1;
+            return if want == 0 { Ok(0) } else { self.sqpoll_wait(want, false) };
+        }
+        if want == 0 || !self.ring.params().is_feature_ext_arg() {
+            return self.ring.submit_and_wait(want);
+        }
+        // `need_wakeup` fences (SeqCst) before reading the flag: our tail store, published when the
+        // `SubmissionQueue` that pushed was dropped, is ordered before the read, as the kernel
+        // thread orders its flag store before re-reading the tail.
+        let wake = self.ring.submission().need_wakeup();
+        self.sqpoll_wait(want, wake)
+    }
+
+    /// One SQPOLL wait slice for `want` completions, waking the polling thread first when `wake`;
+    /// when the slice ends short (`ETIME`, returned), the thread is woken unconditionally.
+    fn sqpoll_wait(&mut self, want: usize, wake: bool) -> io::Result<usize> {
+        let mut flags = EnterFlags::GETEVENTS | EnterFlags::EXT_ARG;
+        if wake {
+            flags |= EnterFlags::SQ_WAKEUP;
+        }
+        let ts = types::Timespec::from(SQPOLL_WAIT_SLICE);
+        let args = types::SubmitArgs::new().timespec(&ts);
+        let want = u32::try_from(want).unwrap_or(u32::MAX);
+        // SAFETY: with IORING_ENTER_EXT_ARG the kernel reads `arg` as a `struct
+        // io_uring_getevents_arg` of the size `enter` passes: `SubmitArgs` is `repr(transparent)`
+        // over exactly that struct, and its `ts` points at `ts`; both live across the call. The
+        // sigmask is null. With SQPOLL `to_submit` is ignored; nothing else is lent to the kernel.
+        let r = unsafe { self.ring.submitter().enter(0, want, flags.bits(), Some(&args)) };
+        if r.as_ref().is_err_and(|e| e.raw_os_error() == Some(libc::ETIME)) {
+            self.sqpoll_rewakes += 1;
+            tracing::debug!(
+                "{}: SQPOLL wait slice of {SQPOLL_WAIT_SLICE:?} ended with reads pending; waking the polling thread",
+                self.path.display()
+            );
+            // SAFETY: a wakeup carries no argument and no pointer (`arg` is null, size 0).
+            unsafe { self.ring.submitter().enter::<libc::sigset_t>(0, 0, EnterFlags::SQ_WAKEUP.bits(), None) }?;
+        }
+        r
+    }
+
+    /// SQPOLL waits that ended a slice short and woke the polling thread unconditionally (see the
+    /// module documentation): 0 unless a read took longer than [`SQPOLL_WAIT_SLICE`] or a wakeup
+    /// was lost.
+    pub fn sqpoll_rewakes(&self) -> u64 {
+        self.sqpoll_rewakes
     }
 
     /// The ring is unusable: complete every request with `errno`. Reads that may be in the kernel
@@ -521,8 +606,8 @@ impl UringQueue {
                 }
             }
             if self.occupied() > 0 {
-                match self.ring.submit_and_wait(1).map_err(|e| e.raw_os_error()) {
-                    Ok(_) | Err(Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)) => {}
+                match self.submit_and_wait(1).map_err(|e| e.raw_os_error()) {
+                    Ok(_) | Err(Some(libc::EINTR | libc::EAGAIN | libc::EBUSY | libc::ETIME)) => {}
                     Err(errno) => self.fail_all(errno.unwrap_or(libc::EIO)),
                 }
             }
@@ -629,11 +714,11 @@ fn nanos_since(t: Instant) -> u64 {
 
 /// Sets up the ring for `opts`; the probe has already shown that a plain ring works, so a failure
 /// here is blamed on the flag that asked for more.
-fn build_ring(path: &Path, opts: &UringOptions) -> Result<IoUring> {
+fn build_ring(path: &Path, opts: &UringOptions, sqpoll_idle_ms: u32) -> Result<IoUring> {
     let entries = opts.qd.next_power_of_two();
     let mut b = IoUring::<squeue::Entry, io_uring::cqueue::Entry>::builder();
     if opts.sqpoll {
-        b.setup_sqpoll(SQPOLL_IDLE_MS);
+        b.setup_sqpoll(sqpoll_idle_ms);
     }
     if opts.iopoll {
         b.setup_iopoll();
@@ -875,6 +960,54 @@ mod tests {
         submit(&mut q, 0, 4096, 9);
         assert_eq!(os_error(&reap_all(&mut q)[0]), Some(libc::EBADF));
         // Dropping a broken queue must not wait for (or free) what the kernel was given.
+    }
+
+    /// The SQPOLL hang of stop 16 (a waiter in `io_cqring_wait`, the polling thread asleep, a read
+    /// pending), made deterministic: with a 1 ms idle time the thread is asleep (NEED_WAKEUP set,
+    /// waited for, not slept for) before each of 100 reads; every other read loses both wakeups (at
+    /// submit and at the wait), which left that waiter blocked for good before the wait slices. Each
+    /// read must complete with the file's bytes, and each lost wakeup must have been recovered by a
+    /// slice that ended short. A watchdog turns a hang into a failure.
+    #[test]
+    fn sqpoll_reads_complete_when_the_polling_thread_sleeps_and_wakeups_are_lost() {
+        if let Err(e) = UringQueue::probe() {
+            panic!("io_uring unavailable here (kernel, sysctl or seccomp): {e}");
+        }
+        let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR").to_string() + "/../target").unwrap();
+        let path = dir.path().join("data");
+        let bytes: Vec<u8> = (0..64 * 4096).map(|i| (i * 31 % 251) as u8).collect();
+        std::fs::write(&path, &bytes).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let opts = UringOptions { sqpoll: true, ..UringOptions::buffered(4) };
+            let mut q = UringQueue::open_with_idle(&path, opts, 1).unwrap();
+            if !q.ring.params().is_feature_ext_arg() {
+                panic!("this kernel has no IORING_FEAT_EXT_ARG (Linux 5.11+): SQPOLL waits are not sliced");
+            }
+            submit(&mut q, 0, 4096, 0); // the thread's first work: it sleeps after it
+            reap_all(&mut q);
+            let mut lost = 0;
+            for i in 0..100u64 {
+                while !q.ring.submission().need_wakeup() {
+                    std::thread::yield_now();
+                }
+                if i % 2 == 1 {
+                    q.lose_wakeups = 2;
+                    lost += 1;
+                }
+                let at = (i * 7 % 64) * 4096;
+                submit(&mut q, at, 4096, i);
+                let c = reap_all(&mut q).pop().unwrap();
+                assert_eq!(*c.result.as_ref().unwrap(), 4096, "read {i}");
+                assert!(c.buf.as_slice()[..4096] == bytes[at as usize..at as usize + 4096], "read {i}");
+                assert_eq!(q.lose_wakeups, 0, "read {i}: both wakeups were left out");
+            }
+            tx.send((lost, q.sqpoll_rewakes())).unwrap();
+        });
+        let (lost, rewakes) = rx
+            .recv_timeout(std::time::Duration::from_secs(600))
+            .expect("SQPOLL reads hung (or the test thread panicked: see above)");
+        assert!(rewakes >= lost, "{lost} wakeups lost, only {rewakes} slices ended short and re-woke the thread");
     }
 
     #[test]

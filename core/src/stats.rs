@@ -16,6 +16,7 @@ pub struct IoStats {
     errors: AtomicU64,
     missing: AtomicU64,
     bounce: AtomicU64,
+    latency_sum_ns: AtomicU64,
     latency: [AtomicU64; LATENCY_BUCKETS_US.len()],
 }
 
@@ -43,6 +44,10 @@ pub struct StatsSnapshot {
     /// Bytes of expert reads the engine copied through bounce buffers instead of reading them
     /// straight into the cache slot ([`crate::IoQueue::bounce_bytes`]; 0 for kernel engines).
     pub bounce_bytes: u64,
+    /// Sum of the latencies of the completed reads, in nanoseconds (each from its submit to its
+    /// completion being reaped, [`crate::Completion::latency_ns`]); over `reads` it is the mean read
+    /// latency, which shows a slow device (e.g. device-mapper's `delay` target) whatever the overlap.
+    pub latency_sum_ns: u64,
     /// Read count per bucket of [`LATENCY_BUCKETS_US`].
     pub latency_hist: Vec<u64>,
 }
@@ -55,6 +60,7 @@ impl IoStats {
         let us = latency_ns / 1000;
         let b = LATENCY_BUCKETS_US.iter().position(|&ub| us <= ub).unwrap_or(LATENCY_BUCKETS_US.len() - 1);
         self.latency[b].fetch_add(1, Relaxed);
+        self.latency_sum_ns.fetch_add(latency_ns, Relaxed);
     }
     /// Adds wall time spent in a load call.
     pub fn add_wall(&self, ns: u64) {
@@ -91,6 +97,7 @@ impl IoStats {
             errors: self.errors.load(Relaxed),
             missing: self.missing.load(Relaxed),
             bounce_bytes: self.bounce.load(Relaxed),
+            latency_sum_ns: self.latency_sum_ns.load(Relaxed),
             latency_hist: self.latency.iter().map(|a| a.load(Relaxed)).collect(),
         }
     }
@@ -107,6 +114,7 @@ mod tests {
         s.record_read(4096, 10_000_000_000); // 10 s
         let snap = s.snapshot();
         assert_eq!((snap.reads, snap.bytes), (3, 12288));
+        assert_eq!(snap.latency_sum_ns, 10_000_155_000);
         assert_eq!(snap.latency_hist[0], 1);
         assert_eq!(snap.latency_hist[4], 1);
         assert_eq!(snap.latency_hist[11], 1);

@@ -287,6 +287,25 @@ pub enum Error {
         #[source]
         cause: Box<Error>,
     },
+    /// An image was written to a device or NVMe namespace (`dest`, as a store URI) and reading it
+    /// back did not give it: a read failed or the superblock or index was not what was written (the
+    /// `source()`), or entries failed their hash (`report`, the read-back's verify report). The
+    /// device did not keep the writes (writes dropped or failed silently, failing media, another
+    /// writer): what is there must not be used as an image.
+    #[error(
+        "{dest}: the image was written, but reading it back did not give it: the device did not keep \
+         what was written{}",
+        report.as_deref().map(|r| format!(":\n{r}")).unwrap_or_default()
+    )]
+    ReadBack {
+        /// The target, e.g. `raw:/dev/sdb@1048576`, `nvme:0000:01:00.0/1`.
+        dest: String,
+        /// The read-back's report when it got as far as the payloads.
+        report: Option<String>,
+        /// Why the read-back stopped before the payloads.
+        #[source]
+        cause: Option<Box<Error>>,
+    },
     /// A user request cannot be satisfied (bad flag combination, empty prompt, ...).
     #[error("{0}")]
     Invalid(String),

@@ -97,6 +97,10 @@ pub struct RunStats {
     /// Wall time during which expert reads were in flight, milliseconds (per load call, first
     /// submit to last completion reaped; [`picchio_core::stats::StatsSnapshot::read_span_ns`]).
     pub read_span_ms: f64,
+    /// Mean latency of the expert reads served by the store, milliseconds: from each read's submit to
+    /// its completion being reaped ([`picchio_core::stats::StatsSnapshot::latency_sum_ns`] over
+    /// `reads`; 0 without reads). A slow device shows here even when compute hides the wait.
+    pub read_latency_mean_ms: f64,
     /// The device's delivered rate while reads were in flight, MB/s (10^6 B): bytes_read /
     /// read_span_ms. Not bytes over the wait, which overstates the device whenever compute hides
     /// the reads.
@@ -373,6 +377,10 @@ impl Session {
             bytes_read,
             read_wait_ms,
             read_span_ms,
+            read_latency_mean_ms: match io.reads - io0.reads {
+                0 => 0.0,
+                n => (io.latency_sum_ns - io0.latency_sum_ns) as f64 / 1e6 / n as f64,
+            },
             read_mb_s: mb_s(read_span_ms),
             read_mb_s_run: mb_s(run_ms),
             peak_rss_bytes: crate::mem::peak_rss().unwrap_or(0),

@@ -178,3 +178,46 @@ fn a_read_only_namespace_fails_the_pack_with_the_write_status() {
     let e = picchio_core::error::chain(&e).to_string();
     assert!(e.contains("nvme:sim/1") && e.contains("NVMe write of namespace 1"), "{e}");
 }
+
+/// The read-back is the only witness of writes a device did not keep (dm-flakey's `drop_writes` in
+/// tests/vm case `dm` drops every write and succeeds). Every way it can fail is one typed error,
+/// [`picchio_runtime::Error::ReadBack`], naming the target and saying the device did not keep the
+/// writes: a read of the superblock failing (the whole image unreadable) as well as one payload read
+/// failing (listed by (layer, expert)). The commands are counted on a clean pack first: the read-back
+/// is its last 2 + n_entries commands (superblock, index, one read per payload), after the
+/// inspection's reads, the writes and the flushes.
+#[test]
+fn a_read_back_that_fails_is_a_typed_error_naming_the_target_for_the_image_and_for_one_payload() {
+    use picchio_nvme::sim::Fault;
+    use picchio_nvme::spec::Status;
+    let m = TierModel::picchio_c();
+    let tmp = scratch();
+    let ns = tmp.path().join("ns1");
+    std::fs::write(&ns, vec![0u8; 1 << 20]).unwrap();
+    let (mut q, sim) = queue(&ns, 512);
+    let report = pack_nvme_queue(&m.dir, &mut q, false, &mut |_| {}).unwrap();
+    let (writes, flushes) = report.nvme_commands().unwrap();
+    assert_eq!(report.verify().unwrap().entries, m.entries);
+    let total = sim.io_count();
+    let first_read_back = total - m.entries as u64 - 1;
+    assert!(first_read_back > writes + flushes, "the read-back follows {writes} writes and {flushes} flushes: {total}");
+    drop(q);
+    for (nth, what) in [(first_read_back, "superblock"), (total, "payload")] {
+        let (mut q, sim) = queue(&ns, 512);
+        sim.inject(Fault::io_status(nth, Status::UNRECOVERED_READ_ERROR));
+        let e = pack_nvme_queue(&m.dir, &mut q, true, &mut |_| {}).unwrap_err();
+        assert_eq!(sim.io_count(), nth, "{what}: the clean pack's commands, up to the failed read and no further");
+        assert!(matches!(e, picchio_runtime::Error::ReadBack { .. }), "{what}: {e:?}");
+        let text = picchio_core::error::chain(&e).to_string();
+        assert!(
+            text.starts_with("nvme:sim/1: the image was written, but reading it back did not give it"),
+            "{what}: {text}"
+        );
+        match what {
+            "superblock" => assert!(text.contains("superblock") && text.contains("Unrecovered Read Error"), "{text}"),
+            _ => {
+                assert!(text.contains("FAILED: 0 image problem(s), 1 expert(s)") && text.contains("(layer "), "{text}")
+            }
+        }
+    }
+}

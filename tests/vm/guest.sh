@@ -198,6 +198,9 @@ zero_copy_shortfall_check() {
 }
 # ---- end of zero-copy / pack sections ------------------------------------------------------------------
 
+# run.sh case `dm` (its initramfs says mode dm): the device-mapper fault cases, with the helpers above.
+if [ "$(cat /etc/vm-mode)" = dm ]; then . /test/guest-dm.sh; exit 0; fi
+
 echo "PICCHIO-VM: CASE $CASE mode=$MODE namespaces=$NAMESPACES lba=$LBA_SIZE"
 
 # 1. Find the NVMe function by class code (mass storage / NVM / NVMe).

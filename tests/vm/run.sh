@@ -6,7 +6,8 @@
 #   tests/vm/run.sh [iommu|noiommu|all|<case>...]     (default: all)
 #
 # Cases: iommu-512 (q35 + intel-iommu, 512 B LBAs), iommu-4k (4 KiB LBAs), iommu-2ns (two namespaces),
-# noiommu-512 (no IOMMU, vfio unsafe no-IOMMU mode). Exit status 0 only if every counted check passed.
+# noiommu-512 (no IOMMU, vfio unsafe no-IOMMU mode), dm (device-mapper faults under the kernel nvme
+# driver: tests/vm/guest-dm.sh). Exit status 0 only if every counted check passed.
 # Env: VM_BOOT_TIMEOUT (s, default 300) per guest, VM_TEST_TIMEOUT (s, default 240) per test binary,
 #      VM_MEM (MiB, default 1024), VM_HUGEPAGES (2 MiB pages, default 64), VM_QUIET=1 (no live console),
 #      VM_TEST_ARGS (extra libtest arguments for the driver's test binaries, e.g. a name filter),
@@ -36,12 +37,13 @@ T_START="$(date +%s.%N)"
 cases=()
 for a in "${@:-all}"; do
   case "$a" in
-    all) cases+=(iommu-512 iommu-4k iommu-2ns noiommu-512) ;;
+    all) cases+=(iommu-512 iommu-4k iommu-2ns noiommu-512 dm) ;;
     iommu) cases+=(iommu-512 iommu-4k iommu-2ns) ;;
     noiommu) cases+=(noiommu-512) ;;
+    dm) cases+=(dm) ;;
     iommu-512 | iommu-4k | iommu-2ns | noiommu-512) cases+=("$a") ;;
     -h | --help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"; exit 0 ;;
-    *) echo "unknown mode/case '$a' (iommu|noiommu|all|iommu-512|iommu-4k|iommu-2ns|noiommu-512)" >&2; exit 2 ;;
+    *) echo "unknown mode/case '$a' (iommu|noiommu|all|iommu-512|iommu-4k|iommu-2ns|noiommu-512|dm)" >&2; exit 2 ;;
   esac
 done
 
@@ -118,6 +120,7 @@ is_static() { ! LC_ALL=C readelf -l "$1" 2>/dev/null | grep -q 'Requesting progr
 STAGE="$VM/run/extra"
 rm -rf "$STAGE"; mkdir -p "$STAGE"/{test/bin,test/tests,test/probe,fixture}
 install -m 0755 "$HERE/guest.sh" "$STAGE/test/guest.sh"
+install -m 0755 "$HERE/guest-dm.sh" "$STAGE/test/guest-dm.sh"
 pack_bin() { # $1 = executable, $2 = dest dir
   if [ "$(head -c 2 "$1")" = '#!' ]; then install -m 0755 "$1" "$2/$(basename "$1")"; return; fi
   if ! is_static "$1"; then BUILD_FAIL+=("$(basename "$1") is dynamically linked"); return; fi

@@ -165,6 +165,37 @@ else
   echo "SKIPPED mode noiommu: ${NOIOMMU_STATUS#SKIPPED: }"
 fi
 
+# --- 4b. device-mapper initramfs (run.sh case `dm`, tests/vm/guest-dm.sh) ----------------------------
+# The iommu initramfs with a second gzip'd cpio appended (the kernel unpacks both; later entries win):
+# dm-mod (with the linear and error targets), dm-flakey and dm-delay with their dependencies, listed in
+# /etc/dm.modules; Debian's dynamically linked dmsetup with the libraries ldd names (run with
+# DM_DISABLE_UDEV=1: the guest has no udev, libdevmapper makes the /dev/mapper nodes itself); and
+# /etc/vm-mode = dm, which makes guest.sh run guest-dm.sh.
+apt_install dmsetup
+mapfile -t DM_MODS < <(mod_order dm-mod dm-flakey dm-delay)
+[ ${#DM_MODS[@]} -ge 3 ] || { echo "device-mapper module resolution failed" >&2; exit 1; }
+build_initramfs_dm() {
+  local out="$VM/initramfs-dm.cpio.gz" base="$VM/initramfs-iommu.cpio.gz" dmsetup stamp d m b lib
+  dmsetup="$(command -v dmsetup)"
+  mapfile -t DM_LIBS < <(ldd "$dmsetup" | awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\// {print $1}')
+  stamp="$( { sha256sum "$base" "$dmsetup" "${DM_LIBS[@]}" "${DM_MODS[@]}"; echo "$KVER"; } | sha256sum | cut -c1-16)"
+  if [ -s "$out" ] && [ "$(cat "$out.stamp" 2>/dev/null)" = "$stamp" ]; then return 0; fi
+  d="$VM/initramfs-dm.d"
+  rm -rf "$d"; mkdir -p "$d"/{sbin,etc,lib/modules}
+  install -m 0755 "$dmsetup" "$d/sbin/dmsetup"
+  for lib in "${DM_LIBS[@]}"; do mkdir -p "$d$(dirname "$lib")"; cp -L "$lib" "$d$lib"; done
+  : > "$d/etc/dm.modules"
+  for m in "${DM_MODS[@]}"; do b="$(basename "$m")"; cp "$m" "$d/lib/modules/$b"; echo "$b" >> "$d/etc/dm.modules"; done
+  echo dm > "$d/etc/vm-mode"
+  cp "$base" "$out.tmp"; truncate -s %512 "$out.tmp"   # the second cpio must start 4-byte aligned
+  (cd "$d" && find . -print0 | LC_ALL=C sort -z | cpio --null -o -H newc --quiet) | gzip -9 >> "$out.tmp"
+  mv "$out.tmp" "$out"
+  echo "$stamp" > "$out.stamp"
+  rm -rf "$d"
+  log "built $out ($(du -h "$out" | cut -f1); dm modules: ${#DM_MODS[@]}, dmsetup + ${#DM_LIBS[@]} libraries)"
+}
+build_initramfs_dm
+
 cat > "$VM/kernel.env" <<EOF
 KPKG=$KPKG
 KVER=$KVER

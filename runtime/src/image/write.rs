@@ -259,7 +259,8 @@ impl<S: ReportHead> std::fmt::Display for WriteReport<S> {
 /// # Errors
 /// The source's; [`Error::StoreNotAccepted`] for a URI that is not a place to write;
 /// [`Error::Invalid`] for a file that may not be replaced or has no room, a controller not bound to
-/// `vfio-pci`, raw or NVMe targets off Linux, and when the read-back finds a problem;
+/// `vfio-pci`, raw or NVMe targets off Linux; [`Error::ReadBack`] when the read-back of a device or
+/// namespace does not give the image written (a read fails, or the bytes are not what was written);
 /// [`Error::Engine`] for a device refusal (not a block device, offset, too large, refused, busy);
 /// [`Error::Store`] when a write fails; [`Error::Interrupted`] after SIGINT/SIGTERM. After an error
 /// nothing is left at a file target (nor a temporary file).
@@ -422,9 +423,10 @@ fn read_back<Q: picchio_core::IoQueue + ?Sized, P: PayloadSource>(
     io_threads: usize,
 ) -> Result<crate::image::verify::VerifyReport> {
     let vopts = crate::image::verify::VerifyOptions { io_threads, direct: true, progress: src.progress() };
-    let verify = crate::image::verify::verify_queue(queue, name, image_len, None, &vopts)?;
+    let verify = crate::image::verify::verify_queue(queue, name, image_len, None, &vopts)
+        .map_err(|e| Error::ReadBack { dest: name.into(), report: None, cause: Some(Box::new(e)) })?;
     if !verify.is_clean() || verify.entries != src.n_entries() as usize {
-        return Err(Error::Invalid(format!("{name}: the image was written but reading it back failed:\n{verify}")));
+        return Err(Error::ReadBack { dest: name.into(), report: Some(verify.to_string()), cause: None });
     }
     Ok(verify)
 }

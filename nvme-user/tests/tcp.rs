@@ -31,7 +31,7 @@ fn read(q: &mut NvmeTcpQueue, off: u64, len: u32) -> std::io::Result<Vec<u8>> {
 
 /// The typed error inside a failed read.
 fn read_err(q: &mut NvmeTcpQueue, off: u64, len: u32) -> std::io::Error {
-    read_blocking(q, off, len).err().expect("the read fails")
+    read_blocking(q, off, len).expect_err("the read fails")
 }
 
 #[test]

@@ -332,12 +332,6 @@ impl KeptAdmin {
         KeptAdmin { shared, stop, thread }
     }
 
-    /// Stops keep-alive and returns the admin queue (`None` if keep-alive lost it).
-    pub fn take(mut self) -> Option<Admin> {
-        self.halt();
-        self.shared.0.lock().unwrap_or_else(|e| e.into_inner()).take()
-    }
-
     /// Stops keep-alive and closes the admin connection without a shutdown (the association is
     /// being replaced after a failure; the target ends the old controller when KATO expires).
     pub fn abandon(mut self) {
@@ -395,9 +389,7 @@ impl Drop for KeptAdmin {
 /// The association's errors, [`TcpError::Command`] for Get Log Page.
 pub fn discover(addr: &str, opts: &TcpOptions) -> TcpResult<Vec<fabrics::DiscoveryEntry>> {
     let opts = TcpOptions { kato: Duration::ZERO, ..opts.clone() };
-    let (admin, _info) = associate(addr, fabrics::DISCOVERY_NQN, &opts)?;
-    let kept = KeptAdmin::start(admin, Duration::ZERO);
-    let mut a = kept.take().expect("no keep-alive thread");
+    let (mut a, _info) = associate(addr, fabrics::DISCOVERY_NQN, &opts)?;
     let head = a.log_page(fabrics::LID_DISCOVERY, 1024, 0, "Get Log Page 70h (header)")?;
     let h = fabrics::DiscoveryHeader::parse(&head);
     let n = h.numrec.min(1024) as u32;

@@ -121,8 +121,8 @@ impl Conn {
         if r.pfv != pdu::PFV_1_0 {
             return Err(refuse(format!("PFV {:#x}, this host speaks PFV 0 (NVMe/TCP 1.0)", r.pfv)));
         }
-        if r.maxh2cdata < pdu::MIN_MAXH2CDATA || r.maxh2cdata % 4 != 0 {
-            return Err(refuse(format!("MAXH2CDATA {} (at least 4096, a multiple of 4)", r.maxh2cdata)));
+        if r.maxh2cdata < pdu::MIN_MAXH2CDATA {
+            return Err(refuse(format!("MAXH2CDATA {} (at least 4096)", r.maxh2cdata)));
         }
         if r.cpda > 31 {
             return Err(refuse(format!("CPDA {} (0..=31)", r.cpda)));
@@ -139,7 +139,8 @@ impl Conn {
         c.hdgst = r.hdgst;
         c.ddgst = r.ddgst;
         c.cpda = r.cpda;
-        c.maxh2cdata = r.maxh2cdata;
+        // H2CData PDUs are cut at a dword multiple (older Linux targets advertised 0xFFFF).
+        c.maxh2cdata = r.maxh2cdata & !3;
         Ok(c)
     }
 

@@ -258,7 +258,7 @@ impl NvmeTcpQueue {
     fn validate(&self, req: &ReadReq, op: Op) -> Result<(), String> {
         let lba = u64::from(self.ns.lba_size);
         let what = if op == Op::Write { "write" } else { "read" };
-        if req.offset.0 % lba != 0 || u64::from(req.len) % lba != 0 || req.len == 0 {
+        if !req.offset.0.is_multiple_of(lba) || !u64::from(req.len).is_multiple_of(lba) || req.len == 0 {
             return Err(format!(
                 "{what} of {} bytes at byte {:#x} of {}: not a positive whole number of {lba}-byte LBAs",
                 req.len, req.offset.0, self.target

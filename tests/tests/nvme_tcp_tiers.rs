@@ -130,9 +130,9 @@ fn a_target_that_goes_away_mid_run_falls_back_to_safetensors_counted() {
         picchio_runtime::model::tokenizer::Tokenizer::from_dir(&m.dir).unwrap(),
     )
     .unwrap();
-    // Every connection is dropped and no new one gets an ICResp: reads fail, experts come from the
-    // converted safetensors, and the tokens stay right.
-    t.inject(Fault::SilentIcReq);
+    // Every connection is dropped and every new one closed at once: reads fail, experts come from
+    // the converted safetensors, and the tokens stay right.
+    t.inject(Fault::CloseOnAccept);
     t.drop_connections();
     let g = s.generate(&m.prompt, &GenerateOptions { max_new: m.tokens.len(), ..Default::default() }).unwrap();
     assert_eq!(g.tokens, m.tokens);

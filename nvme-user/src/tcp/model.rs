@@ -88,7 +88,7 @@ impl ModelConfig {
 }
 
 /// A fault the model injects. One-shot faults are consumed by the first PDU or command they
-/// apply to; [`Fault::NeverReady`], [`Fault::Hang`] and [`Fault::SilentIcReq`] stay until
+/// apply to; [`Fault::NeverReady`], [`Fault::Hang`], [`Fault::SilentIcReq`] and [`Fault::CloseOnAccept`] stay until
 /// [`TargetModel::clear_faults`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Fault {
@@ -121,13 +121,15 @@ pub enum Fault {
     Hang,
     /// No ICReq gets an ICResp.
     SilentIcReq,
+    /// Every new connection is closed as soon as it is accepted (a target whose port is gone).
+    CloseOnAccept,
     /// The next I/O command is answered with a C2HTermReq (Data Transfer Out of Range).
     TermReq,
 }
 
 impl Fault {
     fn sticky(&self) -> bool {
-        matches!(self, Fault::NeverReady | Fault::Hang | Fault::SilentIcReq)
+        matches!(self, Fault::NeverReady | Fault::Hang | Fault::SilentIcReq | Fault::CloseOnAccept)
     }
 }
 
@@ -367,6 +369,10 @@ impl Session {
     }
 
     fn serve(mut self) -> R {
+        if self.take_fault(|f| *f == Fault::CloseOnAccept).is_some() {
+            let _ = self.s.shutdown(Shutdown::Both);
+            return Ok(());
+        }
         let mut b = [0u8; pdu::IC_HLEN];
         self.s.read_exact(&mut b)?;
         let req = IcReq::parse(&b);

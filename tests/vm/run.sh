@@ -299,6 +299,8 @@ EOF
   TOTAL_PASS=$((TOTAL_PASS + p)); TOTAL_FAIL=$((TOTAL_FAIL + f)); TOTAL_SKIP=$((TOTAL_SKIP + s))
   SUMMARY+=("$c: $p passed, $f failed, $s skipped; libtest inside: $libtest; ${wall}s wall (log: ${dir#"$ROOT"/}/console.txt)")
   grep -E '^PICCHIO-VM: (FAIL|SKIP)' "$dir/console.txt" | sed "s/^/  [$c] /" >&2 || true
+  # tcp: the qd-sweep figures of both initiators and fio, one line per point.
+  grep '^PICCHIO-VM: SIDE-BY-SIDE' "$dir/console.txt" | sed "s/^PICCHIO-VM: /  [$c] /" >&2 || true
 }
 
 # The tcp case's guest script and tools, staged into its per-case cpio ($1 = its root).

@@ -57,7 +57,7 @@ case "$SVCID" in *[!0-9]* | "") die "--svcid '$SVCID': a TCP port number" ;; esa
 
 load() {
   if [ ! -d /sys/kernel/config ] || ! grep -q ' /sys/kernel/config configfs' /proc/mounts; then
-    [ $LOAD = 1 ] && modprobe configfs 2>/dev/null || true
+    if [ $LOAD = 1 ]; then modprobe configfs 2>/dev/null || true; fi
     mount -t configfs none /sys/kernel/config 2>/dev/null || true
   fi
   if [ ! -d "$CFG" ] && [ $LOAD = 1 ]; then modprobe nvmet && modprobe nvmet-tcp && { modprobe crc32c 2>/dev/null || true; }; fi

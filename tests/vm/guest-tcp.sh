@@ -16,9 +16,7 @@ ADDR=127.0.0.1
 SVCID=4420
 NQN512=nqn.2026-12.dev.picchio:tcp-lba512
 NQN4K=nqn.2026-12.dev.picchio:tcp-lba4k
-# picchio's nvme-tcp:// options and log lines (h-tcp's initiator): the URI suffix asking for header and
-# data digests; what its log says when reads fail because the target went away, and when it reconnects.
-DIGESTS="?hdgst=1&ddgst=1"
+# picchio's nvme-tcp:// log lines: an expert served from safetensors after a failed read, a reconnect.
 TCP_FALLBACK_LOG="from the fallback"
 TCP_RECONNECT_LOG="reconnected"
 
@@ -114,6 +112,14 @@ expect_error() {
   else pass "$name" "exit $erc after $(since "$t0") s: $(grep -m1 -i 'error' /tmp/err.err | cut -c1-200)"; fi
 }
 
+# Runs "$@" with picchio asking for header and data digests (CRC32C) in its ICReqs. The initiator
+# refuses an ICResp that does not grant what it asked, so a pass means the digests were on.
+with_digests() {
+  PICCHIO_NVME_TCP_DIGESTS=both; export PICCHIO_NVME_TCP_DIGESTS
+  "$@"
+  unset PICCHIO_NVME_TCP_DIGESTS
+}
+
 # Picchio's own initiator against the kernel's target (tier S6): pack, verify and run over nvme-tcp://
 # on both LBA sizes, digests on and off, GPT-OSS beside Qwen3, the errors of a wrong NQN, a refused
 # connection and a silent listener, and the target taken away in the middle of a run.
@@ -127,17 +133,17 @@ tcp_initiator_checks() {
   pack_ok tcp-pack-512 /fixture --out "$URI512" --force
   verify_ok tcp-verify-512 /fixture "$URI512" '48 entries'
   run_qwen tcp-run-512 "$URI512"; check_no_fallback tcp-run-512-no-fallback
-  run_qwen tcp-run-512-digests "$URI512$DIGESTS"
+  with_digests run_qwen tcp-run-512-digests "$URI512"
   # 4 KiB LBAs.
   pack_ok tcp-pack-4k /fixture --out "$URI4K" --force
   verify_ok tcp-verify-4k /fixture "$URI4K" '48 entries'
   run_qwen tcp-run-4k "$URI4K"; check_no_fallback tcp-run-4k-no-fallback
-  run_qwen tcp-run-4k-digests "$URI4K$DIGESTS"
+  with_digests run_qwen tcp-run-4k-digests "$URI4K"
   # GPT-OSS on the 512 B namespace, written with digests on.
-  pack_ok tcp-pack-gpt-oss-512 /fixture-gpt-oss --out "$URI512$DIGESTS" --force
+  with_digests pack_ok tcp-pack-gpt-oss-512 /fixture-gpt-oss --out "$URI512" --force
   verify_ok tcp-verify-gpt-oss-512 /fixture-gpt-oss "$URI512" '32 entries'
   run_gpt tcp-run-gpt-oss-512 "$URI512"; check_no_fallback tcp-run-gpt-oss-512-no-fallback
-  run_gpt tcp-run-gpt-oss-512-digests "$URI512$DIGESTS"
+  with_digests run_gpt tcp-run-gpt-oss-512-digests "$URI512"
   # Errors name the address and the step.
   expect_error tcp-err-wrong-nqn "$ADDR:$SVCID;connect;nqn.2026-12.dev.picchio:no-such" \
     verify "nvme-tcp://$ADDR:$SVCID/nqn.2026-12.dev.picchio:no-such" --model /fixture --no-progress

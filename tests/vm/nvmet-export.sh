@@ -23,7 +23,7 @@
 # attaches it to a loop device with that logical block size first (util-linux `losetup -b N
 # --direct-io=on`; busybox's losetup has no -b, so there use a block device). Header and data digests
 # (CRC32C) are not a target setting: the host asks for them in its ICReq and nvmet-tcp honours that
-# (Picchio: `?hdgst=1&ddgst=1` on the URI; the kernel initiator: `nvme connect -g -G`). --load
+# (Picchio: PICCHIO_NVME_TCP_DIGESTS=both; the kernel initiator: `nvme connect -g -G`). --load
 # modprobes configfs, nvmet, nvmet-tcp and crc32c and mounts configfs when needed.
 set -eu
 

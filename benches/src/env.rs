@@ -278,6 +278,16 @@ fn describe_target(store: &StoreUri) -> Option<Target> {
             );
             t
         }
+        StoreUri::NvmeTcp { addr, .. } => Target {
+            uri: uri.clone(),
+            kind: "nvme-tcp namespace (remote)".into(),
+            path: None,
+            size_bytes: None,
+            device: None,
+            filesystem: None,
+            pci: None,
+            note: Some(format!("a namespace of a remote NVMe-oF subsystem at {addr}, read over NVMe/TCP")),
+        },
         StoreUri::Nvme { bdf, .. } => Target {
             uri: uri.clone(),
             kind: "nvme controller (vfio)".into(),

@@ -48,10 +48,13 @@ impl Engine {
     pub const NVME_SIM: Engine = Engine { name: "nvme-sim", kernel: None };
     /// Our NVMe driver over VFIO on a real controller (`nvme:` stores).
     pub const NVME: Engine = Engine { name: "nvme", kernel: None };
+    /// Our NVMe/TCP initiator on a remote namespace (`nvme-tcp:` stores): each submitting thread
+    /// has its own association with one I/O queue (one TCP connection) of depth `qd`.
+    pub const NVME_TCP: Engine = Engine { name: "nvme-tcp", kernel: None };
 
     /// Every engine, in report order.
-    pub const ALL: [Engine; 5] =
-        [Engine::PSYNC_BUFFERED, Engine::PSYNC_DIRECT, Engine::URING, Engine::NVME_SIM, Engine::NVME];
+    pub const ALL: [Engine; 6] =
+        [Engine::PSYNC_BUFFERED, Engine::PSYNC_DIRECT, Engine::URING, Engine::NVME_SIM, Engine::NVME, Engine::NVME_TCP];
 
     /// The name used on the command line and in reports.
     pub fn name(self) -> &'static str {
@@ -67,7 +70,9 @@ impl Engine {
     /// threads; io_uring without the psync fallback, so a figure labelled `uring` is io_uring's).
     pub fn io_options(self, qd: u32) -> IoOptions {
         let (engine, direct) = self.kernel.unwrap_or((IoEngine::Psync, true));
-        IoOptions { engine, direct, threads: qd as usize, qd, uring_fallback: false, ..IoOptions::default() }
+        // nvme-tcp: `threads` is the number of I/O queues (TCP connections) of one queue.
+        let threads = if self == Engine::NVME_TCP { 1 } else { qd as usize };
+        IoOptions { engine, direct, threads, qd, uring_fallback: false, ..IoOptions::default() }
     }
 
     /// Checks that this engine reads `store`: a kernel engine a file or block device, `nvme-sim`
@@ -80,6 +85,7 @@ impl Engine {
             (Some(_), StoreUri::File(_) | StoreUri::Raw { .. }) => true,
             (None, StoreUri::NvmeSim(_)) => self == Engine::NVME_SIM,
             (None, StoreUri::Nvme { .. }) => self == Engine::NVME,
+            (None, StoreUri::NvmeTcp { .. }) => self == Engine::NVME_TCP,
             _ => false,
         };
         match (ok, self.kernel) {
@@ -88,6 +94,9 @@ impl Engine {
             (false, None) if self == Engine::NVME_SIM => {
                 Err(Error::Invalid(format!("engine nvme-sim needs an nvme-sim:PATH store, not {store}")))
             }
+            (false, None) if self == Engine::NVME_TCP => Err(Error::Invalid(format!(
+                "engine nvme-tcp needs an nvme-tcp://HOST:PORT/NQN[/NSID] store, not {store}"
+            ))),
             (false, None) => Err(Error::Invalid(format!("engine nvme needs an nvme:BDF store, not {store}"))),
         }
     }
@@ -99,6 +108,7 @@ impl Engine {
         match store {
             StoreUri::NvmeSim(_) => vec![Engine::NVME_SIM],
             StoreUri::Nvme { .. } => vec![Engine::NVME],
+            StoreUri::NvmeTcp { .. } => vec![Engine::NVME_TCP],
             _ => {
                 let mut v = vec![Engine::PSYNC_BUFFERED, Engine::PSYNC_DIRECT];
                 match uring_unavailable() {
@@ -276,6 +286,7 @@ impl StoreLayout {
             StoreUri::Raw { .. } => Engine::PSYNC_DIRECT,
             StoreUri::NvmeSim(_) => Engine::NVME_SIM,
             StoreUri::Nvme { .. } => Engine::NVME,
+            StoreUri::NvmeTcp { .. } => Engine::NVME_TCP,
             _ => Engine::PSYNC_BUFFERED,
         };
         if let StoreUri::File(p) | StoreUri::NvmeSim(p) = store {

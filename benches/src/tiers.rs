@@ -113,6 +113,9 @@ fn plan(store: &StoreUri, skipped: &mut Vec<Skipped>) -> Vec<(&'static str, &'st
             }
         }
         StoreUri::Nvme { .. } => rows.push(("S5", "our NVMe driver over VFIO", store.clone(), Engine::NVME)),
+        StoreUri::NvmeTcp { .. } => {
+            rows.push(("S6", "our NVMe/TCP initiator (remote namespace)", store.clone(), Engine::NVME_TCP))
+        }
         // bench_store refuses these before any experiment runs.
         StoreUri::Auto | StoreUri::Safetensors => {}
     }

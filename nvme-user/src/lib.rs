@@ -21,6 +21,8 @@
 //!   [`picchio_core::format::ImageSink`] writing a `.picchioflat` image with NVM Write and Flush.
 //! - [`sim`]: a controller model in host memory, backed by files, with error injection (statuses,
 //!   dropped completions, hung commands, CSTS.CFS) and Abort and reset handled like a controller.
+//! - [`tcp`]: the S6 tier, a user-space NVMe/TCP initiator ([`tcp::NvmeTcpQueue`]) for a namespace
+//!   of a remote NVMe-oF subsystem, discovery, and an in-process target model with fault injection.
 //! - `vfio` (Linux): the VFIO device, BAR0 mapping and IOMMU DMA mappings for real controllers.
 //!
 //! # Example: the driver against the sim
@@ -66,6 +68,7 @@ pub mod queue;
 pub mod sim;
 pub mod sink;
 pub mod spec;
+pub mod tcp;
 #[cfg(target_os = "linux")]
 pub mod vfio;
 
@@ -75,4 +78,5 @@ pub use dma::{DmaBuf, DmaPool, HeapDma, Iova};
 pub use engine::{NvmeQueue, NvmeQueueOptions};
 pub use error::{Error, Result};
 pub use queue::{Cid, QueuePair};
-pub use sink::NvmeSink;
+pub use sink::{NvmWriteQueue, NvmeSink};
+pub use tcp::{NvmeTcpQueue, TcpOptions, TcpTarget};

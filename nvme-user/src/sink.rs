@@ -11,23 +11,81 @@ use std::path::{Path, PathBuf};
 use picchio_core::format::ImageSink;
 use picchio_core::{AlignedBuf, ByteOffset, Completion, IoQueue, ReadReq, Tag, BLOCK_SIZE};
 
+use crate::ctrlr::Namespace;
 use crate::engine::NvmeQueue;
+
+/// A queue that can also write its namespace: the VFIO driver's [`NvmeQueue`] and the NVMe/TCP
+/// initiator's [`crate::tcp::NvmeTcpQueue`]. What [`NvmeSink`] and the image writer need.
+pub trait NvmWriteQueue: IoQueue {
+    /// The namespace (NSID, LBA size, blocks).
+    fn namespace(&self) -> Namespace;
+    /// Submits an NVM Write of `req.len` bytes from `req.buf` to byte `req.offset`; it completes
+    /// through [`IoQueue::reap`] like a read.
+    fn submit_write(&mut self, req: ReadReq);
+    /// Waits for every command in flight, then issues an NVM Flush and waits for it.
+    ///
+    /// # Errors
+    /// The Flush's failure.
+    fn flush(&mut self) -> io::Result<()>;
+    /// NVMe commands and Flushes issued so far, for reports.
+    fn command_counts(&self) -> (u64, u64);
+    /// How messages describe the path to the namespace (e.g. `user-space driver, vfio-pci`).
+    fn transport(&self) -> &'static str;
+}
+
+impl NvmWriteQueue for NvmeQueue {
+    fn namespace(&self) -> Namespace {
+        NvmeQueue::namespace(self)
+    }
+    fn submit_write(&mut self, req: ReadReq) {
+        NvmeQueue::submit_write(self, req)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        NvmeQueue::flush(self)
+    }
+    fn command_counts(&self) -> (u64, u64) {
+        let s = self.stats();
+        (s.commands, s.flushes)
+    }
+    fn transport(&self) -> &'static str {
+        "user-space driver, vfio-pci"
+    }
+}
+
+impl NvmWriteQueue for crate::tcp::NvmeTcpQueue {
+    fn namespace(&self) -> Namespace {
+        crate::tcp::NvmeTcpQueue::namespace(self)
+    }
+    fn submit_write(&mut self, req: ReadReq) {
+        crate::tcp::NvmeTcpQueue::submit_write(self, req)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        crate::tcp::NvmeTcpQueue::flush(self)
+    }
+    fn command_counts(&self) -> (u64, u64) {
+        let s = self.stats();
+        (s.commands, s.flushes)
+    }
+    fn transport(&self) -> &'static str {
+        "user-space NVMe/TCP initiator"
+    }
+}
 
 /// Bytes per gathered write run.
 const RUN: usize = 4 << 20;
 /// Runs in flight at once.
 const DEPTH: usize = 4;
 
-/// Writes an image onto the namespace an [`NvmeQueue`] drives, from byte 0 (LBA 0).
+/// Writes an image onto the namespace an [`NvmWriteQueue`] ([`NvmeQueue`], [`crate::tcp::NvmeTcpQueue`]) drives, from byte 0 (LBA 0).
 ///
 /// Contiguous writes are gathered into 4 MiB runs (in [`BLOCK_SIZE`]-aligned buffers), each written
-/// with [`NvmeQueue::submit_write`], up to 4 runs in flight; [`ImageSink::barrier`] submits the
+/// with [`NvmWriteQueue::submit_write`], up to 4 runs in flight; [`ImageSink::barrier`] submits the
 /// current run, waits for every run and issues a Flush. A run must be a whole number of the
 /// namespace's LBAs when it is submitted (the writer pads the image to [`BLOCK_SIZE`], which every
 /// supported LBA size divides). Dropping the sink waits for the runs still in flight, so the queue
 /// is free for other commands afterwards.
-pub struct NvmeSink<'q> {
-    queue: &'q mut NvmeQueue,
+pub struct NvmeSink<'q, Q: NvmWriteQueue = NvmeQueue> {
+    queue: &'q mut Q,
     dest: PathBuf,
     limit: u64,
     lba: usize,
@@ -40,7 +98,7 @@ pub struct NvmeSink<'q> {
     failed: Option<io::Error>,
 }
 
-impl<'q> NvmeSink<'q> {
+impl<'q, Q: NvmWriteQueue> NvmeSink<'q, Q> {
     /// A sink for an image of `limit` bytes at LBA 0 of `queue`'s namespace, named `name` (e.g.
     /// `nvme:0000:01:00.0/1`) in messages. Zeroes the first image block ([`BLOCK_SIZE`] bytes) and
     /// flushes before returning, so the old superblock (ours or a file system's) is gone before
@@ -48,7 +106,7 @@ impl<'q> NvmeSink<'q> {
     ///
     /// # Errors
     /// The failed Write or Flush of the first block (its [`io::ErrorKind`] from the engine).
-    pub fn open(queue: &'q mut NvmeQueue, name: &str, limit: u64) -> io::Result<NvmeSink<'q>> {
+    pub fn open(queue: &'q mut Q, name: &str, limit: u64) -> io::Result<NvmeSink<'q, Q>> {
         let lba = queue.block_size() as usize;
         let mut sink = NvmeSink {
             queue,
@@ -122,7 +180,7 @@ impl<'q> NvmeSink<'q> {
     }
 }
 
-impl ImageSink for NvmeSink<'_> {
+impl<Q: NvmWriteQueue> ImageSink for NvmeSink<'_, Q> {
     fn dest(&self) -> &Path {
         &self.dest
     }
@@ -173,7 +231,7 @@ impl ImageSink for NvmeSink<'_> {
     }
 }
 
-impl Drop for NvmeSink<'_> {
+impl<Q: NvmWriteQueue> Drop for NvmeSink<'_, Q> {
     fn drop(&mut self) {
         // Buffers in flight must come back before the queue is used for anything else.
         let _ = self.drain_to(0);

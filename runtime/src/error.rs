@@ -229,6 +229,17 @@ pub enum Error {
         #[source]
         cause: picchio_nvme::Error,
     },
+    /// The NVMe/TCP initiator failed on `target` (`nvme-tcp://HOST:PORT/NQN/NSID`); its error,
+    /// naming the address, queue, step and status, is the `source()`.
+    #[cfg(target_os = "linux")]
+    #[error("{target}")]
+    NvmeTcp {
+        /// The store.
+        target: String,
+        /// The initiator's error.
+        #[source]
+        cause: picchio_nvme::tcp::TcpError,
+    },
     /// Host management of an NVMe controller failed for `target` (the [`AdminError`] is the
     /// `source()`).
     ///

@@ -17,13 +17,13 @@ pub struct ModelArgs {
     #[arg(long, value_name = "DIR", env = "PICCHIO_MODEL")]
     pub model: PathBuf,
     /// Where routed experts come from (as `picchio run --store`): `auto`, `safetensors`,
-    /// `file:PATH`, `raw:/dev/X[@BYTES]`, `nvme:BDF[/NSID]`.
+    /// `file:PATH`, `raw:/dev/X[@BYTES]`, `nvme:BDF[/NSID]`, `nvme-tcp://HOST:PORT/NQN[/NSID]`.
     #[arg(long, value_name = "URI", default_value = "auto")]
     pub store: StoreUri,
     /// Read flat stores through the page cache instead of O_DIRECT.
     #[arg(long)]
     pub buffered: bool,
-    /// Reader threads of the psync engine.
+    /// Reader threads of the psync engine; for an nvme-tcp:// store, the I/O queues (TCP connections).
     #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=256))]
     pub io_threads: u16,
     #[command(flatten)]

@@ -49,6 +49,18 @@ enum Cmd {
         #[arg(value_name = "BDF")]
         bdf: String,
     },
+    /// Ask the NVMe/TCP discovery controller at HOST:PORT (Connect to
+    /// nqn.2014-08.org.nvmexpress.discovery, Get Log Page 70h) which subsystems it offers, and print
+    /// each as trtype, traddr, trsvcid, subnqn and the matching --store nvme-tcp:// URI.
+    Discover {
+        /// The discovery controller, HOST:PORT (NVMe/TCP discovery usually listens on 8009; Linux
+        /// nvmet answers discovery on every port).
+        #[arg(value_name = "HOST:PORT")]
+        addr: String,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn mountinfo() -> anyhow::Result<String> {
@@ -130,6 +142,7 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
             println!("{bdf} is on nvme (was {})", prev.as_deref().unwrap_or("unbound"));
         }
         Cmd::Identify { bdf } => identify(&Bdf::parse(&bdf)?)?,
+        Cmd::Discover { addr, json } => discover(&addr, json)?,
     }
     Ok(())
 }
@@ -160,4 +173,53 @@ fn identify(bdf: &Bdf) -> anyhow::Result<()> {
 #[cfg(not(target_os = "linux"))]
 fn identify(_bdf: &Bdf) -> anyhow::Result<()> {
     anyhow::bail!("picchio nvme identify needs Linux VFIO")
+}
+
+#[cfg(target_os = "linux")]
+fn discover(addr: &str, json: bool) -> anyhow::Result<()> {
+    if !addr.starts_with('[') && addr.rsplit_once(':').is_none_or(|(_, p)| p.parse::<u16>().is_err()) {
+        anyhow::bail!("{addr:?}: give the discovery controller as HOST:PORT, e.g. 192.0.2.7:8009");
+    }
+    let entries = picchio_nvme::tcp::discover(addr, &picchio_nvme::TcpOptions::default())
+        .with_context(|| format!("NVMe/TCP discovery at {addr}"))?;
+    let store = |e: &picchio_nvme::tcp::fabrics::DiscoveryEntry| {
+        let host = if e.traddr.contains(':') { format!("[{}]", e.traddr) } else { e.traddr.clone() };
+        (e.trtype == 3 && e.subtype == 2).then(|| format!("nvme-tcp://{host}:{}/{}", e.trsvcid, e.subnqn))
+    };
+    if json {
+        let v: Vec<_> = entries
+            .iter()
+            .map(|e| {
+                serde_json::json!({
+                    "trtype": e.trtype_name(),
+                    "adrfam": e.adrfam,
+                    "subtype": e.subtype_name(),
+                    "traddr": e.traddr,
+                    "trsvcid": e.trsvcid,
+                    "subnqn": e.subnqn,
+                    "portid": e.portid,
+                    "store": store(e),
+                })
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    if entries.is_empty() {
+        println!("{addr}: the discovery controller lists no subsystem (Discovery Log Page 70h has no record)");
+        return Ok(());
+    }
+    println!("{:<6} {:<24} {:<8} {:<28} SUBNQN", "TRTYPE", "TRADDR", "TRSVCID", "SUBTYPE");
+    for e in &entries {
+        println!("{:<6} {:<24} {:<8} {:<28} {}", e.trtype_name(), e.traddr, e.trsvcid, e.subtype_name(), e.subnqn);
+        if let Some(s) = store(e) {
+            println!("       --store {s}");
+        }
+    }
+    Ok(())
+}
+
+#[cfg(not(target_os = "linux"))]
+fn discover(_addr: &str, _json: bool) -> anyhow::Result<()> {
+    anyhow::bail!("picchio nvme discover needs the NVMe/TCP initiator of picchio-nvme, which is Linux-only")
 }

@@ -57,6 +57,7 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
         Some(StoreUri::File(path)) => path,
         Some(StoreUri::Raw { device, offset }) => return pack_raw(&a, &device, offset, opts),
         Some(StoreUri::Nvme { bdf, nsid }) => return pack_nvme(&a, &bdf, nsid, opts),
+        Some(uri @ StoreUri::NvmeTcp { .. }) => return pack_device(&a, &uri, opts),
         Some(other) => unreachable!("write_target refuses {other}"),
     };
     let report = if a.force {
@@ -79,7 +80,7 @@ fn pack_nvme(a: &Args, bdf: &str, nsid: u32, pack: PackOptions) -> anyhow::Resul
     pack_device(a, &StoreUri::Nvme { bdf: bdf.into(), nsid }, pack)
 }
 
-/// `--out raw:` or `nvme:` through the image writer, which prints its plan before writing.
+/// `--out raw:`, `nvme:` or `nvme-tcp:` through the image writer, which prints its plan before writing.
 fn pack_device(a: &Args, uri: &StoreUri, pack: PackOptions) -> anyhow::Result<()> {
     let wopts = WriteOptions { force: a.force, io_threads: a.io_threads, ..WriteOptions::default() };
     let report = pack_to(&a.model, WriteTo::Uri(uri), &pack, &wopts, &mut |plan| eprintln!("{plan}"))?;

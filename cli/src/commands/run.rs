@@ -20,9 +20,11 @@ pub struct Args {
     /// Where routed experts come from: `auto` (DIR/experts.picchioflat when present and valid, else
     /// safetensors), `safetensors`, `file:PATH` or a path (a .picchioflat image in a file; a name
     /// containing ':' is written file:PATH or ./PATH), `raw:/dev/X[@BYTES]` (an image on a block
-    /// device from byte BYTES, default 0, as `pack --out raw:` wrote it), or `nvme:BDF[/NSID]` (an
+    /// device from byte BYTES, default 0, as `pack --out raw:` wrote it), `nvme:BDF[/NSID]` (an
     /// image at LBA 0 of namespace NSID, default 1, of the NVMe controller BDF, read through the
-    /// user-space driver; bind it first with `picchio nvme bind BDF`).
+    /// user-space driver; bind it first with `picchio nvme bind BDF`), or
+    /// `nvme-tcp://HOST:PORT/NQN[/NSID]` (an image at LBA 0 of a namespace of a remote NVMe-oF
+    /// subsystem, read over NVMe/TCP by our initiator; `picchio nvme discover HOST:PORT` lists NQNs).
     #[arg(long, value_name = "URI", default_value = "auto")]
     pub store: StoreUri,
     /// Read flat stores with O_DIRECT, bypassing the page cache (the default).
@@ -131,8 +133,8 @@ pub struct EngineArgs {
     /// or `iocp` (overlapped I/O with a completion port; Windows, its default there).
     #[arg(long = "io", value_name = "ENGINE", default_value_t = IoEngine::default(), value_parser = engine_of_this_os)]
     pub io: IoEngine,
-    /// uring: reads in flight at once (1-256). 1 is one read at a time; deeper queues let the device
-    /// work on several experts together.
+    /// uring: reads in flight at once (1-256); nvme-tcp://: commands in flight per I/O queue. 1 is
+    /// one read at a time; deeper queues let the device work on several experts together.
     #[arg(long, value_name = "N", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=256))]
     pub qd: u32,
     /// uring: a kernel thread polls for new reads, so none needs a syscall (costs a busy CPU; may need

@@ -125,6 +125,10 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
             picchio_runtime::interrupt::install().context("installing the SIGINT/SIGTERM handlers")?;
             return synth_nvme(&a, &bdf, nsid, &opts);
         }
+        uri @ StoreUri::NvmeTcp { .. } => {
+            picchio_runtime::interrupt::install().context("installing the SIGINT/SIGTERM handlers")?;
+            return synth_device(&a, &uri, &opts);
+        }
         other => unreachable!("write_target refuses {other}"),
     };
     // SIGINT/SIGTERM stop the write between payloads; the temporary file is removed on the way out.
@@ -148,7 +152,7 @@ fn synth_nvme(a: &Args, bdf: &str, nsid: u32, opts: &SynthOptions) -> anyhow::Re
     synth_device(a, &StoreUri::Nvme { bdf: bdf.into(), nsid }, opts)
 }
 
-/// `--out raw:` or `nvme:` through the image writer, which prints its plan before writing.
+/// `--out raw:`, `nvme:` or `nvme-tcp:` through the image writer, which prints its plan before writing.
 fn synth_device(a: &Args, uri: &StoreUri, opts: &SynthOptions) -> anyhow::Result<()> {
     let wopts = WriteOptions { force: a.force, io_threads: a.io_threads, ..WriteOptions::default() };
     let report = synth_to(WriteTo::Uri(uri), opts, &wopts, &mut |plan| eprintln!("{plan}"))?;

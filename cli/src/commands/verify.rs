@@ -38,6 +38,10 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
             };
             (a.store.clone(), verify_raw(&device, offset, &a, &opts)?)
         }
+        None if a.store.starts_with("nvme-tcp:") => {
+            let uri = a.store.parse::<StoreUri>()?;
+            (uri.to_string(), picchio_runtime::image::verify::verify_store(&uri, a.model.as_deref(), &opts)?)
+        }
         None if a.store.starts_with("nvme:") => {
             let StoreUri::Nvme { bdf, nsid } = a.store.parse::<StoreUri>()? else {
                 unreachable!("nvme: parses as Nvme")

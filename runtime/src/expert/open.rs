@@ -9,6 +9,7 @@
 //! | `raw:/dev/X[@BYTES]` | the same on the block device, after [`picchio_blockdev::raw::RawTarget::open`] (a block device, a whole-LBA offset inside it) |
 //! | `nvme:BDF[/NSID]` | our user-space driver over VFIO, `io.qd` commands in flight |
 //! | `nvme-sim:PATH` | our driver against picchio-nvme's software controller model serving the file as namespace 1 |
+//! | `nvme-tcp://HOST:PORT/NQN[/NSID]` | our NVMe/TCP initiator: `io.threads` I/O queues (TCP connections) of `io.qd` commands each |
 //!
 //! Which URIs a command accepts is decided before opening: [`bench_store`] (what bench reads),
 //! [`write_target`] (what pack and synth write), [`check_run_store`] (what a run reads); each
@@ -59,7 +60,8 @@ pub fn open_engine(uri: &StoreUri, io: IoOptions) -> Result<Opened> {
         StoreUri::Auto | StoreUri::Safetensors => Err(Error::StoreNotAccepted {
             option: "--store",
             uri: uri.to_string(),
-            reason: "names no image to open: give file:PATH, raw:/dev/X[@BYTES], nvme:BDF[/NSID] or nvme-sim:PATH"
+            reason: "names no image to open: give file:PATH, raw:/dev/X[@BYTES], nvme:BDF[/NSID], nvme-sim:PATH or \
+                     nvme-tcp://HOST:PORT/NQN[/NSID]"
                 .into(),
         }),
         StoreUri::File(path) => {
@@ -71,7 +73,54 @@ pub fn open_engine(uri: &StoreUri, io: IoOptions) -> Result<Opened> {
         StoreUri::Raw { device, offset } => open_raw(device, *offset, io),
         StoreUri::Nvme { bdf, nsid } => open_nvme(&uri.to_string(), bdf, *nsid, io.qd),
         StoreUri::NvmeSim(path) => open_nvme_sim(path, io.qd),
+        StoreUri::NvmeTcp { addr, subnqn, nsid } => open_nvme_tcp(addr, subnqn, *nsid, io),
     }
+}
+
+/// The NVMe/TCP initiator options of a store opened with `io`: `io.threads` I/O queues (one TCP
+/// connection each, 1..=64), `io.qd` commands in flight on each (clamped by the controller).
+/// `PICCHIO_NVME_TCP_DIGESTS` = `header`, `data` or `both` asks for CRC32C digests.
+#[cfg(target_os = "linux")]
+pub fn tcp_options(io: IoOptions) -> picchio_nvme::TcpOptions {
+    let digests = std::env::var("PICCHIO_NVME_TCP_DIGESTS").unwrap_or_default();
+    picchio_nvme::TcpOptions {
+        io_queues: io.threads.clamp(1, 64) as u16,
+        qd: io.qd.clamp(1, 1024) as u16,
+        hdgst: matches!(digests.as_str(), "header" | "both"),
+        ddgst: matches!(digests.as_str(), "data" | "both"),
+        ..picchio_nvme::TcpOptions::default()
+    }
+}
+
+/// The initiator's queue of [`open_engine`]'s `nvme-tcp:` arm, for the writers that need the queue
+/// itself (its namespace, Write and Flush).
+///
+/// # Errors
+/// [`Error::NvmeTcp`] naming the store, with the initiator's error (address, step, status).
+#[cfg(target_os = "linux")]
+pub(crate) fn nvme_tcp_queue(addr: &str, subnqn: &str, nsid: u32, io: IoOptions) -> Result<picchio_nvme::NvmeTcpQueue> {
+    let target = picchio_nvme::TcpTarget { addr: addr.into(), subnqn: subnqn.into(), nsid };
+    let name = target.to_string();
+    let mut q = picchio_nvme::NvmeTcpQueue::connect(target, tcp_options(io))
+        .map_err(|cause| Error::NvmeTcp { target: name, cause })?;
+    q.set_interrupt(crate::interrupt::flag());
+    Ok(q)
+}
+
+/// `nvme-tcp:`: namespace `nsid` of the subsystem `subnqn` at `addr`, read by our initiator.
+#[cfg(target_os = "linux")]
+fn open_nvme_tcp(addr: &str, subnqn: &str, nsid: u32, io: IoOptions) -> Result<Opened> {
+    let queue = nvme_tcp_queue(addr, subnqn, nsid, io)?;
+    let name = queue.target().to_string();
+    let image_len = queue.namespace().bytes();
+    Ok(Opened { queue: Box::new(queue), base: 0, image_len, name })
+}
+
+#[cfg(not(target_os = "linux"))]
+fn open_nvme_tcp(addr: &str, subnqn: &str, nsid: u32, _io: IoOptions) -> Result<Opened> {
+    Err(Error::Invalid(format!(
+        "nvme-tcp://{addr}/{subnqn}/{nsid}: the NVMe/TCP initiator (picchio-nvme) is Linux-only"
+    )))
 }
 
 /// `raw:`: the device is measured and checked first (Linux), then read with the kernel engine.
@@ -187,11 +236,12 @@ fn open_nvme_sim(path: &Path, _qd: u32) -> Result<Opened> {
 }
 
 /// The forms `picchio bench` reads, as its refusals list them.
-const BENCH_FORMS: &str = "give file:PATH (or a path), raw:/dev/X[@BYTES], nvme-sim:PATH or nvme:BDF[/NSID] \
+const BENCH_FORMS: &str = "give file:PATH (or a path), raw:/dev/X[@BYTES], nvme-sim:PATH, nvme:BDF[/NSID] or \
+                           nvme-tcp://HOST:PORT/NQN[/NSID] \
                            (a .picchioflat image: `picchio synth` or `picchio pack` writes one)";
 
 /// Parses a `picchio bench --store` value: `file:PATH` or a path, `raw:/dev/X[@BYTES]`,
-/// `nvme-sim:PATH` or `nvme:BDF[/NSID]`.
+/// `nvme-sim:PATH`, `nvme:BDF[/NSID]` or `nvme-tcp://HOST:PORT/NQN[/NSID]`.
 ///
 /// # Errors
 /// [`Error::StoreNotAccepted`] for `auto`, `safetensors`, an empty value or an unknown scheme,
@@ -215,7 +265,7 @@ pub fn bench_store(s: &str) -> Result<StoreUri> {
 
 /// Parses a `picchio pack --out` or `picchio synth --out` value with the `--store` parser, so every
 /// scheme is either a place to write or refused by name — never taken for a file name: `file:PATH`
-/// or a path, `raw:/dev/X[@BYTES]`, `nvme:BDF[/NSID]`. `auto` and `safetensors` choose what a run
+/// or a path, `raw:/dev/X[@BYTES]`, `nvme:BDF[/NSID]`, `nvme-tcp://HOST:PORT/NQN[/NSID]`. `auto` and `safetensors` choose what a run
 /// reads and are refused; so is `nvme-sim:PATH` (`picchio bench`'s software controller reading an
 /// image file: write the file, then measure `nvme-sim:` it).
 ///
@@ -231,7 +281,7 @@ pub fn write_target(s: &str) -> Result<StoreUri> {
         other => Error::Store(other),
     })?;
     match uri {
-        StoreUri::File(_) | StoreUri::Raw { .. } | StoreUri::Nvme { .. } => Ok(uri),
+        StoreUri::File(_) | StoreUri::Raw { .. } | StoreUri::Nvme { .. } | StoreUri::NvmeTcp { .. } => Ok(uri),
         StoreUri::NvmeSim(path) => Err(refuse(
             s.into(),
             format!(
@@ -245,7 +295,8 @@ pub fn write_target(s: &str) -> Result<StoreUri> {
             uri.to_string(),
             format!(
                 "`{uri}` chooses what `picchio run --store` reads, it is not a place to write an image: give a path \
-                 (file:PATH or ./PATH for a name like this one), raw:/dev/X[@BYTES] or nvme:BDF[/NSID]"
+                 (file:PATH or ./PATH for a name like this one), raw:/dev/X[@BYTES], nvme:BDF[/NSID] or \
+                 nvme-tcp://HOST:PORT/NQN[/NSID]"
             ),
         )),
     }
@@ -263,7 +314,8 @@ pub fn check_run_store(uri: &StoreUri) -> Result<()> {
             uri: uri.to_string(),
             reason: format!(
                 "nvme-sim: is a read target of `picchio bench` (the software NVMe controller), not of a run: use \
-                 file:{} (a run reads auto, safetensors, file:PATH, raw:/dev/X[@BYTES] or nvme:BDF[/NSID])",
+                 file:{} (a run reads auto, safetensors, file:PATH, raw:/dev/X[@BYTES], nvme:BDF[/NSID] or \
+                 nvme-tcp://HOST:PORT/NQN[/NSID])",
                 path.display()
             ),
         }),

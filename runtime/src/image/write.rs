@@ -1,5 +1,5 @@
 //! The one image writer of `picchio pack` and `picchio synth`: given a target ([`WriteTo`]: a
-//! `file:`, `raw:` or `nvme:` URI, or an open NVMe queue) and a [`PayloadSource`] (pack's converted
+//! `file:`, `raw:`, `nvme:` or `nvme-tcp:` URI, or an open NVMe queue) and a [`PayloadSource`] (pack's converted
 //! experts, synth's seeded payloads), [`write_image`] inspects the target, announces what it will
 //! overwrite, writes through the target's sink and reads every hash back.
 //!
@@ -8,6 +8,7 @@
 //! | `file:PATH` | [`check_replaceable`], [`check_free_space`] | [`picchio_core::FileSink`] (temporary file + atomic rename) | — |
 //! | `raw:/dev/X[@BYTES]` | [`picchio_blockdev::raw::RawTarget::inspect`] | [`picchio_blockdev::raw::DeviceSink`] (`O_DIRECT \| O_EXCL`, superblock last) | psync `O_DIRECT` through [`crate::expert::open::open_engine`] |
 //! | `nvme:BDF[/NSID]` | [`require_vfio`], [`NvmeInspection`] | [`picchio_nvme::NvmeSink`] (NVM Write + Flush, superblock last) | the driver |
+//! | `nvme-tcp://HOST:PORT/NQN[/NSID]` | [`NvmeInspection`] | [`picchio_nvme::NvmeSink`] over [`picchio_nvme::NvmeTcpQueue`] (NVM Write in the capsule or after R2T, Flush) | the initiator |
 //!
 //! Every device write checks the index hash and every payload hash of what it wrote
 //! ([`crate::image::verify::verify_queue`]) and fails if one differs.
@@ -288,6 +289,17 @@ pub fn write_image<P: PayloadSource>(
             let mut queue = crate::expert::open::nvme_queue(&name, bdf, *nsid, 32)?;
             write_nvme(&mut queue, &name, src, opts, announce, t0)
         }
+        #[cfg(target_os = "linux")]
+        StoreUri::NvmeTcp { addr, subnqn, nsid } => {
+            let name = uri.to_string();
+            let io = crate::expert::store::IoOptions { threads: 1, ..Default::default() };
+            let mut queue = crate::expert::open::nvme_tcp_queue(addr, subnqn, *nsid, io)?;
+            write_nvme(&mut queue, &name, src, opts, announce, t0)
+        }
+        #[cfg(not(target_os = "linux"))]
+        StoreUri::NvmeTcp { .. } => {
+            Err(Error::Invalid(format!("--out {uri}: the NVMe/TCP initiator (picchio-nvme) is Linux-only")))
+        }
         #[cfg(not(target_os = "linux"))]
         StoreUri::Raw { device, .. } => Err(Error::Invalid(format!(
             "--out raw:{}: writing block devices is supported on Linux only",
@@ -300,7 +312,9 @@ pub fn write_image<P: PayloadSource>(
         StoreUri::Auto | StoreUri::Safetensors | StoreUri::NvmeSim(_) => Err(Error::StoreNotAccepted {
             option: "--out",
             uri: uri.to_string(),
-            reason: "is not a place to write an image: give file:PATH, raw:/dev/X[@BYTES] or nvme:BDF[/NSID]".into(),
+            reason: "is not a place to write an image: give file:PATH, raw:/dev/X[@BYTES], nvme:BDF[/NSID] or \
+                     nvme-tcp://HOST:PORT/NQN[/NSID]"
+                .into(),
         }),
     }
 }
@@ -377,8 +391,8 @@ fn write_raw<P: PayloadSource>(
 }
 
 #[cfg(target_os = "linux")]
-fn write_nvme<P: PayloadSource>(
-    queue: &mut picchio_nvme::NvmeQueue,
+fn write_nvme<Q: picchio_nvme::NvmWriteQueue, P: PayloadSource>(
+    queue: &mut Q,
     name: &str,
     src: &P,
     opts: &WriteOptions,
@@ -389,16 +403,16 @@ fn write_nvme<P: PayloadSource>(
     let inspection = NvmeInspection::read(queue, name, image_len)?;
     announce(&Plan::Nvme(&inspection));
     inspection.permit(opts.force)?;
-    let before = queue.stats();
+    let before = queue.command_counts();
     let mut sink = picchio_nvme::NvmeSink::open(queue, name, image_len).map_err(|cause| {
         Error::Store(picchio_core::Error::Write { path: name.into(), what: "the first block", cause })
     })?;
     let w = FlatWriter::with_sink(&mut sink, src.dims(), src.n_entries())?;
     let (superblock, summary) = src.write(w)?;
     drop(sink);
-    let after = queue.stats();
+    let after = queue.command_counts();
     let verify = read_back(queue, name, image_len, src, 1)?;
-    let commands = (after.commands - before.commands, after.flushes - before.flushes);
+    let commands = (after.0 - before.0, after.1 - before.1);
     Ok(WriteReport {
         dest: name.into(),
         path: name.into(),
@@ -532,6 +546,8 @@ pub struct NvmeInspection {
     pub image_len: u64,
     /// Signatures found (as [`picchio_blockdev::raw::Finding::Signature`]).
     pub findings: Vec<picchio_blockdev::raw::Finding>,
+    /// How the namespace is reached (`user-space driver, vfio-pci`, `user-space NVMe/TCP initiator`).
+    pub transport: &'static str,
 }
 
 #[cfg(target_os = "linux")]
@@ -542,7 +558,7 @@ impl NvmeInspection {
     ///
     /// # Errors
     /// [`Error::Io`] naming `name` when the read fails.
-    pub fn read(queue: &mut picchio_nvme::NvmeQueue, name: &str, image_len: u64) -> Result<NvmeInspection> {
+    pub fn read<Q: picchio_nvme::NvmWriteQueue>(queue: &mut Q, name: &str, image_len: u64) -> Result<NvmeInspection> {
         use picchio_blockdev::raw::{scan_signatures, Finding, HEAD_BYTES};
         let namespace = queue.namespace();
         let lbs = u64::from(namespace.lba_size);
@@ -556,7 +572,7 @@ impl NvmeInspection {
                 Finding::Signature { signature, overwritten }
             })
             .collect();
-        Ok(NvmeInspection { name: name.into(), namespace, image_len, findings })
+        Ok(NvmeInspection { name: name.into(), namespace, image_len, findings, transport: queue.transport() })
     }
 
     /// Clears the namespace for writing, or refuses as [`picchio_blockdev::raw::Inspection::permit`]
@@ -602,12 +618,13 @@ impl std::fmt::Display for NvmeInspection {
         let lbs = u64::from(ns.lba_size);
         writeln!(
             f,
-            "{}: namespace {}, {} LBAs × {} B = {} bytes (user-space driver, vfio-pci)",
+            "{}: namespace {}, {} LBAs × {} B = {} bytes ({})",
             self.name,
             ns.nsid,
             ns.blocks,
             lbs,
-            ns.bytes()
+            ns.bytes(),
+            self.transport
         )?;
         write!(
             f,

@@ -1,0 +1,809 @@
+//! [`NvmeTcpQueue`]: the [`IoQueue`] engine over NVMe/TCP — a namespace of a remote subsystem read
+//! (and written) through `io_queues` I/O queues, one TCP connection each, up to `qd` commands in
+//! flight on each.
+//!
+//! A request becomes one NVM Read (or Write) per `max_transfer` bytes; each command carries a
+//! Transport SGL Data Block descriptor and its data arrives in C2HData PDUs read straight into the
+//! request's buffer. Writes up to the controller's in-capsule size (IOCCSZ × 16 − 64) travel in
+//! the CapsuleCmd; larger ones wait for R2Ts and answer with H2CData PDUs of at most MAXH2CDATA.
+//!
+//! # Failures
+//! A command's error status completes its request with [`TcpError::Command`]. Anything that breaks
+//! a connection — a socket error, the target closing it, a PDU field out of range, a bad digest, a
+//! C2HTermReq, or a command without an answer within the timeout — ends the association: the
+//! sockets are closed, a new association is made (up to `reconnect_attempts` times) and the reads
+//! in flight are resubmitted (reads are idempotent; each at most `max_retries` times). Writes in
+//! flight fail ([`TcpError::WriteLost`]). When reconnecting fails, every request fails with
+//! [`TcpError::Disconnected`]; after `reconnect_delay` the next request tries again, so a target
+//! that comes back is used again.
+
+use std::collections::VecDeque;
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use picchio_core::{AlignedBuf, Completion, IoQueue, ReadReq, Tag};
+
+use crate::ctrlr::Namespace;
+use crate::spec::{nvm, Command, Lba};
+
+use super::assoc::{self, ControllerInfo, KeptAdmin, TcpOptions};
+use super::conn::{poll_readable, Conn, Rx};
+use super::error::{TcpError, TcpResult};
+use super::pdu::{flags, sgl};
+
+/// Where a namespace is: `HOST:PORT`, the subsystem NQN and the NSID.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TcpTarget {
+    /// `HOST:PORT` (an IPv6 host in brackets).
+    pub addr: String,
+    /// The subsystem's NQN.
+    pub subnqn: String,
+    /// Namespace id (1-based).
+    pub nsid: u32,
+}
+
+impl std::fmt::Display for TcpTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "nvme-tcp://{}/{}/{}", self.addr, self.subnqn, self.nsid)
+    }
+}
+
+/// Counters of an [`NvmeTcpQueue`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TcpQueueStats {
+    /// Read requests submitted.
+    pub reads: u64,
+    /// Write requests submitted.
+    pub writes: u64,
+    /// Flushes.
+    pub flushes: u64,
+    /// NVMe commands sent on I/O queues.
+    pub commands: u64,
+    /// Bytes received in C2HData PDUs.
+    pub c2h_bytes: u64,
+    /// Bytes sent in the capsule or in H2CData PDUs.
+    pub h2c_bytes: u64,
+    /// R2Ts answered.
+    pub r2ts: u64,
+    /// Associations re-established after a failure.
+    pub reconnects: u64,
+    /// Commands resubmitted after a reconnect.
+    pub resubmitted: u64,
+    /// Commands that timed out.
+    pub timeouts: u64,
+    /// Requests that failed.
+    pub errors: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Op {
+    Read,
+    Write,
+    Flush,
+}
+
+/// One command's share of a request.
+#[derive(Clone, Copy, Debug)]
+struct Chunk {
+    req: u32,
+    /// Byte offset within the request.
+    off: u32,
+    len: u32,
+}
+
+struct Req {
+    tag: Tag,
+    buf: AlignedBuf,
+    op: Op,
+    offset: u64,
+    len: u32,
+    remaining: u32,
+    error: Option<io::Error>,
+    retries: u32,
+    started: Instant,
+}
+
+struct Cmd {
+    chunk: Chunk,
+    deadline: Instant,
+    /// Data bytes received (reads) or sent after R2Ts (writes).
+    moved: u32,
+}
+
+struct IoConn {
+    conn: Conn,
+    cmds: Vec<Option<Cmd>>,
+    free: Vec<u16>,
+}
+
+struct Assoc {
+    admin: KeptAdmin,
+    ios: Vec<IoConn>,
+}
+
+/// The NVMe/TCP [`IoQueue`] engine (module docs).
+pub struct NvmeTcpQueue {
+    target: TcpTarget,
+    opts: TcpOptions,
+    assoc: Option<Assoc>,
+    info: ControllerInfo,
+    ns: Namespace,
+    depth: u16,
+    max_xfer: u32,
+    in_capsule: u32,
+    reqs: Vec<Option<Req>>,
+    free_reqs: Vec<u32>,
+    backlog: VecDeque<Chunk>,
+    ready: Vec<Completion>,
+    active: usize,
+    next_conn: usize,
+    retry_at: Option<Instant>,
+    last_failure: String,
+    flush_done: Option<io::Result<()>>,
+    stats: TcpQueueStats,
+    interrupt: Option<Arc<AtomicBool>>,
+    fds: Vec<std::os::fd::RawFd>,
+    readable: Vec<usize>,
+}
+
+/// Largest transfer of one command when the controller reports no MDTS.
+const DEFAULT_MAX_XFER: u32 = 8 << 20;
+
+impl NvmeTcpQueue {
+    /// Connects to `target`: association (admin Connect, CC.EN, CSTS.RDY, Identify), Identify
+    /// Namespace, and `opts.io_queues` I/O queues.
+    ///
+    /// # Errors
+    /// The first failing step's [`TcpError`] (each names the address and step).
+    pub fn connect(target: TcpTarget, opts: TcpOptions) -> TcpResult<NvmeTcpQueue> {
+        let (assoc, info, ns, depth) = establish(&target, &opts)?;
+        let mdts = info.id.max_transfer(4096 << info.cap.mpsmin()).map_or(DEFAULT_MAX_XFER as usize, |m| m);
+        let nlb_max = 65536u64 * u64::from(ns.lba_size);
+        let max_xfer = (mdts as u64).min(nlb_max).min(u64::from(DEFAULT_MAX_XFER)) as u32;
+        let max_xfer = max_xfer / ns.lba_size * ns.lba_size;
+        let in_capsule = info.fabrics.in_capsule_bytes();
+        Ok(NvmeTcpQueue {
+            target,
+            opts,
+            assoc: Some(assoc),
+            info,
+            ns,
+            depth,
+            max_xfer,
+            in_capsule,
+            reqs: Vec::new(),
+            free_reqs: Vec::new(),
+            backlog: VecDeque::new(),
+            ready: Vec::new(),
+            active: 0,
+            next_conn: 0,
+            retry_at: None,
+            last_failure: String::new(),
+            flush_done: None,
+            stats: TcpQueueStats::default(),
+            interrupt: None,
+            fds: Vec::new(),
+            readable: Vec::new(),
+        })
+    }
+
+    /// The namespace (NSID, LBA size, blocks).
+    pub fn namespace(&self) -> Namespace {
+        self.ns
+    }
+    /// What the controller reported at association.
+    pub fn controller(&self) -> &ControllerInfo {
+        &self.info
+    }
+    /// Commands in flight per I/O queue.
+    pub fn queue_depth(&self) -> u16 {
+        self.depth
+    }
+    /// Bytes of one command at most.
+    pub fn max_transfer(&self) -> u32 {
+        self.max_xfer
+    }
+    /// Bytes a write may carry in the capsule.
+    pub fn in_capsule_bytes(&self) -> u32 {
+        self.in_capsule
+    }
+    /// Counters.
+    pub fn stats(&self) -> TcpQueueStats {
+        self.stats
+    }
+    /// The target.
+    pub fn target(&self) -> &TcpTarget {
+        &self.target
+    }
+    /// A flag that, once true, ends every wait: requests in flight and later ones fail with an
+    /// `Interrupted` error (SIGINT/SIGTERM).
+    pub fn set_interrupt(&mut self, flag: Arc<AtomicBool>) {
+        self.interrupt = Some(flag);
+    }
+
+    /// Submits an NVM Write of `req.len` bytes from `req.buf` to byte `req.offset`; completes
+    /// through [`IoQueue::reap`] like a read. Data up to the in-capsule size travels in the
+    /// CapsuleCmd, more after R2Ts.
+    pub fn submit_write(&mut self, req: ReadReq) {
+        self.stats.writes += 1;
+        self.enqueue(Op::Write, req);
+    }
+
+    /// Waits for every command submitted so far, then issues an NVM Flush and waits for it.
+    /// Completions of other requests stay queued for the next [`IoQueue::reap`].
+    ///
+    /// # Errors
+    /// The Flush's error status, or the connection's failure.
+    pub fn flush(&mut self) -> io::Result<()> {
+        let mut held = std::mem::take(&mut self.ready);
+        while self.active > 0 {
+            self.reap(1, &mut held);
+        }
+        held.append(&mut self.ready);
+        self.stats.flushes += 1;
+        self.flush_done = None;
+        let buf = AlignedBuf::new(4096, 4096)
+            .map_err(|e| io::Error::new(io::ErrorKind::OutOfMemory, picchio_core::error::chain(&e).to_string()))?;
+        self.enqueue(Op::Flush, ReadReq { offset: picchio_core::ByteOffset(0), len: 0, buf, tag: Tag(u64::MAX) });
+        while self.flush_done.is_none() {
+            self.reap(1, &mut held);
+        }
+        held.append(&mut self.ready);
+        self.ready = held;
+        self.flush_done.take().expect("set above")
+    }
+
+    fn validate(&self, req: &ReadReq, op: Op) -> Result<(), String> {
+        let lba = u64::from(self.ns.lba_size);
+        let what = if op == Op::Write { "write" } else { "read" };
+        if !req.offset.0.is_multiple_of(lba) || !u64::from(req.len).is_multiple_of(lba) || req.len == 0 {
+            return Err(format!(
+                "{what} of {} bytes at byte {:#x} of {}: not a positive whole number of {lba}-byte LBAs",
+                req.len, req.offset.0, self.target
+            ));
+        }
+        if req.len as usize > req.buf.len() {
+            return Err(format!("{what} of {} bytes into a buffer of {} bytes", req.len, req.buf.len()));
+        }
+        let end = req.offset.0.saturating_add(u64::from(req.len));
+        if end > self.ns.bytes() {
+            return Err(format!(
+                "{what} of bytes {:#x}..{end:#x} past the end of {} ({} bytes)",
+                req.offset.0,
+                self.target,
+                self.ns.bytes()
+            ));
+        }
+        Ok(())
+    }
+
+    fn enqueue(&mut self, op: Op, req: ReadReq) {
+        if op != Op::Flush {
+            if let Err(why) = self.validate(&req, op) {
+                self.stats.errors += 1;
+                self.ready.push(Completion {
+                    tag: req.tag,
+                    buf: req.buf,
+                    result: Err(io::Error::new(io::ErrorKind::InvalidInput, why)),
+                    latency_ns: 0,
+                });
+                return;
+            }
+        }
+        let chunks = if op == Op::Flush { 1 } else { req.len.div_ceil(self.max_xfer) };
+        let r = Req {
+            tag: req.tag,
+            buf: req.buf,
+            op,
+            offset: req.offset.0,
+            len: req.len,
+            remaining: chunks,
+            error: None,
+            retries: 0,
+            started: Instant::now(),
+        };
+        let ri = match self.free_reqs.pop() {
+            Some(i) => {
+                self.reqs[i as usize] = Some(r);
+                i
+            }
+            None => {
+                self.reqs.push(Some(r));
+                (self.reqs.len() - 1) as u32
+            }
+        };
+        self.active += 1;
+        if op == Op::Flush {
+            self.backlog.push_back(Chunk { req: ri, off: 0, len: 0 });
+        } else {
+            let mut off = 0;
+            while off < req.len {
+                let len = self.max_xfer.min(req.len - off);
+                self.backlog.push_back(Chunk { req: ri, off, len });
+                off += len;
+            }
+        }
+        self.pump();
+    }
+
+    /// Completes one chunk of request `ri` with `err` (or success).
+    fn finish_chunk(&mut self, ri: u32, err: Option<io::Error>) {
+        let r = self.reqs[ri as usize].as_mut().expect("live request");
+        if let Some(e) = err {
+            r.error.get_or_insert(e);
+        }
+        r.remaining -= 1;
+        if r.remaining > 0 {
+            return;
+        }
+        let r = self.reqs[ri as usize].take().expect("live request");
+        self.free_reqs.push(ri);
+        self.active -= 1;
+        let result = match r.error {
+            Some(e) => {
+                self.stats.errors += 1;
+                Err(e)
+            }
+            None => Ok(r.len),
+        };
+        if r.op == Op::Flush {
+            self.flush_done = Some(result.map(|_| ()));
+            return;
+        }
+        self.ready.push(Completion {
+            tag: r.tag,
+            buf: r.buf,
+            result,
+            latency_ns: r.started.elapsed().as_nanos() as u64,
+        });
+    }
+
+    /// Fails every chunk waiting in the backlog with `e()`.
+    fn fail_backlog(&mut self, e: &dyn Fn() -> io::Error) {
+        while let Some(c) = self.backlog.pop_front() {
+            self.finish_chunk(c.req, Some(e()));
+        }
+    }
+
+    /// Sends backlog chunks while I/O queues have room.
+    fn pump(&mut self) {
+        if self.interrupted() {
+            let addr = self.target.addr.clone();
+            self.fail_backlog(&|| interrupted(&addr));
+            return;
+        }
+        if self.backlog.is_empty() {
+            return;
+        }
+        if self.assoc.is_none() {
+            let due = self.retry_at.is_none_or(|t| Instant::now() >= t);
+            if !due {
+                let (addr, last) = (self.target.addr.clone(), self.last_failure.clone());
+                self.fail_backlog(&|| {
+                    TcpError::Disconnected {
+                        addr: addr.clone(),
+                        cause: last.clone(),
+                        attempts: 0,
+                        last: "waiting before the next attempt".into(),
+                    }
+                    .into_io()
+                });
+                return;
+            }
+            if !self.reconnect(self.last_failure.clone(), 1) {
+                return;
+            }
+        }
+        while let Some(&chunk) = self.backlog.front() {
+            let Some(assoc) = self.assoc.as_mut() else { return };
+            let n = assoc.ios.len();
+            let Some(qi) = (0..n).map(|k| (self.next_conn + k) % n).find(|&i| !assoc.ios[i].free.is_empty()) else {
+                return;
+            };
+            self.next_conn = (qi + 1) % n;
+            self.backlog.pop_front();
+            if let Err(e) = self.send(qi, chunk) {
+                self.connection_failed(e);
+                return;
+            }
+        }
+    }
+
+    /// Sends `chunk` as one command on I/O queue `qi`.
+    fn send(&mut self, qi: usize, chunk: Chunk) -> TcpResult<()> {
+        let r = self.reqs[chunk.req as usize].as_ref().expect("live request");
+        let io = &mut self.assoc.as_mut().expect("connected").ios[qi];
+        let cid = io.free.pop().expect("a free CID");
+        let lba = u64::from(self.ns.lba_size);
+        let byte = r.offset + u64::from(chunk.off);
+        let (mut cmd, data, step) = match r.op {
+            Op::Read => {
+                let mut c =
+                    Command::rw(nvm::READ, cid, self.ns.nsid, Lba(byte / lba), (u64::from(chunk.len) / lba) as u32);
+                sgl::set(&mut c, sgl::TRANSPORT, 0, chunk.len);
+                (c, None, "Read")
+            }
+            Op::Write => {
+                let mut c =
+                    Command::rw(nvm::WRITE, cid, self.ns.nsid, Lba(byte / lba), (u64::from(chunk.len) / lba) as u32);
+                if chunk.len <= self.in_capsule {
+                    sgl::set(&mut c, sgl::IN_CAPSULE, 0, chunk.len);
+                    let d = &r.buf.as_slice()[chunk.off as usize..(chunk.off + chunk.len) as usize];
+                    (c, Some(d), "Write")
+                } else {
+                    sgl::set(&mut c, sgl::TRANSPORT, 0, chunk.len);
+                    (c, None, "Write")
+                }
+            }
+            Op::Flush => {
+                let mut c = Command::new(nvm::FLUSH, cid);
+                c.nsid = self.ns.nsid;
+                sgl::set(&mut c, sgl::TRANSPORT, 0, 0);
+                (c, None, "Flush")
+            }
+        };
+        cmd.set_cid(cid);
+        if let Some(d) = data {
+            self.stats.h2c_bytes += d.len() as u64;
+        }
+        io.cmds[cid as usize] = Some(Cmd { chunk, deadline: Instant::now() + self.opts.timeout, moved: 0 });
+        self.stats.commands += 1;
+        io.conn.send_capsule(&cmd, data, &format!("{step} CID {cid} at byte {byte:#x}"))
+    }
+
+    fn interrupted(&self) -> bool {
+        self.interrupt.as_ref().is_some_and(|f| f.load(Ordering::Relaxed))
+    }
+
+    /// Handles one PDU on I/O queue `qi`.
+    fn on_pdu(&mut self, qi: usize) -> TcpResult<()> {
+        let io = &mut self.assoc.as_mut().expect("connected").ios[qi];
+        let rx = io.conn.recv("a response to the commands in flight")?;
+        let (addr, qid) = (io.conn.addr.clone(), io.conn.qid);
+        let bad = |pdu: &'static str, what: String| TcpError::BadPdu { addr: addr.clone(), qid, pdu, what };
+        match rx {
+            Rx::Resp(cqe) => {
+                let Some(cmd) = io.cmds.get_mut(usize::from(cqe.cid)).and_then(Option::take) else {
+                    return Err(bad("CapsuleResp", format!("CID {} has no command outstanding", cqe.cid)));
+                };
+                io.free.push(cqe.cid);
+                let r = self.reqs[cmd.chunk.req as usize].as_ref().expect("live request");
+                let byte = r.offset + u64::from(cmd.chunk.off);
+                let step = match r.op {
+                    Op::Read => "Read",
+                    Op::Write => "Write",
+                    Op::Flush => "Flush",
+                };
+                let s = cqe.status();
+                let err = if !s.is_success() {
+                    Some(
+                        TcpError::Command { addr, qid, step: format!("{step} at byte {byte:#x}"), status: s }.into_io(),
+                    )
+                } else if r.op == Op::Read && cmd.moved != cmd.chunk.len {
+                    Some(
+                        bad(
+                            "CapsuleResp",
+                            format!("success after {} of {} bytes of Read CID {}", cmd.moved, cmd.chunk.len, cqe.cid),
+                        )
+                        .into_io(),
+                    )
+                } else {
+                    None
+                };
+                self.finish_chunk(cmd.chunk.req, err);
+                Ok(())
+            }
+            Rx::Data { hdr, flags: f } => {
+                let slot = io.cmds.get_mut(usize::from(hdr.cccid)).and_then(Option::as_mut);
+                let Some(cmd) = slot else {
+                    return Err(bad("C2HData", format!("CCCID {} has no command outstanding", hdr.cccid)));
+                };
+                let r = self.reqs[cmd.chunk.req as usize].as_mut().expect("live request");
+                if r.op != Op::Read {
+                    return Err(bad("C2HData", format!("CCCID {} is a {:?}, not a Read", hdr.cccid, r.op)));
+                }
+                let end = u64::from(hdr.offset) + u64::from(hdr.length);
+                if hdr.offset != cmd.moved || end > u64::from(cmd.chunk.len) {
+                    return Err(bad(
+                        "C2HData",
+                        format!(
+                            "DATAO {} + DATAL {} for CID {}: expected data at offset {} within the command's {} bytes",
+                            hdr.offset, hdr.length, hdr.cccid, cmd.moved, cmd.chunk.len
+                        ),
+                    ));
+                }
+                let at = (cmd.chunk.off + hdr.offset) as usize;
+                let dst = &mut r.buf.as_mut_slice()[at..at + hdr.length as usize];
+                io.conn.read_data(dst, hdr.cccid, "C2HData")?;
+                cmd.moved += hdr.length;
+                self.stats.c2h_bytes += u64::from(hdr.length);
+                if f & flags::SUCCESS != 0 {
+                    if cmd.moved != cmd.chunk.len {
+                        return Err(bad(
+                            "C2HData",
+                            format!("SUCCESS after {} of {} bytes of CID {}", cmd.moved, cmd.chunk.len, hdr.cccid),
+                        ));
+                    }
+                    let chunk = cmd.chunk;
+                    io.cmds[usize::from(hdr.cccid)] = None;
+                    io.free.push(hdr.cccid);
+                    self.finish_chunk(chunk.req, None);
+                }
+                Ok(())
+            }
+            Rx::R2t(h) => {
+                let slot = io.cmds.get_mut(usize::from(h.cccid)).and_then(Option::as_mut);
+                let Some(cmd) = slot else {
+                    return Err(bad("R2T", format!("CCCID {} has no command outstanding", h.cccid)));
+                };
+                let r = self.reqs[cmd.chunk.req as usize].as_ref().expect("live request");
+                if r.op != Op::Write || cmd.chunk.len <= self.in_capsule {
+                    return Err(bad("R2T", format!("CCCID {} is not a write waiting for R2T", h.cccid)));
+                }
+                let end = u64::from(h.offset) + u64::from(h.length);
+                if h.length == 0 || h.offset != cmd.moved || end > u64::from(cmd.chunk.len) {
+                    return Err(bad(
+                        "R2T",
+                        format!(
+                            "R2TO {} + R2TL {} for CID {}: the write has {} bytes, {} sent",
+                            h.offset, h.length, h.cccid, cmd.chunk.len, cmd.moved
+                        ),
+                    ));
+                }
+                let base = cmd.chunk.off as usize;
+                let max = io.conn.maxh2cdata;
+                let mut o = h.offset;
+                while o < end as u32 {
+                    let n = max.min(end as u32 - o);
+                    let d = &r.buf.as_slice()[base + o as usize..base + (o + n) as usize];
+                    io.conn.send_h2c(h.cccid, h.ttag, o, d, o + n == end as u32, "H2CData")?;
+                    o += n;
+                }
+                cmd.moved = end as u32;
+                self.stats.h2c_bytes += u64::from(h.length);
+                self.stats.r2ts += 1;
+                Ok(())
+            }
+        }
+    }
+
+    /// Ends the association after `cause`: requeues the reads (and flushes) in flight for
+    /// resubmission, fails the writes, and reconnects.
+    fn connection_failed(&mut self, cause: TcpError) {
+        let cause_text = picchio_core::error::chain(&cause).to_string();
+        tracing::warn!("{}: {cause_text}; reconnecting", self.target);
+        if matches!(cause, TcpError::Timeout { .. }) {
+            self.stats.timeouts += 1;
+        }
+        let Some(assoc) = self.assoc.take() else { return };
+        let mut requeue = Vec::new();
+        let mut failed = Vec::new();
+        for io in assoc.ios {
+            for cmd in io.cmds.into_iter().flatten() {
+                let r = self.reqs[cmd.chunk.req as usize].as_mut().expect("live request");
+                let byte = r.offset + u64::from(cmd.chunk.off);
+                if r.op == Op::Write {
+                    let e = TcpError::WriteLost { addr: self.target.addr.clone(), byte, cause: cause_text.clone() };
+                    failed.push((cmd.chunk.req, e.into_io()));
+                } else if r.retries >= self.opts.max_retries {
+                    let e = TcpError::RetriesExhausted {
+                        addr: self.target.addr.clone(),
+                        what: if r.op == Op::Read { "read" } else { "flush" },
+                        byte,
+                        retries: r.retries,
+                        cause: cause_text.clone(),
+                    };
+                    failed.push((cmd.chunk.req, io::Error::new(cause.kind(), e)));
+                } else {
+                    r.retries += 1;
+                    requeue.push(cmd.chunk);
+                }
+            }
+        }
+        assoc.admin.abandon();
+        for (ri, e) in failed {
+            self.finish_chunk(ri, Some(e));
+        }
+        self.stats.resubmitted += requeue.len() as u64;
+        for c in requeue.into_iter().rev() {
+            self.backlog.push_front(c);
+        }
+        if self.reconnect(cause_text, self.opts.reconnect_attempts.max(1)) {
+            self.pump();
+        }
+    }
+
+    /// Tries to re-establish the association; on failure fails the backlog and sets the time of
+    /// the next attempt. Returns whether it is connected.
+    fn reconnect(&mut self, cause: String, attempts: u32) -> bool {
+        let mut last = String::new();
+        for i in 0..attempts {
+            if self.interrupted() {
+                break;
+            }
+            if i > 0 {
+                std::thread::sleep(self.opts.reconnect_delay);
+            }
+            match establish(&self.target, &self.opts) {
+                Ok((assoc, _info, ns, _depth)) if ns == self.ns => {
+                    self.assoc = Some(assoc);
+                    self.retry_at = None;
+                    self.stats.reconnects += 1;
+                    tracing::info!("{}: reconnected", self.target);
+                    return true;
+                }
+                Ok((_, _, ns, _)) => {
+                    last = format!(
+                        "namespace changed: {} LBAs of {} B, was {} of {} B",
+                        ns.blocks, ns.lba_size, self.ns.blocks, self.ns.lba_size
+                    );
+                    break;
+                }
+                Err(e) => last = picchio_core::error::chain(&e).to_string(),
+            }
+        }
+        self.retry_at = Some(Instant::now() + self.opts.reconnect_delay);
+        self.last_failure = format!("{cause}; last reconnect: {last}");
+        let (addr, a) = (self.target.addr.clone(), attempts);
+        self.fail_backlog(&|| {
+            TcpError::Disconnected { addr: addr.clone(), cause: cause.clone(), attempts: a, last: last.clone() }
+                .into_io()
+        });
+        false
+    }
+
+    /// Polls the connections once (up to `wait`) and handles what arrived; then checks deadlines.
+    fn poll_once(&mut self, wait: Duration) -> usize {
+        let Some(assoc) = self.assoc.as_ref() else { return 0 };
+        self.fds.clear();
+        self.fds.extend(assoc.ios.iter().map(|io| io.conn.fd()));
+        let mut readable = std::mem::take(&mut self.readable);
+        let mut handled = 0;
+        if let Err(e) = poll_readable(&self.fds, wait, &mut readable) {
+            let e = TcpError::Socket { addr: self.target.addr.clone(), qid: 1, step: "poll".into(), source: e };
+            self.connection_failed(e);
+            self.readable = readable;
+            return 0;
+        }
+        for &qi in &readable {
+            if let Err(e) = self.on_pdu(qi) {
+                self.connection_failed(e);
+                break;
+            }
+            handled += 1;
+        }
+        self.readable = readable;
+        // Per-command deadlines.
+        let now = Instant::now();
+        let expired = self.assoc.as_ref().and_then(|a| {
+            a.ios.iter().find_map(|io| {
+                io.cmds
+                    .iter()
+                    .enumerate()
+                    .find_map(|(cid, c)| c.as_ref().filter(|c| c.deadline <= now).map(|c| (io.conn.qid, cid, c.chunk)))
+            })
+        });
+        if let Some((qid, cid, chunk)) = expired {
+            let r = self.reqs[chunk.req as usize].as_ref().expect("live request");
+            let e = TcpError::Timeout {
+                addr: self.target.addr.clone(),
+                qid,
+                step: format!("{:?} CID {cid} at byte {:#x}", r.op, r.offset + u64::from(chunk.off)),
+                waited_ms: self.opts.timeout.as_millis() as u64,
+            };
+            self.connection_failed(e);
+        }
+        handled
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        self.assoc.as_ref()?.ios.iter().flat_map(|io| io.cmds.iter().flatten().map(|c| c.deadline)).min()
+    }
+}
+
+fn interrupted(addr: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::Interrupted, format!("nvme-tcp {addr}: I/O interrupted (SIGINT/SIGTERM)"))
+}
+
+/// Association + namespace + I/O queues.
+fn establish(target: &TcpTarget, opts: &TcpOptions) -> TcpResult<(Assoc, ControllerInfo, Namespace, u16)> {
+    let (mut admin, info) = assoc::associate(&target.addr, &target.subnqn, opts)?;
+    if info.fabrics.icdoff != 0 {
+        return Err(TcpError::Unsupported {
+            addr: target.addr.clone(),
+            what: format!("ICDOFF {} (NVMe/TCP in-capsule data starts at offset 0)", info.fabrics.icdoff),
+        });
+    }
+    let ns = assoc::identify_namespace(&mut admin, target.nsid)?;
+    // SQ entries: at most CAP.MQES + 1; one is kept empty, and MAXCMD caps commands outstanding.
+    let mqes = u32::from(info.cap.mqes()) + 1;
+    let mut depth = u32::from(opts.qd.max(1)).min(mqes.saturating_sub(1).max(1));
+    if info.fabrics.maxcmd > 0 {
+        depth = depth.min(u32::from(info.fabrics.maxcmd));
+    }
+    if depth < u32::from(opts.qd) {
+        tracing::warn!(
+            "{target}: queue depth {} clamped to {depth} (CAP.MQES {}, MAXCMD {})",
+            opts.qd,
+            info.cap.mqes(),
+            info.fabrics.maxcmd
+        );
+    }
+    let depth = depth as u16;
+    let cntlid = admin.cntlid;
+    let kept = KeptAdmin::start(admin, opts.kato);
+    let mut ios = Vec::with_capacity(usize::from(opts.io_queues.max(1)));
+    for qid in 1..=opts.io_queues.max(1) {
+        let (conn, _) = assoc::connect_queue(&target.addr, &target.subnqn, qid, depth + 1, cntlid, opts)?;
+        ios.push(IoConn { conn, cmds: (0..depth).map(|_| None).collect(), free: (0..depth).rev().collect() });
+    }
+    Ok((Assoc { admin: kept, ios }, info, ns, depth))
+}
+
+impl IoQueue for NvmeTcpQueue {
+    fn block_size(&self) -> u32 {
+        self.ns.lba_size
+    }
+
+    fn submit(&mut self, req: ReadReq) {
+        self.stats.reads += 1;
+        self.enqueue(Op::Read, req);
+    }
+
+    fn reap(&mut self, min: usize, out: &mut Vec<Completion>) -> usize {
+        loop {
+            self.pump();
+            if self.ready.len() >= min || self.active == 0 || self.assoc.is_none() {
+                // Disconnected: `pump` failed or resubmitted everything it could.
+                break;
+            }
+            let wait = self
+                .next_deadline()
+                .map_or(Duration::from_millis(100), |d| d.saturating_duration_since(Instant::now()))
+                .min(Duration::from_millis(100));
+            self.poll_once(wait);
+            if self.interrupted() {
+                if let Some(a) = self.assoc.take() {
+                    let addr = self.target.addr.clone();
+                    for io in a.ios {
+                        for c in io.cmds.into_iter().flatten() {
+                            self.finish_chunk(c.chunk.req, Some(interrupted(&addr)));
+                        }
+                    }
+                }
+                let addr = self.target.addr.clone();
+                self.fail_backlog(&|| interrupted(&addr));
+                self.retry_at = Some(Instant::now() + Duration::from_secs(3600));
+            }
+        }
+        let n = self.ready.len();
+        out.append(&mut self.ready);
+        n
+    }
+
+    fn in_flight(&self) -> usize {
+        self.active + self.ready.len()
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "nvme-tcp({}, {}, nsid {}, {} queue{} × qd {}{}{})",
+            self.target.addr,
+            self.target.subnqn,
+            self.ns.nsid,
+            self.opts.io_queues.max(1),
+            if self.opts.io_queues > 1 { "s" } else { "" },
+            self.depth,
+            if self.opts.hdgst { ", hdgst" } else { "" },
+            if self.opts.ddgst { ", ddgst" } else { "" },
+        )
+    }
+}
+
+impl std::fmt::Debug for NvmeTcpQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NvmeTcpQueue").field("target", &self.target).field("ns", &self.ns).finish_non_exhaustive()
+    }
+}

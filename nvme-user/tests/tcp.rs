@@ -1,0 +1,362 @@
+//! The NVMe/TCP initiator against the in-process target model (`picchio_nvme::tcp::model`) over a
+//! real loopback TCP socket: reads, writes (in-capsule and R2T), digests, several queues, discovery,
+//! and every fault the model injects, each with the typed error (or the recovery) expected.
+
+use std::time::Duration;
+
+use picchio_core::io::read_blocking;
+use picchio_core::{AlignedBuf, ByteOffset, Completion, IoQueue, ReadReq, Tag};
+use picchio_nvme::spec::{Status, StatusCodeType};
+use picchio_nvme::tcp::fabrics::connect_status;
+use picchio_nvme::tcp::model::{Fault, ModelConfig, TargetModel};
+use picchio_nvme::tcp::{discover, NvmeTcpQueue, TcpError, TcpOptions, TcpTarget};
+
+/// 4 MiB of a position-dependent pattern.
+fn pattern(len: usize) -> Vec<u8> {
+    (0..len).map(|i| ((i / 512) as u8) ^ (i as u8).wrapping_mul(31)).collect()
+}
+
+fn opts() -> TcpOptions {
+    TcpOptions { timeout: Duration::from_secs(20), reconnect_delay: Duration::from_millis(10), ..TcpOptions::default() }
+}
+
+fn model(lba: u32) -> (TargetModel, Vec<u8>) {
+    let data = pattern(4 << 20);
+    (TargetModel::start(ModelConfig::memory(data.clone(), lba)).unwrap(), data)
+}
+
+fn read(q: &mut NvmeTcpQueue, off: u64, len: u32) -> std::io::Result<Vec<u8>> {
+    read_blocking(q, off, len).map(|b| b.as_slice()[..len as usize].to_vec())
+}
+
+/// The typed error inside a failed read.
+fn read_err(q: &mut NvmeTcpQueue, off: u64, len: u32) -> std::io::Error {
+    read_blocking(q, off, len).expect_err("the read fails")
+}
+
+#[test]
+fn reads_land_in_the_buffer_for_both_lba_sizes_and_digest_settings() {
+    for lba in [512, 4096] {
+        for (hdgst, ddgst) in [(false, false), (true, false), (false, true), (true, true)] {
+            let (m, data) = model(lba);
+            let mut q = NvmeTcpQueue::connect(m.target(1), TcpOptions { hdgst, ddgst, ..opts() }).unwrap();
+            assert_eq!((q.namespace().lba_size, q.namespace().bytes()), (lba, 4 << 20));
+            assert_eq!(q.block_size(), lba);
+            // Several C2HData PDUs per command (128 KiB each), and an MDTS split (1 MiB commands).
+            let got = read(&mut q, 8192, 3 << 20).unwrap();
+            assert_eq!(got, data[8192..8192 + (3 << 20)], "lba {lba} hdgst {hdgst} ddgst {ddgst}");
+            assert!(q.describe().starts_with("nvme-tcp(127.0.0.1:"), "{}", q.describe());
+        }
+    }
+}
+
+#[test]
+fn success_flag_completes_reads_without_a_capsule_resp() {
+    let data = pattern(1 << 20);
+    let m = TargetModel::start(ModelConfig { success_flag: true, ..ModelConfig::memory(data.clone(), 512) }).unwrap();
+    let mut q = NvmeTcpQueue::connect(m.target(1), opts()).unwrap();
+    assert_eq!(read(&mut q, 0, 1 << 20).unwrap(), data);
+}
+
+#[test]
+fn several_queues_at_depth_complete_every_read() {
+    let (m, data) = model(4096);
+    let mut q = NvmeTcpQueue::connect(m.target(1), TcpOptions { io_queues: 3, qd: 4, ..opts() }).unwrap();
+    assert_eq!(q.queue_depth(), 4);
+    for i in 0..48u64 {
+        let buf = AlignedBuf::new(65536, 4096).unwrap();
+        q.submit(ReadReq { offset: ByteOffset((i * 65536) % (4 << 20)), len: 65536, buf, tag: Tag(i) });
+    }
+    let mut out: Vec<Completion> = Vec::new();
+    while out.len() < 48 {
+        q.reap(1, &mut out);
+    }
+    for c in out {
+        let off = ((c.tag.0 * 65536) % (4 << 20)) as usize;
+        assert_eq!(c.result.unwrap(), 65536);
+        assert_eq!(&c.buf.as_slice()[..65536], &data[off..off + 65536], "tag {}", c.tag.0);
+    }
+    assert_eq!(q.stats().commands, 48);
+}
+
+#[test]
+fn queue_depth_is_clamped_to_maxcmd_and_mqes() {
+    let m = TargetModel::start(ModelConfig { maxcmd: 6, ..ModelConfig::memory(vec![0; 1 << 20], 512) }).unwrap();
+    let q = NvmeTcpQueue::connect(m.target(1), TcpOptions { qd: 64, ..opts() }).unwrap();
+    assert_eq!(q.queue_depth(), 6);
+    let m = TargetModel::start(ModelConfig { mqes: 7, ..ModelConfig::memory(vec![0; 1 << 20], 512) }).unwrap();
+    let q = NvmeTcpQueue::connect(m.target(1), TcpOptions { qd: 64, ..opts() }).unwrap();
+    assert_eq!(q.queue_depth(), 7, "CAP.MQES 7: 8 entries, 7 usable");
+}
+
+#[test]
+fn writes_in_the_capsule_and_after_r2t_then_flush() {
+    for ddgst in [false, true] {
+        let (m, mut data) = model(512);
+        let mut q = NvmeTcpQueue::connect(m.target(1), TcpOptions { ddgst, hdgst: ddgst, ..opts() }).unwrap();
+        assert_eq!(q.in_capsule_bytes(), 8192);
+        // 4 KiB: in the capsule. 1 MiB: four 256 KiB R2Ts, each answered with 32 KiB H2CData PDUs.
+        for (off, len, fill) in [(4096usize, 4096usize, 0xA5u8), (1 << 20, 1 << 20, 0x3C)] {
+            let mut buf = AlignedBuf::new(len, 4096).unwrap();
+            buf.as_mut_slice()[..len].fill(fill);
+            q.submit_write(ReadReq { offset: ByteOffset(off as u64), len: len as u32, buf, tag: Tag(off as u64) });
+            data[off..off + len].fill(fill);
+        }
+        let mut out = Vec::new();
+        while out.len() < 2 {
+            q.reap(1, &mut out);
+        }
+        for c in &out {
+            assert!(c.result.is_ok(), "{:?}", c.result);
+        }
+        q.flush().unwrap();
+        let s = m.stats();
+        assert_eq!((s.in_capsule_writes, s.r2ts), (1, 4));
+        assert_eq!(q.stats().r2ts, 4);
+        assert_eq!(m.contents(), data);
+        assert_eq!(read(&mut q, 0, 4 << 20).unwrap(), data);
+    }
+}
+
+#[test]
+fn a_file_backed_model_serves_and_keeps_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ns1");
+    std::fs::write(&path, pattern(1 << 20)).unwrap();
+    let m = TargetModel::start(ModelConfig::file(&path, 4096)).unwrap();
+    let mut q = NvmeTcpQueue::connect(m.target(1), opts()).unwrap();
+    let mut buf = AlignedBuf::new(8192, 4096).unwrap();
+    buf.as_mut_slice().fill(7);
+    q.submit_write(ReadReq { offset: ByteOffset(0), len: 8192, buf, tag: Tag(1) });
+    let mut out = Vec::new();
+    q.reap(1, &mut out);
+    out[0].result.as_ref().unwrap();
+    q.flush().unwrap();
+    assert_eq!(&std::fs::read(&path).unwrap()[..8192], &[7u8; 8192][..]);
+}
+
+#[test]
+fn shutdown_on_drop_and_keep_alive() {
+    let (m, _) = model(512);
+    let q = NvmeTcpQueue::connect(m.target(1), TcpOptions { kato: Duration::from_millis(200), ..opts() }).unwrap();
+    // Keep Alive every KATO / 2: wait (bounded) until the model has seen two.
+    let t0 = std::time::Instant::now();
+    while m.stats().keep_alives < 2 && t0.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(m.stats().keep_alives >= 2);
+    drop(q);
+    assert_eq!(m.stats().shutdowns, 1, "CC.SHN = 01b on drop");
+}
+
+#[test]
+fn discovery_lists_the_subsystem() {
+    let (m, _) = model(512);
+    let entries = discover(&m.addr(), &opts()).unwrap();
+    assert_eq!(entries.len(), 1);
+    let e = &entries[0];
+    assert_eq!((e.trtype_name().as_str(), e.traddr.as_str(), e.subnqn.as_str()), ("tcp", "127.0.0.1", m.subnqn()));
+    assert_eq!(e.trsvcid, m.addr().rsplit(':').next().unwrap());
+}
+
+#[test]
+fn bad_requests_complete_with_invalid_input() {
+    let (m, _) = model(4096);
+    let mut q = NvmeTcpQueue::connect(m.target(1), opts()).unwrap();
+    for (off, len) in [(512, 4096), (0, 100), (4 << 20, 4096)] {
+        let e = read_err(&mut q, off, len);
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{off} {len}: {e}");
+    }
+}
+
+// ---- connection set-up failures ----
+
+#[test]
+fn a_refused_connection_names_the_address() {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    drop(l);
+    let t = TcpTarget { addr: addr.clone(), subnqn: "nqn.x".into(), nsid: 1 };
+    let e = NvmeTcpQueue::connect(t, opts()).unwrap_err();
+    assert!(matches!(&e, TcpError::Connect { qid: 0, .. }), "{e:?}");
+    assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused);
+    assert!(e.to_string().contains(&addr), "{e}");
+}
+
+#[test]
+fn a_wrong_nqn_is_connect_invalid_parameters_on_the_subnqn() {
+    let (m, _) = model(512);
+    let t = TcpTarget { subnqn: "nqn.2026-12.io.picchio:nope".into(), ..m.target(1) };
+    let e = NvmeTcpQueue::connect(t, opts()).unwrap_err();
+    let TcpError::ConnectRejected { status, iattr, ipo, .. } = &e else { panic!("{e:?}") };
+    assert_eq!((status.sc, *iattr, *ipo), (0x82, Some(1), Some(256)));
+    assert!(
+        e.to_string().contains("Connect Invalid Parameters") && e.to_string().contains("nqn.2026-12.io.picchio:nope")
+    );
+}
+
+#[test]
+fn every_connect_status_is_a_typed_rejection_with_its_spec_name() {
+    let names = [
+        "Connect Incompatible Format",
+        "Connect Controller Busy",
+        "Connect Invalid Parameters",
+        "Connect Restart Discovery",
+        "Connect Invalid Host",
+        "Invalid Queue Type",
+    ];
+    let (m, _) = model(512);
+    for (sc, name) in connect_status::ALL.into_iter().zip(names) {
+        let s = Status::new(StatusCodeType::CommandSpecific, sc);
+        m.inject(Fault::RejectConnect(s));
+        let e = NvmeTcpQueue::connect(m.target(1), opts()).unwrap_err();
+        let TcpError::ConnectRejected { status, qid: 0, .. } = &e else { panic!("{e:?}") };
+        assert_eq!(*status, s);
+        assert!(e.to_string().contains(name) && e.to_string().contains(&m.addr()), "{e}");
+    }
+    // A generic status is named too.
+    m.inject(Fault::RejectConnect(Status::INVALID_FIELD));
+    let e = NvmeTcpQueue::connect(m.target(1), opts()).unwrap_err();
+    assert!(e.to_string().contains("Invalid Field in Command"), "{e}");
+}
+
+#[test]
+fn a_controller_that_never_sets_csts_rdy_times_out_within_cap_to() {
+    let (m, _) = model(512);
+    m.inject(Fault::NeverReady);
+    let e = NvmeTcpQueue::connect(m.target(1), opts()).unwrap_err();
+    let TcpError::NotReady { waited_ms, .. } = &e else { panic!("{e:?}") };
+    assert_eq!(*waited_ms, 500, "CAP.TO 1 = 500 ms");
+    assert!(e.to_string().contains("CSTS.RDY still 0"), "{e}");
+}
+
+#[test]
+fn a_target_that_never_answers_icreq_times_out_naming_the_step() {
+    let (m, _) = model(512);
+    m.inject(Fault::SilentIcReq);
+    let e =
+        NvmeTcpQueue::connect(m.target(1), TcpOptions { timeout: Duration::from_millis(300), ..opts() }).unwrap_err();
+    let TcpError::Timeout { step, qid: 0, .. } = &e else { panic!("{e:?}") };
+    assert_eq!(step, "ICReq/ICResp");
+    assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
+}
+
+#[test]
+fn a_missing_namespace_is_named() {
+    let (m, _) = model(512);
+    let e = NvmeTcpQueue::connect(m.target(2), opts()).unwrap_err();
+    assert!(matches!(&e, TcpError::Command { status, .. } if *status == Status::INVALID_NAMESPACE), "{e:?}");
+    assert!(e.to_string().contains("Identify Namespace 2"), "{e}");
+}
+
+// ---- PDU faults during I/O: each breaks the connection; the read is resubmitted on a new one ----
+
+/// Injects `fault`, then reads: the fault breaks the connection with `check`'s error (seen in the
+/// log and counted), the initiator reconnects and the resubmitted read returns the right bytes.
+fn recovers(cfg: TcpOptions, fault: Fault) {
+    let (m, data) = model(512);
+    let mut q = NvmeTcpQueue::connect(m.target(1), cfg).unwrap();
+    m.inject(fault.clone());
+    let got = read(&mut q, 65536, 256 << 10).unwrap_or_else(|e| panic!("{fault:?}: {e}"));
+    assert_eq!(got, data[65536..65536 + (256 << 10)], "{fault:?}");
+    assert_eq!((q.stats().reconnects, q.stats().resubmitted), (1, 1), "{fault:?}");
+}
+
+/// Injects `fault` with no resubmission allowed: the read fails with
+/// [`TcpError::RetriesExhausted`]; returns the message of the failure that ended the connection.
+fn fails(cfg: TcpOptions, fault: Fault) -> String {
+    let (m, _) = model(512);
+    let mut q = NvmeTcpQueue::connect(m.target(1), TcpOptions { max_retries: 0, ..cfg }).unwrap();
+    m.inject(fault);
+    let e = read_err(&mut q, 65536, 256 << 10);
+    let Some(TcpError::RetriesExhausted { cause, byte: 65536, retries: 0, .. }) = TcpError::of(&e) else {
+        panic!("{e}")
+    };
+    assert!(e.to_string().contains(&m.addr()), "{e}");
+    // The queue still works: the next read goes over a new connection.
+    assert!(read(&mut q, 0, 4096).is_ok());
+    cause.clone()
+}
+
+#[test]
+fn pdu_faults_end_the_connection_with_their_error_and_the_read_is_resubmitted() {
+    let dg = TcpOptions { hdgst: true, ddgst: true, ..opts() };
+    for (cfg, fault, want) in [
+        (opts(), Fault::ShortPdu, "bad CapsuleResp PDU: PLEN 20 is shorter than its header (24 bytes)"),
+        (dg.clone(), Fault::BadHeaderDigest, "C2HData header digest mismatch"),
+        (dg.clone(), Fault::BadDataDigest, "C2HData for CID"),
+        (opts(), Fault::UnexpectedPduType, "unexpected PDU type 0x06 (H2CData)"),
+        (opts(), Fault::C2HPastBuffer, "bad C2HData PDU: DATAO"),
+        (opts(), Fault::C2HWrongCid, "has no command outstanding"),
+        (opts(), Fault::TermReq, "C2HTermReq): Data Transfer Out of Range (FES 0x04"),
+        (opts(), Fault::DropMidRead, "the target closed the connection"),
+    ] {
+        recovers(cfg.clone(), fault.clone());
+        let msg = fails(cfg, fault.clone());
+        assert!(msg.contains(want), "{fault:?}: {msg}");
+    }
+}
+
+#[test]
+fn an_error_status_fails_only_that_read_with_the_spec_name() {
+    let (m, data) = model(512);
+    let mut q = NvmeTcpQueue::connect(m.target(1), opts()).unwrap();
+    m.inject(Fault::ErrorStatus(Status::UNRECOVERED_READ_ERROR));
+    let e = read_err(&mut q, 0, 4096);
+    let TcpError::Command { status, step, .. } = TcpError::of(&e).unwrap() else { panic!("{e}") };
+    assert_eq!((*status, step.as_str()), (Status::UNRECOVERED_READ_ERROR, "Read at byte 0x0"));
+    assert!(e.to_string().contains("Unrecovered Read Error"), "{e}");
+    assert_eq!(read(&mut q, 0, 4096).unwrap(), data[..4096]);
+    assert_eq!(q.stats().reconnects, 0, "a status is not a connection failure");
+}
+
+#[test]
+fn an_r2t_for_more_than_asked_fails_the_write_without_resubmission() {
+    let (m, _) = model(512);
+    let mut q = NvmeTcpQueue::connect(m.target(1), opts()).unwrap();
+    m.inject(Fault::R2tTooLong);
+    let buf = AlignedBuf::new(1 << 20, 4096).unwrap();
+    q.submit_write(ReadReq { offset: ByteOffset(0), len: 1 << 20, buf, tag: Tag(9) });
+    let mut out = Vec::new();
+    q.reap(1, &mut out);
+    let e = out.pop().unwrap().result.unwrap_err();
+    let Some(TcpError::WriteLost { cause, .. }) = TcpError::of(&e) else { panic!("{e}") };
+    assert!(cause.contains("bad R2T PDU") && cause.contains("the write has 1048576 bytes"), "{cause}");
+    assert_eq!(q.stats().reconnects, 1);
+}
+
+#[test]
+fn a_command_without_an_answer_times_out_and_is_resubmitted() {
+    let cfg = TcpOptions { timeout: Duration::from_millis(300), ..opts() };
+    recovers(cfg.clone(), Fault::Silent);
+    let (m, _) = model(512);
+    let mut q = NvmeTcpQueue::connect(m.target(1), cfg).unwrap();
+    m.inject(Fault::Hang);
+    let e = read_err(&mut q, 0, 4096);
+    assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}");
+    let Some(TcpError::RetriesExhausted { retries: 2, cause, .. }) = TcpError::of(&e) else { panic!("{e}") };
+    assert!(cause.contains("Read CID") && cause.contains("no answer within 300 ms"), "{cause}");
+    assert_eq!(q.stats().timeouts, 3);
+}
+
+#[test]
+fn a_target_that_went_away_fails_reads_and_is_used_again_when_it_returns() {
+    let (m, data) = model(512);
+    let cfg = TcpOptions {
+        reconnect_attempts: 1,
+        reconnect_delay: Duration::ZERO,
+        timeout: Duration::from_millis(300),
+        ..opts()
+    };
+    let mut q = NvmeTcpQueue::connect(m.target(1), cfg).unwrap();
+    // The target drops every connection and answers no new one (ICReq gets no ICResp).
+    m.inject(Fault::SilentIcReq);
+    m.drop_connections();
+    let e = read_err(&mut q, 0, 4096);
+    let Some(TcpError::Disconnected { last, .. }) = TcpError::of(&e) else { panic!("{e}") };
+    assert!(last.contains("ICReq/ICResp: no answer within 300 ms"), "{last}");
+    // It comes back: the next read reconnects (reconnect_delay 0) and is served.
+    m.clear_faults();
+    assert_eq!(read(&mut q, 0, 4096).unwrap(), data[..4096]);
+    assert_eq!(q.stats().reconnects, 1);
+}

@@ -166,7 +166,7 @@ tcp_initiator_checks() {
 # streaming) must finish with the file tier's tokens, count the experts that fell back (> 0), and
 # have reconnected (its log says so).
 target_down_mid_run() {
-  n=128
+  n=96
   timeout "$TEST_TIMEOUT" $PICCHIO run --model /fixture --store file:/fixture/experts.picchioflat --ecap 4 \
     --prompt-ids "$PROMPT_IDS" -n $n --json > /tmp/file.json 2>/dev/null
   want="$(tr -d ' \n' < /tmp/file.json | sed -n 's/.*"tokens":\[\([0-9,]*\)\].*/\1/p')"
@@ -334,7 +334,7 @@ bench_side_by_side() {
   bench() { # $1 = check, $2.. = qd-sweep arguments
     name="$1"; shift
     t0="$(up)"
-    timeout "$TEST_TIMEOUT" $PICCHIO bench qd-sweep --qd 1,8 --threads 1 --duration 1 --json "/tmp/$name.json" "$@" \
+    timeout "$TEST_TIMEOUT" $PICCHIO bench qd-sweep --qd 1,8 --threads 1 --duration 0.5 --json "/tmp/$name.json" "$@" \
       > "/tmp/$name.out" 2>&1
     brc=$?
     sed "s/^/$name: /" "/tmp/$name.out"

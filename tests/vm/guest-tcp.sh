@@ -167,10 +167,11 @@ tcp_initiator_checks() {
 # have reconnected (its log says so).
 target_down_mid_run() {
   n=96
-  timeout "$TEST_TIMEOUT" $PICCHIO run --model /fixture --store file:/fixture/experts.picchioflat --ecap 4 \
-    --prompt-ids "$PROMPT_IDS" -n $n --json > /tmp/file.json 2>/dev/null
+  # (--buffered: /fixture is in the initramfs, tmpfs, which has no O_DIRECT)
+  timeout "$TEST_TIMEOUT" $PICCHIO run --model /fixture --store file:/fixture/experts.picchioflat --buffered --ecap 4 \
+    --prompt-ids "$PROMPT_IDS" -n $n --json > /tmp/file.json 2>/tmp/file.err
   want="$(tr -d ' \n' < /tmp/file.json | sed -n 's/.*"tokens":\[\([0-9,]*\)\].*/\1/p')"
-  [ -n "$want" ] || { fail tcp-target-down-mid-run "no tokens from the file tier"; return; }
+  [ -n "$want" ] || { fail tcp-target-down-mid-run "no tokens from the file tier: $(tail -n 1 /tmp/file.err)"; return; }
   rm -f /tmp/down.json /tmp/down.err
   NO_COLOR=1 timeout "$TEST_TIMEOUT" $PICCHIO -v run --model /fixture --store "$URI4K" --ecap 4 --prompt-ids "$PROMPT_IDS" \
     -n $n --json > /tmp/down.json 2> /tmp/down.err &

@@ -7,7 +7,9 @@
 #
 # Cases: iommu-512 (q35 + intel-iommu, 512 B LBAs), iommu-4k (4 KiB LBAs), iommu-2ns (two namespaces),
 # noiommu-512 (no IOMMU, vfio unsafe no-IOMMU mode), dm (device-mapper faults under the kernel nvme
-# driver: tests/vm/guest-dm.sh). Exit status 0 only if every counted check passed.
+# driver: tests/vm/guest-dm.sh), tcp (NVMe/TCP: the kernel's nvmet-tcp target on 127.0.0.1 in the
+# guest, read by picchio and by the kernel's initiator; guest-tcp.sh). Exit status 0 only if every
+# counted check passed.
 # Env: VM_BOOT_TIMEOUT (s, default 300) per guest, VM_TEST_TIMEOUT (s, default 240) per test binary,
 #      VM_MEM (MiB, default 1024), VM_HUGEPAGES (2 MiB pages, default 64), VM_QUIET=1 (no live console),
 #      VM_TEST_ARGS (extra libtest arguments for the driver's test binaries, e.g. a name filter),
@@ -37,13 +39,13 @@ T_START="$(date +%s.%N)"
 cases=()
 for a in "${@:-all}"; do
   case "$a" in
-    all) cases+=(iommu-512 iommu-4k iommu-2ns noiommu-512 dm) ;;
+    all) cases+=(iommu-512 iommu-4k iommu-2ns noiommu-512 dm tcp) ;;
     iommu) cases+=(iommu-512 iommu-4k iommu-2ns) ;;
     noiommu) cases+=(noiommu-512) ;;
     dm) cases+=(dm) ;;
-    iommu-512 | iommu-4k | iommu-2ns | noiommu-512) cases+=("$a") ;;
+    iommu-512 | iommu-4k | iommu-2ns | noiommu-512 | tcp) cases+=("$a") ;;
     -h | --help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"; exit 0 ;;
-    *) echo "unknown mode/case '$a' (iommu|noiommu|all|iommu-512|iommu-4k|iommu-2ns|noiommu-512|dm)" >&2; exit 2 ;;
+    *) echo "unknown mode/case '$a' (iommu|noiommu|all|iommu-512|iommu-4k|iommu-2ns|noiommu-512|dm|tcp)" >&2; exit 2 ;;
   esac
 done
 
@@ -121,6 +123,7 @@ STAGE="$VM/run/extra"
 rm -rf "$STAGE"; mkdir -p "$STAGE"/{test/bin,test/tests,test/probe,fixture}
 install -m 0755 "$HERE/guest.sh" "$STAGE/test/guest.sh"
 install -m 0755 "$HERE/guest-dm.sh" "$STAGE/test/guest-dm.sh"
+install -m 0755 "$HERE/nvmet-export.sh" "$STAGE/test/bin/nvmet-export.sh"
 pack_bin() { # $1 = executable, $2 = dest dir
   if [ "$(head -c 2 "$1")" = '#!' ]; then install -m 0755 "$1" "$2/$(basename "$1")"; return; fi
   if ! is_static "$1"; then BUILD_FAIL+=("$(basename "$1") is dynamically linked"); return; fi
@@ -168,7 +171,10 @@ run_case() {
   # elsewhere, so transfers are split at MDTS there. Not more: QEMU maps at most 1024 PRP entries
   # per command (IOV_MAX) and fails longer ones with Internal Error.
   case "$c" in iommu-2ns | noiommu-512) mdts=10 ;; esac
-  local base="$VM/initramfs-$mode.cpio.gz"
+  local base="$VM/initramfs-$mode.cpio.gz" boot_timeout="$BOOT_TIMEOUT"
+  # tcp runs picchio a few dozen times under TCG (each run in a loaded CI takes 10-20 s): twice the time.
+  [ "$c" = tcp ] && boot_timeout=$((BOOT_TIMEOUT * 2))
+  [ "$c" = tcp ] && base="$VM/initramfs-iommu.cpio.gz"   # no VFIO there: any base (both hold the tcp modules)
   if [ ! -s "$base" ]; then
     echo "SKIPPED mode $mode ($c): $(grep '^NOIOMMU=' "$VM/kernel.env" | cut -d= -f2-)"
     TOTAL_SKIP=$((TOTAL_SKIP + 1)); SUMMARY+=("$c: SKIPPED (no $mode initramfs)")
@@ -192,6 +198,8 @@ NVME_TESTS_NOTE="$NVME_TESTS_NOTE"
 TEST_ARGS="${VM_TEST_ARGS:-}"
 QEMU_MDTS=$mdts
 EOF
+  # tcp: its own guest script replaces /test/guest.sh (a later cpio member overrides an earlier one).
+  [ "$c" = tcp ] && tcp_stage "$dir/env"
   (cd "$dir/env" && find . | LC_ALL=C sort | cpio -o -H newc --quiet) > "$dir/env.cpio"
   # The kernel only finds an uncompressed cpio that follows a compressed one at a 4-byte aligned
   # offset (zero padding is skipped), so pad the gzip'd base.
@@ -201,13 +209,16 @@ EOF
   # Backing files: sparse raw images, the packed image at byte 0 of namespace 1.
   truncate -s 256M "$dir/ns1.img"
   dd if="$FIXTURE/experts.picchioflat" of="$dir/ns1.img" conv=notrunc status=none
+  [ "$c" = tcp ] && { truncate -s 64M "$dir/ns1.img"; truncate -s 64M "$dir/ns2.img"; cp "$dir/ns1.img" "$dir/ns2.img"; }
   local q=(qemu-system-x86_64 -accel tcg,thread=multi -cpu max -smp 2 -m "$MEM" -nographic -no-reboot
     -net none -kernel "$KERNEL" -initrd "$dir/initrd"
     -drive "file=$dir/ns1.img,if=none,id=nvm1,format=raw,cache=none,aio=threads")
   # no_timer_check: under TCG on a loaded host the kernel's IO-APIC timer probe can miss its window and
   # panic at t=0 ("timer doesn't work through Interrupt-remapped IO-APIC"), seen once in iommu-4k.
   local append="console=ttyS0 panic=-1 quiet loglevel=4 no_timer_check"
-  if [ "$mode" = iommu ]; then
+  if [ "$mode" = tcp ]; then
+    q+=(-machine q35)
+  elif [ "$mode" = iommu ]; then
     q+=(-machine q35,kernel-irqchip=split -device intel-iommu,intremap=on,caching-mode=on)
     append+=" intel_iommu=on"
   else
@@ -221,19 +232,24 @@ EOF
       q+=(-drive "file=$dir/ns2.img,if=none,id=nvm2,format=raw,cache=none,aio=threads"
         -device "nvme,id=nvme0,serial=picchio2ns,mdts=$mdts"
         -device nvme-ns,drive=nvm1,bus=nvme0,nsid=1 -device nvme-ns,drive=nvm2,bus=nvme0,nsid=2) ;;
+    tcp) # the nvmet target's backing namespaces: nsid 1 with 512 B LBAs, nsid 2 with 4 KiB LBAs
+      q+=(-drive "file=$dir/ns2.img,if=none,id=nvm2,format=raw,cache=none,aio=threads"
+        -device "nvme,id=nvme0,serial=picchiotcp"
+        -device nvme-ns,drive=nvm1,bus=nvme0,nsid=1
+        -device nvme-ns,drive=nvm2,bus=nvme0,nsid=2,logical_block_size=4096,physical_block_size=4096) ;;
     *) q+=(-device "nvme,serial=picchio512,drive=nvm1${mdts:+,mdts=$mdts}") ;;
   esac
   q+=(-append "$append")
   printf '%q ' "${q[@]}" > "$dir/qemu.cmd"; echo >> "$dir/qemu.cmd"
 
-  log "case $c: booting (timeout ${BOOT_TIMEOUT}s)"
+  log "case $c: booting (timeout ${boot_timeout}s)"
   local t0 t1 rc=0
   t0="$(date +%s.%N)"
   if [ "${VM_QUIET:-0}" = 1 ]; then
-    timeout --kill-after=10 "$BOOT_TIMEOUT" "${q[@]}" </dev/null >"$dir/console.log" 2>&1 || rc=$?
+    timeout --kill-after=10 "$boot_timeout" "${q[@]}" </dev/null >"$dir/console.log" 2>&1 || rc=$?
   else
     set +e
-    timeout --kill-after=10 "$BOOT_TIMEOUT" "${q[@]}" </dev/null 2>&1 | tee "$dir/console.log" | sed -u "s/^/[$c] /"
+    timeout --kill-after=10 "$boot_timeout" "${q[@]}" </dev/null 2>&1 | tee "$dir/console.log" | sed -u "s/^/[$c] /"
     rc="${PIPESTATUS[0]}"
     set -e
   fi
@@ -246,7 +262,7 @@ EOF
   f="$(grep -c '^PICCHIO-VM: FAIL ' "$dir/console.txt" || true)"
   s="$(grep -c '^PICCHIO-VM: SKIP ' "$dir/console.txt" || true)"
   if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
-    echo "PICCHIO-VM: FAIL $c:boot-timeout QEMU killed after ${BOOT_TIMEOUT}s"; extra_fail=$((extra_fail + 1))
+    echo "PICCHIO-VM: FAIL $c:boot-timeout QEMU killed after ${boot_timeout}s"; extra_fail=$((extra_fail + 1))
   elif ! grep -q '^PICCHIO-VM: DONE' "$dir/console.txt"; then
     echo "PICCHIO-VM: FAIL $c:incomplete guest never printed DONE (QEMU exit $rc)"; extra_fail=$((extra_fail + 1))
   fi
@@ -288,6 +304,27 @@ EOF
   TOTAL_PASS=$((TOTAL_PASS + p)); TOTAL_FAIL=$((TOTAL_FAIL + f)); TOTAL_SKIP=$((TOTAL_SKIP + s))
   SUMMARY+=("$c: $p passed, $f failed, $s skipped; libtest inside: $libtest; ${wall}s wall (log: ${dir#"$ROOT"/}/console.txt)")
   grep -E '^PICCHIO-VM: (FAIL|SKIP)' "$dir/console.txt" | sed "s/^/  [$c] /" >&2 || true
+  # tcp: the qd-sweep figures of both initiators and fio, one line per point.
+  grep '^PICCHIO-VM: SIDE-BY-SIDE' "$dir/console.txt" | sed "s/^PICCHIO-VM: /  [$c] /" >&2 || true
+}
+
+# The tcp case's guest script and tools, staged into its per-case cpio ($1 = its root).
+# fio (for the qd-sweep beside the kernel's initiator) goes in with its shared libraries when the host
+# has it (CI installs it): Debian's fio links librados, librbd, glusterfs, ICU... about 80 MB, so only
+# this case carries it. /test/bin/fio runs it through the host's dynamic loader.
+tcp_stage() {
+  install -m 0755 "$HERE/guest-tcp.sh" "$1/test/guest.sh"
+  local fio lib
+  fio="$(command -v fio || true)"
+  [ -n "$fio" ] || return 0
+  mkdir -p "$1/test/fio/lib" "$1/test/bin"
+  cp -L "$fio" "$1/test/fio/fio"
+  for lib in $(ldd "$fio" | awk '$3 ~ /^\// {print $3} $1 ~ /^\/.*ld-linux/ {print $1}'); do
+    cp -L "$lib" "$1/test/fio/lib/"
+  done
+  printf '#!/bin/sh\nexec /test/fio/lib/%s --library-path /test/fio/lib /test/fio/fio "$@"\n' \
+    "$(basename "$(ldd "$fio" | awk '$1 ~ /^\/.*ld-linux/ {print $1}')")" > "$1/test/bin/fio"
+  chmod 0755 "$1/test/bin/fio"
 }
 
 for c in "${cases[@]}"; do run_case "$c"; done

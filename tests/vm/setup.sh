@@ -94,6 +94,10 @@ mod_order() {
 mapfile -t NVME_MODS < <(mod_order nvme)
 mapfile -t VFIO_MODS < <(mod_order vfio vfio_iommu_type1 vfio-pci)
 [ ${#NVME_MODS[@]} -gt 0 ] && [ ${#VFIO_MODS[@]} -gt 0 ] || { echo "module resolution failed" >&2; exit 1; }
+# NVMe/TCP (tier S6, the `tcp` case): the kernel's NVMe-oF target (configfs, nvmet, nvmet-tcp), its
+# initiator (nvme-fabrics, nvme-tcp) and CRC32C for header/data digests; loaded by guest-tcp.sh.
+mapfile -t TCP_MODS < <(mod_order configfs nvmet nvmet-tcp nvme-fabrics nvme-tcp crc32c_generic)
+[ ${#TCP_MODS[@]} -gt 0 ] || { echo "module resolution failed (nvmet-tcp)" >&2; exit 1; }
 
 # --- 3. no-IOMMU vfio.ko (Debian builds without CONFIG_VFIO_NOIOMMU) -----------------------------------
 NOIOMMU_STATUS="SKIPPED: not attempted"
@@ -137,7 +141,7 @@ if ! file_is_static "$BUSYBOX"; then echo "$BUSYBOX is not static (busybox-stati
 build_initramfs() { # $1=name $2=replacement vfio.ko or ""
   local name="$1" vfio_ko="$2" out="$VM/initramfs-$1.cpio.gz"
   local stamp
-  stamp="$( { sha256sum "$HERE/init" "$BUSYBOX" "${NVME_MODS[@]}" "${VFIO_MODS[@]}" ${vfio_ko:+"$vfio_ko"}; echo "$KVER"; } | sha256sum | cut -c1-16)"
+  stamp="$( { sha256sum "$HERE/init" "$BUSYBOX" "${NVME_MODS[@]}" "${VFIO_MODS[@]}" "${TCP_MODS[@]}" ${vfio_ko:+"$vfio_ko"}; echo "$KVER"; } | sha256sum | cut -c1-16)"
   if [ -s "$out" ] && [ "$(cat "$out.stamp" 2>/dev/null)" = "$stamp" ]; then return 0; fi
   local d="$VM/initramfs-$name.d"
   rm -rf "$d"; mkdir -p "$d"/{bin,dev,proc,sys,tmp,mnt,etc,lib/modules,test/bin,fixture}
@@ -148,6 +152,8 @@ build_initramfs() { # $1=name $2=replacement vfio.ko or ""
   : > "$d/etc/nvme.modules"; : > "$d/etc/vfio.modules"
   for m in "${NVME_MODS[@]}"; do b="$(basename "$m")"; cp "$m" "$d/lib/modules/$b"; echo "$b" >> "$d/etc/nvme.modules"; done
   for m in "${VFIO_MODS[@]}"; do b="$(basename "$m")"; cp "$m" "$d/lib/modules/$b"; echo "$b" >> "$d/etc/vfio.modules"; done
+  : > "$d/etc/tcp.modules"
+  for m in "${TCP_MODS[@]}"; do b="$(basename "$m")"; cp "$m" "$d/lib/modules/$b"; echo "$b" >> "$d/etc/tcp.modules"; done
   if [ -n "$vfio_ko" ]; then cp "$vfio_ko" "$d/lib/modules/vfio.ko"; fi
   echo "$name" > "$d/etc/vm-mode"
   echo "$KVER" > "$d/etc/kver"
@@ -202,4 +208,4 @@ KVER=$KVER
 KERNEL=$KERNEL
 NOIOMMU=$NOIOMMU_STATUS
 EOF
-log "ready: kernel $KVER ($(basename "$KERNEL")), nvme modules: ${#NVME_MODS[@]}, vfio modules: ${#VFIO_MODS[@]}, noiommu: $NOIOMMU_STATUS"
+log "ready: kernel $KVER ($(basename "$KERNEL")), nvme modules: ${#NVME_MODS[@]}, vfio modules: ${#VFIO_MODS[@]}, tcp modules: ${#TCP_MODS[@]}, noiommu: $NOIOMMU_STATUS"

@@ -243,8 +243,10 @@ pub(crate) fn connect_queue(
             subnqn: subnqn.into(),
             status: s,
             status_name: fabrics::status_name(s),
-            iattr: invalid.then_some((c.dw0 & 1) as u8),
-            ipo: invalid.then_some((c.dw0 >> 16) as u16),
+            // Connect Invalid Parameters: IPO in DW0 bits 15:0, IATTR in bits 23:16 (as nvmet's
+            // IPO_IATTR_CONNECT_DATA and SPDK's spdk_nvmf_fabric_connect_rsp encode them).
+            iattr: invalid.then_some(((c.dw0 >> 16) & 1) as u8),
+            ipo: invalid.then_some(c.dw0 as u16),
         });
     }
     Ok((conn, c.dw0 as u16))

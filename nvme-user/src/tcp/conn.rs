@@ -196,8 +196,17 @@ impl Conn {
     }
 
     /// Sends a CapsuleCmd with `cmd` and, when given, its in-capsule data.
+    ///
+    /// A command without data (Property Get/Set, Keep Alive, Flush) still goes out with PSDT = 01b
+    /// and a null Transport SGL Data Block descriptor (length 0), as the Linux host does: NVMe over
+    /// Fabrics requires SGLs on every command, and nvmet fails a command with PSDT = 00b with
+    /// Invalid Field in Command (seen against the kernel's target in tests/vm's `tcp` case).
     pub fn send_capsule(&mut self, cmd: &Command, data: Option<&[u8]>, step: &str) -> TcpResult<()> {
-        let sqe = pdu::sqe_bytes(cmd);
+        let mut cmd = *cmd;
+        if cmd.cdw0 & (3 << 14) == 0 {
+            pdu::sgl::set(&mut cmd, pdu::sgl::TRANSPORT, 0, 0);
+        }
+        let sqe = pdu::sqe_bytes(&cmd);
         self.send_pdu(pdu_type::CAPSULE_CMD, 0, &sqe, data.filter(|d| !d.is_empty()), step)
     }
 

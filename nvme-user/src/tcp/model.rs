@@ -521,6 +521,11 @@ impl Session {
     /// Returns false when the connection is to be closed.
     fn command(&mut self, cmd: Command, data: Vec<u8>) -> std::io::Result<bool> {
         let cid = cmd.cid();
+        // As nvmet (nvmet_req_init): every command over a fabric uses SGLs, PSDT = 01b.
+        if cmd.cdw0 & (3 << 14) != pdu::sgl::PSDT_SGL {
+            self.resp(cid, Status::INVALID_FIELD, 0)?;
+            return Ok(true);
+        }
         if cmd.opc() == fabrics::FABRICS_OPCODE {
             self.fabrics(cmd, &data)?;
             return Ok(true);
@@ -683,7 +688,7 @@ impl Session {
                 let qid = (cmd.cdw10 >> 16) as u16;
                 let sqsize = cmd.cdw11 as u16;
                 let invalid =
-                    |attr: u32, ipo: u32| (Status::new(StatusCodeType::CommandSpecific, 0x82), attr | (ipo << 16));
+                    |attr: u32, ipo: u32| (Status::new(StatusCodeType::CommandSpecific, 0x82), (attr << 16) | ipo);
                 if data.len() != fabrics::CONNECT_DATA_LEN {
                     let (s, d) = invalid(0, 24);
                     return self.resp(cid, s, d);
@@ -692,7 +697,7 @@ impl Session {
                 if qid == 0 {
                     if let Some(Fault::RejectConnect(s)) = self.take_fault(|f| matches!(f, Fault::RejectConnect(_))) {
                         let dw0 =
-                            if s.sct == StatusCodeType::CommandSpecific && s.sc == 0x82 { 1 | (256 << 16) } else { 0 };
+                            if s.sct == StatusCodeType::CommandSpecific && s.sc == 0x82 { (1 << 16) | 256 } else { 0 };
                         return self.resp(cid, s, dw0);
                     }
                 }

@@ -84,7 +84,10 @@ fn check(r: &Value, prefetch: bool) -> Vec<Vec<u64>> {
         assert!((parts.iter().sum::<f64>() - total).abs() <= 1e-6 * total.max(1.0), "{what}: {sp}");
         assert!(f(&sp["attention_ms"]) > 0.0 && f(&sp["experts_ms"]) > 0.0 && f(&sp["lm_head_ms"]) > 0.0, "{what}");
         let decode_ms = f(&p["decode_ms"]);
-        assert!(total * steps as f64 <= decode_ms * (1.0 + 1e-9), "{what}: steps {total} ms × {steps} > {decode_ms} ms");
+        assert!(
+            total * steps as f64 <= decode_ms * (1.0 + 1e-9),
+            "{what}: steps {total} ms × {steps} > {decode_ms} ms"
+        );
         assert!((f(&p["decode_tok_s"]) - steps as f64 / (decode_ms / 1e3)).abs() <= 1e-6 * f(&p["decode_tok_s"]));
         // The floor: bytes per token at this run's device rate.
         match p["floor_tok_s"].as_f64() {
@@ -155,9 +158,10 @@ fn usage_profile_counts_every_decision_and_warms_the_cache() {
     let text = std::fs::read_to_string(&profile).unwrap();
     assert!(text.starts_with("picchio-usage/1\nlayers 3\nexperts 16\n"), "{text}");
     let sum = |t: &str| -> u64 {
-        t.lines().filter(|l| !l.starts_with('#') && l.split_whitespace().count() == 3).map(|l| {
-            l.split_whitespace().nth(2).unwrap().parse::<u64>().unwrap()
-        }).sum()
+        t.lines()
+            .filter(|l| !l.starts_with('#') && l.split_whitespace().count() == 3)
+            .map(|l| l.split_whitespace().nth(2).unwrap().parse::<u64>().unwrap())
+            .sum()
     };
     // 5 prompt tokens + 5 generated tokens run (the 6th is never run) × 3 MoE layers × top-4.
     assert_eq!(sum(&text), 10 * 3 * 4, "{text}");
@@ -177,9 +181,29 @@ fn usage_profile_counts_every_decision_and_warms_the_cache() {
     assert!(cs["warm"].is_null());
     // A profile of another shape, and a file that is not one, are refused by name.
     std::fs::write(&profile, "picchio-usage/1\nlayers 2\nexperts 16\n").unwrap();
-    let o = picchio(&["run", "--model", m.to_str().unwrap(), "--prompt-ids", "1", "-n", "1", "--warm-from", profile.to_str().unwrap()]);
+    let o = picchio(&[
+        "run",
+        "--model",
+        m.to_str().unwrap(),
+        "--prompt-ids",
+        "1",
+        "-n",
+        "1",
+        "--warm-from",
+        profile.to_str().unwrap(),
+    ]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("2 layers × 16 experts"));
     let cfg = m.join("config.json");
-    let o = picchio(&["run", "--model", m.to_str().unwrap(), "--prompt-ids", "1", "-n", "1", "--warm-from", cfg.to_str().unwrap()]);
+    let o = picchio(&[
+        "run",
+        "--model",
+        m.to_str().unwrap(),
+        "--prompt-ids",
+        "1",
+        "-n",
+        "1",
+        "--warm-from",
+        cfg.to_str().unwrap(),
+    ]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("expected `picchio-usage/1`"));
 }

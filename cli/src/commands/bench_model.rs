@@ -405,8 +405,20 @@ pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
     );
     println!(
         "{:>6} {:>6} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>8}",
-        "ecap", "%", "prefill/s", "decode/s", "attn ms", "router", "experts", "io wait", "lm_head", "other",
-        "MB/token", "dev MB/s", "floor/s", "RSS MB"
+        "ecap",
+        "%",
+        "prefill/s",
+        "decode/s",
+        "attn ms",
+        "router",
+        "experts",
+        "io wait",
+        "lm_head",
+        "other",
+        "MB/token",
+        "dev MB/s",
+        "floor/s",
+        "RSS MB"
     );
     for p in &results.points {
         let sp = &p.split;

@@ -592,7 +592,8 @@ impl ExpertCache {
         let mut need = missed.len() + waiting;
         self.missed = missed;
         let mut violation: Option<String> = None;
-        let index_of = |key: ExpertKey| (key.layer == layer).then(|| experts.iter().position(|&e| e == key.expert)).flatten();
+        let index_of =
+            |key: ExpertKey| (key.layer == layer).then(|| experts.iter().position(|&e| e == key.expert)).flatten();
         let w0 = io.waited_ns();
         while need > 0 {
             match io.recv() {
@@ -608,7 +609,10 @@ impl ExpertCache {
                     }
                     Some(Arrival { key, result: Err(e), prefetch: true }) if index_of(key).is_some() => {
                         // A prefetch this layer waited for failed: read it again, on demand.
-                        tracing::warn!("expert cache: prefetch failed, reading again: {}", picchio_core::error::chain(&e));
+                        tracing::warn!(
+                            "expert cache: prefetch failed, reading again: {}",
+                            picchio_core::error::chain(&e)
+                        );
                         match self.lend(layer, std::iter::once(key.expert), io.next_job()) {
                             Ok(requests) => {
                                 io.submit(layer, requests);
@@ -785,10 +789,15 @@ impl ExpertCache {
                 Some(Arrival { key, result: Ok(slot), prefetch: f.prefetch })
             }
             Ok(()) => {
-                let what = format!("returned a slot of {} bytes for {key}; the cache lent {}", buf.len(), self.slot_len);
+                let what =
+                    format!("returned a slot of {} bytes for {key}; the cache lent {}", buf.len(), self.slot_len);
                 violation.get_or_insert_with(|| what.clone());
                 self.replace_slot(slot);
-                Some(Arrival { key, result: Err(Error::Invalid(format!("expert cache: {what}"))), prefetch: f.prefetch })
+                Some(Arrival {
+                    key,
+                    result: Err(Error::Invalid(format!("expert cache: {what}"))),
+                    prefetch: f.prefetch,
+                })
             }
             Err(cause) => {
                 self.slots[slot].buf = Some(buf);

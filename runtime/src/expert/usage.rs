@@ -59,12 +59,15 @@ impl UsageProfile {
         let mut lines = text.lines().enumerate().map(|(i, l)| (i + 1, l.trim()));
         match lines.next() {
             Some((_, MAGIC)) => {}
-            Some((n, l)) => return Err(bad(n, format!("expected `{MAGIC}`, found `{}`", l.chars().take(40).collect::<String>()))),
+            Some((n, l)) => {
+                return Err(bad(n, format!("expected `{MAGIC}`, found `{}`", l.chars().take(40).collect::<String>())))
+            }
             None => return Err(bad(1, format!("empty file: expected `{MAGIC}`"))),
         }
         let mut dim = |key: &str| -> Result<usize> {
             let (n, l) = lines.next().ok_or_else(|| bad(0, format!("ends before `{key} N`")))?;
-            let v = l.strip_prefix(key).map(str::trim).ok_or_else(|| bad(n, format!("expected `{key} N`, found `{l}`")))?;
+            let v =
+                l.strip_prefix(key).map(str::trim).ok_or_else(|| bad(n, format!("expected `{key} N`, found `{l}`")))?;
             match v.parse::<usize>() {
                 Ok(v) if (1..=1 << 20).contains(&v) => Ok(v),
                 _ => Err(bad(n, format!("`{key}` must be a number from 1 to 2^20, found `{v}`"))),
@@ -87,7 +90,10 @@ impl UsageProfile {
                 _ => return Err(bad(n, format!("expected `layer expert count` (three numbers), found `{l}`"))),
             };
             if layer >= layers as u64 || expert >= experts as u64 {
-                return Err(bad(n, format!("(layer {layer}, expert {expert}) is outside {layers} layers × {experts} experts")));
+                return Err(bad(
+                    n,
+                    format!("(layer {layer}, expert {expert}) is outside {layers} layers × {experts} experts"),
+                ));
             }
             let i = layer as usize * experts + expert as usize;
             if std::mem::replace(&mut seen[i], true) {
@@ -194,7 +200,10 @@ mod tests {
             ("nope\n", "f:1: expected `picchio-usage/1`"),
             ("picchio-usage/1\nlayers 2\n", "ends before `experts N`"),
             ("picchio-usage/1\nlayers x\nexperts 3\n", "f:2: `layers` must be a number"),
-            ("picchio-usage/1\nlayers 2\nexperts 3\n0 3 1\n", "f:4: (layer 0, expert 3) is outside 2 layers × 3 experts"),
+            (
+                "picchio-usage/1\nlayers 2\nexperts 3\n0 3 1\n",
+                "f:4: (layer 0, expert 3) is outside 2 layers × 3 experts",
+            ),
             ("picchio-usage/1\nlayers 2\nexperts 3\n0 1 1\n0 1 2\n", "f:5: (layer 0, expert 1) appears twice"),
             ("picchio-usage/1\nlayers 2\nexperts 3\n0 1\n", "f:4: expected `layer expert count`"),
         ] {

@@ -243,7 +243,12 @@ pub(crate) fn forward(
                     }
                 };
                 let mut step = Step { cfg, layout, k, s: &mut *s, observer: &mut *observer };
-                step.predict_next(l, router, next_gate.map(|_| &next_router as &dyn Fn(Kernels, &[f32], &mut [f32])), io);
+                step.predict_next(
+                    l,
+                    router,
+                    next_gate.map(|_| &next_router as &dyn Fn(Kernels, &[f32], &mut [f32])),
+                    io,
+                );
                 step.routed_experts(l, pos, router, ExpertAct::Silu, None, cache, io, trace.as_deref_mut())?;
             }
             Mlp::Dense { gate_proj, up_proj, down_proj } => {
@@ -347,7 +352,8 @@ pub(crate) fn prefill_chunk(
             Mlp::Moe { gate } => {
                 let e = cfg.num_experts;
                 project(k, gate.as_mat(), &cs.xb[..n * h], n, &mut cs.yt, &mut cs.router_logits[..n * e]);
-                let m = MoeChunk { cfg, layout, k, routing: &mut s.routing, usage: &mut s.usage, observer: &mut *observer };
+                let m =
+                    MoeChunk { cfg, layout, k, routing: &mut s.routing, usage: &mut s.usage, observer: &mut *observer };
                 let router = RouterKind::SoftmaxTopK { norm: cfg.norm_topk_prob };
                 routed_experts_chunk(m, cs, l, pos0, n, router, ExpertAct::Silu, None, cache, loader)?;
             }

@@ -306,7 +306,7 @@ pub fn dense_bytes(store: &TensorStore, cfg: &Config, layout: &ExpertLayout, den
         let float_matrix = t.shape.len() == 2 && t.dtype != safetensors::Dtype::I8;
         total += if DenseFormat::converts(name) && float_matrix {
             // As loaded (F16 widened to f32), then converted (I8 ones stay, their `.qs` counted apart).
-            let stored = if t.dtype == safetensors::Dtype::F16 { 4 } else { t.dtype.size() };
+            let stored = if t.dtype == safetensors::Dtype::F16 { 4 } else { t.dtype.bitsize() / 8 };
             dense.matrix_bytes(stored, t.shape[0], t.shape[1])
         } else if widened {
             4 * t.numel() as u64

@@ -13,16 +13,16 @@ fn widen(v: bf16) -> f32 {
 
 /// The attention loops over the KV cache, for a level module whose `dot` and `axpy` take
 /// `(&[f32], &[f32])` and `(f32, &[f32], &mut [f32])`: one call per head instead of one per cached
-/// position, so the per-position work is inlined (`$feat` is the module's target features; empty for
-/// the scalar module). Each output is exactly what `dot` / `axpy` give.
+/// position, so the per-position work is inlined (`$feat` is the module's target features; the
+/// scalar module writes the same two loops as safe functions). Each output is exactly what `dot` /
+/// `axpy` give.
 macro_rules! attention_rows {
-    ($($feat:literal)?) => {
+    ($feat:literal) => {
         /// `out[t] = dot(q, rows[t * stride..t * stride + q.len()]) * scale`.
         ///
         /// # Safety
         /// The CPU must support the module's target features.
-        $(#[target_feature(enable = $feat)])?
-        #[allow(unused_unsafe)]
+        #[target_feature(enable = $feat)]
         pub(crate) unsafe fn dot_rows(q: &[f32], rows: &[f32], stride: usize, scale: f32, out: &mut [f32]) {
             let hd = q.len();
             for (t, o) in out.iter_mut().enumerate() {
@@ -36,8 +36,7 @@ macro_rules! attention_rows {
         ///
         /// # Safety
         /// The CPU must support the module's target features.
-        $(#[target_feature(enable = $feat)])?
-        #[allow(unused_unsafe)]
+        #[target_feature(enable = $feat)]
         pub(crate) unsafe fn weighted_rows(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
             let hd = out.len();
             out.fill(0.0);
@@ -93,7 +92,22 @@ pub(super) mod scalar {
         }
     }
 
-    attention_rows!();
+    /// `out[t] = dot(q, rows[t * stride..t * stride + q.len()]) * scale`.
+    pub(crate) fn dot_rows(q: &[f32], rows: &[f32], stride: usize, scale: f32, out: &mut [f32]) {
+        let hd = q.len();
+        for (t, o) in out.iter_mut().enumerate() {
+            *o = dot(q, &rows[t * stride..t * stride + hd]) * scale;
+        }
+    }
+
+    /// `out = 0`, then `axpy(w[t], rows[t * stride..t * stride + out.len()], out)` for each `t`.
+    pub(crate) fn weighted_rows(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+        let hd = out.len();
+        out.fill(0.0);
+        for (t, &a) in w.iter().enumerate() {
+            axpy(a, &rows[t * stride..t * stride + hd], out);
+        }
+    }
 
     /// `y = W x`, `W [y.len(), x.len()]` row-major `f32`.
     pub(crate) fn matvec_f32(w: &[f32], x: &[f32], y: &mut [f32]) {

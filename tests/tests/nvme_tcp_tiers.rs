@@ -7,7 +7,7 @@
 //! safetensors, counted).
 #![cfg(target_os = "linux")]
 
-use picchio_core::StoreUri;
+use picchio_core::{IoQueue, StoreUri};
 use picchio_nvme::tcp::model::{Backing, Fault, ModelConfig, TargetModel};
 use picchio_runtime::expert::store::IoOptions;
 use picchio_runtime::image::pack::{pack_to, PackOptions, PackReport};

@@ -20,7 +20,7 @@ fuzz_target!(|image: &[u8]| {
         }),
     ];
     for expect in expects {
-        let opts = FlatStoreOptions { base_offset: 0, image_len, verify: true, expect };
+        let opts = FlatStoreOptions { base_offset: 0, image_len, verify: true, expect, recheck_every: 0 };
         let Ok(mut store) = FlatStore::open(MemQueue::new(image), "fuzz.picchioflat", opts) else { continue };
         let sb = store.superblock().clone();
         // Each layer that has entries, every expert of it (as the runtime requests a layer's top-k).

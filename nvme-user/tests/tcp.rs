@@ -1,6 +1,7 @@
 //! The NVMe/TCP initiator against the in-process target model (`picchio_nvme::tcp::model`) over a
 //! real loopback TCP socket: reads, writes (in-capsule and R2T), digests, several queues, discovery,
 //! and every fault the model injects, each with the typed error (or the recovery) expected.
+#![cfg(target_os = "linux")]
 
 use std::time::Duration;
 

@@ -12,8 +12,6 @@
 # counted check passed.
 # Env: VM_BOOT_TIMEOUT (s, default 300) per guest, VM_TEST_TIMEOUT (s, default 240) per test binary,
 #      VM_MEM (MiB, default 1024), VM_HUGEPAGES (2 MiB pages, default 64), VM_QUIET=1 (no live console),
-#      VM_TCP_MIDRUN=1 (case tcp: also run tcp-target-down-mid-run, skipped by default: it hung once
-#      past the guest timeout on a loaded host, see docs/nvme-tcp.md),
 #      VM_TEST_ARGS (extra libtest arguments for the driver's test binaries, e.g. a name filter),
 #      VM_EXTRA_TESTS (space-separated paths of more static test executables or #! scripts to run).
 set -euo pipefail
@@ -199,7 +197,6 @@ SCRATCH_OFFSET=$scratch_off
 NVME_TESTS_NOTE="$NVME_TESTS_NOTE"
 TEST_ARGS="${VM_TEST_ARGS:-}"
 QEMU_MDTS=$mdts
-TCP_MIDRUN="${VM_TCP_MIDRUN:-0}"
 EOF
   # tcp: its own guest script replaces /test/guest.sh (a later cpio member overrides an earlier one).
   [ "$c" = tcp ] && tcp_stage "$dir/env"

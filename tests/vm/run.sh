@@ -74,7 +74,10 @@ if cargo metadata --no-deps --format-version 1 | jq -e '.packages[] | select(.na
   out="$(cargo build -p picchio-nvme --release --target "$TARGET" --tests --keep-going --message-format=json 2>"$VM/build-nvme-tests.log")"
   rc=$?
   set -e
-  mapfile -t TEST_BINS < <(jq -r 'select(.reason == "compiler-artifact" and .executable != null and .profile.test == true) | .executable' <<<"$out")
+  # (not `tcp`: the NVMe/TCP initiator against its in-process target model needs no VFIO and runs in
+  # `cargo test` on the host; under TCG its socket timeouts outlast the guest. The tcp case runs the
+  # initiator against the kernel's nvmet.)
+  mapfile -t TEST_BINS < <(jq -r 'select(.reason == "compiler-artifact" and .executable != null and .profile.test == true and .target.name != "tcp") | .executable' <<<"$out")
   if [ $rc -ne 0 ]; then
     grep -E '^(error|warning: build failed)' "$VM/build-nvme-tests.log" | head -n 20 >&2
     BUILD_FAIL+=("picchio-nvme test targets do not all compile (see target/vm/build-nvme-tests.log)")

@@ -87,6 +87,34 @@ const _: () = assert!(std::mem::offset_of!(Command, cdw10) == 40);
 const _: () = assert!(std::mem::offset_of!(Command, cdw15) == 60);
 
 impl Command {
+    /// The 64-byte SQE as it goes on the wire or into the SQ: 16 little-endian dwords, CDW0 at byte 0
+    /// (base specification §4.2, "Submission Queue Entry"). Used for NVMe/TCP CapsuleCmd PDUs.
+    pub fn to_le_bytes(&self) -> [u8; 64] {
+        let mut b = [0u8; 64];
+        let words = [
+            self.cdw0,
+            self.nsid,
+            self.cdw2,
+            self.cdw3,
+            self.mptr as u32,
+            (self.mptr >> 32) as u32,
+            self.prp1 as u32,
+            (self.prp1 >> 32) as u32,
+            self.prp2 as u32,
+            (self.prp2 >> 32) as u32,
+            self.cdw10,
+            self.cdw11,
+            self.cdw12,
+            self.cdw13,
+            self.cdw14,
+            self.cdw15,
+        ];
+        for (i, w) in words.iter().enumerate() {
+            b[i * 4..i * 4 + 4].copy_from_slice(&w.to_le_bytes());
+        }
+        b
+    }
+
     /// A zeroed command with opcode `opc` and command identifier `cid` (PSDT 00b: PRPs).
     pub const fn new(opc: u8, cid: u16) -> Command {
         Command {
@@ -248,29 +276,7 @@ mod tests {
     use super::*;
 
     fn bytes(c: &Command) -> [u8; 64] {
-        let mut b = [0u8; 64];
-        let words = [
-            c.cdw0,
-            c.nsid,
-            c.cdw2,
-            c.cdw3,
-            c.mptr as u32,
-            (c.mptr >> 32) as u32,
-            c.prp1 as u32,
-            (c.prp1 >> 32) as u32,
-            c.prp2 as u32,
-            (c.prp2 >> 32) as u32,
-            c.cdw10,
-            c.cdw11,
-            c.cdw12,
-            c.cdw13,
-            c.cdw14,
-            c.cdw15,
-        ];
-        for (i, w) in words.iter().enumerate() {
-            b[i * 4..i * 4 + 4].copy_from_slice(&w.to_le_bytes());
-        }
-        b
+        c.to_le_bytes()
     }
 
     #[test]

@@ -283,29 +283,7 @@ impl TermReq {
 
 /// The 64-byte SQE as bytes (little-endian), for CapsuleCmd.
 pub fn sqe_bytes(c: &Command) -> [u8; 64] {
-    let mut b = [0u8; 64];
-    let words = [
-        c.cdw0,
-        c.nsid,
-        c.cdw2,
-        c.cdw3,
-        c.mptr as u32,
-        (c.mptr >> 32) as u32,
-        c.prp1 as u32,
-        (c.prp1 >> 32) as u32,
-        c.prp2 as u32,
-        (c.prp2 >> 32) as u32,
-        c.cdw10,
-        c.cdw11,
-        c.cdw12,
-        c.cdw13,
-        c.cdw14,
-        c.cdw15,
-    ];
-    for (i, w) in words.iter().enumerate() {
-        b[i * 4..i * 4 + 4].copy_from_slice(&w.to_le_bytes());
-    }
-    b
+    c.to_le_bytes()
 }
 
 /// The SQE from 64 bytes (the model target's side).

@@ -458,7 +458,9 @@ pub fn write_synthetic(dir: &Path, spec: &SyntheticSpec, opts: &WriteSyntheticOp
         std::fs::copy(src, &to).map_err(Error::io(src, "copy the tokenizer into the synthetic model"))?;
     }
     write_shards(&tmp.path, spec, opts.progress)?;
-    pack(&tmp.path, &tmp.path.join(DEFAULT_IMAGE), &PackOptions { layers: None, progress: opts.progress })?;
+    // The image records `dir`, where the temporary directory is renamed to.
+    let record = crate::image::record::RecordModel::At(dir.to_path_buf());
+    pack(&tmp.path, &tmp.path.join(DEFAULT_IMAGE), &PackOptions { layers: None, progress: opts.progress, record })?;
     tmp.persist(dir)
 }
 

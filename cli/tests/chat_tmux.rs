@@ -51,6 +51,15 @@ impl Tmux {
         String::from_utf8_lossy(&o.stdout).into_owned()
     }
 
+    /// The exit status of the pane's process once it is dead.
+    fn exit_status(&self) -> String {
+        let o = Command::new("tmux")
+            .args(["display-message", "-p", "-t", &self.name, "#{pane_dead_status}"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&o.stdout).trim().to_string()
+    }
+
     fn dead(&self) -> bool {
         let o =
             Command::new("tmux").args(["display-message", "-p", "-t", &self.name, "#{pane_dead}"]).output().unwrap();
@@ -127,7 +136,7 @@ fn chat_in_tmux() {
     let cfg = Config::from_dir(&model).unwrap();
     let f = ChatFormat::from_dir(&model, &cfg).unwrap().unwrap();
     let tok = Tokenizer::from_dir(&model).unwrap().unwrap();
-    let gen = RenderOptions { add_generation_prompt: true, enable_thinking: None };
+    let gen = RenderOptions { add_generation_prompt: true, ..Default::default() };
     let p1 = tok.encode(&f.render(&msgs[..1], gen).unwrap()).unwrap();
     let p2 = tok.encode(&f.render(&msgs[..3], gen).unwrap()).unwrap();
     let ids = p1.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
@@ -178,4 +187,49 @@ fn chat_in_tmux() {
     t2.keys(&["C-c"]);
     wait("exit on Ctrl-C at the prompt", &t2, || t2.dead());
     assert!(std::fs::read_to_string(&log2).unwrap().contains("bye"));
+}
+
+#[test]
+#[ignore = "needs tmux"]
+fn ctrl_c_twice_ends_the_chat_and_shuts_the_nvme_controller_down() {
+    picchio_testkit::loopdev::require_tool(
+        "ctrl_c_twice_ends_the_chat_and_shuts_the_nvme_controller_down",
+        "tmux",
+        &["-V"],
+    );
+    let tmp = common::scratch();
+    let model = packed_model(tmp.path());
+    let exe = env!("CARGO_BIN_EXE_picchio");
+    let log = tmp.path().join("chat.log");
+    // Our NVMe driver against the software controller model reading the image; -v logs the
+    // driver's shutdown and what the model saw. No --model: the image records it.
+    let store = format!("nvme-sim:{}", model.join("experts.picchioflat").display());
+    let cmd = format!(
+        "exec env -u PICCHIO_MODEL {exe} -v --store {store} --ecap 4 --ctx 512 -n 480 --ignore-eos 2>{}",
+        log.display()
+    );
+    let t = Tmux::start("nvme", &cmd);
+    let text = || std::fs::read_to_string(&log).unwrap_or_default();
+    wait("the banner", &t, || text().contains("picchio chat:"));
+    assert!(text().contains("store nvme-sim:"), "{}", text());
+    t.line("Hi there");
+    wait("the answer to begin", &t, || {
+        let s = t.screen();
+        s.split("> Hi there").nth(1).is_some_and(|rest| rest.trim().chars().count() > 3)
+    });
+    // Ctrl-C twice: the first stops the answer, the second (during the answer or at the prompt,
+    // whichever it meets) ends the program.
+    t.keys(&["C-c", "C-c"]);
+    wait("the exit", &t, || t.dead());
+    let log = text();
+    assert_eq!(t.exit_status(), "0", "a clean exit: {log}");
+    // The session was dropped before the goodbye: the driver shut the controller down (CC.SHN,
+    // CSTS.SHST complete), the model saw exactly one shutdown, and every DMA buffer was freed.
+    let at = |s: &str| log.find(s).unwrap_or_else(|| panic!("no {s:?} in the log:\n{log}"));
+    let shut = at("shutdown complete (CSTS.SHST=2)");
+    let model_saw = at("nvme-sim controller model stopped: 1 shutdown(s)");
+    let freed = at("nvme-sim DMA memory freed");
+    let bye = at("bye");
+    assert!(shut < model_saw && model_saw < bye && freed < bye, "{log}");
+    assert!(log.contains("enabled at the end: false"), "{log}");
 }

@@ -173,3 +173,60 @@ fn requests_beyond_the_queue_bound_get_503() {
     std::io::Read::read_to_end(&mut a, &mut rest).unwrap();
     assert!(String::from_utf8_lossy(&rest).contains("data: [DONE]"));
 }
+
+/// A client that goes away while its long prompt is being prefilled (token by token here) is
+/// noticed between prefill chunks: the request ends there, with no token generated, and the next
+/// request is served at once. (The prompt of 500 tokens takes hundreds of forward passes; the
+/// server learns of the closed connection long before they are done.)
+#[test]
+fn a_client_leaving_during_the_prefill_stops_it_there() {
+    let tmp = common::scratch();
+    let model = packed_model(tmp.path());
+    let s = Served::start(&model, &["--ctx", "512", "--prefill-chunk", "1"]);
+    let prompt: Vec<u32> = (0..500).map(|i| 100 + (i * 7) % 1000).collect();
+    let body = json!({"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0}).to_string();
+    let conn = s.send("POST", "/v1/completions", &[], body.as_bytes());
+    common::serve::wait_for(|| s.metric("picchio_requests_running") == 1.0);
+    drop(conn);
+    common::serve::wait_for(|| s.metric("picchio_requests_total") == 1.0);
+    assert_eq!(s.metric("picchio_requests_cancelled_total"), 1.0);
+    assert_eq!(s.metric("picchio_requests_cancelled_in_prefill_total"), 1.0, "stopped during the prefill");
+    assert_eq!(s.metric("picchio_completion_tokens_total"), 0.0, "nothing generated");
+    // The chunks that ran stay in the KV cache: the same prompt again reuses them.
+    let (st, v) =
+        s.post("/v1/completions", &json!({"model": "m", "prompt": prompt, "max_tokens": 2, "temperature": 0}));
+    assert_eq!(st, 200, "{v}");
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    assert!(cached < 499, "the first request did not finish its prefill: {v}");
+}
+
+/// `tools` and tool messages reach the chat template: the prompt of a request with the function
+/// tools, an assistant tool call and its `tool` result is exactly the ids transformers' rendering
+/// gives (the Qwen3 fixture case rendered by tests/fixtures/chat/render_qwen3.py).
+#[test]
+fn tools_and_tool_messages_are_rendered_as_transformers_does() {
+    use picchio_runtime::chat::TemplateValue;
+    let tmp = common::scratch();
+    let model = packed_model(tmp.path());
+    let s = Served::start(&model, &["--ctx", "512"]);
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/chat/qwen3_rendering.json");
+    // Read as template values, which keep the key order the body must have.
+    let r: TemplateValue = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let cases = r.get_attr("cases").unwrap();
+    let case = cases
+        .try_iter()
+        .unwrap()
+        .find(|c| c.get_attr("name").unwrap().as_str() == Some("tools_without_system_then_answer"))
+        .expect("the fixture case");
+    let j = |k: &str| serde_json::to_string(&case.get_attr(k).unwrap()).unwrap();
+    let body = format!(
+        r#"{{"model": "m", "messages": {}, "tools": {}, "max_tokens": 1, "temperature": 0, "return_token_ids": true}}"#,
+        j("messages"),
+        j("tools")
+    );
+    let (st, raw) = s.request("POST", "/v1/chat/completions", &[], body.as_bytes());
+    assert_eq!(st, 200, "{raw}");
+    let v: Value = serde_json::from_str(&raw).unwrap();
+    let want: Value = serde_json::from_str(&j("ids")).unwrap();
+    assert_eq!(v["prompt_token_ids"], want, "{raw}");
+}

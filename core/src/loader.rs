@@ -811,6 +811,7 @@ mod tests {
             index_len: 48 * 24,
             data_offset: 8192,
             index_sha256: [0; 32],
+            model: None,
         };
         assert!(StoreDims { topk: 2, moe_inter: 128, ..dims }.mismatches(&sb, "img").is_empty());
         let m: Vec<String> = dims.mismatches(&sb, "img").iter().map(ToString::to_string).collect();

@@ -511,6 +511,18 @@ impl DmaRegistry {
     }
 }
 
+/// Every [`DmaBuf`] and [`DmaRegion`] of a [`HeapDma`] holds its registry, so the registry drops only
+/// once all of them were freed (memory leaked on purpose, after a controller that did not stop,
+/// keeps it alive): the log line says the sim's DMA memory is all gone.
+impl Drop for DmaRegistry {
+    fn drop(&mut self) {
+        let left = self.ranges.get_mut().map_or(0, |r| r.len());
+        tracing::info!(
+            "nvme-sim DMA memory freed: every buffer and region released ({left} external ranges still mapped)"
+        );
+    }
+}
+
 impl IovaSpace for DmaRegistry {
     fn release(&self, iova: Iova, _len: usize) {
         self.remove(iova.0);

@@ -247,12 +247,22 @@ impl Session {
     /// # Errors
     /// [`Error::Interrupted`] and forward-pass errors, with `kv` left at `kv[..pos0]`.
     pub(crate) fn prefill(&mut self, ids: &[u32], pos0: usize) -> Result<()> {
+        self.prefill_until(ids, pos0, &mut || false).map(|_| ())
+    }
+
+    /// [`Session::prefill`] asking `stop` before every chunk ([`Model::prefill_until`](crate::model::Model::prefill_until)):
+    /// returns the ids run, `ids.len()` or fewer when `stop` said so, and `kv` then records the
+    /// chunks that ran (their KV is valid; a later prompt sharing them reuses it).
+    ///
+    /// # Errors
+    /// As [`Session::prefill`].
+    pub(crate) fn prefill_until(&mut self, ids: &[u32], pos0: usize, stop: &mut dyn FnMut() -> bool) -> Result<usize> {
         // On an error the KV cache is taken to hold only `0..pos0`: positions past it are rewritten
         // by the next prefill.
         self.kv.truncate(pos0);
-        self.model.prefill(ids, pos0, &mut self.cache, &mut *self.loader)?;
-        self.kv.extend_from_slice(ids);
-        Ok(())
+        let done = self.model.prefill_until(ids, pos0, &mut self.cache, &mut *self.loader, stop)?;
+        self.kv.extend_from_slice(&ids[..done]);
+        Ok(done)
     }
 
     /// Encodes `text` with the model's tokenizer.

@@ -4,19 +4,41 @@
 //! (fixtures/chat/render_harmony.py).
 
 use picchio_runtime::chat::harmony::Harmony;
-use picchio_runtime::chat::{ChatFormat, Message, RenderOptions};
+use picchio_runtime::chat::{ChatFormat, Message, RenderOptions, TemplateValue};
 use picchio_runtime::model::tokenizer::Tokenizer;
 use picchio_runtime::Config;
 use picchio_tests::{fixture, ids, reference_json};
 
-fn messages(case: &serde_json::Value) -> Vec<Message> {
-    serde_json::from_value(case["messages"].clone()).unwrap()
+/// A fixture case read straight from the JSON text, so that tools and tool-call arguments keep
+/// their key order (serde_json's own maps sort their keys).
+#[derive(serde::Deserialize)]
+struct Case {
+    name: String,
+    messages: Vec<Message>,
+    #[serde(default)]
+    tools: Vec<TemplateValue>,
+    add_generation_prompt: bool,
+    enable_thinking: Option<bool>,
+    text: String,
+    ids: Vec<u32>,
 }
 
-fn opts(case: &serde_json::Value) -> RenderOptions {
+#[derive(serde::Deserialize)]
+struct Rendering {
+    cases: Vec<Case>,
+}
+
+fn cases(file: &str) -> Vec<Case> {
+    let path = fixture("chat").join(file);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str::<Rendering>(&text).unwrap().cases
+}
+
+fn opts(case: &Case) -> RenderOptions<'_> {
     RenderOptions {
-        add_generation_prompt: case["add_generation_prompt"].as_bool().unwrap(),
-        enable_thinking: case.get("enable_thinking").and_then(|v| v.as_bool()),
+        add_generation_prompt: case.add_generation_prompt,
+        enable_thinking: case.enable_thinking,
+        tools: &case.tools,
     }
 }
 
@@ -26,14 +48,14 @@ fn qwen3_template_renders_like_jinja2_and_tokenizes_like_tokenizers() {
     let cfg = Config::from_dir(&dir).unwrap();
     let format = ChatFormat::from_dir(&dir, &cfg).unwrap().expect("the fixture has a chat template");
     let tok = Tokenizer::from_dir(&dir).unwrap().unwrap();
-    let r = reference_json(&fixture("chat"), "qwen3_rendering.json");
-    let cases = r["cases"].as_array().unwrap();
-    assert!(cases.len() >= 8);
-    for case in cases {
-        let name = case["name"].as_str().unwrap();
-        let text = format.render(&messages(case), opts(case)).unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert_eq!(text, case["text"].as_str().unwrap(), "{name}");
-        assert_eq!(tok.encode(&text).unwrap(), ids(case, "ids"), "{name}");
+    let cases = cases("qwen3_rendering.json");
+    assert!(cases.len() >= 10);
+    assert!(cases.iter().filter(|c| !c.tools.is_empty()).count() >= 2, "conversations with tools");
+    for case in &cases {
+        let name = &case.name;
+        let text = format.render(&case.messages, opts(case)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(text, case.text, "{name}");
+        assert_eq!(tok.encode(&text).unwrap(), case.ids, "{name}");
     }
 }
 
@@ -42,11 +64,14 @@ fn harmony_renders_like_openai_harmony() {
     let tok = Tokenizer::from_dir(&fixture("tokenizers/gpt_oss")).unwrap().unwrap();
     let r = reference_json(&fixture("chat"), "harmony_rendering.json");
     let h = Harmony::default();
-    for case in r["cases"].as_array().unwrap() {
-        let name = case["name"].as_str().unwrap();
-        let text = h.render(&messages(case), opts(case).add_generation_prompt).unwrap();
-        assert_eq!(text, case["text"].as_str().unwrap(), "{name}");
-        assert_eq!(tok.encode(&text).unwrap(), ids(case, "ids"), "{name}");
+    let cases = cases("harmony_rendering.json");
+    assert!(cases.iter().filter(|c| !c.tools.is_empty()).count() >= 2, "conversations with tools");
+    for case in &cases {
+        let name = &case.name;
+        let text =
+            h.render(&case.messages, &case.tools, case.add_generation_prompt).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(text, case.text, "{name}");
+        assert_eq!(tok.encode(&text).unwrap(), case.ids, "{name}");
     }
     // The turn ends at <|call|> and <|return|>, as openai-harmony's stop set for assistant actions.
     let mut stops: Vec<u32> =

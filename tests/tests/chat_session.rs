@@ -121,3 +121,54 @@ fn the_callback_cancels_and_end_of_turn_ids_stop() {
     assert_eq!(t.completion_tokens(), 6);
     assert_eq!(t.cached_tokens, prompt.len() - 1);
 }
+
+/// `complete_until` asks its stop callback before every prefill chunk: stopped there, the turn is
+/// cancelled with no token, the KV record keeps exactly the chunks that ran, and the next turn
+/// reuses them and gives the same greedy tokens as an uninterrupted run.
+#[test]
+fn a_stop_during_the_prefill_ends_the_turn_between_chunks() {
+    let tmp = scratch();
+    let model = converted(tmp.path());
+    let r = reference_json(&fixture("qwen3_moe_text"), "reference_q4.json");
+    let (prompt, want) = (ids(&r, "prompt_ids"), ids(&r, "greedy_ids"));
+    assert!(prompt.len() >= 6, "the prompt has {} ids", prompt.len());
+    let mut s = session(&model, 128);
+    s.model.set_prefill_chunk(2).unwrap();
+
+    // Stop at the third check: two chunks of 2 tokens ran.
+    let mut asked = 0;
+    let mut stop = || {
+        asked += 1;
+        asked == 3
+    };
+    let mut tokens = 0;
+    let t = s
+        .complete_until(
+            &prompt,
+            &greedy(want.len()),
+            &mut |_| {
+                tokens += 1;
+                ControlFlow::Continue(())
+            },
+            &mut stop,
+        )
+        .unwrap();
+    assert_eq!((t.finish, t.tokens.len(), t.stop_id, tokens), (Finish::Cancelled, 0, None, 0));
+    assert_eq!((t.cached_tokens, t.completion_tokens(), t.stats.prompt_tokens), (0, 0, prompt.len()));
+    assert_eq!(s.kv_ids(), &prompt[..4], "the two chunks that ran");
+
+    // The same prompt again: those 4 positions are reused, the tokens are the reference's.
+    let t = go(&mut s, &prompt, &greedy(want.len()));
+    assert_eq!((t.cached_tokens, &t.tokens), (4, &want));
+
+    // A stop asked during the decode ends the turn after the token just produced.
+    s.reset_kv();
+    let mut n = 0;
+    let t = s
+        .complete_until(&prompt, &greedy(want.len()), &mut |_| ControlFlow::Continue(()), &mut || {
+            n += 1;
+            n > prompt.len().div_ceil(2) + 1
+        })
+        .unwrap();
+    assert_eq!((t.finish, &t.tokens), (Finish::Cancelled, &want[..2].to_vec()));
+}

@@ -14,6 +14,7 @@ use picchio_runtime::expert::layout::ExpertLayout;
 use picchio_runtime::expert::store::store_dims;
 use picchio_runtime::image::convert::{convert, ConvertOptions, ExpertSource};
 use picchio_runtime::image::pack::{pack, PackOptions};
+use picchio_runtime::image::record::RecordModel;
 use picchio_runtime::image::verify::{verify, FailureKind, VerifyOptions};
 use picchio_runtime::model::safetensors::TensorStore;
 use picchio_runtime::quant::{quantize_q3, quantize_q4, QuantKind};
@@ -419,7 +420,9 @@ fn pack_reproduces_picchio_c_image_byte_for_byte() {
     let want = std::fs::read(c_dir.join("experts.picchioflat")).unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let img = tmp.path().join("c.picchioflat");
-    let r = pack(&c_dir, &img, &popts()).unwrap();
+    // Without the model record (RecordModel::Nothing), the image is Picchio (C)'s byte for byte.
+    let bare = PackOptions { record: RecordModel::Nothing, ..popts() };
+    let r = pack(&c_dir, &img, &bare).unwrap();
     assert_eq!((r.experts, r.placeholders, r.bytes), (48, 0, want.len() as u64));
     let got = std::fs::read(&img).unwrap();
     assert_eq!(&got[..4096], &want[..4096], "superblock");
@@ -427,11 +430,22 @@ fn pack_reproduces_picchio_c_image_byte_for_byte() {
     assert!(got == want, "payloads");
     assert_eq!(Superblock::decode(&got, "ours", got.len() as u64).unwrap(), r.superblock);
 
+    // By default the superblock's reserved bytes (96..4096, zeros in Picchio (C)'s image, which
+    // reads only the first 96) record the packed directory; every other byte is the same.
+    let r = pack(&c_dir, &img, &popts()).unwrap();
+    let got = std::fs::read(&img).unwrap();
+    assert_eq!((&got[..96], &got[4096..]), (&want[..96], &want[4096..]));
+    let sb = Superblock::decode(&got, "ours", got.len() as u64).unwrap();
+    let rec = sb.model.clone().expect("a model record");
+    assert_eq!(rec.dir, c_dir.canonicalize().unwrap());
+    assert_eq!(rec.config_sha256, picchio_runtime::image::record::config_sha256(&c_dir).unwrap());
+    assert_eq!(sb, r.superblock);
+
     // Our own conversion of the Hugging Face checkpoint packs to the same image.
     let dst = tmp.path().join("q4");
     convert(&fixture("qwen3_moe"), &dst, &opts()).unwrap();
     let ours = tmp.path().join("ours.picchioflat");
-    pack(&dst, &ours, &popts()).unwrap();
+    pack(&dst, &ours, &bare).unwrap();
     assert!(std::fs::read(&ours).unwrap() == want, "convert + pack of qwen3_moe == Picchio (C)'s image");
     assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 3, "no temporary file left");
 }

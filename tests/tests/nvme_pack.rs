@@ -13,6 +13,7 @@ use picchio_nvme::{HeapDma, NvmeQueue, NvmeQueueOptions};
 use picchio_runtime::expert::cache::ExpertCache;
 use picchio_runtime::expert::store::{open_nvme_flat, with_fallback, IoOptions};
 use picchio_runtime::image::pack::{PackOptions, PackReport};
+use picchio_runtime::image::record::RecordModel;
 use picchio_runtime::image::write::{WriteOptions, WriteTo};
 use picchio_runtime::model::Model;
 use picchio_runtime::run::{GenerateOptions, Session};
@@ -25,7 +26,7 @@ fn queue(ns: &Path, lba: u32) -> (NvmeQueue, Sim) {
     NvmeQueue::open_sim_with(cfg, &opts, HeapDma::new(), true).unwrap()
 }
 
-const POPTS: PackOptions = PackOptions { layers: None, progress: false };
+const POPTS: PackOptions = PackOptions { layers: None, progress: false, record: RecordModel::Packed };
 
 fn opts(force: bool) -> WriteOptions {
     WriteOptions { force, io_threads: 1, ..WriteOptions::default() }

@@ -163,7 +163,7 @@ fn an_image_of_another_quantization_is_a_whole_store_mismatch() {
     )
     .unwrap();
     let img = tmp.path().join("q3.picchioflat");
-    pack(&q3, &img, &PackOptions { layers: None, progress: false }).unwrap();
+    pack(&q3, &img, &PackOptions { layers: None, progress: false, ..Default::default() }).unwrap();
     // The Picchio (C) directory is the same model in Q4: same dimensions, other payload size.
     let e = greedy(&fixture("picchio_c/qwen3_moe"), StoreUri::File(img), IoOptions::default(), Some(8), &c_prompt(), 2)
         .err()

@@ -22,7 +22,12 @@ fn a_stop_request_ends_every_write_leaving_nothing_behind() {
     assert_eq!(picchio_runtime::interrupt::exit_code(), 130);
 
     let out = dir.path().join("e.picchioflat");
-    let e = pack(&fixture("picchio_c/qwen3_moe"), &out, &PackOptions { layers: None, progress: false }).unwrap_err();
+    let e = pack(
+        &fixture("picchio_c/qwen3_moe"),
+        &out,
+        &PackOptions { layers: None, progress: false, ..Default::default() },
+    )
+    .unwrap_err();
     assert!(matches!(&e, Error::Interrupted { done: 0, unit: "payloads", .. }), "{e}");
     assert!(e.to_string().starts_with("interrupted by SIGINT after 0 of "), "{e}");
     assert!(names(dir.path()).is_empty(), "pack left {:?}", names(dir.path()));

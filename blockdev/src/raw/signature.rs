@@ -279,6 +279,7 @@ mod tests {
             index_len: 48 * 24,
             data_offset: 8192,
             index_sha256: [0; 32],
+            model: None,
         };
         let mut h = head();
         h[..4096].copy_from_slice(&sb.encode());

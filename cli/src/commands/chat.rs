@@ -2,8 +2,10 @@
 //! terminal. Answers stream as they are generated; the conversation is re-rendered with the
 //! model's chat template each turn and only what is new is prefilled (the KV cache of the earlier
 //! turns is reused, [`picchio_runtime::chat::turn`]); reasoning is shown dimmed or hidden; each
-//! turn ends with its tok/s and cache hit rates. Ctrl-C stops the answer; at the prompt it (or
-//! `/exit`, or end of input) ends the program, dropping the session cleanly.
+//! turn ends with its tok/s and cache hit rates. Ctrl-C stops the answer (also while the prompt
+//! is still being prefilled); a second Ctrl-C before it stopped, a Ctrl-C at the prompt, SIGTERM,
+//! `/exit` or the end of input end the program cleanly: the session is dropped, which shuts an
+//! `nvme:` controller down (CC.SHN) and frees its DMA memory before the process exits.
 
 use std::io::{BufRead, Write};
 use std::ops::ControlFlow;
@@ -69,17 +71,83 @@ struct Totals {
     bytes: u64,
 }
 
-pub fn exec(a: Args) -> anyhow::Result<()> {
-    let sampler = a.sampling.options(a.temperature, a.top_p, a.seed)?;
-    let stop = Arc::new(AtomicBool::new(false));
-    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(sig, stop.clone()).context("installing the Ctrl-C handler")?;
+/// What Ctrl-C (SIGINT) and SIGTERM mean in the chat, decided on a signal thread (no code of ours
+/// runs in signal context): during an answer the first SIGINT stops the answer; a second one before
+/// it stopped, one at the prompt, or SIGTERM ends the program — then the runtime's stop request
+/// ([`picchio_runtime::interrupt::flag`]) is raised too, so a prefill between chunks or an `nvme:`
+/// read waiting on the device gives up, and `exec` returns, dropping the session cleanly.
+struct Signals {
+    /// An answer is being generated.
+    answering: AtomicBool,
+    /// Stop the current answer.
+    stop_answer: AtomicBool,
+    /// End the program.
+    quit: AtomicBool,
+}
+
+impl Signals {
+    fn install() -> anyhow::Result<Arc<Signals>> {
+        use signal_hook::consts::{SIGINT, SIGTERM};
+        let s = Arc::new(Signals {
+            answering: AtomicBool::new(false),
+            stop_answer: AtomicBool::new(false),
+            quit: AtomicBool::new(false),
+        });
+        let mut signals =
+            signal_hook::iterator::Signals::new([SIGINT, SIGTERM]).context("installing the Ctrl-C handler")?;
+        let s2 = s.clone();
+        std::thread::Builder::new()
+            .name("picchio-signals".into())
+            .spawn(move || {
+                for sig in signals.forever() {
+                    if sig == SIGINT
+                        && s2.answering.load(Ordering::SeqCst)
+                        && !s2.stop_answer.swap(true, Ordering::SeqCst)
+                    {
+                        continue;
+                    }
+                    s2.quit.store(true, Ordering::SeqCst);
+                    picchio_runtime::interrupt::flag().store(true, Ordering::SeqCst);
+                }
+            })
+            .context("starting the signal thread")?;
+        Ok(s)
     }
-    let mut engine = a.model.open()?;
+
+    /// Whether the current answer must end (stopped, or the program is ending).
+    fn answer_stopped(&self) -> bool {
+        self.stop_answer.load(Ordering::SeqCst) || self.quit.load(Ordering::SeqCst)
+    }
+
+    fn quitting(&self) -> bool {
+        self.quit.load(Ordering::SeqCst)
+    }
+}
+
+pub fn exec(mut a: Args) -> anyhow::Result<()> {
+    let sampler = a.sampling.options(a.temperature, a.top_p, a.seed)?;
+    let signals = Signals::install()?;
+    let engine = a.model.open()?;
+    let result = talk(&a, engine, &signals, sampler);
+    // The session was dropped in `talk` (an nvme: controller shut down, its DMA memory freed).
+    if signals.quitting() {
+        eprintln!("bye");
+    }
+    result
+}
+
+/// The conversation loop; returns when the user ends it. Consumes `engine`, so the session is
+/// dropped (and an nvme: controller shut down) before the caller says goodbye.
+fn talk(
+    a: &Args,
+    mut engine: Engine,
+    signals: &Signals,
+    sampler: picchio_runtime::model::sampler::SamplerOptions,
+) -> anyhow::Result<()> {
     if engine.format.is_none() {
         anyhow::bail!(
             "{} has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja): use `picchio run`",
-            a.model.model.display()
+            engine.session.model.dir().display()
         );
     }
     eprintln!(
@@ -90,7 +158,7 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
         engine.context()
     );
     let lines = stdin_lines();
-    let mut messages = initial(&a);
+    let mut messages = initial(a);
     let mut totals = Totals::default();
     let out = std::io::stdout();
     loop {
@@ -98,9 +166,8 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
         out.lock().flush()?;
         // Wait for a line; Ctrl-C here ends the program.
         let line = loop {
-            if stop.swap(false, Ordering::Relaxed) {
+            if signals.quitting() {
                 println!();
-                eprintln!("bye");
                 return Ok(());
             }
             match lines.recv_timeout(Duration::from_millis(100)) {
@@ -122,7 +189,7 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
             match name {
                 "exit" | "quit" => return Ok(()),
                 "reset" => {
-                    messages = initial(&a);
+                    messages = initial(a);
                     engine.session.reset_kv();
                     println!("(new conversation)");
                 }
@@ -146,33 +213,40 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
         let req = Request { max_tokens: a.n, sampler, ignore_eos: a.ignore_eos, ..Request::chat(messages.clone()) };
         let mut dim = false;
         let show = a.reasoning == ReasoningShow::Show;
-        let result = engine.run(&req, &mut |d| {
-            let mut o = out.lock();
-            if show && !d.reasoning.is_empty() {
-                if !dim {
-                    let _ = write!(o, "\x1b[2m");
-                    dim = true;
+        signals.stop_answer.store(false, Ordering::SeqCst);
+        signals.answering.store(true, Ordering::SeqCst);
+        let result = engine.run(
+            &req,
+            &mut |d| {
+                let mut o = out.lock();
+                if show && !d.reasoning.is_empty() {
+                    if !dim {
+                        let _ = write!(o, "\x1b[2m");
+                        dim = true;
+                    }
+                    let _ = write!(o, "{}", d.reasoning);
                 }
-                let _ = write!(o, "{}", d.reasoning);
-            }
-            if !d.content.is_empty() {
-                if dim {
-                    let _ = writeln!(o, "\x1b[0m");
-                    dim = false;
+                if !d.content.is_empty() {
+                    if dim {
+                        let _ = writeln!(o, "\x1b[0m");
+                        dim = false;
+                    }
+                    let _ = write!(o, "{}", d.content);
                 }
-                let _ = write!(o, "{}", d.content);
-            }
-            let _ = o.flush();
-            if stop.swap(false, Ordering::Relaxed) {
-                ControlFlow::Break(())
-            } else {
+                let _ = o.flush();
                 ControlFlow::Continue(())
-            }
-        });
+            },
+            &|| signals.answer_stopped(),
+        );
+        signals.answering.store(false, Ordering::SeqCst);
         if dim {
             print!("\x1b[0m");
         }
         println!();
+        if signals.quitting() {
+            // A second Ctrl-C (or SIGTERM) while answering: leave, whatever the answer came to.
+            return Ok(());
+        }
         let o = match result {
             Ok(o) => o,
             Err(e) => {
@@ -209,7 +283,7 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
             st.bytes_read as f64 / 1e6
         );
         let reasoning = (!o.reasoning.is_empty()).then(|| o.reasoning.clone());
-        messages.push(Message { role: "assistant".into(), content: o.content.clone(), reasoning_content: reasoning });
+        messages.push(Message { reasoning_content: reasoning, ..Message::new("assistant", &o.content) });
     }
 }
 

@@ -7,17 +7,22 @@ use anyhow::Context;
 use picchio_core::StoreUri;
 use picchio_runtime::chat::engine::Engine;
 use picchio_runtime::expert::store::IoOptions;
+use picchio_runtime::image::record::find_model_dir;
 use picchio_runtime::model::tokenizer::Tokenizer;
 use picchio_runtime::run::{Session, SessionOptions};
 
 /// Options naming the model and how its experts are read.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// Converted model directory (from `picchio convert`) [default: $PICCHIO_MODEL].
+    /// Converted model directory (from `picchio convert`) [default: $PICCHIO_MODEL, else the
+    /// directory the --store image records (`picchio pack` and `synth --model-out` record it in
+    /// the superblock), else the directory holding a file image].
     #[arg(long, value_name = "DIR", env = "PICCHIO_MODEL")]
-    pub model: PathBuf,
+    pub model: Option<PathBuf>,
     /// Where routed experts come from (as `picchio run --store`): `auto`, `safetensors`,
-    /// `file:PATH`, `raw:/dev/X[@BYTES]`, `nvme:BDF[/NSID]`, `nvme-tcp://HOST:PORT/NQN[/NSID]`.
+    /// `file:PATH`, `raw:/dev/X[@BYTES]`, `nvme:BDF[/NSID]`, `nvme-tcp://HOST:PORT/NQN[/NSID]`, or
+    /// `nvme-sim:PATH` (the user-space NVMe driver against its software controller model reading the
+    /// image file).
     #[arg(long, value_name = "URI", default_value = "auto")]
     pub store: StoreUri,
     /// Read flat stores through the page cache instead of O_DIRECT.
@@ -38,30 +43,60 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
-    /// Opens the session and its chat engine.
+    /// The I/O options of these arguments.
+    fn io(&self) -> IoOptions {
+        self.engine.apply(IoOptions {
+            direct: !self.buffered,
+            threads: usize::from(self.io_threads),
+            ..IoOptions::default()
+        })
+    }
+
+    /// The model directory: `--model` (or $PICCHIO_MODEL), else the one the `--store` image names
+    /// ([`find_model_dir`]), stored in `self.model`.
+    ///
+    /// # Errors
+    /// Neither given nor found: the error names the store, what it records, and suggests --model.
+    pub fn resolve_model(&mut self) -> anyhow::Result<PathBuf> {
+        if let Some(m) = &self.model {
+            return Ok(m.clone());
+        }
+        if matches!(self.store, StoreUri::Auto | StoreUri::Safetensors) {
+            anyhow::bail!(
+                "no model: give --model DIR (or set PICCHIO_MODEL), or --store naming an image (file:PATH, \
+                 raw:/dev/X[@BYTES], nvme:BDF[/NSID]) packed by `picchio pack`, which records its model directory"
+            );
+        }
+        let found = find_model_dir(&self.store, self.io())
+            .with_context(|| format!("finding the model directory of {} (no --model given)", self.store))?;
+        tracing::info!("model {} ({})", found.dir.display(), found.how);
+        self.model = Some(found.dir.clone());
+        Ok(found.dir)
+    }
+
+    /// Opens the session and its chat engine (finding the model first when no `--model` was given:
+    /// [`ModelArgs::resolve_model`]).
     ///
     /// # Errors
     /// Model, store and template errors, with the model directory named.
-    pub fn open(&self) -> anyhow::Result<Engine> {
-        let cfg = picchio_runtime::Config::from_dir(&self.model)?;
+    pub fn open(&mut self) -> anyhow::Result<Engine> {
+        let model = self.resolve_model()?;
+        let cfg = picchio_runtime::Config::from_dir(&model)?;
         let ctx = match self.ctx {
             Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
             None => 4096.min(cfg.max_position_embeddings),
         };
         let opts = SessionOptions {
-            model_dir: self.model.clone(),
+            model_dir: model.clone(),
             store: self.store.clone(),
-            io: self.engine.apply(IoOptions {
-                direct: !self.buffered,
-                threads: usize::from(self.io_threads),
-                ..IoOptions::default()
-            }),
+            io: self.io(),
             ecap: self.ecap,
             max_seq: ctx,
         };
-        let tokenizer = Tokenizer::from_dir(&self.model)?;
-        let session =
-            Session::open(&opts, tokenizer).with_context(|| format!("opening model {}", self.model.display()))?;
-        Engine::new(session).with_context(|| format!("reading the chat template of {}", self.model.display()))
+        let tokenizer = Tokenizer::from_dir(&model)?;
+        let mut session =
+            Session::open(&opts, tokenizer).with_context(|| format!("opening model {}", model.display()))?;
+        session.model.set_prefill_chunk(self.engine.prefill_chunk(false)?)?;
+        Engine::new(session).with_context(|| format!("reading the chat template of {}", model.display()))
     }
 }

@@ -48,7 +48,7 @@ pub struct Args {
 }
 
 pub fn exec(a: Args) -> anyhow::Result<()> {
-    let opts = PackOptions { layers: a.layers, progress: !a.no_progress };
+    let opts = PackOptions { layers: a.layers, progress: !a.no_progress, ..PackOptions::default() };
     // SIGINT/SIGTERM stop the write between payloads: a file's temporary file is removed, a device
     // is left without a valid superblock.
     picchio_runtime::interrupt::install().context("installing the SIGINT/SIGTERM handlers")?;

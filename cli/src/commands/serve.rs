@@ -71,6 +71,8 @@ pub struct Metrics {
     pub failed: AtomicU64,
     /// Requests whose client went away before the end.
     pub cancelled: AtomicU64,
+    /// Of those, the ones stopped while their prompt was being prefilled (no token generated).
+    pub cancelled_in_prefill: AtomicU64,
     /// Requests refused because the queue was full.
     pub rejected: AtomicU64,
     /// Prompt tokens of all requests.
@@ -81,6 +83,8 @@ pub struct Metrics {
     pub completion_tokens: AtomicU64,
     /// Requests waiting.
     pub queue_depth: AtomicUsize,
+    /// Requests being generated (0 or 1: one KV cache).
+    pub running: AtomicUsize,
     /// Expert-cache hits / misses and bytes read by the store.
     pub expert_hits: AtomicU64,
     /// See `expert_hits`.
@@ -102,6 +106,12 @@ impl Metrics {
         put("requests_total", "counter", "Requests that finished.", g(&self.requests).to_string());
         put("requests_failed_total", "counter", "Requests that failed.", g(&self.failed).to_string());
         put("requests_cancelled_total", "counter", "Requests whose client went away.", g(&self.cancelled).to_string());
+        put(
+            "requests_cancelled_in_prefill_total",
+            "counter",
+            "Requests whose client went away during the prompt's prefill (stopped there).",
+            g(&self.cancelled_in_prefill).to_string(),
+        );
         put("requests_rejected_total", "counter", "Requests refused: queue full.", g(&self.rejected).to_string());
         put("prompt_tokens_total", "counter", "Prompt tokens.", g(&self.prompt_tokens).to_string());
         put(
@@ -112,6 +122,7 @@ impl Metrics {
         );
         put("completion_tokens_total", "counter", "Generated tokens.", g(&self.completion_tokens).to_string());
         put("queue_depth", "gauge", "Requests waiting.", self.queue_depth.load(Ordering::Relaxed).to_string());
+        put("requests_running", "gauge", "Requests being generated.", self.running.load(Ordering::Relaxed).to_string());
         put("expert_cache_hits_total", "counter", "Expert-cache hits.", g(&self.expert_hits).to_string());
         put("expert_cache_misses_total", "counter", "Expert-cache misses (loads).", g(&self.expert_misses).to_string());
         put("store_bytes_read_total", "counter", "Bytes read from the expert store.", g(&self.bytes_read).to_string());
@@ -164,13 +175,23 @@ fn worker(mut engine: Engine, jobs: mpsc::Receiver<Job>, metrics: Arc<Metrics>) 
             continue; // the client left while waiting
         }
         let mut gone = false;
-        let result = engine.run(&job.request, &mut |d| {
-            if job.events.send(Event::Delta(d.clone())).is_err() {
-                gone = true;
-                return ControlFlow::Break(());
-            }
-            ControlFlow::Continue(())
-        });
+        // The client's receiver is dropped when it disconnects: asked before every prefill chunk
+        // and every token, so a long prompt is not prefilled to the end for nobody.
+        let left = || job.events.is_closed();
+        metrics.running.store(1, Ordering::Relaxed);
+        let result = engine.run(
+            &job.request,
+            &mut |d| {
+                if job.events.send(Event::Delta(d.clone())).is_err() {
+                    gone = true;
+                    return ControlFlow::Break(());
+                }
+                ControlFlow::Continue(())
+            },
+            &left,
+        );
+        metrics.running.store(0, Ordering::Relaxed);
+        gone |= left();
         metrics.requests.fetch_add(1, Ordering::Relaxed);
         let done = match result {
             Ok(o) => {
@@ -184,6 +205,9 @@ fn worker(mut engine: Engine, jobs: mpsc::Receiver<Job>, metrics: Arc<Metrics>) 
                 metrics.last_tok_s.store(st.decode_tok_s.to_bits(), Ordering::Relaxed);
                 if gone {
                     metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                    if o.turn.completion_tokens() == 0 {
+                        metrics.cancelled_in_prefill.fetch_add(1, Ordering::Relaxed);
+                    }
                 }
                 Ok(Box::new(o))
             }
@@ -208,7 +232,7 @@ fn worker(mut engine: Engine, jobs: mpsc::Receiver<Job>, metrics: Arc<Metrics>) 
     }
 }
 
-pub fn exec(a: Args) -> anyhow::Result<()> {
+pub fn exec(mut a: Args) -> anyhow::Result<()> {
     if a.queue == 0 {
         anyhow::bail!("--queue must be at least 1");
     }

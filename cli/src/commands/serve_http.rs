@@ -19,7 +19,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use picchio_runtime::chat::engine::{FinishReason, Outcome, Prompt, Request};
-use picchio_runtime::chat::Message;
+use picchio_runtime::chat::{Message, TemplateValue, ToolCall};
 use picchio_runtime::model::sampler::SamplerOptions;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -148,6 +148,9 @@ struct Body {
     return_token_ids: bool,
     /// vLLM's `chat_template_kwargs` (`enable_thinking` is read).
     chat_template_kwargs: Option<Value>,
+    /// Function tools for the chat format, kept with their key order (a template writes them with
+    /// `tojson`, harmony as TypeScript types).
+    tools: Option<Vec<TemplateValue>>,
     n: Option<i64>,
 }
 
@@ -163,6 +166,9 @@ struct WireMessage {
     #[serde(default)]
     content: Value,
     reasoning_content: Option<String>,
+    tool_calls: Option<Vec<ToolCall>>,
+    tool_call_id: Option<String>,
+    name: Option<String>,
 }
 
 /// A message's `content`: a string, null, or a list of parts of which the `text` parts count.
@@ -218,7 +224,14 @@ fn parse(s: &Server, bytes: Result<Bytes, BytesRejection>, chat: bool) -> Result
         let mut out = Vec::with_capacity(msgs.len());
         for (i, m) in msgs.iter().enumerate() {
             let content = content_text(i, &m.content).map_err(bad_request)?;
-            out.push(Message { role: m.role.clone(), content, reasoning_content: m.reasoning_content.clone() });
+            out.push(Message {
+                role: m.role.clone(),
+                content,
+                reasoning_content: m.reasoning_content.clone(),
+                tool_calls: m.tool_calls.clone(),
+                tool_call_id: m.tool_call_id.clone(),
+                name: m.name.clone(),
+            });
         }
         Prompt::Chat(out)
     } else {
@@ -266,7 +279,8 @@ fn parse(s: &Server, bytes: Result<Bytes, BytesRejection>, chat: bool) -> Result
     sampler.check().map_err(bad_request)?;
     let enable_thinking =
         body.chat_template_kwargs.as_ref().and_then(|k| k.get("enable_thinking")).and_then(Value::as_bool);
-    let req = Request { prompt, max_tokens, sampler, stop, ignore_eos: body.ignore_eos, enable_thinking };
+    let tools = body.tools.clone().unwrap_or_default();
+    let req = Request { prompt, max_tokens, sampler, stop, ignore_eos: body.ignore_eos, enable_thinking, tools };
     Ok((req, body))
 }
 

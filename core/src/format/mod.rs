@@ -1,16 +1,18 @@
 //! The `.picchioflat` version 2 image (byte-compatible with Picchio (C) v0.6+; see docs/format.md).
 //!
 //! ```text
-//! offset 0              superblock, one BLOCK_SIZE block ([`Superblock`])
+//! offset 0              superblock, one BLOCK_SIZE block ([`Superblock`]; from byte 96 an optional [`ModelRecord`])
 //! index_offset          n_entries × 24-byte [`ExpertLoc`], addressed by layer * n_experts + expert
 //! data_offset           one payload per expert, (layer, expert) order, each padded to BLOCK_SIZE
 //! ```
 
 mod index;
+mod model_record;
 mod superblock;
 mod writer;
 
 pub use index::{decode_index, encode_index, index_sha256, payload_hash, ExpertLoc, EXPERT_LOC_SIZE};
+pub use model_record::{ModelRecord, MODEL_RECORD_MAGIC, MODEL_RECORD_MAX_DIR_LEN, MODEL_RECORD_VERSION};
 pub use superblock::{Superblock, MAGIC, SUPERBLOCK_ENCODED_LEN, VERSION};
 pub use writer::{check_payload_len, data_offset, plan_image_len, FileSink, FlatWriter, ImageSink, MAX_PAYLOAD_LEN};
 

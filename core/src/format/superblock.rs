@@ -1,5 +1,6 @@
 //! The superblock: the first `BLOCK_SIZE` bytes of an image (Python struct `<8sIIIIIIIIQQQ32s`).
 
+use super::ModelRecord;
 use crate::error::{Error, Result};
 
 /// `"PCHIOFL1"`, the first eight bytes of every image.
@@ -57,6 +58,9 @@ pub struct Superblock {
     pub data_offset: u64,
     /// SHA-256 of the `index_len` index bytes.
     pub index_sha256: [u8; 32],
+    /// The converted model directory the image was written for, in the reserved bytes from 96 on
+    /// ([`ModelRecord`]); `None` for images without one (Picchio (C)'s write zeros there).
+    pub model: Option<ModelRecord>,
 }
 
 fn u32_at(b: &[u8], o: usize) -> u32 {
@@ -67,7 +71,8 @@ fn u64_at(b: &[u8], o: usize) -> u64 {
 }
 
 impl Superblock {
-    /// Encodes into a full block of `block_size` bytes (reserved bytes zero).
+    /// Encodes into a full block of `block_size` bytes: the fields, the model record when there is
+    /// one (it must have passed [`ModelRecord::check`]), zeros elsewhere.
     pub fn encode(&self) -> Vec<u8> {
         let mut b = vec![0u8; self.block_size.max(SUPERBLOCK_ENCODED_LEN as u32) as usize];
         b[off::MAGIC..off::MAGIC + 8].copy_from_slice(&MAGIC);
@@ -91,6 +96,11 @@ impl Superblock {
             b[o..o + 8].copy_from_slice(&v.to_le_bytes());
         }
         b[off::INDEX_SHA256..off::INDEX_SHA256 + 32].copy_from_slice(&self.index_sha256);
+        if let Some(r) = &self.model {
+            if b.len() >= super::BLOCK_SIZE as usize {
+                r.encode_into(&mut b);
+            }
+        }
         b
     }
 
@@ -98,7 +108,8 @@ impl Superblock {
     ///
     /// # Errors
     /// [`Error::BadMagic`], [`Error::BadField`] (version, block size, zero dimensions, misaligned or
-    /// inconsistent offsets) or [`Error::Truncated`] (index or data region past `image_len`).
+    /// inconsistent offsets, a damaged model record) or [`Error::Truncated`] (index or data region
+    /// past `image_len`).
     pub fn decode(bytes: &[u8], source_name: &str, image_len: u64) -> Result<Self> {
         // The magic first: a short foreign buffer is "not an image", not a truncated one.
         if bytes.len() >= 8 && bytes[..8] != MAGIC {
@@ -137,6 +148,7 @@ impl Superblock {
             index_len: u64_at(bytes, off::INDEX_LEN),
             data_offset: u64_at(bytes, off::DATA_OFFSET),
             index_sha256,
+            model: None,
         };
         let bad = |field: &'static str, offset: usize, expected: String, found: u64| Error::BadField {
             source_name: source_name.into(),
@@ -230,7 +242,7 @@ impl Superblock {
                 len: image_len,
             });
         }
-        Ok(sb)
+        Ok(Superblock { model: ModelRecord::decode(bytes, source_name)?, ..sb })
     }
 }
 
@@ -260,7 +272,19 @@ mod tests {
             index_len: 48 * 24,
             data_offset: 8192,
             index_sha256: [7; 32],
+            model: None,
         }
+    }
+
+    #[test]
+    fn a_model_record_goes_into_the_reserved_bytes_only() {
+        let model = Some(ModelRecord { dir: "/m/q4".into(), config_sha256: [1; 32] });
+        let with = Superblock { model: model.clone(), ..sample() };
+        let (a, b) = (sample().encode(), with.encode());
+        assert_eq!(&a[..96], &b[..96], "the fields Picchio (C) reads are unchanged");
+        assert_eq!(&b[96..104], b"PCHMODEL");
+        assert_eq!(Superblock::decode(&b, "t", 1 << 20).unwrap().model, model);
+        assert_eq!(Superblock::decode(&a, "t", 1 << 20).unwrap().model, None);
     }
 
     #[test]

@@ -13,7 +13,8 @@ use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use super::{
-    encode_index, index_sha256, payload_hash, round_up, ExpertLoc, Superblock, BLOCK_SIZE, EXPERT_LOC_SIZE, VERSION,
+    encode_index, index_sha256, payload_hash, round_up, ExpertLoc, ModelRecord, Superblock, BLOCK_SIZE,
+    EXPERT_LOC_SIZE, VERSION,
 };
 use crate::error::{Error, Result};
 use crate::loader::StoreDims;
@@ -276,6 +277,7 @@ pub struct FlatWriter<S: ImageSink = FileSink> {
     data_offset: u64,
     next_offset: u64,
     entries: Vec<ExpertLoc>,
+    model: Option<ModelRecord>,
 }
 
 impl FlatWriter<FileSink> {
@@ -317,7 +319,19 @@ impl<S: ImageSink> FlatWriter<S> {
             data_offset,
             next_offset: data_offset,
             entries: Vec::with_capacity(n_entries as usize),
+            model: None,
         })
+    }
+
+    /// Records `record` (the converted model directory the image is for) in the superblock's
+    /// reserved bytes ([`ModelRecord`]).
+    ///
+    /// # Errors
+    /// [`Error::WriterMisuse`] when the path is not UTF-8 or too long ([`ModelRecord::check`]).
+    pub fn set_model_record(&mut self, record: ModelRecord) -> Result<()> {
+        record.check(self.sink.dest())?;
+        self.model = Some(record);
+        Ok(())
     }
 
     /// The sink the image is written to.
@@ -398,6 +412,7 @@ impl<S: ImageSink> FlatWriter<S> {
             index_len: index.len() as u64,
             data_offset: self.data_offset,
             index_sha256: index_sha256(&index),
+            model: self.model.take(),
         };
         // The index region is padded with zeros up to the data, so it is whole blocks.
         index.resize((self.data_offset - self.index_offset) as usize, 0);

@@ -88,6 +88,9 @@ pub struct SimStats {
     pub aborted: u64,
     /// Controller resets (CC.EN 1 → 0).
     pub resets: u64,
+    /// Normal or abrupt shutdowns (CC.SHN 00b → non-zero while enabled), each completed at once
+    /// (CSTS.SHST = 10b).
+    pub shutdowns: u64,
     /// DMA accesses refused (outside registered memory).
     pub dma_faults: u64,
     /// Faults fired.
@@ -346,6 +349,18 @@ fn run(shared: &Shared) {
             }
         }
     }
+    // The driver's last register window is gone: say what the controller saw at the end, so a
+    // test of a front end can check that its exit shut the controller down (CC.SHN) first.
+    let m = shared.model();
+    tracing::info!(
+        "nvme-sim controller model stopped: {} shutdown(s) (CC.SHN set, CSTS.SHST complete), {} reset(s), \
+         enabled at the end: {}, {} admin and {} I/O commands",
+        m.stats.shutdowns,
+        m.stats.resets,
+        m.cc.en(),
+        m.stats.admin_cmds,
+        m.stats.io_cmds
+    );
 }
 
 fn le_command(b: &[u8; 64]) -> Command {
@@ -532,6 +547,7 @@ impl Model {
         }
         if new.en() && new.shn() != 0 && old.shn() == 0 {
             self.csts = Csts((self.csts.0 & !0xC) | ((Shst::Complete as u32) << 2));
+            self.stats.shutdowns += 1;
         }
     }
 }

@@ -40,6 +40,8 @@ pub struct Request {
     pub ignore_eos: bool,
     /// Qwen3's `enable_thinking` for the template.
     pub enable_thinking: Option<bool>,
+    /// Function tools for the chat format ([`RenderOptions::tools`]).
+    pub tools: Vec<minijinja::Value>,
 }
 
 impl Request {
@@ -52,6 +54,7 @@ impl Request {
             stop: Vec::new(),
             ignore_eos: false,
             enable_thinking: None,
+            tools: Vec::new(),
         }
     }
 }
@@ -146,7 +149,12 @@ impl Engine {
     ///
     /// # Errors
     /// [`Error::Invalid`] without a chat format or tokenizer; rendering errors.
-    pub fn prompt_ids(&self, prompt: &Prompt, enable_thinking: Option<bool>) -> Result<Vec<u32>> {
+    pub fn prompt_ids(
+        &self,
+        prompt: &Prompt,
+        enable_thinking: Option<bool>,
+        tools: &[minijinja::Value],
+    ) -> Result<Vec<u32>> {
         match prompt {
             Prompt::Ids(ids) => Ok(ids.clone()),
             Prompt::Text(t) => self.session.encode(t),
@@ -157,7 +165,7 @@ impl Engine {
                         self.session.model.dir().display()
                     )));
                 };
-                let text = f.render(messages, RenderOptions { add_generation_prompt: true, enable_thinking })?;
+                let text = f.render(messages, RenderOptions { add_generation_prompt: true, enable_thinking, tools })?;
                 self.session.encode(&text)
             }
         }
@@ -165,16 +173,24 @@ impl Engine {
 
     /// Runs `req`. `on_delta` sees the new reasoning/answer text as soon as it is final (no stop
     /// string can begin in it); [`ControlFlow::Break`] stops the generation (finish `cancelled`).
+    /// `stop` is asked before every prefill chunk and every token: true ends the request there
+    /// (finish `cancelled`; during the prefill, with no answer), so a client that went away or a
+    /// Ctrl-C is noticed while a long prompt is still being prefilled.
     ///
     /// # Errors
     /// Bad requests ([`is_bad_request`]: rendering, an empty prompt, a prompt plus `max_tokens`
     /// longer than the context, `max_tokens` 0) before anything runs; generation errors.
-    pub fn run(&mut self, req: &Request, on_delta: &mut dyn FnMut(&Delta) -> ControlFlow<()>) -> Result<Outcome> {
+    pub fn run(
+        &mut self,
+        req: &Request,
+        on_delta: &mut dyn FnMut(&Delta) -> ControlFlow<()>,
+        stop: &dyn Fn() -> bool,
+    ) -> Result<Outcome> {
         if let Some(m) = req.stop.iter().find(|s| s.is_empty()) {
             return Err(Error::Invalid(format!("stop strings must not be empty (got {m:?})")));
         }
         req.sampler.check().map_err(Error::Invalid)?;
-        let prompt_ids = self.prompt_ids(&req.prompt, req.enable_thinking)?;
+        let prompt_ids = self.prompt_ids(&req.prompt, req.enable_thinking, &req.tools)?;
         if prompt_ids.is_empty() {
             return Err(Error::EmptyPrompt);
         }
@@ -198,22 +214,27 @@ impl Engine {
         let mut stopped_by_string = false;
         let session = &mut self.session;
         let tok = session.tokenizer.take();
-        let result = session.complete(&prompt_ids, &opts, &mut |id| {
-            tokens.push(id);
-            let Some(t) = &tok else { return ControlFlow::Continue(()) };
-            // Harmony needs its channel markers; Qwen3's <think> tags are not special tokens.
-            let decoded = if kind == Some(Reasoning::Harmony) { t.decode(&tokens) } else { t.decode_text(&tokens) };
-            let Ok(decoded) = decoded else { return ControlFlow::Continue(()) };
-            let (delta, hit) = text.push(&decoded, false);
-            if !delta.reasoning.is_empty() || !delta.content.is_empty() {
-                on_delta(&delta)?;
-            }
-            if hit {
-                stopped_by_string = true;
-                return ControlFlow::Break(());
-            }
-            ControlFlow::Continue(())
-        });
+        let result = session.complete_until(
+            &prompt_ids,
+            &opts,
+            &mut |id| {
+                tokens.push(id);
+                let Some(t) = &tok else { return ControlFlow::Continue(()) };
+                // Harmony needs its channel markers; Qwen3's <think> tags are not special tokens.
+                let decoded = if kind == Some(Reasoning::Harmony) { t.decode(&tokens) } else { t.decode_text(&tokens) };
+                let Ok(decoded) = decoded else { return ControlFlow::Continue(()) };
+                let (delta, hit) = text.push(&decoded, false);
+                if !delta.reasoning.is_empty() || !delta.content.is_empty() {
+                    on_delta(&delta)?;
+                }
+                if hit {
+                    stopped_by_string = true;
+                    return ControlFlow::Break(());
+                }
+                ControlFlow::Continue(())
+            },
+            &mut || stop(),
+        );
         session.tokenizer = tok;
         let turn = result?;
         // What was held back (a possible stop-string start, a partial character) is final now.

@@ -1,14 +1,29 @@
 //! GPT-OSS's harmony chat format (OpenAI's "harmony response format", as the `openai-harmony`
-//! renderer writes it for a conversation without tools): a system message naming the model, the
-//! reasoning effort and the valid channels; the request's system/developer text as the developer
-//! message's `# Instructions`; `<|start|>{role}<|message|>{text}<|end|>` per message; an assistant
-//! turn as `<|start|>assistant<|channel|>final<|message|>{text}<|end|>` (its analysis dropped, as
-//! harmony drops the analysis of every turn that reached its final answer; an assistant message
-//! with reasoning and no answer yet is rendered as its analysis message); and `<|start|>assistant`
-//! to open the reply. Tested against openai-harmony's own rendering
-//! (tests/fixtures/chat/render_harmony.py). The model ends its turn
-//! with `<|return|>` (answer done) or `<|call|>` (tool call); `<|end|>` only ends one message (the
-//! analysis) and the turn goes on.
+//! renderer writes it). An OpenAI-shaped conversation is mapped to harmony messages — as vLLM and
+//! the gpt-oss chat template do — and rendered as `<|start|>{author}[ to={recipient}]
+//! [<|channel|>{channel}][ {content type}]<|message|>{text}<|end|>` (`<|call|>` ending an assistant
+//! message to a tool):
+//! - a system message naming the model, the reasoning effort and the valid channels (and, with
+//!   function tools, that calls to them go to the commentary channel);
+//! - a `system`/`developer` message as a developer message with its text under `# Instructions`;
+//!   the request's function tools as that message's `# Tools` section (of the first message when it
+//!   is system/developer, else of a developer message of their own before it), each tool's JSON-schema
+//!   parameters written as a TypeScript type ([`tools_section`]);
+//! - `user` as a user message;
+//! - `assistant` as its reasoning on the `analysis` channel, its text on `final` (or, beside tool
+//!   calls, as a `commentary` preamble), and each tool call as a `commentary` message to
+//!   `functions.NAME` of content type `<|constrain|>json` holding the arguments;
+//! - `tool` as a message from `functions.NAME` (its `name`, or the name of the call its
+//!   `tool_call_id` answers) to the assistant on the `commentary` channel;
+//! - harmony's analysis rule: when the last assistant message is a `final` one, the analysis
+//!   messages before the first `final` message are dropped;
+//! - `<|start|>assistant` to open the reply.
+//!
+//! Tested against openai-harmony's own rendering (tests/fixtures/chat/render_harmony.py). The
+//! model ends its turn with `<|return|>` (answer done) or `<|call|>` (tool call); `<|end|>` only
+//! ends one message (the analysis) and the turn goes on.
+
+use minijinja::value::{Value, ValueKind};
 
 use super::template::{check_messages, Message};
 use crate::error::{Error, Result};
@@ -33,55 +48,300 @@ impl Default for Harmony {
     }
 }
 
+/// One harmony message.
+struct HMsg {
+    /// `system`, `developer`, `user`, `assistant`, or a tool's name (`functions.get_weather`).
+    author: String,
+    /// An assistant message is from the assistant (ends with `<|call|>` when it has a recipient).
+    assistant: bool,
+    recipient: Option<String>,
+    channel: Option<&'static str>,
+    content_type: Option<&'static str>,
+    text: String,
+}
+
+impl HMsg {
+    fn new(author: &str, text: String) -> HMsg {
+        HMsg {
+            author: author.into(),
+            assistant: author == "assistant",
+            recipient: None,
+            channel: None,
+            content_type: None,
+            text,
+        }
+    }
+    fn on(mut self, channel: &'static str) -> HMsg {
+        self.channel = Some(channel);
+        self
+    }
+}
+
 impl Harmony {
-    /// Renders `messages`; `add_generation_prompt` appends `<|start|>assistant`.
+    /// Renders `messages` with the function `tools` (OpenAI's `{"type": "function", "function":
+    /// {"name", "description", "parameters"}}`; empty for none); `add_generation_prompt` appends
+    /// `<|start|>assistant`.
     ///
     /// # Errors
-    /// [`Error::Invalid`] for an empty list, an unknown role, or a `tool` message (tool calls are
-    /// not supported in harmony rendering here).
-    pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+    /// [`Error::Invalid`] for an empty list, an unknown role, a tool that is not a function tool or
+    /// whose parameters use `oneOf` (not rendered here), or a `tool` message whose function is
+    /// unknown (no `name`, and no earlier tool call with its `tool_call_id`).
+    pub fn render(&self, messages: &[Message], tools: &[Value], add_generation_prompt: bool) -> Result<String> {
         check_messages(messages)?;
-        let mut out = format!(
-            "<|start|>system<|message|>{SYSTEM}\n\nReasoning: {}\n\n# Valid channels: analysis, commentary, final. \
-             Channel must be included for every message.<|end|>",
-            self.reasoning_effort
-        );
+        let functions = tools_section(tools)?;
+        let mut channels =
+            "# Valid channels: analysis, commentary, final. Channel must be included for every message.".to_string();
+        if functions.is_some() {
+            channels.push_str("\nCalls to these tools must go to the commentary channel: 'functions'.");
+        }
+        let system = format!("{SYSTEM}\n\nReasoning: {}\n\n{channels}", self.reasoning_effort);
+        let mut conv = vec![HMsg::new("system", system)];
+        let first_is_developer = matches!(messages[0].role.as_str(), "system" | "developer");
+        if let (Some(f), false) = (&functions, first_is_developer) {
+            conv.push(HMsg::new("developer", f.clone()));
+        }
+        // Tool call ids seen so far → function names, for the `tool` messages answering them.
+        let mut calls: Vec<(String, String)> = Vec::new();
         for (i, m) in messages.iter().enumerate() {
             match m.role.as_str() {
                 "system" | "developer" => {
-                    out.push_str("<|start|>developer<|message|># Instructions\n\n");
-                    out.push_str(&m.content);
-                    out.push_str("<|end|>");
-                }
-                "user" => {
-                    out.push_str("<|start|>user<|message|>");
-                    out.push_str(&m.content);
-                    out.push_str("<|end|>");
-                }
-                "assistant" => match m.reasoning_content.as_deref().filter(|r| m.content.is_empty() && !r.is_empty()) {
-                    Some(r) => {
-                        out.push_str("<|start|>assistant<|channel|>analysis<|message|>");
-                        out.push_str(r);
-                        out.push_str("<|end|>");
+                    let mut text = format!("# Instructions\n\n{}", m.content);
+                    if let (Some(f), 0) = (&functions, i) {
+                        text = format!("{text}\n\n{f}");
                     }
-                    None => {
-                        out.push_str("<|start|>assistant<|channel|>final<|message|>");
-                        out.push_str(&m.content);
-                        out.push_str("<|end|>");
+                    conv.push(HMsg::new("developer", text));
+                }
+                "user" => conv.push(HMsg::new("user", m.content.clone())),
+                "tool" => {
+                    let name = match (&m.name, &m.tool_call_id) {
+                        (Some(n), _) => n.clone(),
+                        (None, Some(id)) => calls.iter().find(|(c, _)| c == id).map(|(_, n)| n.clone()).ok_or_else(|| {
+                            Error::Invalid(format!("message {i} (tool) answers the call `{id}`, which no earlier assistant message made"))
+                        })?,
+                        (None, None) => {
+                            return Err(Error::Invalid(format!(
+                                "message {i} (tool) names no function: give its `name` or the `tool_call_id` it answers"
+                            )))
+                        }
+                    };
+                    let mut h = HMsg::new(&format!("functions.{name}"), m.content.clone()).on("commentary");
+                    h.recipient = Some("assistant".into());
+                    conv.push(h);
+                }
+                _ => {
+                    let tool_calls = m.tool_calls.as_deref().unwrap_or(&[]);
+                    let reasoning = m.reasoning_content.as_deref().unwrap_or("");
+                    if !reasoning.is_empty() {
+                        conv.push(HMsg::new("assistant", reasoning.into()).on("analysis"));
                     }
-                },
-                other => {
-                    return Err(Error::Invalid(format!(
-                        "message {i} has role `{other}`: tool messages are not supported with the harmony format"
-                    )))
+                    if !tool_calls.is_empty() {
+                        if !m.content.is_empty() {
+                            conv.push(HMsg::new("assistant", m.content.clone()).on("commentary"));
+                        }
+                    } else if !m.content.is_empty() || reasoning.is_empty() {
+                        conv.push(HMsg::new("assistant", m.content.clone()).on("final"));
+                    }
+                    for c in tool_calls {
+                        if let Some(id) = &c.id {
+                            calls.push((id.clone(), c.function.name.clone()));
+                        }
+                        let args = match c.function.arguments.as_str() {
+                            Some(s) => s.to_string(),
+                            None => serde_json::to_string(&c.function.arguments)
+                                .map_err(|e| Error::Invalid(format!("message {i}: tool call arguments: {e}")))?,
+                        };
+                        let mut h = HMsg::new("assistant", args).on("commentary");
+                        h.recipient = Some(format!("functions.{}", c.function.name));
+                        h.content_type = Some("<|constrain|>json");
+                        conv.push(h);
+                    }
                 }
             }
+        }
+        // Harmony drops the analysis before the first final answer once the conversation ends
+        // with a final answer (openai-harmony's `auto_drop_analysis`).
+        let last_is_final = conv.iter().rev().find(|m| m.assistant).is_some_and(|m| m.channel == Some("final"));
+        let first_final = conv.iter().position(|m| m.channel == Some("final"));
+        let mut out = String::new();
+        for (idx, m) in conv.iter().enumerate() {
+            if last_is_final && first_final.is_some_and(|f| idx < f) && m.channel == Some("analysis") {
+                continue;
+            }
+            out.push_str("<|start|>");
+            out.push_str(&m.author);
+            if let Some(r) = &m.recipient {
+                out.push_str(" to=");
+                out.push_str(r);
+            }
+            if let Some(c) = m.channel {
+                out.push_str("<|channel|>");
+                out.push_str(c);
+            }
+            if let Some(t) = m.content_type {
+                out.push(' ');
+                out.push_str(t);
+            }
+            out.push_str("<|message|>");
+            out.push_str(&m.text);
+            out.push_str(if m.assistant && m.recipient.is_some() { "<|call|>" } else { "<|end|>" });
         }
         if add_generation_prompt {
             out.push_str("<|start|>assistant");
         }
         Ok(out)
     }
+}
+
+/// The developer message's `# Tools` section for OpenAI function `tools` (`None` when there are
+/// none): the `functions` namespace with one TypeScript-like type per tool, its description lines as
+/// `//` comments and its JSON-schema parameters as the argument's type ([`schema_type`]).
+///
+/// # Errors
+/// [`Error::Invalid`] for a tool that is not `{"type": "function", "function": {"name", ...}}`, or
+/// parameters that cannot be rendered.
+pub fn tools_section(tools: &[Value]) -> Result<Option<String>> {
+    if tools.is_empty() {
+        return Ok(None);
+    }
+    let mut parts = vec!["## functions\n".to_string(), "namespace functions {\n".to_string()];
+    for (i, t) in tools.iter().enumerate() {
+        let bad = |why: &str| Error::Invalid(format!("tools[{i}]: {why}"));
+        if get(t, "type").as_ref().and_then(Value::as_str).is_some_and(|k| k != "function") {
+            return Err(bad("only function tools ({\"type\": \"function\", ...}) are supported"));
+        }
+        let f = get(t, "function").ok_or_else(|| bad("no `function`"))?;
+        let name = get(&f, "name")
+            .as_ref()
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+            .ok_or_else(|| bad("no `function.name`"))?;
+        if let Some(d) = get(&f, "description") {
+            for line in d.as_str().unwrap_or("").lines() {
+                parts.push(format!("// {line}"));
+            }
+        }
+        match get(&f, "parameters") {
+            Some(p) => {
+                let ty = schema_type(&p, "").map_err(|why| bad(&format!("function `{name}`: {why}")))?;
+                parts.push(format!("type {name} = (_: {ty}) => any;\n"));
+            }
+            None => parts.push(format!("type {name} = () => any;\n")),
+        }
+    }
+    parts.push("} // namespace functions".into());
+    Ok(Some(format!("# Tools\n\n{}", parts.join("\n"))))
+}
+
+/// `v[key]` when `v` is a map that has it (and it is not null).
+fn get(v: &Value, key: &str) -> Option<Value> {
+    if v.kind() != ValueKind::Map {
+        return None;
+    }
+    v.get_item(&Value::from(key)).ok().filter(|x| !x.is_undefined() && !x.is_none())
+}
+
+fn get_str(v: &Value, key: &str) -> Option<String> {
+    get(v, key).and_then(|x| x.as_str().map(str::to_owned))
+}
+
+/// A JSON-schema value as harmony writes it in a comment: a string of a non-enum schema quoted,
+/// of an enum bare, anything else as compact JSON.
+fn default_comment(schema: &Value, d: &Value) -> String {
+    match d.as_str() {
+        Some(s) if get(schema, "enum").is_some_and(|e| e.len().unwrap_or(0) > 0) => format!("default: {s}"),
+        Some(s) => format!("default: \"{s}\""),
+        None => format!("default: {}", serde_json::to_string(d).unwrap_or_else(|_| "null".into())),
+    }
+}
+
+/// The TypeScript-like type of a JSON schema, as openai-harmony renders tool parameters: an object
+/// as `{` one `name[?]: type,` line per property (`?` when not required; its title, description
+/// and examples as `//` comments above, its default after; nested objects indented by four
+/// spaces) `}`, with its own description as a comment before the brace; a string enum as the union of
+/// its quoted values; `integer` and `number` as `number`; an array as `T[]` (`Array<any>` without
+/// `items`); a list of types as their union; `nullable` adds `| null`; anything else `any`.
+///
+/// # Errors
+/// A `oneOf` (harmony's rendering of alternatives is not reproduced here).
+pub fn schema_type(schema: &Value, indent: &str) -> std::result::Result<String, String> {
+    if get(schema, "oneOf").is_some() {
+        return Err("`oneOf` in a parameter schema is not supported by picchio's harmony rendering".into());
+    }
+    let Some(ty) = get(schema, "type") else { return Ok("any".into()) };
+    if ty.kind() == ValueKind::Seq {
+        let names: Vec<String> = ty
+            .try_iter()
+            .map_err(|e| e.to_string())?
+            .filter_map(|t| t.as_str().map(|s| if s == "integer" { "number".to_string() } else { s.to_string() }))
+            .collect();
+        if !names.is_empty() {
+            return Ok(names.join(" | "));
+        }
+        return Ok("any".into());
+    }
+    Ok(match ty.as_str().unwrap_or("") {
+        "object" => {
+            let mut out = String::new();
+            if let Some(d) = get_str(schema, "description") {
+                out.push_str(&format!("{indent}// {d}\n"));
+            }
+            out.push_str("{\n");
+            let required: Vec<String> = get(schema, "required")
+                .and_then(|r| r.try_iter().ok().map(|it| it.filter_map(|x| x.as_str().map(str::to_owned)).collect()))
+                .unwrap_or_default();
+            if let Some(props) = get(schema, "properties").filter(|p| p.kind() == ValueKind::Map) {
+                for key in props.try_iter().map_err(|e| e.to_string())? {
+                    let name = key.as_str().map_or_else(|| key.to_string(), str::to_owned);
+                    let p = props.get_item(&key).map_err(|e| e.to_string())?;
+                    if let Some(t) = get_str(&p, "title") {
+                        out.push_str(&format!("{indent}// {t}\n{indent}//\n"));
+                    }
+                    if let Some(d) = get_str(&p, "description") {
+                        out.push_str(&format!("{indent}// {d}\n"));
+                    }
+                    if let Some(ex) = get(&p, "examples").filter(|e| e.len().unwrap_or(0) > 0) {
+                        out.push_str(&format!("{indent}// Examples:\n"));
+                        for x in ex.try_iter().map_err(|e| e.to_string())? {
+                            if let Some(s) = x.as_str() {
+                                out.push_str(&format!("{indent}// - \"{s}\"\n"));
+                            }
+                        }
+                    }
+                    let optional = if required.contains(&name) { "" } else { "?" };
+                    let mut t = schema_type(&p, &format!("{indent}    "))?;
+                    if get(&p, "nullable").is_some_and(|n| n.is_true()) && !t.contains("null") {
+                        t.push_str(" | null");
+                    }
+                    out.push_str(&format!("{indent}{name}{optional}: {t},"));
+                    if let Some(d) = get(&p, "default") {
+                        out.push_str(&format!(" // {}", default_comment(&p, &d)));
+                    }
+                    out.push('\n');
+                }
+            }
+            out.push_str(&format!("{indent}}}"));
+            out
+        }
+        "string" => {
+            let values: Vec<String> = get(schema, "enum")
+                .and_then(|e| {
+                    e.try_iter().ok().map(|it| it.filter_map(|x| x.as_str().map(|s| format!("\"{s}\""))).collect())
+                })
+                .unwrap_or_default();
+            if values.is_empty() {
+                "string".into()
+            } else {
+                values.join(" | ")
+            }
+        }
+        "number" | "integer" => "number".into(),
+        "boolean" => "boolean".into(),
+        "array" => match get(schema, "items") {
+            Some(items) => format!("{}[]", schema_type(&items, indent)?),
+            None => "Array<any>".into(),
+        },
+        _ => "any".into(),
+    })
 }
 
 /// Splits the text of an assistant turn the model generated after `<|start|>assistant` (decoded with
@@ -118,8 +378,23 @@ mod tests {
     }
 
     #[test]
-    fn refuses_tool_messages() {
-        let e = Harmony::default().render(&[Message::new("tool", "{}")], true).unwrap_err();
-        assert!(e.to_string().contains("harmony"), "{e}");
+    fn a_tool_message_must_name_its_function() {
+        let e = Harmony::default().render(&[Message::new("tool", "{}")], &[], true).unwrap_err();
+        assert!(e.to_string().contains("names no function"), "{e}");
+        let mut m = Message::new("tool", "{}");
+        m.tool_call_id = Some("call_9".into());
+        let e = Harmony::default().render(&[m], &[], true).unwrap_err();
+        assert!(e.to_string().contains("`call_9`"), "{e}");
+    }
+
+    #[test]
+    fn unsupported_tools_are_refused_by_name() {
+        let t: Value =
+            serde_json::from_str(r#"{"type": "function", "function": {"name": "f", "parameters": {"oneOf": []}}}"#)
+                .unwrap();
+        let e = tools_section(&[t]).unwrap_err().to_string();
+        assert!(e.contains("tools[0]") && e.contains("`f`") && e.contains("oneOf"), "{e}");
+        let t: Value = serde_json::from_str(r#"{"type": "web_search"}"#).unwrap();
+        assert!(tools_section(&[t]).unwrap_err().to_string().contains("only function tools"));
     }
 }

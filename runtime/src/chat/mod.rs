@@ -14,7 +14,11 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 use crate::model::config::{Arch, Config};
-pub use template::{Message, RenderOptions};
+pub use template::{FunctionCall, Message, RenderOptions, ToolCall};
+
+/// A JSON value as templates see it, maps in their own key order (what [`RenderOptions::tools`] and
+/// [`FunctionCall::arguments`] hold; deserialize it straight from the JSON text to keep the order).
+pub use minijinja::Value as TemplateValue;
 
 /// How a model's conversations are rendered.
 pub enum ChatFormat {
@@ -61,10 +65,10 @@ impl ChatFormat {
     ///
     /// # Errors
     /// As [`template::JinjaTemplate::render`] / [`harmony::Harmony::render`].
-    pub fn render(&self, messages: &[Message], opts: RenderOptions) -> Result<String> {
+    pub fn render(&self, messages: &[Message], opts: RenderOptions<'_>) -> Result<String> {
         match self {
             ChatFormat::Jinja(t) => t.render(messages, opts),
-            ChatFormat::Harmony(h) => h.render(messages, opts.add_generation_prompt),
+            ChatFormat::Harmony(h) => h.render(messages, opts.tools, opts.add_generation_prompt),
         }
     }
 

@@ -18,19 +18,68 @@ use crate::error::{Error, Result};
 pub struct Message {
     /// `system`, `developer`, `user`, `assistant` or `tool` (see [`ROLES`]).
     pub role: String,
-    /// The text.
+    /// The text (`null` reads as empty, as an assistant message that only calls tools has it).
+    #[serde(default, deserialize_with = "null_as_empty")]
     pub content: String,
     /// The assistant's reasoning kept apart from `content` (Qwen3's `<think>` text, GPT-OSS's
     /// analysis channel), when known. Absent (undefined to the template) when `None`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reasoning_content: Option<String>,
+    /// The assistant's tool calls (OpenAI's `tool_calls`). Absent when `None`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
+    /// A `tool` message: the id of the call it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A `tool` message: the function's name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl Message {
-    /// A message of `role` with `content` and no reasoning.
+    /// A message of `role` with `content` and nothing else.
     pub fn new(role: &str, content: &str) -> Message {
-        Message { role: role.into(), content: content.into(), reasoning_content: None }
+        Message {
+            role: role.into(),
+            content: content.into(),
+            reasoning_content: None,
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
+        }
     }
+}
+
+/// One tool call of an assistant message, in OpenAI's shape:
+/// `{"id": ..., "type": "function", "function": {"name": ..., "arguments": ...}}`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ToolCall {
+    /// The call's id, which the `tool` message answering it names.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// `function`.
+    #[serde(rename = "type", default = "function_kind")]
+    pub kind: String,
+    /// The function and its arguments.
+    pub function: FunctionCall,
+}
+
+/// The function a [`ToolCall`] calls.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FunctionCall {
+    /// The function's name.
+    pub name: String,
+    /// The arguments: a JSON string (OpenAI's shape) or a JSON value, kept with its key order (a
+    /// template writes a mapping with `tojson`).
+    pub arguments: minijinja::Value,
+}
+
+fn function_kind() -> String {
+    "function".into()
+}
+
+fn null_as_empty<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<String, D::Error> {
+    Ok(Option::<String>::deserialize(d)?.unwrap_or_default())
 }
 
 /// The roles a message may have.
@@ -38,12 +87,16 @@ pub const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"]
 
 /// Rendering settings.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct RenderOptions {
+pub struct RenderOptions<'a> {
     /// Append the header of the assistant's next turn (transformers' `add_generation_prompt`).
     pub add_generation_prompt: bool,
     /// Qwen3's `enable_thinking` switch (passed to the template when `Some`; `Some(false)` makes it
     /// append an empty think block). Harmony ignores it.
     pub enable_thinking: Option<bool>,
+    /// Function tools in OpenAI's shape (`{"type": "function", "function": {"name", "description",
+    /// "parameters"}}`), given to a template as `tools` (transformers' `apply_chat_template(tools=)`)
+    /// when not empty, and rendered into harmony's developer message. Values keep their key order.
+    pub tools: &'a [minijinja::Value],
 }
 
 /// A Jinja chat template, compiled.
@@ -92,7 +145,7 @@ impl JinjaTemplate {
     /// # Errors
     /// [`Error::Invalid`] for a bad message list; [`Error::Template`] naming the template line where
     /// rendering failed (including the template's own `raise_exception`).
-    pub fn render(&self, messages: &[Message], opts: RenderOptions) -> Result<String> {
+    pub fn render(&self, messages: &[Message], opts: RenderOptions<'_>) -> Result<String> {
         check_messages(messages)?;
         let tmpl = self.env.get_template(NAME).map_err(|e| template_error(&self.path, &e))?;
         // minijinja values, not serde_json's (whose maps sort their keys): fields keep their order.
@@ -101,6 +154,9 @@ impl JinjaTemplate {
         ctx.insert("add_generation_prompt".into(), opts.add_generation_prompt.into());
         if let Some(t) = opts.enable_thinking {
             ctx.insert("enable_thinking".into(), t.into());
+        }
+        if !opts.tools.is_empty() {
+            ctx.insert("tools".into(), minijinja::Value::from(opts.tools.to_vec()));
         }
         for (k, v) in &self.specials {
             ctx.insert(k.clone(), v.as_str().into());

@@ -4,7 +4,7 @@
 //! re-rendered each turn, or an agent resending its long system prompt, recomputes only what is new.
 
 use std::ops::ControlFlow;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::model::sampler::{Sampler, SamplerOptions};
@@ -80,6 +80,24 @@ impl Session {
         opts: &TurnOptions,
         on_token: &mut dyn FnMut(u32) -> ControlFlow<()>,
     ) -> Result<Turn> {
+        self.complete_until(prompt, opts, on_token, &mut || false)
+    }
+
+    /// [`Session::complete`] that also asks `stop` before every prefill chunk and every decode
+    /// step, so a caller can end the turn while the prompt is still being prefilled (a server's
+    /// client that went away, Ctrl-C in a chat), not only at its first token. Stopped during the
+    /// prefill, the turn is [`Finish::Cancelled`] with no tokens, and [`Session::kv_ids`] keeps
+    /// the prompt's chunks that ran (a retry of the same prompt reuses them).
+    ///
+    /// # Errors
+    /// As [`Session::complete`].
+    pub fn complete_until(
+        &mut self,
+        prompt: &[u32],
+        opts: &TurnOptions,
+        on_token: &mut dyn FnMut(u32) -> ControlFlow<()>,
+        stop: &mut dyn FnMut() -> bool,
+    ) -> Result<Turn> {
         let vocab = self.model.config().vocab_size;
         if prompt.is_empty() {
             return Err(Error::EmptyPrompt);
@@ -94,9 +112,23 @@ impl Session {
         let start = (self.cache.hits(), self.cache.misses(), self.io_stats.snapshot());
         let t0 = Instant::now();
         let cached = common_prefix(&self.kv, prompt).min(prompt.len() - 1);
-        self.prefill(&prompt[cached..], cached)?;
+        let done = self.prefill_until(&prompt[cached..], cached, stop)?;
         let prefill = t0.elapsed();
         let io_prefill = self.io_stats.snapshot();
+        if cached + done < prompt.len() {
+            tracing::debug!("stopped during the prefill, after {done} of {} new prompt tokens", prompt.len() - cached);
+            let mut stats = self.stats_since(start, io_prefill, prompt.len(), 0, prefill, Duration::ZERO, 0);
+            stats.prompt_tokens = prompt.len();
+            let finish = Finish::Cancelled;
+            return Ok(Turn {
+                tokens: Vec::new(),
+                stop_id: None,
+                finish,
+                cached_tokens: cached,
+                first_token_ms: 0.0,
+                stats,
+            });
+        }
 
         let mut sampler = Sampler::new(opts.sampler);
         let mut sequence = prompt.to_vec();
@@ -122,6 +154,10 @@ impl Session {
                 break;
             }
             if tokens.len() == opts.max_new {
+                break;
+            }
+            if stop() {
+                finish = Finish::Cancelled;
                 break;
             }
             let pos = self.kv.len();

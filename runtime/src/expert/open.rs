@@ -11,9 +11,11 @@
 //! | `nvme-sim:PATH` | our driver against picchio-nvme's software controller model serving the file as namespace 1 |
 //! | `nvme-tcp://HOST:PORT/NQN[/NSID]` | our NVMe/TCP initiator: `io.threads` I/O queues (TCP connections) of `io.qd` commands each |
 //!
-//! Which URIs a command accepts is decided before opening: [`bench_store`] (what bench reads),
-//! [`write_target`] (what pack and synth write), [`check_run_store`] (what a run reads); each
-//! refuses the others with [`Error::StoreNotAccepted`], naming the URI and the accepted forms.
+//! Which URIs a command accepts is decided before opening: [`bench_store`] (what bench reads) and
+//! [`write_target`] (what pack and synth write) refuse the others with [`Error::StoreNotAccepted`],
+//! naming the URI and the accepted forms. A run (`run`, `chat`, `serve`) reads every image form,
+//! `nvme-sim:` included: the nvme: code path (queues, PRP lists, the controller shutdown at exit)
+//! against the controller model, without a device.
 
 use std::path::Path;
 
@@ -302,27 +304,6 @@ pub fn write_target(s: &str) -> Result<StoreUri> {
     }
 }
 
-/// Checks that a run may read `uri`: everything but `nvme-sim:` (the controller model is a bench
-/// instrument; a run reads the image file itself with `file:`).
-///
-/// # Errors
-/// [`Error::StoreNotAccepted`] for `nvme-sim:`, naming the forms a run reads.
-pub fn check_run_store(uri: &StoreUri) -> Result<()> {
-    match uri {
-        StoreUri::NvmeSim(path) => Err(Error::StoreNotAccepted {
-            option: "--store",
-            uri: uri.to_string(),
-            reason: format!(
-                "nvme-sim: is a read target of `picchio bench` (the software NVMe controller), not of a run: use \
-                 file:{} (a run reads auto, safetensors, file:PATH, raw:/dev/X[@BYTES], nvme:BDF[/NSID] or \
-                 nvme-tcp://HOST:PORT/NQN[/NSID])",
-                path.display()
-            ),
-        }),
-        _ => Ok(()),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -344,9 +325,6 @@ mod tests {
         for s in ["nvme-sim:x.pf", "auto", "s3:x"] {
             assert!(matches!(write_target(s), Err(Error::StoreNotAccepted { option: "--out", .. })), "{s}");
         }
-        let e = check_run_store(&StoreUri::NvmeSim("x.pf".into())).unwrap_err().to_string();
-        assert!(e.contains("nvme-sim:x.pf") && e.contains("file:x.pf"), "{e}");
-        assert!(check_run_store(&StoreUri::Auto).is_ok());
     }
 
     #[test]

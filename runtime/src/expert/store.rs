@@ -14,7 +14,7 @@ use picchio_core::{
 
 use crate::error::{Error, Result};
 use crate::expert::layout::{ExpertLayout, SafetensorsExperts};
-use crate::expert::open::{check_run_store, open_engine, Opened};
+use crate::expert::open::{open_engine, Opened};
 use crate::model::config::Config;
 use crate::model::safetensors::TensorStore;
 
@@ -296,7 +296,7 @@ pub fn open_flat_file(
 /// `file:` store that fails to open is an error.
 ///
 /// # Errors
-/// As [`open_flat`]; [`Error::StoreNotAccepted`] for `nvme-sim:` ([`check_run_store`]).
+/// As [`open_flat`].
 pub fn open_store(
     uri: &StoreUri,
     model_dir: &Path,
@@ -311,7 +311,6 @@ pub fn open_store(
         let info = StoreInfo { store: "safetensors".into(), engine: "safetensors (mmap copy)".into() };
         Ok((Box::new(fallback) as Box<dyn ExpertLoader>, info, stats))
     };
-    check_run_store(uri)?;
     match uri {
         StoreUri::Safetensors => safetensors_only(fallback, stats),
         StoreUri::Auto => {

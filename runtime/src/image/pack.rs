@@ -27,6 +27,7 @@ use picchio_core::{FlatWriter, StoreUri, Superblock};
 use crate::error::{Error, Result};
 use crate::expert::layout::ExpertLayout;
 use crate::expert::store::{store_dims, DEFAULT_IMAGE};
+use crate::image::record::{record_for, RecordModel};
 use crate::image::write::{write_image, PayloadSource, Plan, ReportHead, WriteOptions, WriteReport, WriteTo};
 use crate::model::config::Config;
 use crate::model::safetensors::TensorStore;
@@ -48,11 +49,15 @@ pub struct PackOptions {
     pub layers: Option<usize>,
     /// Show a progress bar on stderr (default; it is hidden anyway when stderr is not a terminal).
     pub progress: bool,
+    /// The model directory recorded in the superblock's reserved bytes, so that a front end given
+    /// only the store finds the model ([`crate::image::record`]; docs/format.md, "Model record").
+    /// Default: the packed directory.
+    pub record: RecordModel,
 }
 
 impl Default for PackOptions {
     fn default() -> Self {
-        PackOptions { layers: None, progress: true }
+        PackOptions { layers: None, progress: true, record: RecordModel::Packed }
     }
 }
 
@@ -119,6 +124,7 @@ struct Source {
     layout: ExpertLayout,
     layers: usize,
     n_entries: u32,
+    record: Option<picchio_core::format::ModelRecord>,
 }
 
 impl Source {
@@ -146,7 +152,17 @@ impl Source {
         }
         let n_entries = u32::try_from(layers * cfg.num_experts)
             .map_err(|_| Error::Invalid(format!("{layers} layers × {} experts exceed u32 entries", cfg.num_experts)))?;
-        Ok(Source { model_dir: model_dir.into(), progress: opts.progress, cfg, store, layout, layers, n_entries })
+        let record = record_for(model_dir, &opts.record)?;
+        Ok(Source {
+            model_dir: model_dir.into(),
+            progress: opts.progress,
+            cfg,
+            store,
+            layout,
+            layers,
+            n_entries,
+            record,
+        })
     }
 }
 
@@ -203,6 +219,9 @@ impl PayloadSource for Source {
                 }
                 bar.inc(1);
             }
+        }
+        if let Some(r) = &self.record {
+            w.set_model_record(r.clone())?;
         }
         let superblock = w.finish()?;
         bar.finish_and_clear();

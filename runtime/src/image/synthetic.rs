@@ -471,7 +471,9 @@ pub fn write_synthetic(dir: &Path, spec: &SyntheticSpec, opts: &WriteSyntheticOp
             picchio_core::stop_point::wrote(n);
         }
         write_shards(&tmp.path, spec, opts.progress)?;
-        pack(&tmp.path, &tmp.path.join(DEFAULT_IMAGE), &PackOptions { layers: None, progress: opts.progress })?;
+        // The image records `dir`, where the temporary directory is renamed to.
+        let record = crate::image::record::RecordModel::At(dir.to_path_buf());
+        pack(&tmp.path, &tmp.path.join(DEFAULT_IMAGE), &PackOptions { layers: None, progress: opts.progress, record })?;
         tmp.persist(dir)
     };
     write_phase().map_err(crate::image::write::out_of_space(dir, needed))

@@ -335,6 +335,25 @@ impl Model {
         cache: &mut ExpertCache,
         loader: &mut dyn ExpertLoader,
     ) -> Result<&[f32]> {
+        self.prefill_until(tokens, pos0, cache, loader, &mut || false)?;
+        Ok(&self.state.logits)
+    }
+
+    /// [`Model::prefill`] that also asks `stop` before each chunk (after the interrupt check) and
+    /// ends there when it says so: a chat whose user pressed Ctrl-C, a server whose client went
+    /// away. Returns the tokens run: `tokens.len()`, or fewer when stopped (a whole number of
+    /// chunks, whose positions the KV cache then holds; the logits are not those of the last token).
+    ///
+    /// # Errors
+    /// As [`Model::prefill`].
+    pub fn prefill_until(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        cache: &mut ExpertCache,
+        loader: &mut dyn ExpertLoader,
+        stop: &mut dyn FnMut() -> bool,
+    ) -> Result<usize> {
         let cfg = &self.config;
         if tokens.is_empty() {
             return Err(Error::EmptyPrompt);
@@ -369,9 +388,12 @@ impl Model {
                 if crate::interrupt::requested() {
                     return Err(interrupted(i));
                 }
+                if stop() {
+                    return Ok(i);
+                }
                 self.forward(t, pos0 + i, cache, loader)?;
             }
-            return Ok(&self.state.logits);
+            return Ok(tokens.len());
         }
         let cap = chunk.min(tokens.len());
         if self.chunk_state.as_ref().is_none_or(|c| c.cap < cap) {
@@ -382,6 +404,9 @@ impl Model {
             let start = c * chunk;
             if crate::interrupt::requested() {
                 return Err(interrupted(start));
+            }
+            if stop() {
+                return Ok(start);
             }
             let last = start + part.len() == tokens.len();
             let step = Step {
@@ -398,7 +423,7 @@ impl Model {
                 ArchWeights::GptOss(w) => gpt_oss::prefill_chunk(step, cs, w, part, pos0 + start, last, cache, loader)?,
             }
         }
-        Ok(&self.state.logits)
+        Ok(tokens.len())
     }
 
     /// The logits `[V]` after `token` at position `pos`; see [`Model::forward_traced`].

@@ -13,6 +13,7 @@
 #![deny(missing_docs)]
 
 pub mod cache;
+pub mod decode;
 pub mod env;
 pub mod fio;
 pub mod layout;

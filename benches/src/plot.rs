@@ -14,6 +14,9 @@
 //! - `qd-sweep`: `qd-sweep-throughput.svg` (MB/s vs queue depth, one line per engine and thread
 //!   count, fio's figures as dashed lines) and `qd-sweep-latency.svg` (latency percentiles at each
 //!   engine's deepest queue: the CDF through min, p50, p90, p99, p99.9 and max).
+//! - `decode`: `decode-tok-s.svg` (decode tok/s vs cache budget, with the I/O floor the same run
+//!   measured, dashed) and `decode-split.svg` (ms per decode token vs cache budget: attention,
+//!   router, expert compute, exposed I/O wait, lm_head, the rest, and the whole step).
 
 use std::path::{Path, PathBuf};
 
@@ -24,7 +27,7 @@ use super::Report;
 use picchio_runtime::error::{Error, Result};
 
 /// Experiments [`render`] draws charts for.
-pub const PLOTTED: &[&str] = &["trace", "cache", "qd-sweep", "layout"];
+pub const PLOTTED: &[&str] = &["trace", "cache", "qd-sweep", "layout", "decode"];
 
 /// Draws `report`'s charts into `dir` (created if missing; its parent must exist, see
 /// [`super::output::create_plot_dir`]) and returns the files written.
@@ -47,6 +50,7 @@ pub fn render(report: &Report<Value>, dir: &Path) -> Result<Vec<PathBuf>> {
         "trace" => trace_charts(r, dir, &subtitle),
         "cache" => cache_charts(r, dir, &subtitle),
         "layout" => layout_charts(r, dir, &subtitle),
+        "decode" => decode_charts(r, dir, &subtitle),
         _ => qd_sweep_charts(r, dir, &subtitle),
     }
 }
@@ -444,6 +448,76 @@ fn cache_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
 
 /// Points of one line.
 type Xy = Vec<(f64, f64)>;
+
+/// The decode report's points: `results.points[]` with `cache_percent`, `decode_tok_s`,
+/// `floor_tok_s` (null without reads) and `split.{attention_ms, router_ms, experts_ms,
+/// dense_mlp_ms, io_wait_ms, lm_head_ms, other_ms, total_ms}`.
+fn decode_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
+    let points = arr(r, "points")?;
+    let mut tok = Vec::new();
+    let mut floor = Vec::new();
+    let parts = [
+        ("attention_ms", "attention"),
+        ("router_ms", "router"),
+        ("experts_ms", "expert compute"),
+        ("dense_mlp_ms", "dense MLP"),
+        ("io_wait_ms", "exposed I/O wait"),
+        ("lm_head_ms", "lm_head"),
+        ("other_ms", "other"),
+        ("total_ms", "whole step"),
+    ];
+    let mut split: Vec<Xy> = vec![Vec::new(); parts.len()];
+    for p in points {
+        let pct = num(p, "cache_percent")?;
+        tok.push((pct, num(p, "decode_tok_s")?));
+        if let Some(f) = p.get("floor_tok_s").and_then(Value::as_f64) {
+            floor.push((pct, f));
+        }
+        let sp = p.get("split").ok_or_else(|| Error::Invalid("decode report: a point has no `split`".into()))?;
+        for (xy, (key, _)) in split.iter_mut().zip(parts) {
+            xy.push((pct, num(sp, key)?));
+        }
+    }
+    let model = r.get("model").and_then(Value::as_str).unwrap_or("");
+    let name = Path::new(model).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let mut series = vec![Series::new("decode, measured", tok, false)];
+    if !floor.is_empty() {
+        series.push(Series::new("I/O floor (bytes per token at this run's device rate)", floor, true));
+    }
+    let t = dir.join("decode-tok-s.svg");
+    LineChart {
+        title: format!("Decode throughput and its I/O floor vs expert-cache budget ({name})"),
+        subtitle: sub,
+        x_label: "expert cache, % of all routed experts",
+        y_label: "decode tokens / s",
+        x_scale: Scale::Linear,
+        y_scale: Scale::Linear,
+        y_range: None,
+        legend: SeriesLabelPosition::UpperLeft,
+        marker: None,
+        series,
+    }
+    .draw(&t)?;
+    let s = dir.join("decode-split.svg");
+    LineChart {
+        title: format!("Where a decode token's time goes ({name})"),
+        subtitle: sub,
+        x_label: "expert cache, % of all routed experts",
+        y_label: "ms per decode token",
+        x_scale: Scale::Linear,
+        y_scale: Scale::Linear,
+        y_range: None,
+        legend: SeriesLabelPosition::UpperRight,
+        marker: None,
+        series: split
+            .into_iter()
+            .zip(parts)
+            .map(|(xy, (_, label))| Series::new(label, xy, label == "whole step"))
+            .collect(),
+    }
+    .draw(&s)?;
+    Ok(vec![t, s])
+}
 
 /// The qd-sweep report's points: `results.points[]` with `engine`, `threads`, `qd`, `mb_s`, the
 /// latency percentiles `latency_us.{p50,p90,p99,p99_9,max}`, and optionally `fio.mb_s`.

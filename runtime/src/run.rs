@@ -8,11 +8,12 @@ use picchio_core::{ExpertLoader, IoStats, StoreUri};
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::expert::cache::ExpertCache;
+use crate::expert::cache::{ExpertCache, PrefetchStats};
 use crate::expert::store::{open_store, IoOptions, StoreInfo};
+use crate::expert::usage::UsageProfile;
 use crate::model::sampler::{Sampler, SamplerOptions};
 use crate::model::tokenizer::Tokenizer;
-use crate::model::Model;
+use crate::model::{DecodeIo, Model, StepTimers};
 
 /// How to open a model for generation.
 #[derive(Clone, Debug)]
@@ -49,6 +50,8 @@ pub struct Session {
     /// The token ids whose keys and values the KV cache holds, at positions `0..kv.len()`: what
     /// [`Session::complete`](crate::chat::turn) reuses.
     pub(crate) kv: Vec<u32>,
+    /// The warm start, when [`Session::warm_from`] ran.
+    pub warm: Option<WarmStats>,
 }
 
 /// Generation settings.
@@ -127,6 +130,107 @@ pub struct RunStats {
     pub engine: String,
     /// Whether misses were computed as their reads completed (`--async-moe`).
     pub async_moe: bool,
+    /// Whether decode read experts on an I/O worker, overlapped with compute (`--no-overlap` off).
+    pub overlap: bool,
+    /// Whether decode prefetched the next layer's predicted experts (`--prefetch`).
+    pub prefetch: bool,
+    /// The warm start before the generation (`--warm-from`), when there was one.
+    pub warm: Option<WarmStats>,
+    /// Speculative prefetch over the generation: experts read ahead, then used or wasted.
+    pub prefetch_stats: PrefetchStats,
+    /// Bytes read for prefetched experts their layer did not pick (`prefetch_stats.wasted` × the
+    /// read length of one expert).
+    pub prefetch_wasted_bytes: u64,
+    /// Where one decode step's time went, milliseconds per step (mean over the decode steps).
+    pub decode_split: DecodeSplit,
+}
+
+/// One decode step's time, milliseconds (mean over the decode steps; [`StepTimers`]). `io_wait_ms`
+/// is the exposed wait (reads nothing else hid); `other_ms` is the rest of the step (norms,
+/// embedding, residuals, the cache's bookkeeping), so the parts add up to `total_ms`.
+#[derive(Clone, Copy, Debug, Default, Serialize, serde::Deserialize, PartialEq)]
+pub struct DecodeSplit {
+    /// Decode steps averaged.
+    pub steps: u64,
+    /// Attention (norm, q/k/v, RoPE, scores, o_proj).
+    pub attention_ms: f64,
+    /// Routers (and the next layer's predicted routing with `--prefetch`).
+    pub router_ms: f64,
+    /// Routed experts' compute.
+    pub experts_ms: f64,
+    /// Dense MLP layers.
+    pub dense_mlp_ms: f64,
+    /// Exposed expert-read wait.
+    pub io_wait_ms: f64,
+    /// Final norm and lm_head.
+    pub lm_head_ms: f64,
+    /// The rest.
+    pub other_ms: f64,
+    /// Whole step.
+    pub total_ms: f64,
+}
+
+impl DecodeSplit {
+    /// The split of `steps` decode steps from timers `t` (their difference over the steps) and the
+    /// exposed wait `io_wait_ns` over the same steps.
+    pub fn from_timers(t: StepTimers, io_wait_ns: u64) -> DecodeSplit {
+        let n = t.steps.max(1) as f64;
+        let ms = |ns: u64| ns as f64 / 1e6 / n;
+        let parts = [t.attention_ns, t.router_ns, t.experts_ns, t.dense_mlp_ns, io_wait_ns, t.lm_head_ns];
+        let sum: u64 = parts.iter().sum();
+        DecodeSplit {
+            steps: t.steps,
+            attention_ms: ms(t.attention_ns),
+            router_ms: ms(t.router_ns),
+            experts_ms: ms(t.experts_ns),
+            dense_mlp_ms: ms(t.dense_mlp_ns),
+            io_wait_ms: ms(io_wait_ns),
+            lm_head_ms: ms(t.lm_head_ns),
+            other_ms: ms(t.total_ns.saturating_sub(sum)),
+            total_ms: ms(t.total_ns),
+        }
+    }
+}
+
+impl StepTimers {
+    /// `self - earlier`, field by field.
+    pub fn since(&self, earlier: &StepTimers) -> StepTimers {
+        StepTimers {
+            steps: self.steps - earlier.steps,
+            attention_ns: self.attention_ns - earlier.attention_ns,
+            router_ns: self.router_ns - earlier.router_ns,
+            experts_ns: self.experts_ns - earlier.experts_ns,
+            dense_mlp_ns: self.dense_mlp_ns - earlier.dense_mlp_ns,
+            lm_head_ns: self.lm_head_ns - earlier.lm_head_ns,
+            total_ns: self.total_ns - earlier.total_ns,
+        }
+    }
+}
+
+/// What a warm start ([`Session::warm_from`]) read.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct WarmStats {
+    /// The usage profile.
+    pub profile: PathBuf,
+    /// Experts read into the cache.
+    pub experts: usize,
+    /// Bytes read.
+    pub bytes_read: u64,
+    /// Wall time, milliseconds.
+    pub ms: f64,
+}
+
+/// Counter values at the start of a generation ([`Session::add_decode_figures`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SinceStart {
+    /// Prefetch counters at the start.
+    pub prefetch: PrefetchStats,
+    /// The cache's exposed wait at the start, ns.
+    pub io_wait_ns: u64,
+    /// The model's timers when decode started.
+    pub decode_timers: StepTimers,
+    /// The cache's exposed wait when decode started, ns.
+    pub decode_io_wait_ns: u64,
 }
 
 /// The result of one generation.
@@ -189,6 +293,8 @@ impl Session {
         };
         let mut cache = ExpertCache::new(ecap, layout.len())?;
         cache.set_async_moe(opts.io.async_moe);
+        let mut model = model;
+        model.set_decode_io(DecodeIo { overlap: opts.io.overlap, prefetch: opts.io.prefetch && opts.io.overlap });
         // Slots in the engine's DMA memory when it has some (nvme:), else on the heap.
         if let Some(slots) = cache.use_slots_from(&mut *loader) {
             info.engine = format!("{}; expert cache slots: {slots}", info.engine);
@@ -211,7 +317,7 @@ impl Session {
         tokenizer: Option<Tokenizer>,
     ) -> Result<Self> {
         let stop_ids = Self::resolve_stop_ids(model.dir(), model.config(), tokenizer.as_ref())?;
-        Ok(Session { model, cache, loader, info, io_stats, tokenizer, stop_ids, kv: Vec::new() })
+        Ok(Session { model, cache, loader, info, io_stats, tokenizer, stop_ids, kv: Vec::new(), warm: None })
     }
 
     /// The end-of-turn ids of the model directory, with the chat template's when it compiles (a
@@ -226,6 +332,36 @@ impl Session {
             tracing::debug!("end-of-turn id {} from {}", s.id, s.source);
         }
         Ok(ids.into_iter().map(|s| s.id).collect())
+    }
+
+    /// Warm start: reads the most used experts of the usage profile `path`
+    /// ([`crate::expert::usage`]), as many as the expert cache holds, into the cache before the first
+    /// token. Only the starting contents change: the cache stays an LRU and nothing is pinned.
+    ///
+    /// # Errors
+    /// As [`UsageProfile::read`]; [`Error::Invalid`] when the profile's shape is not this model's;
+    /// as [`ExpertCache::warm`].
+    pub fn warm_from(&mut self, path: &Path) -> Result<&WarmStats> {
+        let cfg = self.model.config();
+        let profile = UsageProfile::read(path)?;
+        profile.check_shape(cfg.num_hidden_layers, cfg.num_experts, &path.display().to_string())?;
+        let t = Instant::now();
+        let b0 = self.io_stats.snapshot().bytes;
+        let experts = self.cache.warm(&profile.top(self.cache.capacity()), &mut *self.loader)?;
+        let warm = WarmStats {
+            profile: path.to_path_buf(),
+            experts,
+            bytes_read: self.io_stats.snapshot().bytes - b0,
+            ms: t.elapsed().as_secs_f64() * 1e3,
+        };
+        tracing::info!("warm start from {}: {experts} experts in {:.0} ms", path.display(), warm.ms);
+        Ok(self.warm.insert(warm))
+    }
+
+    /// The usage counts of every token run so far as a profile (what `--usage-out` saves).
+    pub fn usage_profile(&self) -> UsageProfile {
+        let cfg = self.model.config();
+        UsageProfile::new(cfg.num_hidden_layers, cfg.num_experts, self.model.usage().to_vec())
     }
 
     /// The token ids whose K/V the cache holds (positions `0..len`).
@@ -302,6 +438,7 @@ impl Session {
         // Positions from 0: whatever the KV cache held is overwritten.
         self.kv.clear();
         let (h0, m0, io0) = (self.cache.hits(), self.cache.misses(), self.io_stats.snapshot());
+        let (pf0, wait0) = (self.cache.prefetch_stats(), self.cache.io_wait_ns());
         let mut sampler = Sampler::new(opts.sampler);
         let mut tokens = Vec::with_capacity(opts.max_new);
         let mut kept = Vec::new();
@@ -322,6 +459,7 @@ impl Session {
         pos += prompt_ids.len();
         let prefill = t0.elapsed();
         let io_prefill = self.io_stats.snapshot();
+        let (timers0, dwait0) = (self.model.timers(), self.cache.io_wait_ns());
         let t1 = Instant::now();
         let mut decode_steps = 0usize;
         while tokens.len() < opts.max_new {
@@ -347,8 +485,11 @@ impl Session {
             decode_steps += 1;
         }
         let decode = t1.elapsed();
-        let stats =
+        let mut stats =
             self.stats_since((h0, m0, io0), io_prefill, prompt_ids.len(), tokens.len(), prefill, decode, decode_steps);
+        let since = SinceStart { prefetch: pf0, io_wait_ns: wait0, decode_timers: timers0, decode_io_wait_ns: dwait0 };
+        debug_assert_eq!(since.decode_timers.steps + decode_steps as u64, self.model.timers().steps);
+        self.add_decode_figures(&mut stats, since);
         Ok(Generation { prompt_ids: prompt_ids.to_vec(), tokens, logits: kept, stats })
     }
 
@@ -401,7 +542,29 @@ impl Session {
             store: self.info.store.clone(),
             engine: self.info.engine.clone(),
             async_moe: self.cache.async_moe(),
+            overlap: self.model.decode_io().overlap && self.cache.async_moe(),
+            prefetch: self.model.decode_io().prefetch && self.model.decode_io().overlap && self.cache.async_moe(),
+            prefetch_stats: PrefetchStats::default(),
+            prefetch_wasted_bytes: 0,
+            decode_split: DecodeSplit::default(),
+            warm: self.warm.clone(),
         }
+    }
+
+    /// Fills the figures [`Session::stats_since`] leaves at their defaults: exposed wait
+    /// (`read_wait_ms`, from the expert cache), prefetch and the decode split, from the counters at
+    /// `since`.
+    pub(crate) fn add_decode_figures(&self, st: &mut RunStats, since: SinceStart) {
+        st.read_wait_ms = (self.cache.io_wait_ns() - since.io_wait_ns) as f64 / 1e6;
+        let pf = self.cache.prefetch_stats();
+        st.prefetch_stats = PrefetchStats {
+            issued: pf.issued - since.prefetch.issued,
+            used: pf.used - since.prefetch.used,
+            wasted: pf.wasted - since.prefetch.wasted,
+        };
+        st.prefetch_wasted_bytes = st.prefetch_stats.wasted * self.cache.slot_len() as u64;
+        let t = self.model.timers().since(&since.decode_timers);
+        st.decode_split = DecodeSplit::from_timers(t, self.cache.io_wait_ns() - since.decode_io_wait_ns);
     }
 
     /// Decodes ids to text when a tokenizer is present.

@@ -2,13 +2,15 @@
 //! [`MockShuffledCompletions`], a test double wrapping a real loader), the hidden states of every
 //! layer and the logits of every position are bit-identical to an in-order run, with async MoE on
 //! (compute each expert in completion order) and off (compute a batch in request order after it is
-//! loaded), for expert-cache capacities 1, 3 and all, over the safetensors loader and over a real
-//! `FlatStore` read by io_uring (psync where io_uring is unavailable, said visibly).
+//! loaded), for expert-cache capacities 1, 3 and all, with the decode step's reads on this thread,
+//! on an I/O worker thread (overlapped with the hits' compute, the default) and with speculative
+//! prefetch of the next layer's experts, over the safetensors loader and over a real `FlatStore`
+//! read by io_uring (psync where io_uring is unavailable, said visibly).
 
 use picchio_core::{AlignedBuf, ExpertLoader, Loaded};
 use picchio_runtime::expert::store::{open_flat_file, IoEngine, IoOptions};
 use picchio_runtime::model::sampler::argmax;
-use picchio_runtime::model::{Model, Trace};
+use picchio_runtime::model::{DecodeIo, Model, Trace};
 use picchio_tests::*;
 
 /// Test double: serves each `load` through the wrapped real loader in random sub-batches, and hands
@@ -89,6 +91,19 @@ fn run(
     loader: &mut dyn ExpertLoader,
     tokens: &[u32],
 ) -> (Bits, Vec<u32>) {
+    run_with(model, ecap, async_moe, DecodeIo::default(), loader, tokens)
+}
+
+/// [`run`] with the decode step's reads done as `dio` says.
+fn run_with(
+    model: &mut Model,
+    ecap: usize,
+    async_moe: bool,
+    dio: DecodeIo,
+    loader: &mut dyn ExpertLoader,
+    tokens: &[u32],
+) -> (Bits, Vec<u32>) {
+    model.set_decode_io(dio);
     let mut cache = model.new_cache(ecap).unwrap();
     cache.set_async_moe(async_moe);
     let mut trace = Trace::new(model.config());
@@ -101,6 +116,10 @@ fn run(
         row.extend(trace.hidden.iter().flatten().map(|v| v.to_bits()));
         bits.push(row);
     }
+    let p = cache.prefetch_stats();
+    assert_eq!(p.issued, p.used + p.wasted, "every prefetched expert judged: {p:?}");
+    assert!(dio.prefetch || p.issued == 0, "no prefetch without --prefetch: {p:?}");
+    model.set_decode_io(DecodeIo::default());
     (Bits(bits), greedy)
 }
 
@@ -138,12 +157,17 @@ fn shuffled_completions_give_bit_identical_hidden_states_and_logits() {
     let io = IoOptions { engine: if uring { IoEngine::Uring } else { IoEngine::Psync }, qd: 4, ..IoOptions::default() };
     let image = dir.join("experts.picchioflat");
     let mut runs = 0;
+    let dios = [
+        DecodeIo { overlap: false, prefetch: false },
+        DecodeIo { overlap: true, prefetch: false },
+        DecodeIo { overlap: true, prefetch: true },
+    ];
     for ecap in [1, 3, total] {
         for async_moe in [true, false] {
-            for seed in [1, 2, 3] {
-                let what = format!("ecap {ecap}, async {async_moe}, seed {seed}");
+            for (seed, dio) in [1, 2, 3].into_iter().flat_map(|s| dios.map(|d| (s, d))) {
+                let what = format!("ecap {ecap}, async {async_moe}, seed {seed}, {dio:?}");
                 let mut st = MockShuffledCompletions::new(model.safetensors_loader(), seed);
-                let (got, _) = run(&mut model, ecap, async_moe, &mut st, &tokens);
+                let (got, _) = run_with(&mut model, ecap, async_moe, dio, &mut st, &tokens);
                 assert!(got == want, "safetensors, {what}: differs from the in-order run");
                 // (ecap 1 loads one expert at a time: nothing to reorder.)
                 assert!(ecap == 1 || st.reordered > 0, "{what}: the mock never reordered");
@@ -152,7 +176,7 @@ fn shuffled_completions_give_bit_identical_hidden_states_and_logits() {
                 let engine = flat.describe();
                 assert!(!uring || engine.contains("uring(direct, qd 4, fixed file)"), "{engine}");
                 let mut flat = MockShuffledCompletions::new(flat, seed ^ 0xA5);
-                let (got, greedy) = run(&mut model, ecap, async_moe, &mut flat, &tokens);
+                let (got, greedy) = run_with(&mut model, ecap, async_moe, dio, &mut flat, &tokens);
                 assert!(got == want, "{engine}, {what}: differs from the in-order run");
                 assert_eq!(greedy[prompt.len() - 1..prompt.len() - 1 + N], PICCHIO_C_TOKENS[..N]);
                 runs += 2;

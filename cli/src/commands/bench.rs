@@ -39,8 +39,12 @@ enum Experiment {
     /// Decode tok/s, misses and bytes per token against the expert-cache budget (--ecap sweep),
     /// O_DIRECT vs buffered reads, from real runs of the model.
     Cache(super::bench_model::CacheArgs),
+    /// Where a decode token's time goes at each expert-cache budget: prefill and decode tok/s, the
+    /// step's split (attention, router, expert compute, exposed I/O wait, lm_head), reads and bytes
+    /// per token, peak RSS, and the I/O floor from the same run's device rate.
+    Decode(super::bench_model::DecodeArgs),
     /// Redraw the charts of a saved report (`--json`) as SVG (reports of qd-sweep, layout, trace,
-    /// cache).
+    /// cache, decode).
     Plot(super::bench_model::PlotArgs),
 }
 
@@ -67,6 +71,7 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
         Experiment::Overhead(a) => super::bench_io::overhead(a),
         Experiment::Trace(a) => super::bench_model::trace(a),
         Experiment::Cache(a) => super::bench_model::cache(a),
+        Experiment::Decode(a) => super::bench_model::decode(a),
         Experiment::Plot(a) => super::bench_model::plot(a),
     }
 }

@@ -1,11 +1,13 @@
 //! The `picchio bench` experiments that run the model itself: `trace` (routing traces: reuse,
-//! popularity, LRU vs Belady), `cache` (decode speed and bytes against the expert-cache budget), and
+//! popularity, LRU vs Belady), `cache` (decode speed and bytes against the expert-cache budget),
+//! `decode` (a decode token's time split and its I/O floor per cache budget), and
 //! `plot` (charts redrawn from a saved report).
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use picchio_bench::cache::{ecaps_for_percents, run_cache, CacheOptions, ReadMode};
+use picchio_bench::decode::{prompt_of_len, run_decode, DecodeOptions};
 use picchio_bench::trace::{analyse, default_capacities, RoutingTrace, TraceHeader, TraceWriter};
 use picchio_bench::{self as bench, Report};
 use picchio_core::StoreUri;
@@ -111,6 +113,48 @@ pub struct CacheArgs {
     /// Tokens to generate per point (decode figures are over the n - 1 forward passes after the first).
     #[arg(short = 'n', long = "max-new-tokens", value_name = "N", default_value_t = 32)]
     pub n: usize,
+    /// Keep the image's pages in the page cache between points (by default each point starts cold:
+    /// posix_fadvise DONTNEED on the image).
+    #[arg(long)]
+    pub warm: bool,
+    #[command(flatten)]
+    pub out: Output,
+}
+
+/// Options of `picchio bench decode`.
+#[derive(clap::Args, Debug)]
+pub struct DecodeArgs {
+    /// Converted model directory (e.g. from `picchio synth --arch qwen3-30b-a3b --model-out DIR`).
+    #[arg(long, value_name = "DIR")]
+    pub model: PathBuf,
+    /// Where routed experts come from: `auto` (DIR/experts.picchioflat when present, else
+    /// safetensors), `safetensors`, `file:PATH`, `raw:/dev/X[@BYTES]` or `nvme:BDF[/NSID]`.
+    #[arg(long, value_name = "URI", default_value = "auto")]
+    pub store: StoreUri,
+    /// Expert-cache capacities to measure, in experts, comma-separated.
+    #[arg(long, value_name = "N,...", value_delimiter = ',', conflicts_with = "cache_percent")]
+    pub ecap: Option<Vec<usize>>,
+    /// Expert-cache capacities as percentages of all routed experts [default: 10,50,100].
+    #[arg(long, value_name = "PCT,...", value_delimiter = ',')]
+    pub cache_percent: Option<Vec<f64>>,
+    /// Prompt length in tokens (fixed pseudo-random ids, the first 16 those of `bench cache`).
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    pub prompt_len: usize,
+    /// Tokens to generate per point (decode figures are over the n - 1 forward passes after the first).
+    #[arg(short = 'n', long = "max-new-tokens", value_name = "N", default_value_t = 32)]
+    pub n: usize,
+    /// Read the image through the page cache instead of O_DIRECT.
+    #[arg(long)]
+    pub buffered: bool,
+    /// Reader threads of the psync engine.
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub io_threads: u16,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Warm each point's expert cache from this usage profile (`picchio run --usage-out`) before
+    /// the prompt; without it every point starts cold.
+    #[arg(long, value_name = "FILE")]
+    pub warm_from: Option<PathBuf>,
     /// Keep the image's pages in the page cache between points (by default each point starts cold:
     /// posix_fadvise DONTNEED on the image).
     #[arg(long)]
@@ -306,6 +350,104 @@ pub fn cache(a: CacheArgs) -> anyhow::Result<()> {
             p.device_bytes_per_token.map_or("-".into(), |d| format!("{:.2}", d / 1e6)),
             p.engine
         );
+    }
+    let report = run.finish(results);
+    write_outputs(&report, &a.out)
+}
+
+/// `picchio bench decode`.
+pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
+    a.out.check("decode", None)?;
+    let cfg = picchio_runtime::Config::from_dir(&a.model)?;
+    let total = cfg.moe_layers().len() * cfg.num_experts;
+    let ecaps = match (&a.ecap, &a.cache_percent) {
+        (Some(e), _) => e.clone(),
+        (None, p) => {
+            let p = p.clone().unwrap_or_else(|| vec![10.0, 50.0, 100.0]);
+            if let Some(bad) = p.iter().find(|p| !(**p > 0.0 && **p <= 100.0)) {
+                bail!("--cache-percent must be in (0, 100], got {bad}");
+            }
+            ecaps_for_percents(total, &p)
+        }
+    };
+    let opts = DecodeOptions {
+        model_dir: a.model.clone(),
+        store: a.store.clone(),
+        io: a.engine.apply(IoOptions {
+            direct: !a.buffered,
+            threads: usize::from(a.io_threads),
+            ..IoOptions::default()
+        }),
+        ecaps,
+        prompt: prompt_of_len(a.prompt_len, cfg.vocab_size),
+        tokens: a.n,
+        prefill_chunk: a.engine.prefill_chunk(false)?,
+        warm_from: a.warm_from.clone(),
+        drop_page_cache: !a.warm,
+    };
+    let image = image_of(&a.store, &a.model);
+    a.out.check("decode", image.as_deref())?;
+    let target = image.map(StoreUri::File);
+    let run = bench::Run::start("decode", &bench::flags(&a.out, &opts)?, target.as_ref())?;
+    let bar = picchio_runtime::progress::bar(opts.ecaps.len() as u64, "decode points", false);
+    let results = run_decode(&opts, &mut |done, _| bar.set_position(done as u64))?;
+    bar.finish_and_clear();
+    println!(
+        "{} ({} layers, {} MoE x {} experts, top-{}), store {}; {} prompt + {} generated tokens per point",
+        results.model,
+        results.layers,
+        results.moe_layers,
+        results.num_experts,
+        results.top_k,
+        results.store,
+        opts.prompt.len(),
+        opts.tokens
+    );
+    println!(
+        "{:>6} {:>6} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>8}",
+        "ecap",
+        "%",
+        "prefill/s",
+        "decode/s",
+        "attn ms",
+        "router",
+        "experts",
+        "io wait",
+        "lm_head",
+        "other",
+        "MB/token",
+        "dev MB/s",
+        "floor/s",
+        "RSS MB"
+    );
+    for p in &results.points {
+        let sp = &p.split;
+        println!(
+            "{:>6} {:>5.1}% {:>9.2} {:>9.2} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>9.1} {:>9.0} {:>9} {:>8.0}",
+            p.ecap,
+            p.cache_percent,
+            p.prefill_tok_s,
+            p.decode_tok_s,
+            sp.attention_ms,
+            sp.router_ms,
+            sp.experts_ms,
+            sp.io_wait_ms,
+            sp.lm_head_ms,
+            sp.other_ms,
+            p.bytes_per_token / 1e6,
+            p.device_mb_s,
+            p.floor_tok_s.map_or("-".into(), |f| format!("{f:.2}")),
+            p.peak_rss_bytes as f64 / 1e6
+        );
+        if p.prefetch.issued > 0 {
+            println!(
+                "       prefetch: {} issued, {} used ({:.0}%), {:.1} MB wasted",
+                p.prefetch.issued,
+                p.prefetch.used,
+                100.0 * p.prefetch.used as f64 / p.prefetch.issued as f64,
+                p.prefetch_wasted_bytes as f64 / 1e6
+            );
+        }
     }
     let report = run.finish(results);
     write_outputs(&report, &a.out)

@@ -57,6 +57,16 @@ pub struct Args {
     /// Check every expert payload's hash after reading it; mismatches fall back to safetensors.
     #[arg(long)]
     pub verify: bool,
+    /// Save the expert-usage profile of this run (tokens routed to each layer's experts, prompt
+    /// included) to FILE as `picchio-usage/1` text, adding to FILE's counts when it already holds a
+    /// profile of this model's shape (docs/experiments.md, "usage profile").
+    #[arg(long, value_name = "FILE")]
+    pub usage_out: Option<PathBuf>,
+    /// Warm start: before the prompt, read the most used experts of the usage profile FILE (from
+    /// --usage-out), as many as the expert cache holds, into the cache. The cache stays an LRU
+    /// (nothing is pinned); --json reports the warm-up as stats.warm. Off by default (a cold start).
+    #[arg(long, value_name = "FILE")]
+    pub warm_from: Option<PathBuf>,
     /// Prompt text (needs DIR/tokenizer.json).
     #[arg(long, value_name = "TEXT", conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
     pub prompt: Option<String>,
@@ -164,6 +174,17 @@ pub struct EngineArgs {
     /// --trace, whose file is in token-by-token order]
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub prefill_chunk: Option<u32>,
+    /// Decode without the I/O thread: each layer computes its cached experts first and only then
+    /// reads its misses (for measurement: tokens are identical either way). By default a decode
+    /// step's reads run on an I/O thread while the layer's cached experts are computed.
+    #[arg(long)]
+    pub no_overlap: bool,
+    /// Speculative prefetch: before a layer's experts are computed, predict the next layer's
+    /// experts from the current hidden state through the next layer's router and start reading
+    /// them. Costs the wrong guesses' reads (`--json`: prefetch_stats, prefetch_wasted_bytes);
+    /// off by default (docs/experiments.md, "bench decode"). Tokens are identical either way.
+    #[arg(long, conflicts_with_all = ["no_overlap", "no_async_moe"])]
+    pub prefetch: bool,
 }
 
 /// The engines this OS has, its default first.
@@ -219,6 +240,8 @@ impl EngineArgs {
             iopoll: self.iopoll,
             register_files: self.register_files,
             async_moe: !self.no_async_moe,
+            overlap: !self.no_overlap,
+            prefetch: self.prefetch,
             ..io
         }
     }
@@ -285,7 +308,14 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
         let header = TraceHeader::new(&a.model, s.model.config(), s.cache.slot_len() as u64);
         s.model.set_routing_observer(Box::new(TraceWriter::create(p, &header)?));
     }
+    if let Some(p) = &a.warm_from {
+        s.warm_from(p).with_context(|| format!("warm start from {}", p.display()))?;
+    }
     let g = s.generate(&prompt_ids, &gen)?;
+    if let Some(p) = &a.usage_out {
+        let merged = s.usage_profile().save_adding(p)?;
+        tracing::info!("usage profile {} {}", if merged { "added to" } else { "written to" }, p.display());
+    }
     if let Some(p) = &a.trace {
         s.model.take_routing_observer().with_context(|| format!("writing the trace {}", p.display()))?;
     }

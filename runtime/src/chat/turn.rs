@@ -110,6 +110,7 @@ impl Session {
             return Err(Error::ContextOverflow { needed, context: self.model.max_seq(), config: None });
         }
         let start = (self.cache.hits(), self.cache.misses(), self.io_stats.snapshot());
+        let (pf0, wait0) = (self.cache.prefetch_stats(), self.cache.io_wait_ns());
         let t0 = Instant::now();
         let cached = common_prefix(&self.kv, prompt).min(prompt.len() - 1);
         let done = self.prefill_until(&prompt[cached..], cached, stop)?;
@@ -129,6 +130,12 @@ impl Session {
                 stats,
             });
         }
+        let since = crate::run::SinceStart {
+            prefetch: pf0,
+            io_wait_ns: wait0,
+            decode_timers: self.model.timers(),
+            decode_io_wait_ns: self.cache.io_wait_ns(),
+        };
 
         let mut sampler = Sampler::new(opts.sampler);
         let mut sequence = prompt.to_vec();
@@ -172,6 +179,7 @@ impl Session {
         let mut stats =
             self.stats_since(start, io_prefill, prompt.len(), generated, prefill, t1.elapsed(), decode_steps);
         stats.prompt_tokens = prompt.len();
+        self.add_decode_figures(&mut stats, since);
         Ok(Turn { tokens, stop_id, finish, cached_tokens: cached, first_token_ms, stats })
     }
 }

@@ -38,9 +38,11 @@
 //!   fallback ([`picchio_core::FallbackLoader`]).
 
 use std::collections::HashMap;
+use std::time::Instant;
 
 use picchio_core::{AlignedBuf, ExpertKey, ExpertLoader, Loaded, SlotAllocator, BLOCK_SIZE};
 
+use super::io_worker::{IoMsg, IoWorker};
 use crate::error::{Error, Result};
 
 /// End of the LRU list.
@@ -73,6 +75,38 @@ struct Lent {
     loaded: bool,
 }
 
+/// A slot lent to an [`IoWorker`] job and not back yet (overlapped fetches only).
+#[derive(Clone, Copy, Debug)]
+struct InFlight {
+    /// Slot index.
+    slot: usize,
+    /// The worker job that reads it.
+    job: u64,
+    /// Whether the read is a speculative prefetch.
+    prefetch: bool,
+}
+
+/// A slot back from the I/O worker ([`ExpertCache::arrive`]).
+struct Arrival {
+    /// The expert.
+    key: ExpertKey,
+    /// Its slot, now resident, or why it holds no payload (the slot is then free).
+    result: Result<usize>,
+    /// Whether it was read by a speculative prefetch.
+    prefetch: bool,
+}
+
+/// Speculative-prefetch figures ([`ExpertCache::prefetch_stats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PrefetchStats {
+    /// Experts read speculatively, before their layer routed (each one read).
+    pub issued: u64,
+    /// Of those, experts their layer then picked.
+    pub used: u64,
+    /// Of those, experts their layer did not pick (read for nothing).
+    pub wasted: u64,
+}
+
 /// LRU cache of routed-expert payloads in block-aligned slots; see the module documentation.
 pub struct ExpertCache {
     payload_len: usize,
@@ -99,6 +133,13 @@ pub struct ExpertCache {
     from_alloc: usize,
     /// The allocator failed once (warned; later slots silently go to the heap).
     alloc_failed: bool,
+    /// Slots lent to an [`IoWorker`] (overlapped fetches), by the expert being read into them.
+    in_flight: HashMap<ExpertKey, InFlight>,
+    /// Experts read speculatively whose layer has not routed since (see [`PrefetchStats`]).
+    speculative: Vec<ExpertKey>,
+    prefetch: PrefetchStats,
+    /// Nanoseconds fetches spent waiting for reads with nothing else to compute.
+    io_wait_ns: u64,
 }
 
 impl ExpertCache {
@@ -134,6 +175,10 @@ impl ExpertCache {
             slot_alloc: None,
             from_alloc: 0,
             alloc_failed: false,
+            in_flight: HashMap::new(),
+            speculative: Vec::new(),
+            prefetch: PrefetchStats::default(),
+            io_wait_ns: 0,
         })
     }
 
@@ -242,14 +287,36 @@ impl ExpertCache {
         self.misses
     }
 
-    /// Zeroes the hit and miss counters (the resident experts stay).
+    /// Zeroes the hit, miss, prefetch and wait counters (the resident experts stay).
     pub fn reset_counters(&mut self) {
         self.hits = 0;
         self.misses = 0;
+        self.prefetch = PrefetchStats::default();
+        self.io_wait_ns = 0;
+    }
+
+    /// Speculative prefetch figures since creation or [`ExpertCache::reset_counters`]. An expert
+    /// counts as used or wasted when its layer next routes (or at [`ExpertCache::settle`] when it
+    /// never does, as wasted).
+    pub fn prefetch_stats(&self) -> PrefetchStats {
+        self.prefetch
+    }
+
+    /// Exposed I/O wait, nanoseconds: the time fetches spent blocked on reads (in the loader's
+    /// submit and reap, or on the I/O worker) with nothing to compute, since creation or
+    /// [`ExpertCache::reset_counters`]. Time computing experts while reads are in flight is not
+    /// counted.
+    pub fn io_wait_ns(&self) -> u64 {
+        self.io_wait_ns
     }
 
     /// Makes every slot free (the allocations are kept); the counters are unchanged.
+    ///
+    /// # Panics
+    /// When slots are lent to an I/O worker (call [`ExpertCache::settle`] first).
     pub fn clear(&mut self) {
+        assert!(self.in_flight.is_empty(), "expert cache: clear with reads in flight");
+        self.speculative.clear();
         self.map.clear();
         self.free.clear();
         for (i, s) in self.slots.iter_mut().enumerate() {
@@ -286,13 +353,7 @@ impl ExpertCache {
         loader: &mut dyn ExpertLoader,
         compute: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
     ) -> Result<()> {
-        for (i, e) in experts.iter().enumerate() {
-            if experts[..i].contains(e) {
-                return Err(Error::Invalid(format!(
-                    "expert cache: layer {layer} requests expert {e} twice in one fetch ({experts:?})"
-                )));
-            }
-        }
+        check_distinct(layer, experts)?;
         let plen = self.payload_len;
         // 1. Hits: compute straight from the resident slots.
         let mut missed = std::mem::take(&mut self.missed);
@@ -357,6 +418,8 @@ impl ExpertCache {
         let (plen, slot_len, async_moe) = (self.payload_len, self.slot_len, self.async_moe);
         // Contract violations by the loader, described once the loader can be asked its name.
         let mut violation: Option<String> = None;
+        // Exposed wait = the load call's time less the experts computed inside it.
+        let (t_load, mut computing) = (Instant::now(), std::time::Duration::ZERO);
         loader.load(layer, requests, &mut |l: Loaded| {
             let Loaded { key, buf, result } = l;
             let Some(j) = lent.iter().position(|x| !x.returned && x.expert == key.expert && key.layer == layer) else {
@@ -371,9 +434,11 @@ impl ExpertCache {
             match result {
                 Ok(()) if buf.len() >= slot_len => {
                     if async_moe {
+                        let t = Instant::now();
                         if let Err(e) = compute(lent[j].index, &buf.as_slice()[..plen]) {
                             first_err.get_or_insert(e);
                         }
+                        computing += t.elapsed();
                     }
                     lent[j].loaded = true;
                     self.slots[slot].buf = Some(buf);
@@ -395,6 +460,7 @@ impl ExpertCache {
                 }
             }
         });
+        self.io_wait_ns += t_load.elapsed().saturating_sub(computing).as_nanos() as u64;
         // Slots the loader kept, or handed back too short, are replaced by fresh ones.
         for x in lent.iter() {
             let short = self.slots[x.slot].buf.as_ref().is_some_and(|b| b.len() < slot_len);
@@ -421,6 +487,349 @@ impl ExpertCache {
             }
         }
         Ok(())
+    }
+
+    /// As [`ExpertCache::fetch`], with the misses read by `io`'s thread while this one computes:
+    /// the misses are submitted first (one worker job), then, when `prefetch` = `(next_layer,
+    /// predicted experts)` is given, a speculative job for the predicted experts of `next_layer`
+    /// that are neither resident nor in flight; then the hits are computed while those reads are in
+    /// flight, then each miss (and each expert an earlier prefetch is still reading) as its read
+    /// completes. Whatever else completes meanwhile (a prefetch for a later layer) becomes resident.
+    ///
+    /// Slots for the misses and the prefetch never evict this layer's hits: when the misses need
+    /// more slots than that leaves, every read in flight is settled first and the layer is fetched
+    /// as [`ExpertCache::fetch`] does (hits, then misses in batches). A prefetch takes only as many
+    /// slots as evict neither this layer's hits nor the predicted experts already resident (which
+    /// it moves to the most recently used end), and never a slot in flight.
+    ///
+    /// The prefetched experts of `layer` count as used (and as hits) when `experts` picks them, else
+    /// as wasted ([`ExpertCache::prefetch_stats`]). Reads may still be in flight when this returns:
+    /// call [`ExpertCache::settle`] before the worker ends.
+    ///
+    /// # Errors
+    /// As [`ExpertCache::fetch`]; [`Error::Invalid`] when the worker stops with experts of this
+    /// layer outstanding. A prefetch that fails is not an error (it is not cached; the layer that
+    /// needs the expert reads it again).
+    pub fn fetch_overlapped(
+        &mut self,
+        layer: u32,
+        experts: &[u32],
+        io: &mut IoWorker,
+        prefetch: Option<(u32, &[u32])>,
+        compute: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
+    ) -> Result<()> {
+        check_distinct(layer, experts)?;
+        self.judge_speculation(layer, experts);
+        // 1. Classify: resident (hit), being read by an earlier prefetch (waited for), or a miss.
+        let mut hits: Vec<(usize, usize)> = Vec::with_capacity(experts.len());
+        let mut missed = std::mem::take(&mut self.missed);
+        missed.clear();
+        let mut waiting = 0usize;
+        for (i, &expert) in experts.iter().enumerate() {
+            let key = ExpertKey { layer, expert };
+            if let Some(&s) = self.map.get(&key) {
+                hits.push((i, s));
+            } else if self.in_flight.contains_key(&key) {
+                waiting += 1;
+            } else {
+                missed.push((i, expert));
+            }
+        }
+        if missed.len() > self.evictable(hits.len()) {
+            // Too few slots to read the misses while the hits stay resident: the plain order.
+            self.missed = missed;
+            let settled = self.settle(io);
+            let fetched = self.fetch(layer, experts, &mut WorkerLoader(io), compute);
+            return settled.and(fetched);
+        }
+        // 2. The hits to the most recently used end: slots below are taken from other experts.
+        for &(_, s) in &hits {
+            self.touch(s);
+        }
+        self.hits += (hits.len() + waiting) as u64;
+        self.misses += missed.len() as u64;
+        // 3. The misses, one job.
+        let requests = self.lend(layer, missed.iter().map(|m| m.1), io.next_job())?;
+        io.submit(layer, requests);
+        // 4. The speculative prefetch, queued behind the misses.
+        if let Some((next, predicted)) = prefetch {
+            let mut protected = hits.len();
+            let mut want = Vec::with_capacity(predicted.len());
+            for &expert in predicted {
+                let key = ExpertKey { layer: next, expert };
+                if let Some(&s) = self.map.get(&key) {
+                    self.touch(s);
+                    protected += 1;
+                } else if !self.in_flight.contains_key(&key) && !want.contains(&expert) {
+                    want.push(expert);
+                }
+            }
+            want.truncate(self.evictable(protected));
+            match self.lend(next, want.iter().copied(), io.next_job()) {
+                Ok(requests) => {
+                    for &expert in &want {
+                        if let Some(f) = self.in_flight.get_mut(&ExpertKey { layer: next, expert }) {
+                            f.prefetch = true;
+                        }
+                    }
+                    self.prefetch.issued += requests.len() as u64;
+                    self.speculative.extend(want.iter().map(|&expert| ExpertKey { layer: next, expert }));
+                    io.submit(next, requests);
+                }
+                Err(e) => tracing::warn!("expert cache: prefetch of layer {next} skipped: {e}"),
+            }
+        }
+        // 5. The hits, computed while the reads are in flight.
+        let plen = self.payload_len;
+        let mut first_err: Option<Error> = None;
+        for &(i, s) in &hits {
+            let buf = self.slots[s].buf.as_ref().expect("a resident slot holds its buffer");
+            if let Err(e) = compute(i, &buf.as_slice()[..plen]) {
+                first_err.get_or_insert(e);
+            }
+        }
+        // 6. The misses and the waited-for prefetches, each as it completes.
+        let mut need = missed.len() + waiting;
+        self.missed = missed;
+        let mut violation: Option<String> = None;
+        let index_of =
+            |key: ExpertKey| (key.layer == layer).then(|| experts.iter().position(|&e| e == key.expert)).flatten();
+        let w0 = io.waited_ns();
+        while need > 0 {
+            match io.recv() {
+                Some(IoMsg::Loaded(l)) => match self.arrive(l, &mut violation) {
+                    Some(Arrival { key, result: Ok(s), .. }) => {
+                        if let Some(i) = index_of(key) {
+                            need -= 1;
+                            let buf = self.slots[s].buf.as_ref().expect("a resident slot holds its buffer");
+                            if let Err(e) = compute(i, &buf.as_slice()[..plen]) {
+                                first_err.get_or_insert(e);
+                            }
+                        }
+                    }
+                    Some(Arrival { key, result: Err(e), prefetch: true }) if index_of(key).is_some() => {
+                        // A prefetch this layer waited for failed: read it again, on demand.
+                        tracing::warn!(
+                            "expert cache: prefetch failed, reading again: {}",
+                            picchio_core::error::chain(&e)
+                        );
+                        match self.lend(layer, std::iter::once(key.expert), io.next_job()) {
+                            Ok(requests) => {
+                                io.submit(layer, requests);
+                            }
+                            Err(e) => {
+                                need -= 1;
+                                first_err.get_or_insert(e);
+                            }
+                        }
+                    }
+                    Some(Arrival { key, result: Err(e), .. }) => {
+                        if index_of(key).is_some() {
+                            need -= 1;
+                            first_err.get_or_insert(e);
+                        } else {
+                            tracing::warn!("expert cache: prefetch failed: {}", picchio_core::error::chain(&e));
+                        }
+                    }
+                    None => {}
+                },
+                Some(IoMsg::JobEnd { job }) => {
+                    for key in self.lost(job, &mut violation) {
+                        if index_of(key).is_some() {
+                            need -= 1;
+                        }
+                    }
+                }
+                None => {
+                    first_err.get_or_insert(Error::Invalid(format!(
+                        "expert cache: the I/O worker of {} stopped with {need} experts of layer {layer} outstanding",
+                        io.describe()
+                    )));
+                    break;
+                }
+            }
+        }
+        self.io_wait_ns += io.waited_ns() - w0;
+        if let Some(v) = violation {
+            first_err.get_or_insert(Error::Invalid(format!("{}: {v} (ExpertLoader contract)", io.describe())));
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Reads `keys` into the cache through `loader` without computing anything (a warm start,
+    /// `--warm-from`): at most [`ExpertCache::capacity`] of them, one fetch per layer, layers in
+    /// ascending order; experts already resident are left as they are. The hit and miss counters
+    /// are unchanged. Returns how many experts were read.
+    ///
+    /// # Errors
+    /// As [`ExpertCache::fetch`].
+    pub fn warm(&mut self, keys: &[ExpertKey], loader: &mut dyn ExpertLoader) -> Result<usize> {
+        let (hits, misses) = (self.hits, self.misses);
+        let mut keys: Vec<ExpertKey> = keys.iter().take(self.capacity).copied().collect();
+        keys.sort_by_key(|k| (k.layer, k.expert));
+        keys.dedup();
+        let mut r = Ok(());
+        for group in keys.chunk_by(|a, b| a.layer == b.layer) {
+            let experts: Vec<u32> = group.iter().map(|k| k.expert).collect();
+            r = self.fetch(group[0].layer, &experts, loader, &mut |_, _| Ok(()));
+            if r.is_err() {
+                break;
+            }
+        }
+        let read = (self.misses - misses) as usize;
+        (self.hits, self.misses) = (hits, misses);
+        r.map(|()| read)
+    }
+
+    /// Receives every read still in flight on `io` (their experts become resident; slots of failed
+    /// or lost reads become free) so no slot is left with the worker when it ends. Computes nothing.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when the loader broke its contract (delivered an expert it was not asked
+    /// for, kept a slot); failed reads are not errors here.
+    pub fn settle(&mut self, io: &mut IoWorker) -> Result<()> {
+        let mut violation: Option<String> = None;
+        let w0 = io.waited_ns();
+        while let Some(msg) = io.recv() {
+            match msg {
+                IoMsg::Loaded(l) => {
+                    if let Some(Arrival { result: Err(e), .. }) = self.arrive(l, &mut violation) {
+                        tracing::warn!("expert cache: prefetch failed: {}", picchio_core::error::chain(&e));
+                    }
+                }
+                IoMsg::JobEnd { job } => {
+                    self.lost(job, &mut violation);
+                }
+            }
+        }
+        self.io_wait_ns += io.waited_ns() - w0;
+        // The worker stopped without ending some jobs (it panicked): their slots are gone.
+        let gone: Vec<ExpertKey> = self.in_flight.keys().copied().collect();
+        for key in gone {
+            let f = self.in_flight.remove(&key).expect("listed above");
+            self.replace_slot(f.slot);
+            violation.get_or_insert_with(|| format!("the I/O worker stopped while reading {key}"));
+        }
+        match violation {
+            Some(v) => Err(Error::Invalid(format!("{}: {v} (ExpertLoader contract)", io.describe()))),
+            None => Ok(()),
+        }
+    }
+
+    /// Counts every prefetched expert still waiting for its layer to route as wasted (at the end of
+    /// a forward pass: no layer is left to pick it).
+    pub fn end_speculation(&mut self) {
+        self.prefetch.wasted += self.speculative.len() as u64;
+        self.speculative.clear();
+    }
+
+    /// Used-or-wasted verdicts on the prefetched experts of `layer`, which now routed to `experts`.
+    fn judge_speculation(&mut self, layer: u32, experts: &[u32]) {
+        let before = self.speculative.len();
+        let mut used = 0;
+        self.speculative.retain(|k| {
+            if k.layer != layer {
+                return true;
+            }
+            used += u64::from(experts.contains(&k.expert));
+            false
+        });
+        let judged = (before - self.speculative.len()) as u64;
+        self.prefetch.used += used;
+        self.prefetch.wasted += judged - used;
+    }
+
+    /// How many slots can be taken without evicting the `protected` most recently used residents
+    /// or touching a slot in flight.
+    fn evictable(&self, protected: usize) -> usize {
+        self.free.len() + (self.capacity - self.slots.len()) + self.map.len().saturating_sub(protected)
+    }
+
+    /// Takes a slot for each of `experts` of `layer` and records it in flight for worker job `job`;
+    /// returns the `(expert, slot buffer)` requests. On an allocation error no slot stays lent.
+    fn lend(&mut self, layer: u32, experts: impl Iterator<Item = u32>, job: u64) -> Result<Vec<(u32, AlignedBuf)>> {
+        let mut requests = Vec::with_capacity(experts.size_hint().0);
+        for expert in experts {
+            let slot = match self.take_slot() {
+                Ok(s) => s,
+                Err(e) => {
+                    for (expert, buf) in requests {
+                        let f = self.in_flight.remove(&ExpertKey { layer, expert }).expect("lent above");
+                        self.slots[f.slot].buf = Some(buf);
+                        self.free.push(f.slot);
+                    }
+                    return Err(e);
+                }
+            };
+            let buf = self.slots[slot].buf.take().expect("a slot not in flight holds its buffer");
+            self.in_flight.insert(ExpertKey { layer, expert }, InFlight { slot, job, prefetch: false });
+            requests.push((expert, buf));
+        }
+        Ok(requests)
+    }
+
+    /// A slot back from the worker: resident (`Ok(slot)`) when it holds the payload, else free and
+    /// the reason; `None` (and a `violation`) when the expert was not in flight.
+    fn arrive(&mut self, l: Loaded, violation: &mut Option<String>) -> Option<Arrival> {
+        let Loaded { key, buf, result } = l;
+        let Some(f) = self.in_flight.remove(&key) else {
+            violation.get_or_insert_with(|| format!("delivered {key}, which was not requested"));
+            return None; // not one of our slots: dropped
+        };
+        let slot = f.slot;
+        match result {
+            Ok(()) if buf.len() >= self.slot_len => {
+                self.slots[slot].buf = Some(buf);
+                self.slots[slot].key = Some(key);
+                self.map.insert(key, slot);
+                self.push_mru(slot);
+                Some(Arrival { key, result: Ok(slot), prefetch: f.prefetch })
+            }
+            Ok(()) => {
+                let what =
+                    format!("returned a slot of {} bytes for {key}; the cache lent {}", buf.len(), self.slot_len);
+                violation.get_or_insert_with(|| what.clone());
+                self.replace_slot(slot);
+                Some(Arrival {
+                    key,
+                    result: Err(Error::Invalid(format!("expert cache: {what}"))),
+                    prefetch: f.prefetch,
+                })
+            }
+            Err(cause) => {
+                self.slots[slot].buf = Some(buf);
+                self.free.push(slot);
+                Some(Arrival { key, result: Err(Error::ExpertLoad { key, cause }), prefetch: f.prefetch })
+            }
+        }
+    }
+
+    /// The experts of worker job `job` whose slots did not come back before its end (the loader
+    /// kept them): a `violation`; their slots get fresh buffers and become free.
+    fn lost(&mut self, job: u64, violation: &mut Option<String>) -> Vec<ExpertKey> {
+        let keys: Vec<ExpertKey> = self.in_flight.iter().filter(|(_, f)| f.job == job).map(|(k, _)| *k).collect();
+        for key in &keys {
+            let f = self.in_flight.remove(key).expect("listed above");
+            violation.get_or_insert_with(|| format!("did not return the slot of {key}"));
+            self.replace_slot(f.slot);
+        }
+        keys
+    }
+
+    /// Gives slot `s` (holding nothing, out of every list) a fresh buffer and makes it free; when
+    /// no buffer can be had, the slot stays out of use (logged).
+    fn replace_slot(&mut self, s: usize) {
+        self.slots[s].key = None;
+        match self.new_slot_buf() {
+            Ok(b) => {
+                self.slots[s].buf = Some(b);
+                self.free.push(s);
+            }
+            Err(e) => tracing::error!("expert cache: slot {s} lost and not replaced: {e}"),
+        }
     }
 
     /// A slot holding nothing, out of the LRU list: a free one, a new one, or the LRU victim.
@@ -490,6 +899,39 @@ impl ExpertCache {
             s = self.slots[s].next;
         }
         out
+    }
+}
+
+/// [`Error::Invalid`] when `experts` repeats an id.
+fn check_distinct(layer: u32, experts: &[u32]) -> Result<()> {
+    for (i, e) in experts.iter().enumerate() {
+        if experts[..i].contains(e) {
+            return Err(Error::Invalid(format!(
+                "expert cache: layer {layer} requests expert {e} twice in one fetch ({experts:?})"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// An [`IoWorker`] with nothing in flight, seen as a (blocking) [`ExpertLoader`]: one job, its
+/// slots handed to `ready` as they come back. The plain [`ExpertCache::fetch`] runs on it when an
+/// overlapped fetch has too few slots.
+struct WorkerLoader<'a>(&'a mut IoWorker);
+
+impl ExpertLoader for WorkerLoader<'_> {
+    fn describe(&self) -> String {
+        self.0.describe().to_string()
+    }
+
+    fn load(&mut self, layer: u32, requests: Vec<(u32, AlignedBuf)>, ready: &mut dyn FnMut(Loaded)) {
+        debug_assert_eq!(self.0.open_jobs(), 0, "a WorkerLoader runs with nothing else in flight");
+        self.0.submit(layer, requests);
+        while let Some(m) = self.0.recv() {
+            if let IoMsg::Loaded(l) = m {
+                ready(l);
+            }
+        }
     }
 }
 
@@ -719,6 +1161,113 @@ mod tests {
         });
         assert!(e.unwrap_err().to_string().contains("expert 9"));
         assert_eq!(seen, [0, 2]);
+    }
+
+    /// `fetch_overlapped` on an I/O worker over the fake loader; returns the indices in compute order.
+    fn fetch_ov(
+        c: &mut ExpertCache,
+        io: &mut crate::expert::io_worker::IoWorker,
+        layer: u32,
+        experts: &[u32],
+        prefetch: Option<(u32, &[u32])>,
+    ) -> Result<Vec<usize>> {
+        let mut seen = Vec::new();
+        c.fetch_overlapped(layer, experts, io, prefetch, &mut |i, p| {
+            check_payload(layer, experts, i, p);
+            seen.push(i);
+            Ok(())
+        })?;
+        Ok(seen)
+    }
+
+    #[test]
+    fn overlapped_fetch_computes_hits_first_and_prefetches_the_next_layer() {
+        use crate::expert::io_worker::with_io_worker;
+        let mut c = ExpertCache::new(6, 5000).unwrap();
+        let mut l = FakeLoader::new();
+        with_io_worker(&mut l, |io| {
+            // Cold: three misses, one job; then a prefetch of layer 1's predicted [4, 5].
+            let mut seen = fetch_ov(&mut c, io, 0, &[1, 2, 3], Some((1, &[4, 5]))).unwrap();
+            seen.sort();
+            assert_eq!(seen, [0, 1, 2]);
+            assert_eq!((c.hits(), c.misses()), (0, 3));
+            // Layer 1 picks 5 (prefetched: a hit, waited for or resident) and 6 (a miss); 4 was wasted.
+            let seen = fetch_ov(&mut c, io, 1, &[6, 5], None).unwrap();
+            assert_eq!(seen.len(), 2);
+            assert_eq!((c.hits(), c.misses()), (1, 4));
+            c.settle(io).unwrap();
+            assert_eq!(c.prefetch_stats(), PrefetchStats { issued: 2, used: 1, wasted: 1 });
+            // Layer 0 again: 1 and 3 are hits, computed before the miss 7 is delivered.
+            let seen = fetch_ov(&mut c, io, 0, &[7, 1, 3], None).unwrap();
+            assert_eq!(seen[..2], [1, 2], "hits first");
+            c.settle(io).unwrap();
+        });
+        assert!(c.in_flight.is_empty());
+        assert_eq!(c.lru_order().len(), 6);
+        // The worker ran each fetch's misses as one job, the prefetch as another.
+        assert_eq!(l.batches, vec![vec![1, 2, 3], vec![4, 5], vec![6], vec![7]]);
+    }
+
+    #[test]
+    fn overlapped_fetch_never_evicts_its_own_hits() {
+        use crate::expert::io_worker::with_io_worker;
+        // Capacity 3: [1, 2] resident, then [1, 2, 8, 9] needs 2 slots with only 1 evictable:
+        // the plain order (hits, then misses in batches) serves it; a prefetch takes no hit's slot.
+        let mut c = ExpertCache::new(3, 5000).unwrap();
+        let mut l = FakeLoader::new();
+        with_io_worker(&mut l, |io| {
+            fetch_ov(&mut c, io, 0, &[1, 2], None).unwrap();
+            let mut seen = fetch_ov(&mut c, io, 0, &[1, 2, 8, 9], Some((1, &[3, 4, 5]))).unwrap();
+            seen.sort();
+            assert_eq!(seen, [0, 1, 2, 3]);
+            fetch_ov(&mut c, io, 0, &[5, 6], Some((1, &[3, 4, 5]))).unwrap();
+            c.settle(io).unwrap();
+            // The misses leave one resident slot that is not a hit: the prefetch takes at most that.
+            assert!(c.prefetch_stats().issued <= 1, "{:?}", c.prefetch_stats());
+        });
+        assert_eq!(c.allocated(), 3);
+        c.end_speculation();
+        let p = c.prefetch_stats();
+        assert_eq!(p.issued, p.used + p.wasted);
+    }
+
+    #[test]
+    fn overlapped_fetch_reports_loader_failures_and_kept_slots() {
+        use crate::expert::io_worker::with_io_worker;
+        let mut c = ExpertCache::new(4, 5000).unwrap();
+        let mut l = FakeLoader::new();
+        l.fail = vec![6];
+        let e = with_io_worker(&mut l, |io| {
+            let e = fetch_ov(&mut c, io, 2, &[1, 6], None).unwrap_err();
+            c.settle(io).unwrap();
+            e
+        });
+        assert!(picchio_core::error::chain(&e).to_string().contains("injected failure"), "{e}");
+        assert!(!c.contains(ExpertKey { layer: 2, expert: 6 }));
+        l.fail.clear();
+        l.keep_slots = true;
+        let e = with_io_worker(&mut l, |io| {
+            let e = fetch_ov(&mut c, io, 3, &[1, 2], None).unwrap_err();
+            c.settle(io).unwrap();
+            e
+        });
+        assert!(e.to_string().contains("did not return the slot"), "{e}");
+        l.keep_slots = false;
+        with_io_worker(&mut l, |io| fetch_ov(&mut c, io, 3, &[1, 2], None)).unwrap();
+        assert_eq!(c.allocated(), 3, "the kept slots were replaced, not added to");
+        assert!(c.contains(ExpertKey { layer: 3, expert: 1 }) && c.contains(ExpertKey { layer: 3, expert: 2 }));
+    }
+
+    #[test]
+    fn warm_reads_without_counting() {
+        let mut c = ExpertCache::new(3, 5000).unwrap();
+        let mut l = FakeLoader::new();
+        let keys = |v: &[(u32, u32)]| v.iter().map(|&(layer, expert)| ExpertKey { layer, expert }).collect::<Vec<_>>();
+        assert_eq!(c.warm(&keys(&[(1, 4), (0, 2), (1, 3), (0, 9)]), &mut l).unwrap(), 3);
+        assert_eq!((c.hits(), c.misses(), c.len()), (0, 0, 3));
+        assert_eq!(l.batches, vec![vec![2], vec![3, 4]], "one fetch per layer, the first `capacity` keys");
+        fetch(&mut c, &mut l, 1, &[4]).unwrap();
+        assert_eq!((c.hits(), c.misses()), (1, 0));
     }
 
     #[test]

@@ -3,6 +3,8 @@
 //! for with `--store` ([`store`]), through the one engine factory ([`open`]).
 
 pub mod cache;
+pub mod io_worker;
 pub mod layout;
 pub mod open;
 pub mod store;
+pub mod usage;

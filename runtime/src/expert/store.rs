@@ -94,6 +94,13 @@ pub struct IoOptions {
     /// Compute each missed expert as soon as its read completes (`--async-moe`, the default), rather
     /// than after the whole batch is loaded (`--no-async-moe`); see [`crate::expert::cache`].
     pub async_moe: bool,
+    /// Decode steps read experts on an I/O worker thread while the forward pass computes the
+    /// layer's cached experts (`--no-overlap` turns it off; needs `async_moe`); see
+    /// [`crate::model::DecodeIo`].
+    pub overlap: bool,
+    /// Speculative prefetch of the next layer's experts from the current hidden state through the
+    /// next layer's router (`--prefetch`, off by default; needs `overlap`).
+    pub prefetch: bool,
     /// uring: where io_uring is unavailable, read with the psync engine (warned about once; the
     /// default). Bench clears it, so that an unavailable io_uring is an error, not a psync figure
     /// labelled `uring`.
@@ -112,6 +119,8 @@ impl Default for IoOptions {
             iopoll: false,
             register_files: true,
             async_moe: true,
+            overlap: true,
+            prefetch: false,
             uring_fallback: true,
         }
     }

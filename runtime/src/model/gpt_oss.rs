@@ -18,13 +18,15 @@
 //! matrices only); their biases `experts.gate_up_proj_bias` `[E, 2I]` and `experts.down_proj_bias`
 //! `[E, H]` are resident here.
 
+use std::time::Instant;
+
 use picchio_core::ExpertLoader;
 
 use super::attention::Attention;
 use super::matrix::{add_into, vector, Matrix};
 use super::prefill::{attend_chunk, project, routed_experts_chunk, ChunkState, MoeChunk};
 use super::state::Trace;
-use super::{RouterKind, Step};
+use super::{Io, RouterKind, Step};
 use crate::error::Result;
 use crate::expert::cache::ExpertCache;
 use crate::kernels::Kernels;
@@ -170,9 +172,10 @@ pub(crate) fn forward(
     token: u32,
     pos: usize,
     cache: &mut ExpertCache,
-    loader: &mut dyn ExpertLoader,
+    io: &mut Io<'_>,
     mut trace: Option<&mut Trace>,
 ) -> Result<()> {
+    let t_step = Instant::now();
     let Step { cfg, layout, k, s, observer } = step;
     let hd = cfg.head_dim();
     let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
@@ -191,6 +194,7 @@ pub(crate) fn forward(
     for (l, lw) in w.layers.iter().enumerate() {
         // Attention: q, k, v with biases (k and v into this position's KV cache row), RoPE, then
         // the visible window with the layer's sinks.
+        let t_attn = Instant::now();
         k.rmsnorm(&mut s.xb, &s.x, &lw.input_layernorm, eps);
         let row = (l * max_seq + pos) * kvd;
         lw.q_proj.apply(k, &s.xb, &mut s.q);
@@ -212,18 +216,31 @@ pub(crate) fn forward(
         attn.run(&s.q, &mut s.att, max_seq, &mut s.att_out);
         lw.o_proj.apply(k, &s.att_out, &mut s.xb2);
         add_into(&mut s.x, &s.xb2);
+        s.timers.attention_ns += t_attn.elapsed().as_nanos() as u64;
 
-        // MoE: router with bias, top-k then softmax, clamped-SwiGLU experts with resident biases.
+        // MoE: router with bias, top-k then softmax, clamped-SwiGLU experts with resident biases
+        // (with `--prefetch`, the next layer's router first predicts its experts).
         k.rmsnorm(&mut s.xb, &s.x, &lw.post_attention_layernorm, eps);
+        let t_router = Instant::now();
         lw.router.apply(k, &s.xb, &mut s.router_logits);
-        Step { cfg, layout, k, s: &mut *s, observer: &mut *observer }.routed_experts(
+        s.timers.router_ns += t_router.elapsed().as_nanos() as u64;
+        let next = w.layers.get(l + 1);
+        let next_router = |k: Kernels, x: &[f32], out: &mut [f32]| {
+            if let Some(n) = next {
+                n.router.apply(k, x, out)
+            }
+        };
+        let mut step = Step { cfg, layout, k, s: &mut *s, observer: &mut *observer };
+        let next_router = next.map(|_| &next_router as &dyn Fn(Kernels, &[f32], &mut [f32]));
+        step.predict_next(l, RouterKind::TopKSoftmax, next_router, io);
+        step.routed_experts(
             l,
             pos,
             RouterKind::TopKSoftmax,
             act,
             Some((&lw.gate_up_bias, &lw.down_bias)),
             cache,
-            loader,
+            io,
             trace.as_deref_mut(),
         )?;
         add_into(&mut s.x, &s.xb2);
@@ -234,11 +251,15 @@ pub(crate) fn forward(
         }
     }
 
+    let t_head = Instant::now();
     k.rmsnorm(&mut s.xb, &s.x, &w.norm, eps);
     if let Some(t) = trace {
         t.hidden[cfg.num_hidden_layers].copy_from_slice(&s.xb);
     }
     k.matvec_par(w.lm_head().as_mat(), &s.xb, &mut s.logits);
+    s.timers.lm_head_ns += t_head.elapsed().as_nanos() as u64;
+    s.timers.total_ns += t_step.elapsed().as_nanos() as u64;
+    s.timers.steps += 1;
     Ok(())
 }
 
@@ -294,7 +315,7 @@ pub(crate) fn prefill_chunk(
             k.rmsnorm(&mut cs.xb[t * h..(t + 1) * h], &cs.x[t * h..(t + 1) * h], &lw.post_attention_layernorm, eps);
         }
         lw.router.apply_chunk(k, &cs.xb[..n * h], n, &mut cs.yt, &mut cs.router_logits[..n * e]);
-        let m = MoeChunk { cfg, layout, k, routing: &mut s.routing, observer: &mut *observer };
+        let m = MoeChunk { cfg, layout, k, routing: &mut s.routing, usage: &mut s.usage, observer: &mut *observer };
         let biases = Some((&lw.gate_up_bias[..], &lw.down_bias[..]));
         routed_experts_chunk(m, cs, l, pos0, n, RouterKind::TopKSoftmax, act, biases, cache, loader)?;
         add_into(&mut cs.x[..n * h], &cs.xb2[..n * h]);

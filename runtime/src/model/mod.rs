@@ -24,11 +24,13 @@ pub mod tokenizer;
 
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Instant;
 
 use picchio_core::ExpertLoader;
 
 use crate::error::{Error, Result};
 use crate::expert::cache::ExpertCache;
+use crate::expert::io_worker::{with_io_worker, IoWorker};
 use crate::expert::layout::{ExpertLayout, ExpertNaming, ExpertTensorNames, SafetensorsExperts};
 use crate::kernels::Kernels;
 use crate::model::config::{Arch, Config};
@@ -38,7 +40,7 @@ use crate::model::safetensors::TensorStore;
 
 pub use matrix::Matrix;
 pub use qwen3_moe::{LayerWeights, Mlp, Weights};
-pub use state::{RunState, Trace};
+pub use state::{RunState, StepTimers, Trace};
 
 /// How a MoE layer turns router logits into its top-k routing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,13 +86,18 @@ impl Step<'_> {
         act: ExpertAct,
         biases: Option<(&[f32], &[f32])>,
         cache: &mut ExpertCache,
-        loader: &mut dyn ExpertLoader,
+        io: &mut Io<'_>,
         trace: Option<&mut Trace>,
     ) -> Result<()> {
         let s = &mut *self.s;
+        let t_router = Instant::now();
         match router {
             RouterKind::SoftmaxTopK { norm } => s.routing.route(&s.router_logits, norm),
             RouterKind::TopKSoftmax => s.routing.route_topk_softmax(&s.router_logits),
+        }
+        let e_n = self.cfg.num_experts;
+        for &e in &s.routing.experts {
+            s.usage[l * e_n + e as usize] += 1;
         }
         if let Some(o) = self.observer.as_deref_mut() {
             o.routed(l, pos, &s.routing.experts, &s.routing.weights);
@@ -100,17 +107,101 @@ impl Step<'_> {
             t.experts[l].copy_from_slice(&s.routing.experts);
             t.weights[l].copy_from_slice(&s.routing.weights);
         }
+        s.timers.router_ns += t_router.elapsed().as_nanos() as u64;
         let (k, layout, h, i2) = (self.k, self.layout, self.cfg.hidden_size, 2 * self.cfg.moe_intermediate_size);
         let (xb, experts, weights) = (&s.xb, &s.routing.experts, &s.routing.weights);
         let (scratch, outs) = (&mut s.expert_scratch, &mut s.expert_out);
-        cache.fetch(l as u32, experts, loader, &mut |i, payload| {
+        let mut experts_ns = 0u64;
+        let mut compute = |i: usize, payload: &[u8]| {
+            let t = Instant::now();
             let e = experts[i] as usize;
             let bias =
                 biases.map(|(gu, d)| ExpertBias { gate_up: &gu[e * i2..(e + 1) * i2], down: &d[e * h..(e + 1) * h] });
-            expert_forward_with(k, layout, payload, xb, weights[i], act, bias, scratch, &mut outs[i * h..(i + 1) * h])
-        })?;
+            let r = expert_forward_with(
+                k,
+                layout,
+                payload,
+                xb,
+                weights[i],
+                act,
+                bias,
+                scratch,
+                &mut outs[i * h..(i + 1) * h],
+            );
+            experts_ns += t.elapsed().as_nanos() as u64;
+            r
+        };
+        let fetched = match io {
+            Io::Direct(loader) => cache.fetch(l as u32, experts, &mut **loader, &mut compute),
+            Io::Worker { io, predicted, .. } => {
+                let prefetch = predicted.take().map(|next| (next as u32, &s.next_routing.experts[..]));
+                cache.fetch_overlapped(l as u32, experts, io, prefetch, &mut compute)
+            }
+        };
+        s.timers.experts_ns += experts_ns;
+        fetched?;
         combine_canonical(&s.expert_out, &mut s.xb2);
         Ok(())
+    }
+
+    /// With `--prefetch` on an overlapped pass, predicts layer `l + 1`'s experts when it is a MoE
+    /// layer: its router `next_router` (`logits [E] = router(x)`) applied to `s.xb` (layer `l`'s
+    /// normalised MLP input, the hidden state at hand), routed as `router` into `s.next_routing`,
+    /// and the prediction handed to `io` for layer `l`'s fetch to read speculatively. Otherwise
+    /// does nothing.
+    pub fn predict_next(
+        &mut self,
+        l: usize,
+        router: RouterKind,
+        next_router: Option<&dyn Fn(Kernels, &[f32], &mut [f32])>,
+        io: &mut Io<'_>,
+    ) {
+        let Io::Worker { predicted, prefetch: true, .. } = io else { return };
+        let Some(next_router) = next_router else { return };
+        if l + 1 >= self.cfg.num_hidden_layers || !self.cfg.is_moe_layer(l + 1) {
+            return;
+        }
+        let t = Instant::now();
+        let s = &mut *self.s;
+        next_router(self.k, &s.xb, &mut s.next_logits);
+        match router {
+            RouterKind::SoftmaxTopK { norm } => s.next_routing.route(&s.next_logits, norm),
+            RouterKind::TopKSoftmax => s.next_routing.route_topk_softmax(&s.next_logits),
+        }
+        *predicted = Some(l + 1);
+        s.timers.router_ns += t.elapsed().as_nanos() as u64;
+    }
+}
+
+/// Where a decode step's expert reads go.
+pub(crate) enum Io<'a> {
+    /// Blocking loads on the forward pass's thread ([`ExpertCache::fetch`]).
+    Direct(&'a mut dyn ExpertLoader),
+    /// Reads on an I/O worker thread, overlapped with compute ([`ExpertCache::fetch_overlapped`]).
+    Worker {
+        /// The worker.
+        io: &'a mut IoWorker,
+        /// Whether to prefetch the next layer's predicted experts (`--prefetch`).
+        prefetch: bool,
+        /// The layer whose predicted experts `RunState::next_routing` holds, for the next fetch.
+        predicted: Option<usize>,
+    },
+}
+
+/// How decode steps read experts ([`Model::set_decode_io`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeIo {
+    /// Reads on an I/O worker thread, overlapped with the hits' compute (`--no-overlap` turns it
+    /// off). Only with async MoE; prefill always reads on its own thread.
+    pub overlap: bool,
+    /// Speculative prefetch of the next layer's experts through its router (`--prefetch`; needs
+    /// `overlap`).
+    pub prefetch: bool,
+}
+
+impl Default for DecodeIo {
+    fn default() -> Self {
+        DecodeIo { overlap: true, prefetch: false }
     }
 }
 
@@ -172,6 +263,8 @@ pub struct Model {
     prefill_chunk: usize,
     /// Scratch of the chunked prefill, allocated by the first [`Model::prefill`] that needs it.
     chunk_state: Option<Box<ChunkState>>,
+    /// How decode steps read experts.
+    decode_io: DecodeIo,
 }
 
 impl Model {
@@ -223,6 +316,7 @@ impl Model {
             observer: None,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
             chunk_state: None,
+            decode_io: DecodeIo::default(),
         })
     }
 
@@ -305,6 +399,28 @@ impl Model {
         }
         self.prefill_chunk = n;
         Ok(())
+    }
+
+    /// Sets how [`Model::forward`] reads experts (default: overlapped, no prefetch). The tokens are
+    /// the same either way.
+    pub fn set_decode_io(&mut self, io: DecodeIo) {
+        self.decode_io = io;
+    }
+
+    /// How [`Model::forward`] reads experts.
+    pub fn decode_io(&self) -> DecodeIo {
+        self.decode_io
+    }
+
+    /// How many tokens each (layer, expert) was routed to so far, `[L * E]` row-major (prompt and
+    /// generated tokens; see [`crate::expert::usage::UsageProfile`]).
+    pub fn usage(&self) -> &[u64] {
+        &self.state.usage
+    }
+
+    /// Time split of the forward passes so far ([`StepTimers`]).
+    pub fn timers(&self) -> StepTimers {
+        self.state.timers
     }
 
     /// Tokens per chunk of [`Model::prefill`].
@@ -472,9 +588,22 @@ impl Model {
             )));
         }
         let step = Step { cfg, layout: &self.layout, k: self.kernels, s, observer: &mut self.observer };
-        match &self.weights {
-            ArchWeights::Qwen3Moe(w) => qwen3_moe::forward(step, w, token, pos, cache, loader, trace)?,
-            ArchWeights::GptOss(w) => gpt_oss::forward(step, w, token, pos, cache, loader, trace)?,
+        let weights = &self.weights;
+        let run = |step: Step<'_>, io: &mut Io<'_>, cache: &mut ExpertCache| match weights {
+            ArchWeights::Qwen3Moe(w) => qwen3_moe::forward(step, w, token, pos, cache, io, trace),
+            ArchWeights::GptOss(w) => gpt_oss::forward(step, w, token, pos, cache, io, trace),
+        };
+        let DecodeIo { overlap, prefetch } = self.decode_io;
+        if overlap && cache.async_moe() {
+            with_io_worker(loader, |w| {
+                let ran = run(step, &mut Io::Worker { io: &mut *w, prefetch, predicted: None }, &mut *cache);
+                // Every slot back from the worker before it ends, even after an error.
+                let settled = cache.settle(w);
+                cache.end_speculation();
+                ran.and(settled)
+            })?;
+        } else {
+            run(step, &mut Io::Direct(loader), cache)?;
         }
         Ok(&self.state.logits)
     }

@@ -185,6 +185,8 @@ pub(crate) struct MoeChunk<'a> {
     pub k: Kernels,
     /// Per-token routing scratch (the run state's).
     pub routing: &'a mut Routing,
+    /// Expert-usage counts `[L * E]` (the run state's [`RunState::usage`](super::RunState::usage)).
+    pub usage: &'a mut [u64],
     /// The routing observer, if any.
     pub observer: &'a mut Option<Box<dyn RoutingObserver>>,
 }
@@ -223,6 +225,9 @@ pub(crate) fn routed_experts_chunk(
         }
         cs.experts[t * topk..(t + 1) * topk].copy_from_slice(&m.routing.experts);
         cs.weights[t * topk..(t + 1) * topk].copy_from_slice(&m.routing.weights);
+        for &e in &m.routing.experts {
+            m.usage[l * e_n + e as usize] += 1;
+        }
         if let Some(o) = m.observer.as_deref_mut() {
             o.routed(l, pos0 + t, &m.routing.experts, &m.routing.weights);
         }

@@ -22,15 +22,17 @@
 //! ([`Config::is_moe_layer`]). Routed experts come through an [`ExpertCache`] from an
 //! [`ExpertLoader`]; their outputs are summed in canonical router order ([`crate::model::moe`]).
 
+use std::time::Instant;
+
 use picchio_core::ExpertLoader;
 
 use super::attention::Attention;
 use super::matrix::{add_into, vector};
 use super::prefill::{attend_chunk, project, routed_experts_chunk, ChunkState, MoeChunk};
-use super::{RouterKind, Step};
+use super::{Io, RouterKind, Step};
 use crate::error::Result;
 use crate::expert::cache::ExpertCache;
-use crate::kernels;
+use crate::kernels::{self, Kernels};
 use crate::model::config::Config;
 use crate::model::moe::ExpertAct;
 use crate::model::safetensors::TensorStore;
@@ -154,9 +156,10 @@ pub(crate) fn forward(
     token: u32,
     pos: usize,
     cache: &mut ExpertCache,
-    loader: &mut dyn ExpertLoader,
+    io: &mut Io<'_>,
     mut trace: Option<&mut Trace>,
 ) -> Result<()> {
+    let t_step = Instant::now();
     let Step { cfg, layout, k, s, observer } = step;
     let hd = cfg.head_dim();
     let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
@@ -175,6 +178,7 @@ pub(crate) fn forward(
 
     for (l, lw) in w.layers.iter().enumerate() {
         // 1. Attention input norm.
+        let t_attn = Instant::now();
         k.rmsnorm(&mut s.xb, &s.x, &lw.input_layernorm, eps);
 
         // 2. q, k, v; k and v go straight into the KV cache row of this position.
@@ -215,31 +219,45 @@ pub(crate) fn forward(
         // 6. Output projection and residual.
         k.matvec_par(lw.o_proj.as_mat(), &s.att_out, &mut s.xb2);
         add_into(&mut s.x, &s.xb2);
+        s.timers.attention_ns += t_attn.elapsed().as_nanos() as u64;
 
         // 7. MLP input norm.
         k.rmsnorm(&mut s.xb, &s.x, &lw.post_attention_layernorm, eps);
 
-        // 8. MLP: routed experts or dense SwiGLU, into xb2; then the residual.
+        // 8. MLP: routed experts or dense SwiGLU, into xb2; then the residual. With `--prefetch`,
+        //    the next layer's router first predicts its experts from this hidden state, so their
+        //    reads queue behind this layer's misses.
         match &lw.mlp {
             Mlp::Moe { gate } => {
+                let t_router = Instant::now();
                 k.matvec_par(gate.as_mat(), &s.xb, &mut s.router_logits);
+                s.timers.router_ns += t_router.elapsed().as_nanos() as u64;
                 let router = RouterKind::SoftmaxTopK { norm: cfg.norm_topk_prob };
-                Step { cfg, layout, k, s: &mut *s, observer: &mut *observer }.routed_experts(
+                let next_gate = match w.layers.get(l + 1).map(|n| &n.mlp) {
+                    Some(Mlp::Moe { gate }) => Some(gate),
+                    _ => None,
+                };
+                let next_router = |k: Kernels, x: &[f32], out: &mut [f32]| {
+                    if let Some(g) = next_gate {
+                        k.matvec_par(g.as_mat(), x, out)
+                    }
+                };
+                let mut step = Step { cfg, layout, k, s: &mut *s, observer: &mut *observer };
+                step.predict_next(
                     l,
-                    pos,
                     router,
-                    ExpertAct::Silu,
-                    None,
-                    cache,
-                    loader,
-                    trace.as_deref_mut(),
-                )?;
+                    next_gate.map(|_| &next_router as &dyn Fn(Kernels, &[f32], &mut [f32])),
+                    io,
+                );
+                step.routed_experts(l, pos, router, ExpertAct::Silu, None, cache, io, trace.as_deref_mut())?;
             }
             Mlp::Dense { gate_proj, up_proj, down_proj } => {
+                let t_mlp = Instant::now();
                 k.matvec_par(gate_proj.as_mat(), &s.xb, &mut s.mlp_gate);
                 k.matvec_par(up_proj.as_mat(), &s.xb, &mut s.mlp_up);
                 kernels::silu_mul(&mut s.mlp_gate, &s.mlp_up);
                 k.matvec_par(down_proj.as_mat(), &s.mlp_gate, &mut s.xb2);
+                s.timers.dense_mlp_ns += t_mlp.elapsed().as_nanos() as u64;
             }
         }
         add_into(&mut s.x, &s.xb2);
@@ -251,11 +269,15 @@ pub(crate) fn forward(
     }
 
     // Final norm and lm_head.
+    let t_head = Instant::now();
     k.rmsnorm(&mut s.xb, &s.x, &w.norm, eps);
     if let Some(t) = trace {
         t.hidden[cfg.num_hidden_layers].copy_from_slice(&s.xb);
     }
     k.matvec_par(w.lm_head().as_mat(), &s.xb, &mut s.logits);
+    s.timers.lm_head_ns += t_head.elapsed().as_nanos() as u64;
+    s.timers.total_ns += t_step.elapsed().as_nanos() as u64;
+    s.timers.steps += 1;
     Ok(())
 }
 
@@ -330,7 +352,8 @@ pub(crate) fn prefill_chunk(
             Mlp::Moe { gate } => {
                 let e = cfg.num_experts;
                 project(k, gate.as_mat(), &cs.xb[..n * h], n, &mut cs.yt, &mut cs.router_logits[..n * e]);
-                let m = MoeChunk { cfg, layout, k, routing: &mut s.routing, observer: &mut *observer };
+                let m =
+                    MoeChunk { cfg, layout, k, routing: &mut s.routing, usage: &mut s.usage, observer: &mut *observer };
                 let router = RouterKind::SoftmaxTopK { norm: cfg.norm_topk_prob };
                 routed_experts_chunk(m, cs, l, pos0, n, router, ExpertAct::Silu, None, cache, loader)?;
             }

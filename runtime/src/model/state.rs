@@ -42,6 +42,41 @@ pub struct RunState {
     pub logits: Vec<f32>,
     /// Positions the KV cache holds.
     pub max_seq: usize,
+    /// The next MoE layer's router logits predicted from this layer's hidden state `[E]`
+    /// (`--prefetch`).
+    pub next_logits: Vec<f32>,
+    /// The next MoE layer's predicted routing (`--prefetch`).
+    pub next_routing: Routing,
+    /// Where the forward passes' time went.
+    pub timers: StepTimers,
+    /// Expert-usage counts `[L * E]`: how many tokens each (layer, expert) was routed to, prompt
+    /// and generated tokens alike (dense layers stay 0); what `--usage-out` saves
+    /// ([`crate::expert::usage`]).
+    pub usage: Vec<u64>,
+}
+
+/// Where the decode forward passes' ([`Model::forward`](super::Model::forward)) time went,
+/// nanoseconds summed over passes (prefill chunks are not counted). Each is wall time on the
+/// forward pass's thread, so with the exposed I/O wait
+/// ([`ExpertCache::io_wait_ns`](crate::expert::cache::ExpertCache::io_wait_ns)) they add up to at
+/// most the passes' wall time; the rest is norms, embeddings, residuals and the cache's own work.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct StepTimers {
+    /// Decode forward passes timed.
+    pub steps: u64,
+    /// Attention: the input norm, q/k/v projections, q/k norms, RoPE, attention over the KV cache
+    /// and the output projection.
+    pub attention_ns: u64,
+    /// Routers: router logits, top-k, and the next layer's predicted routing (`--prefetch`).
+    pub router_ns: u64,
+    /// Routed experts' compute (gate_up, activation, down, weighting), read waits excluded.
+    pub experts_ns: u64,
+    /// Dense MLPs (`mlp_only_layers`).
+    pub dense_mlp_ns: u64,
+    /// Final norm and lm_head.
+    pub lm_head_ns: u64,
+    /// Whole forward passes.
+    pub total_ns: u64,
 }
 
 impl RunState {
@@ -69,6 +104,10 @@ impl RunState {
             mlp_up: vec![0.0; d],
             logits: vec![0.0; cfg.vocab_size],
             max_seq,
+            next_logits: vec![0.0; cfg.num_experts],
+            next_routing: Routing::new(cfg.num_experts, cfg.num_experts_per_tok),
+            timers: StepTimers::default(),
+            usage: vec![0; cfg.num_hidden_layers * cfg.num_experts],
         }
     }
 }

@@ -28,6 +28,8 @@ pub struct ModelArgs {
     pub io_threads: u16,
     #[command(flatten)]
     pub engine: super::run::EngineArgs,
+    #[command(flatten)]
+    pub compute: super::compute_args::ComputeArgs,
     /// Expert-cache capacity in experts [default: all experts that fit in half the available memory].
     #[arg(long, value_name = "N")]
     pub ecap: Option<usize>,
@@ -58,10 +60,12 @@ impl ModelArgs {
             }),
             ecap: self.ecap,
             max_seq: ctx,
+            dense: self.compute.dense,
         };
         let tokenizer = Tokenizer::from_dir(&self.model)?;
-        let session =
+        let mut session =
             Session::open(&opts, tokenizer).with_context(|| format!("opening model {}", self.model.display()))?;
+        self.compute.apply(&mut session.model);
         Engine::new(session).with_context(|| format!("reading the chat template of {}", self.model.display()))
     }
 }

@@ -234,6 +234,7 @@ pub fn run_cache(opts: &CacheOptions, progress: &mut dyn FnMut(usize, usize)) ->
                 io: IoOptions { direct: mode == ReadMode::Direct, ..opts.io },
                 ecap: Some(ecap),
                 max_seq: opts.prompt.len() + opts.tokens,
+                dense: picchio_runtime::model::DenseFormat::Stored,
             };
             let mut s = Session::open(&session_opts, None)?;
             let cfg = s.model.config();

@@ -6,7 +6,7 @@
 //!
 //! | part | bytes |
 //! | --- | --- |
-//! | dense part | every resident tensor as loaded: F32, BF16 and I8 matrices as stored, vectors, biases and F16 widened to f32 ([`dense_bytes`]) |
+//! | dense part | every resident tensor as loaded: F32, BF16 and I8 matrices as stored (the projections `--dense bf16\|int8` converts in their new size), vectors, biases and F16 widened to f32 ([`dense_bytes`]) |
 //! | KV cache | `ctx × n_layers × kv_heads × head_dim × 4 B × 2` (keys and values, f32) |
 //! | runtime | [`RUNTIME_BYTES`] for the program itself, plus the attention scores `heads × ctx × 4 B` and the logits `vocab × 4 B` |
 //! | expert cache | the rest, in slots of the expert payload rounded up to 4 KiB |
@@ -22,6 +22,7 @@ use serde::Serialize;
 use crate::error::{Error, Result};
 use crate::expert::layout::ExpertLayout;
 use crate::model::config::{Arch, Config};
+use crate::model::matrix::DenseFormat;
 use crate::model::safetensors::TensorStore;
 
 /// The peak resident set size of this process in bytes: `VmHWM` of `/proc/self/status` (proc(5)),
@@ -168,6 +169,8 @@ pub struct PlanRequest {
     pub cache: Option<CacheRequest>,
     /// Positions the KV cache holds (`--ctx`, or prompt + new tokens for a run).
     pub ctx: usize,
+    /// How the resident projections are kept (`--dense`).
+    pub dense: DenseFormat,
 }
 
 /// One budget split between the dense part, the KV cache, the runtime and the expert cache (module
@@ -182,6 +185,8 @@ pub struct MemPlan {
     pub budget_source: Option<String>,
     /// Resident weights ([`dense_bytes`]).
     pub dense_bytes: u64,
+    /// How the resident projections are kept (`--dense`: `stored`, `bf16` or `int8`).
+    pub dense_format: &'static str,
     /// KV-cache positions.
     pub ctx: usize,
     /// KV cache: ctx × layers × kv_heads × head_dim × 4 B × 2.
@@ -245,8 +250,9 @@ impl fmt::Display for MemPlan {
         }
         writeln!(
             f,
-            "  dense part    {:>10}  (resident weights: embeddings, attention, norms, routers, lm_head)",
-            gb(self.dense_bytes)
+            "  dense part    {:>10}  (resident weights: embeddings, attention, norms, routers, lm_head; projections {})",
+            gb(self.dense_bytes),
+            self.dense_format
         )?;
         writeln!(f, "  KV cache      {:>10}  ({} positions)", gb(self.kv_bytes), self.ctx)?;
         writeln!(f, "  runtime       {:>10}  (program, attention scores, logits)", gb(self.runtime_bytes))?;
@@ -278,9 +284,10 @@ impl fmt::Display for MemPlan {
 /// Bytes the resident (dense) part of the model in `store` takes once loaded: every tensor but the
 /// routed experts' payload tensors, F32, BF16 and I8 matrices as stored, vectors, `*_bias` tensors
 /// and F16 widened to f32 (as [`crate::model::Matrix::load`] and the architectures' loaders keep
-/// them). An untied Qwen3-MoE lm_head counts; a tied one is the embedding. Reads tensor headers
-/// only.
-pub fn dense_bytes(store: &TensorStore, cfg: &Config, layout: &ExpertLayout) -> u64 {
+/// them), the projections [`DenseFormat::converts`] names in their `dense` size
+/// ([`DenseFormat::matrix_bytes`]). An untied Qwen3-MoE lm_head counts; a tied one is the
+/// embedding. Reads tensor headers only.
+pub fn dense_bytes(store: &TensorStore, cfg: &Config, layout: &ExpertLayout, dense: DenseFormat) -> u64 {
     let mut experts = std::collections::HashSet::new();
     for l in cfg.moe_layers() {
         for e in 0..cfg.num_experts {
@@ -296,7 +303,16 @@ pub fn dense_bytes(store: &TensorStore, cfg: &Config, layout: &ExpertLayout) -> 
         }
         let Ok(t) = store.get(name) else { continue };
         let widened = t.shape.len() == 1 || name.ends_with("_bias") || t.dtype == safetensors::Dtype::F16;
-        total += if widened { 4 * t.numel() as u64 } else { t.bytes.len() as u64 };
+        let float_matrix = t.shape.len() == 2 && t.dtype != safetensors::Dtype::I8;
+        total += if DenseFormat::converts(name) && float_matrix {
+            // As loaded (F16 widened to f32), then converted (I8 ones stay, their `.qs` counted apart).
+            let stored = if t.dtype == safetensors::Dtype::F16 { 4 } else { t.dtype.bitsize() / 8 };
+            dense.matrix_bytes(stored, t.shape[0], t.shape[1])
+        } else if widened {
+            4 * t.numel() as u64
+        } else {
+            t.bytes.len() as u64
+        };
     }
     total
 }
@@ -335,7 +351,7 @@ pub fn plan(model_dir: &Path, req: &PlanRequest) -> Result<MemPlan> {
     let cfg = Config::from_dir(model_dir)?;
     let store = TensorStore::open(model_dir)?;
     let layout = ExpertLayout::detect(&store, &cfg)?;
-    let dense = dense_bytes(&store, &cfg, &layout);
+    let dense = dense_bytes(&store, &cfg, &layout, req.dense);
     plan_with(model_dir, &cfg, dense, layout.len(), req, cgroup_limit())
 }
 
@@ -389,6 +405,7 @@ pub(crate) fn plan_with(
         budget_bytes: budget.as_ref().map(|b| b.0),
         budget_source: budget.as_ref().map(|b| b.1.clone()),
         dense_bytes: dense,
+        dense_format: req.dense.name(),
         ctx: ctx as usize,
         kv_bytes: kv,
         runtime_bytes: runtime,
@@ -503,10 +520,12 @@ mod tests {
     #[test]
     fn dense_bytes_are_what_loading_keeps_resident() {
         let check = |dir: &Path, name: &str| {
-            let model = crate::model::Model::load(dir, 4).unwrap();
-            let w = model.weights().qwen3_moe().unwrap();
-            let d = dense_bytes(model.tensors(), model.config(), model.layout());
-            assert_eq!(d, loaded_bytes(w), "{name}");
+            for fmt in DenseFormat::ALL {
+                let model = crate::model::Model::load_as(dir, 4, fmt).unwrap();
+                let w = model.weights().qwen3_moe().unwrap();
+                let d = dense_bytes(model.tensors(), model.config(), model.layout(), fmt);
+                assert_eq!(d, loaded_bytes(w), "{name} --dense {fmt}");
+            }
         };
         // I8 embeddings and lm_head + F32 attention (Picchio (C)).
         check(&fixture("picchio_c/qwen3_moe"), "picchio_c");
@@ -529,7 +548,12 @@ mod tests {
 
     #[test]
     fn a_budget_is_split_and_the_rest_goes_to_expert_slots() {
-        let req = PlanRequest { budget: Some(MemBudget::Bytes(1_090_000_000)), cache: None, ctx: 64 };
+        let req = PlanRequest {
+            budget: Some(MemBudget::Bytes(1_090_000_000)),
+            cache: None,
+            ctx: 64,
+            dense: DenseFormat::Stored,
+        };
         let p = plan_of(req, None).unwrap();
         let cfg = Config::from_dir(&fixture("picchio_c/qwen3_moe")).unwrap();
         let kv = 64 * (cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim()) as u64 * 8;
@@ -547,7 +571,12 @@ mod tests {
             "{text}"
         );
         // A budget below one token's working set is refused with the figures.
-        let req = PlanRequest { budget: Some(MemBudget::Bytes(1_000_000_000)), cache: None, ctx: 64 };
+        let req = PlanRequest {
+            budget: Some(MemBudget::Bytes(1_000_000_000)),
+            cache: None,
+            ctx: 64,
+            dense: DenseFormat::Stored,
+        };
         let e = plan_of(req, None).unwrap_err().to_string();
         assert!(e.contains("below one token's working set") && e.contains("dense part 1.00 GB"), "{e}");
         assert!(e.contains(&format!("top-{} expert slots", cfg.num_experts_per_tok)), "{e}");
@@ -557,11 +586,13 @@ mod tests {
     fn an_explicit_cache_is_counted_per_layer_or_in_all_and_checked_against_budget_and_cgroup() {
         let cfg = Config::from_dir(&fixture("picchio_c/qwen3_moe")).unwrap();
         let moe = cfg.moe_layers().len();
-        let per = PlanRequest { budget: None, cache: Some(CacheRequest::PerLayer(2)), ctx: 16 };
+        let per =
+            PlanRequest { budget: None, cache: Some(CacheRequest::PerLayer(2)), ctx: 16, dense: DenseFormat::Stored };
         let p = plan_of(per, None).unwrap();
         assert_eq!((p.ecap, p.expert_cache_bytes), (2 * moe, 2 * moe as u64 * (1 << 20)));
         assert!(p.ecap_source.contains("--ecap-per-layer 2"), "{}", p.ecap_source);
-        let all = PlanRequest { budget: None, cache: Some(CacheRequest::Experts(3)), ctx: 16 };
+        let all =
+            PlanRequest { budget: None, cache: Some(CacheRequest::Experts(3)), ctx: 16, dense: DenseFormat::Stored };
         assert_eq!(plan_of(all, None).unwrap().ecap, 3);
         let too_many = PlanRequest { cache: Some(CacheRequest::PerLayer(cfg.num_experts + 1)), ..per };
         assert!(plan_of(too_many, None).unwrap_err().to_string().contains("a MoE layer has only"));
@@ -581,9 +612,10 @@ mod tests {
         let e = plan_of(tight, cg.clone()).unwrap_err().to_string();
         assert!(e.contains("over this process's cgroup limit"), "{e}");
         // The default policy is not refused, and a percentage is of the cgroup's limit.
-        plan_of(PlanRequest { budget: None, cache: None, ctx: 16 }, cg).unwrap();
+        plan_of(PlanRequest { budget: None, cache: None, ctx: 16, dense: DenseFormat::Stored }, cg).unwrap();
         let cg = Some((4_000_000_000u64, PathBuf::from("/sys/fs/cgroup/job/memory.max")));
-        let half = PlanRequest { budget: Some(MemBudget::Percent(50.0)), cache: None, ctx: 16 };
+        let half =
+            PlanRequest { budget: Some(MemBudget::Percent(50.0)), cache: None, ctx: 16, dense: DenseFormat::Stored };
         let p = plan_of(half, cg).unwrap();
         assert_eq!(p.budget_bytes, Some(2_000_000_000));
         assert!(p.budget_source.unwrap().contains("50% of /sys/fs/cgroup/job/memory.max"));

@@ -13,7 +13,7 @@ use crate::expert::store::{open_store, IoOptions, StoreInfo};
 use crate::expert::usage::UsageProfile;
 use crate::model::sampler::{Sampler, SamplerOptions};
 use crate::model::tokenizer::Tokenizer;
-use crate::model::{DecodeIo, Model, StepTimers};
+use crate::model::{DecodeIo, DenseFormat, Model, StepTimers};
 
 /// How to open a model for generation.
 #[derive(Clone, Debug)]
@@ -28,6 +28,8 @@ pub struct SessionOptions {
     pub ecap: Option<usize>,
     /// Longest sequence (prompt + generated) to size the KV cache for.
     pub max_seq: usize,
+    /// How the resident projections are kept (`--dense`; [`DenseFormat::Stored`] is exact).
+    pub dense: DenseFormat,
 }
 
 /// A model, its expert cache and store, ready to generate.
@@ -269,7 +271,7 @@ impl Session {
                 config: Some(opts.model_dir.join("config.json")),
             });
         }
-        let model = Model::load(&opts.model_dir, opts.max_seq)?;
+        let model = Model::load_as(&opts.model_dir, opts.max_seq, opts.dense)?;
         let cfg = model.config().clone();
         let layout = model.layout().clone();
         let (mut loader, mut info, io_stats) =

@@ -39,7 +39,14 @@ pub fn greedy(
     prompt: &[u32],
     n: usize,
 ) -> picchio_runtime::Result<(Generation, Session)> {
-    let opts = SessionOptions { model_dir: model_dir.into(), store, io, ecap, max_seq: prompt.len() + n };
+    let opts = SessionOptions {
+        model_dir: model_dir.into(),
+        store,
+        io,
+        ecap,
+        max_seq: prompt.len() + n,
+        dense: Default::default(),
+    };
     let mut s = Session::open(&opts, Tokenizer::from_dir(model_dir)?)?;
     let g = s.generate(prompt, &GenerateOptions { max_new: n, keep_logits: true, ..Default::default() })?;
     Ok((g, s))

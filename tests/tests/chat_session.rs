@@ -28,6 +28,7 @@ fn session(model: &Path, max_seq: usize) -> Session {
         io: IoOptions::default(),
         ecap: Some(4),
         max_seq,
+        dense: picchio_runtime::model::DenseFormat::Stored,
     };
     Session::open(&opts, Tokenizer::from_dir(model).unwrap()).unwrap()
 }

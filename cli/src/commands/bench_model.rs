@@ -252,6 +252,7 @@ fn record_trace(a: &TraceArgs, model: &Path) -> anyhow::Result<()> {
         io: IoOptions::default(),
         ecap: None,
         max_seq: prompt.len() + a.n,
+        dense: picchio_runtime::model::DenseFormat::Stored,
     };
     let mut s = Session::open(&opts, tokenizer).with_context(|| format!("opening model {}", model.display()))?;
     // A picchio-trace/1 file is in token-by-token order (the cache simulations replay it so).

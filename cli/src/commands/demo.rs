@@ -15,6 +15,7 @@ use picchio_runtime::image::synthetic::{
     is_written, write_synthetic, SyntheticArch, SyntheticSpec, WriteSyntheticOptions,
 };
 use picchio_runtime::model::tokenizer::Tokenizer;
+use picchio_runtime::model::DenseFormat;
 use picchio_runtime::quant::QuantKind;
 use picchio_runtime::run::{GenerateOptions, Session, SessionOptions};
 
@@ -52,6 +53,8 @@ pub struct Args {
     pub buffered: bool,
     #[command(flatten)]
     pub engine: super::run::EngineArgs,
+    #[command(flatten)]
+    pub compute: super::compute_args::ComputeArgs,
     /// Where converted and synthetic models are written and kept for the next run [default:
     /// $PICCHIO_WORKDIR, else the user's cache directory: $XDG_CACHE_HOME/picchio or ~/.cache/picchio].
     #[arg(long, value_name = "DIR")]
@@ -160,7 +163,7 @@ fn ecap_for(total: usize, pct: f64) -> usize {
 fn demo_ecap(a: &Args, model: &Path, total: usize, pct: f64, max_seq: usize) -> anyhow::Result<usize> {
     match a.mem {
         Some(m) => {
-            let plan = super::plan::plan_for(model, Some(m), None, max_seq)?;
+            let plan = super::plan::plan_for(model, Some(m), None, max_seq, a.compute.dense)?;
             eprintln!("{plan}");
             Ok(plan.ecap)
         }
@@ -225,9 +228,11 @@ fn fixture(a: &Args, workdir: &Path, fixture: &Path) -> anyhow::Result<()> {
         }),
         ecap: Some(ecap),
         max_seq: prompt.len().saturating_add(n),
+        dense: a.compute.dense,
     };
     let mut s = open_session(&opts, Some(tokenizer))?;
     s.model.set_prefill_chunk(a.engine.prefill_chunk(false)?)?;
+    a.compute.apply(&mut s.model);
     let g = s.generate(&prompt, &GenerateOptions { max_new: n, ..Default::default() })?;
     let text = s.decode(&g.tokens)?.unwrap_or_default();
     let matches = g.tokens == want[..n.min(want.len())] && n <= want.len();
@@ -235,6 +240,13 @@ fn fixture(a: &Args, workdir: &Path, fixture: &Path) -> anyhow::Result<()> {
     if n <= want.len() {
         if matches {
             eprintln!("tokens equal the transformers reference (reference_q4.json greedy_ids, {n} tokens)");
+        } else if a.compute.dense != DenseFormat::Stored || a.compute.idot {
+            let same = g.tokens.iter().zip(&want).take_while(|(a, b)| a == b).count();
+            eprintln!(
+                "--dense {} --idot {}: the first {same} of {n} tokens equal the transformers reference (these \
+                 options trade exactness for speed)",
+                a.compute.dense, a.compute.idot
+            );
         } else {
             bail!(
                 "tokens differ from the transformers reference:\n  ours      {:?}\n  reference {:?}",
@@ -285,9 +297,11 @@ fn synthetic(a: &Args, workdir: &Path, gb: f64) -> anyhow::Result<()> {
         }),
         ecap: Some(ecap),
         max_seq: prompt.len().saturating_add(n),
+        dense: a.compute.dense,
     };
     let mut s = open_session(&opts, Tokenizer::from_dir(&model)?)?;
     s.model.set_prefill_chunk(a.engine.prefill_chunk(false)?)?;
+    a.compute.apply(&mut s.model);
     let g = s.generate(&prompt, &GenerateOptions { max_new: n, ..Default::default() })?;
     let ids = g.tokens.iter().map(u32::to_string).collect::<Vec<_>>().join(" ");
     // With the model's tokenizer, also the text of the ids (random weights: not language).

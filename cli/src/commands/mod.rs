@@ -7,6 +7,7 @@ mod bench_common;
 mod bench_io;
 mod bench_model;
 mod chat;
+mod compute_args;
 mod convert;
 mod demo;
 mod model_args;

@@ -33,6 +33,8 @@ pub struct ModelArgs {
     pub io_threads: u16,
     #[command(flatten)]
     pub engine: super::run::EngineArgs,
+    #[command(flatten)]
+    pub compute: super::compute_args::ComputeArgs,
     /// Expert-cache capacity in experts [default: all experts that fit in half the available memory].
     #[arg(long, value_name = "N")]
     pub ecap: Option<usize>,
@@ -92,11 +94,13 @@ impl ModelArgs {
             io: self.io(),
             ecap: self.ecap,
             max_seq: ctx,
+            dense: self.compute.dense,
         };
         let tokenizer = Tokenizer::from_dir(&model)?;
         let mut session =
             Session::open(&opts, tokenizer).with_context(|| format!("opening model {}", model.display()))?;
         session.model.set_prefill_chunk(self.engine.prefill_chunk(false)?)?;
+        self.compute.apply(&mut session.model);
         Engine::new(session).with_context(|| format!("reading the chat template of {}", model.display()))
     }
 }

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use picchio_runtime::mem::{plan, CacheRequest, MemBudget, MemPlan, PlanRequest, DEFAULT_PLAN_CTX};
+use picchio_runtime::model::DenseFormat;
 
 /// Options of `picchio plan`.
 #[derive(clap::Args, Debug)]
@@ -26,6 +27,8 @@ pub struct Args {
     /// Plan N cache slots per MoE layer (Picchio (C)'s ECAP: N × MoE layers experts in all).
     #[arg(long, value_name = "N")]
     pub ecap_per_layer: Option<usize>,
+    #[command(flatten)]
+    pub compute: super::compute_args::ComputeArgs,
     /// Print the plan as one JSON object (bytes) on stdout.
     #[arg(long)]
     pub json: bool,
@@ -43,8 +46,10 @@ pub(super) fn plan_for(
     budget: Option<MemBudget>,
     cache: Option<CacheRequest>,
     ctx: usize,
+    dense: DenseFormat,
 ) -> anyhow::Result<MemPlan> {
-    plan(model, &PlanRequest { budget, cache, ctx }).with_context(|| format!("planning memory for {}", model.display()))
+    plan(model, &PlanRequest { budget, cache, ctx, dense })
+        .with_context(|| format!("planning memory for {}", model.display()))
 }
 
 pub fn exec(a: Args) -> anyhow::Result<()> {
@@ -56,7 +61,7 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
             cfg.max_position_embeddings
         );
     }
-    let p = plan_for(&a.model, a.mem, cache_request(a.ecap, a.ecap_per_layer), ctx)?;
+    let p = plan_for(&a.model, a.mem, cache_request(a.ecap, a.ecap_per_layer), ctx, a.compute.dense)?;
     if a.json {
         println!("{}", serde_json::to_string(&p)?);
     } else {

@@ -38,6 +38,8 @@ pub struct Args {
     pub io_threads: u16,
     #[command(flatten)]
     pub engine: EngineArgs,
+    #[command(flatten)]
+    pub compute: super::compute_args::ComputeArgs,
     /// Expert-cache capacity in experts across all MoE layers [default: what --mem leaves, else all
     /// experts that fit in half the available memory].
     #[arg(long, value_name = "N", conflicts_with = "ecap_per_layer")]
@@ -279,7 +281,7 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
     // figures) before anything loads when it cannot fit; without either, Session's default.
     let cache = super::plan::cache_request(a.ecap, a.ecap_per_layer);
     let ecap = if a.mem.is_some() || cache.is_some() {
-        let plan = super::plan::plan_for(&a.model, a.mem, cache, max_seq)?;
+        let plan = super::plan::plan_for(&a.model, a.mem, cache, max_seq, a.compute.dense)?;
         if a.mem.is_some() {
             eprintln!("{plan}");
         }
@@ -298,10 +300,12 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
         }),
         ecap,
         max_seq,
+        dense: a.compute.dense,
     };
     let chunk = a.engine.prefill_chunk(a.trace.is_some())?;
     let mut s = Session::open(&opts, tokenizer).with_context(|| format!("opening model {}", a.model.display()))?;
     s.model.set_prefill_chunk(chunk)?;
+    a.compute.apply(&mut s.model);
     let gen =
         GenerateOptions { max_new: a.n, sampler, stop_at_eos: a.stop_at_eos, keep_logits: a.dump_logits.is_some() };
     if let Some(p) = &a.trace {

@@ -11,6 +11,43 @@ fn widen(v: bf16) -> f32 {
     f32::from_bits(u32::from(v.to_bits()) << 16)
 }
 
+/// The attention loops over the KV cache, for a level module whose `dot` and `axpy` take
+/// `(&[f32], &[f32])` and `(f32, &[f32], &mut [f32])`: one call per head instead of one per cached
+/// position, so the per-position work is inlined (`$feat` is the module's target features; the
+/// scalar module writes the same two loops as safe functions). Each output is exactly what `dot` /
+/// `axpy` give.
+macro_rules! attention_rows {
+    ($feat:literal) => {
+        /// `out[t] = dot(q, rows[t * stride..t * stride + q.len()]) * scale`.
+        ///
+        /// # Safety
+        /// The CPU must support the module's target features.
+        #[target_feature(enable = $feat)]
+        pub(crate) unsafe fn dot_rows(q: &[f32], rows: &[f32], stride: usize, scale: f32, out: &mut [f32]) {
+            let hd = q.len();
+            for (t, o) in out.iter_mut().enumerate() {
+                // SAFETY: `dot` asserts equal lengths; the CPU features are the caller's contract.
+                *o = unsafe { dot(q, &rows[t * stride..t * stride + hd]) } * scale;
+            }
+        }
+
+        /// `out = 0`, then `axpy(w[t], rows[t * stride..t * stride + out.len()], out)` for each `t`
+        /// in order.
+        ///
+        /// # Safety
+        /// The CPU must support the module's target features.
+        #[target_feature(enable = $feat)]
+        pub(crate) unsafe fn weighted_rows(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+            let hd = out.len();
+            out.fill(0.0);
+            for (t, &a) in w.iter().enumerate() {
+                // SAFETY: `axpy` asserts equal lengths; the CPU features are the caller's contract.
+                unsafe { axpy(a, &rows[t * stride..t * stride + hd], out) };
+            }
+        }
+    };
+}
+
 /// Portable reference kernels. Each dot product keeps 8 independent lane sums (element `i` goes to
 /// lane `i % 8`, so the compiler can vectorize it on any target), reduces them in a fixed order, then
 /// adds the tail elements one by one.
@@ -52,6 +89,23 @@ pub(super) mod scalar {
     pub(crate) fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
         for (yi, &xi) in y.iter_mut().zip(x) {
             *yi += a * xi;
+        }
+    }
+
+    /// `out[t] = dot(q, rows[t * stride..t * stride + q.len()]) * scale`.
+    pub(crate) fn dot_rows(q: &[f32], rows: &[f32], stride: usize, scale: f32, out: &mut [f32]) {
+        let hd = q.len();
+        for (t, o) in out.iter_mut().enumerate() {
+            *o = dot(q, &rows[t * stride..t * stride + hd]) * scale;
+        }
+    }
+
+    /// `out = 0`, then `axpy(w[t], rows[t * stride..t * stride + out.len()], out)` for each `t`.
+    pub(crate) fn weighted_rows(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+        let hd = out.len();
+        out.fill(0.0);
+        for (t, &a) in w.iter().enumerate() {
+            axpy(a, &rows[t * stride..t * stride + hd], out);
         }
     }
 
@@ -298,6 +352,8 @@ pub(super) mod avx2 {
             }
         }
     }
+
+    attention_rows!("avx2,fma");
 
     /// `y = W x`, `W [y.len(), x.len()]` row-major `f32`.
     ///
@@ -580,6 +636,8 @@ pub(super) mod avx512 {
             }
         }
     }
+
+    attention_rows!("avx512f,avx2,fma");
 
     /// `y = W x`, `W [y.len(), x.len()]` row-major `f32`.
     ///

@@ -60,16 +60,22 @@ use rayon::prelude::*;
 use crate::quant::{GROUP_SIZE, Q3_GROUP_BYTES, Q4_GROUP_BYTES};
 
 mod dense;
+mod idot;
 mod norm;
 mod q3;
 mod q4;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
+pub use idot::QuantizedInput;
 pub use norm::{silu, silu_mul, silu_mul_interleaved, softmax_inplace};
 
 /// Name of the environment variable that lowers the kernel level (`scalar`, `avx2` or `avx512`).
 pub const LEVEL_ENV: &str = "PICCHIO_KERNELS";
+
+/// Name of the environment variable that turns on the integer Q4 kernels process-wide
+/// (`PICCHIO_IDOT=1`, as Picchio (C)'s `IDOT=1`; `picchio run --idot` sets them per model).
+pub const IDOT_ENV: &str = "PICCHIO_IDOT";
 
 /// [`matvec_par`] splits rows across threads only when `rows * cols` is at least this (`1 << 18`
 /// weights); smaller products run on the calling thread.
@@ -269,6 +275,8 @@ fn matmul_shape(xs: &[f32], n: usize, yt: &[f32]) -> (usize, usize) {
 pub struct Kernels {
     /// Invariant: `level.is_supported()` was true when this value was made.
     level: Level,
+    /// Q4 products through the integer kernels ([`Kernels::with_idot`]).
+    idot: bool,
 }
 
 /// Dispatches `$scalar`, `$avx2` or `$avx512` (paths to functions with the same arguments) on the level.
@@ -295,17 +303,17 @@ macro_rules! dispatch {
 impl Kernels {
     /// Kernels at `level`, or `None` when this CPU does not support it.
     pub fn new(level: Level) -> Option<Kernels> {
-        level.is_supported().then_some(Kernels { level })
+        level.is_supported().then_some(Kernels { level, idot: false })
     }
 
     /// The portable scalar reference kernels (always available).
     pub fn scalar() -> Kernels {
-        Kernels { level: Level::Scalar }
+        Kernels { level: Level::Scalar, idot: false }
     }
 
     /// The best level this CPU supports, ignoring [`LEVEL_ENV`].
     pub fn best() -> Kernels {
-        Kernels { level: Level::best_supported() }
+        Kernels { level: Level::best_supported(), idot: false }
     }
 
     /// The process-wide kernels: the best supported level lowered by [`LEVEL_ENV`], chosen on the
@@ -318,14 +326,72 @@ impl Kernels {
             if let Some(w) = warning {
                 tracing::warn!("{w}");
             }
-            tracing::debug!(level = level.name(), "kernel level");
-            Kernels { level }
+            let idot = std::env::var(IDOT_ENV).is_ok_and(|v| v.trim() == "1");
+            tracing::debug!(level = level.name(), idot, "kernel level");
+            Kernels { level, idot }
         })
     }
 
     /// The instruction-set level of these kernels.
     pub fn level(self) -> Level {
         self.level
+    }
+
+    /// These kernels with the Q4 products ([`Kernels::matvec_q4`], and Q4 in [`Kernels::matvec`],
+    /// [`Kernels::matvec_par`], [`Kernels::matmul`], [`Kernels::matmul_par`]) computed by the
+    /// integer kernels when `on` (the input quantized to `i8` per group of 64; see
+    /// [`Kernels::matvec_q4_quantized`]), or by the exact `f32` ones. Other layouts are unchanged.
+    pub fn with_idot(self, on: bool) -> Kernels {
+        Kernels { idot: on, ..self }
+    }
+
+    /// Whether Q4 products use the integer kernels ([`Kernels::with_idot`]).
+    pub fn idot(self) -> bool {
+        self.idot
+    }
+
+    /// `y = W x` for a Q4 matrix `[y.len(), x.len()]` and an input quantized to `i8` per group of
+    /// 64 ([`QuantizedInput::quantize`]), in integer arithmetic (module `idot`; Picchio (C)'s
+    /// `IDOT=1`). Every level gives the same bits: the AVX2 and AVX-512 levels run the AVX2
+    /// `vpmaddubsw` kernel, the scalar level its portable twin.
+    ///
+    /// # Panics
+    /// When a buffer does not match the shape.
+    pub fn matvec_q4_quantized(self, packed: &[u8], scales: &[f32], x: &QuantizedInput, y: &mut [f32]) {
+        MatRef::Q4 { packed, scales }.check(y.len(), x.len());
+        match self.level {
+            #[cfg(target_arch = "x86_64")]
+            Level::Avx2 | Level::Avx512 => {
+                // SAFETY: a `Kernels` holds `Avx2` or `Avx512` only if `Level::is_supported`
+                // detected avx2 + fma on this CPU (`Kernels::new`); the kernel checks its shapes.
+                unsafe { idot::avx2::matvec(packed, scales, x, y) }
+            }
+            _ => idot::scalar::matvec(packed, scales, x, y),
+        }
+    }
+
+    /// The Q4 product of quantized inputs `qxs[t]` into `yt [rows, n]` (`yt[r * n + t]`), each
+    /// output exactly [`Kernels::matvec_q4_quantized`]'s.
+    fn matmul_q4_quantized(self, packed: &[u8], scales: &[f32], qxs: &[QuantizedInput], yt: &mut [f32]) {
+        let n = qxs.len();
+        let rows = yt.len() / n;
+        let mut col = vec![0f32; rows];
+        for (t, qx) in qxs.iter().enumerate() {
+            self.matvec_q4_quantized(packed, scales, qx, &mut col);
+            for (r, &v) in col.iter().enumerate() {
+                yt[r * n + t] = v;
+            }
+        }
+    }
+
+    /// Each of the `n` rows of `xs` quantized ([`QuantizedInput::quantize`]).
+    fn quantize_inputs(xs: &[f32], n: usize) -> Vec<QuantizedInput> {
+        let cols = xs.len() / n;
+        let mut out = vec![QuantizedInput::default(); n];
+        for (t, q) in out.iter_mut().enumerate() {
+            q.quantize(&xs[t * cols..(t + 1) * cols]);
+        }
+        out
     }
 
     /// `y = W x` for row-major `f32 W [y.len(), x.len()]`.
@@ -362,6 +428,11 @@ impl Kernels {
     /// When `x.len()` is not a multiple of 64 or a buffer does not match the shape.
     pub fn matvec_q4(self, packed: &[u8], scales: &[f32], x: &[f32], y: &mut [f32]) {
         MatRef::Q4 { packed, scales }.check(y.len(), x.len());
+        if self.idot {
+            let mut qx = QuantizedInput::default();
+            qx.quantize(x);
+            return self.matvec_q4_quantized(packed, scales, &qx, y);
+        }
         dispatch!(self, q4::matvec(packed, scales, x, y));
     }
 
@@ -402,6 +473,17 @@ impl Kernels {
             return self.matvec(w, x, y);
         }
         let chunk_rows = (PAR_CHUNK_ELEMS / cols.max(1)).max(1);
+        if let (true, MatRef::Q4 { .. }) = (self.idot, w) {
+            // The input is quantized once for every chunk of rows.
+            let mut qx = QuantizedInput::default();
+            qx.quantize(x);
+            return y.par_chunks_mut(chunk_rows).enumerate().for_each(|(i, y_chunk)| {
+                let r0 = i * chunk_rows;
+                if let MatRef::Q4 { packed, scales } = w.rows(r0, r0 + y_chunk.len(), cols) {
+                    self.matvec_q4_quantized(packed, scales, &qx, y_chunk);
+                }
+            });
+        }
         y.par_chunks_mut(chunk_rows).enumerate().for_each(|(i, y_chunk)| {
             let r0 = i * chunk_rows;
             self.matvec(w.rows(r0, r0 + y_chunk.len(), cols), x, y_chunk);
@@ -422,6 +504,9 @@ impl Kernels {
             MatRef::F32(w) => dispatch!(self, dense::matmul_f32(w, xs, n, yt)),
             MatRef::Bf16(w) => dispatch!(self, dense::matmul_bf16(w, xs, n, yt)),
             MatRef::I8Rows { q, scales } => dispatch!(self, dense::matmul_i8_rows(q, scales, xs, n, yt)),
+            MatRef::Q4 { packed, scales } if self.idot => {
+                self.matmul_q4_quantized(packed, scales, &Kernels::quantize_inputs(xs, n), yt)
+            }
             MatRef::Q4 { packed, scales } => dispatch!(self, q4::matmul(packed, scales, xs, n, yt)),
             MatRef::Q3 { packed, scales } => dispatch!(self, q3::matmul(packed, scales, xs, n, yt)),
         }
@@ -440,6 +525,16 @@ impl Kernels {
             return self.matmul(w, xs, n, yt);
         }
         let chunk_rows = (PAR_CHUNK_ELEMS / cols.max(1)).max(1);
+        if let (true, MatRef::Q4 { .. }) = (self.idot, w) {
+            // The inputs are quantized once for every chunk of rows.
+            let qxs = Kernels::quantize_inputs(xs, n);
+            return yt.par_chunks_mut(chunk_rows * n).enumerate().for_each(|(i, y_chunk)| {
+                let r0 = i * chunk_rows;
+                if let MatRef::Q4 { packed, scales } = w.rows(r0, r0 + y_chunk.len() / n, cols) {
+                    self.matmul_q4_quantized(packed, scales, &qxs, y_chunk);
+                }
+            });
+        }
         yt.par_chunks_mut(chunk_rows * n).enumerate().for_each(|(i, y_chunk)| {
             let r0 = i * chunk_rows;
             self.matmul(w.rows(r0, r0 + y_chunk.len() / n, cols), xs, n, y_chunk);
@@ -462,6 +557,41 @@ impl Kernels {
     pub fn axpy(self, a: f32, x: &[f32], y: &mut [f32]) {
         assert_eq!(x.len(), y.len(), "axpy: lengths differ");
         dispatch!(self, dense::axpy(a, x, y));
+    }
+
+    /// Attention scores over a KV cache: `out[t] = dot(q, rows[t * stride..t * stride + q.len()]) *
+    /// scale` for `t < out.len()`, each exactly [`Kernels::dot`] times `scale` (one call per head
+    /// instead of one per cached position).
+    ///
+    /// # Panics
+    /// When `out` is not empty and `(out.len() - 1) * stride + q.len() > rows.len()`.
+    pub fn dot_rows(self, q: &[f32], rows: &[f32], stride: usize, scale: f32, out: &mut [f32]) {
+        if let Some(last) = out.len().checked_sub(1) {
+            assert!(
+                size(last, stride) + q.len() <= rows.len(),
+                "dot_rows: {} rows of stride {stride} past {}",
+                out.len(),
+                rows.len()
+            );
+        }
+        dispatch!(self, dense::dot_rows(q, rows, stride, scale, out));
+    }
+
+    /// The attention-weighted sum of values: `out = sum_t w[t] * rows[t * stride..t * stride +
+    /// out.len()]`, exactly `out.fill(0.0)` then [`Kernels::axpy`] for each `t` in order.
+    ///
+    /// # Panics
+    /// When `w` is not empty and `(w.len() - 1) * stride + out.len() > rows.len()`.
+    pub fn weighted_rows(self, w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+        if let Some(last) = w.len().checked_sub(1) {
+            assert!(
+                size(last, stride) + out.len() <= rows.len(),
+                "weighted_rows: {} rows of stride {stride} past {}",
+                w.len(),
+                rows.len()
+            );
+        }
+        dispatch!(self, dense::weighted_rows(w, rows, stride, out));
     }
 
     /// Hugging Face `Qwen3RMSNorm` in `f32`: `out[i] = weight[i] * (x[i] * rsqrt(mean(x^2) + eps))`,
@@ -871,6 +1001,99 @@ mod tests {
                 assert_eq!(o1, o3, "rmsnorm_inplace == rmsnorm");
             }
             eprintln!("dot/axpy/rmsnorm: checked {}", k.level());
+        }
+    }
+
+    /// Bits of a slice, for exact comparisons that print well.
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    #[test]
+    fn idot_levels_are_bit_identical_and_within_the_input_quantization_bound() {
+        let mut rng = Rng::new(0x1d07);
+        let mut levels = vec![Kernels::scalar().with_idot(true)];
+        levels.extend(simd_levels("idot").into_iter().map(|k| k.with_idot(true)));
+        for &(rows, cols) in QUANT_SHAPES.iter().chain(&[(1536, 2048), (2048, 768)]) {
+            let w = rng.vec(rows * cols);
+            let (p, s) = quantize_q4(&w, rows, cols);
+            let wf = crate::quant::dequantize_q4(&p, &s, rows, cols);
+            let mut x = rng.vec(cols);
+            x[0] = 0.0;
+            if cols >= 128 {
+                x[64..128].fill(0.0); // a group of zeros: scale 0
+            }
+            let mut reference = vec![0f32; rows];
+            levels[0].matvec_q4(&p, &s, &x, &mut reference);
+            // the input's quantization error is at most max|x_g| / 254 per element
+            let mut exact = vec![0f32; rows];
+            Kernels::scalar().matvec_q4(&p, &s, &x, &mut exact);
+            for r in 0..rows {
+                let mut bound = 0f32;
+                for (g, xg) in x.chunks_exact(GROUP_SIZE).enumerate() {
+                    let amax = xg.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let wsum: f32 = wf[r * cols + g * GROUP_SIZE..][..GROUP_SIZE].iter().map(|v| v.abs()).sum();
+                    bound += amax / 254.0 * wsum;
+                }
+                let abs: f32 = (0..cols).map(|c| (wf[r * cols + c] * x[c]).abs()).sum();
+                let tol = bound * 1.001 + 1e-5 * abs + 1e-30;
+                let d = (reference[r] - exact[r]).abs();
+                assert!(
+                    d <= tol,
+                    "idot [{rows}, {cols}] row {r}: {} vs exact {} (bound {tol})",
+                    reference[r],
+                    exact[r]
+                );
+            }
+            let m = MatRef::Q4 { packed: &p, scales: &s };
+            for k in &levels {
+                let mut y = vec![0f32; rows];
+                k.matvec(m, &x, &mut y);
+                assert_eq!(bits(&y), bits(&reference), "idot {} [{rows}, {cols}] vs scalar", k.level());
+                for threads in [1, 2, 3] {
+                    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                    let mut par = vec![0f32; rows];
+                    pool.install(|| k.matvec_par(m, &x, &mut par));
+                    assert_eq!(bits(&par), bits(&reference), "idot {} matvec_par {threads} threads", k.level());
+                }
+                let n = 3;
+                let mut xs = rng.vec(n * cols);
+                xs[cols..2 * cols].copy_from_slice(&x);
+                for par in [false, true] {
+                    let mut yt = vec![f32::NAN; rows * n];
+                    if par {
+                        k.matmul_par(m, &xs, n, &mut yt);
+                    } else {
+                        k.matmul(m, &xs, n, &mut yt);
+                    }
+                    let ys = untranspose(&yt, n);
+                    for t in 0..n {
+                        let mut y = vec![0f32; rows];
+                        k.matvec(m, &xs[t * cols..(t + 1) * cols], &mut y);
+                        assert_eq!(
+                            bits(&ys[t * rows..(t + 1) * rows]),
+                            bits(&y),
+                            "idot {} matmul (par {par})",
+                            k.level()
+                        );
+                    }
+                }
+            }
+        }
+        eprintln!("idot: checked {:?}", levels.iter().map(|k| k.level()).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn idot_leaves_other_layouts_exact() {
+        let mut rng = Rng::new(0x1d08);
+        let m = Mats::new(&mut rng, 7, 192);
+        let x = rng.vec(192);
+        let k = Kernels::best();
+        for (name, w) in m.refs().into_iter().filter(|(n, _)| *n != "q4") {
+            let (mut a, mut b) = (vec![0f32; 7], vec![0f32; 7]);
+            k.matvec(w, &x, &mut a);
+            k.with_idot(true).matvec(w, &x, &mut b);
+            assert_eq!(bits(&a), bits(&b), "{name}");
         }
     }
 

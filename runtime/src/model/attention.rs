@@ -22,7 +22,7 @@ use rayon::prelude::*;
 use crate::kernels::{self, Kernels};
 
 /// Attention runs its heads on the rayon pool when `heads * positions * head_dim` reaches this.
-const PAR_ATTENTION_ELEMS: usize = 1 << 16;
+pub(crate) const PAR_ATTENTION_ELEMS: usize = 1 << 16;
 
 /// One layer's attention at one position: the cached keys and values of the visible positions.
 pub(crate) struct Attention<'a> {
@@ -52,20 +52,16 @@ impl Attention<'_> {
 
     /// Query head `hi` over `att.len()` positions (see the module docs), reading KV head
     /// `hi / n_rep`.
-    fn head(&self, hi: usize, q: &[f32], att: &mut [f32], out: &mut [f32]) {
-        let (kvd, hd) = (self.kvd, self.hd);
-        let off = (hi / self.n_rep) * hd;
-        for (t, a) in att.iter_mut().enumerate() {
-            *a = self.k.dot(q, &self.keys[t * kvd + off..t * kvd + off + hd]) * self.scale;
-        }
+    pub(crate) fn head(&self, hi: usize, q: &[f32], att: &mut [f32], out: &mut [f32]) {
+        let off = (hi / self.n_rep) * self.hd;
+        // s_t = q . key_t * scale over the cached rows of KV head hi / n_rep (one kernel call).
+        self.k.dot_rows(q, &self.keys[off..], self.kvd, self.scale, att);
         match self.sinks {
             None => kernels::softmax_inplace(att),
             Some(sinks) => softmax_with_sink(att, sinks[hi]),
         }
-        out.fill(0.0);
-        for (t, &a) in att.iter().enumerate() {
-            self.k.axpy(a, &self.values[t * kvd + off..t * kvd + off + hd], out);
-        }
+        // out = sum_t att_t value_t, in position order.
+        self.k.weighted_rows(att, &self.values[off..], self.kvd, out);
     }
 
     /// Every head: `q [nh*hd]` → `out [nh*hd]`, with `att [nh, max_seq]` as score scratch (each

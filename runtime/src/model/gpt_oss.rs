@@ -23,7 +23,7 @@ use std::time::Instant;
 use picchio_core::ExpertLoader;
 
 use super::attention::Attention;
-use super::matrix::{add_into, vector, Matrix};
+use super::matrix::{add_into, vector, DenseFormat, Matrix};
 use super::prefill::{attend_chunk, project, routed_experts_chunk, ChunkState, MoeChunk};
 use super::state::Trace;
 use super::{Io, RouterKind, Step};
@@ -44,8 +44,14 @@ pub struct Linear {
 }
 
 impl Linear {
-    fn load(store: &TensorStore, name: &str, rows: usize, cols: usize, bias: bool) -> Result<Linear> {
-        let weight = Matrix::load(store, &format!("{name}.weight"), rows, cols)?;
+    fn load(
+        store: &TensorStore,
+        name: &str,
+        (rows, cols): (usize, usize),
+        bias: bool,
+        dense: DenseFormat,
+    ) -> Result<Linear> {
+        let weight = Matrix::load_as(store, &format!("{name}.weight"), rows, cols, dense)?;
         let bias = if bias { Some(vector(store, &format!("{name}.bias"), rows)?) } else { None };
         Ok(Linear { weight, bias })
     }
@@ -115,13 +121,22 @@ impl Weights {
     /// [`crate::Error::MissingTensor`], [`crate::Error::TensorShape`], [`crate::Error::TensorDtype`],
     /// naming tensor and file.
     pub fn load(store: &TensorStore, cfg: &Config) -> Result<Weights> {
+        Weights::load_as(store, cfg, DenseFormat::Stored)
+    }
+
+    /// [`Weights::load`] with the attention projections kept in `dense` ([`DenseFormat`]; the router
+    /// stays as stored).
+    ///
+    /// # Errors
+    /// As [`Weights::load`].
+    pub fn load_as(store: &TensorStore, cfg: &Config, dense: DenseFormat) -> Result<Weights> {
         let (h, hd, e, i) = (cfg.hidden_size, cfg.head_dim(), cfg.num_experts, cfg.moe_intermediate_size);
         let (qd, kvd) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
         let bias = cfg.attention_bias;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{l}");
-            let lin = |n: &str, r, c, b| Linear::load(store, &format!("{p}.{n}"), r, c, b);
+            let lin = |n: &str, r, c, b| Linear::load(store, &format!("{p}.{n}"), (r, c), b, dense);
             let flat = |n: &str, len| vector(store, &format!("{p}.{n}"), len);
             layers.push(LayerWeights {
                 input_layernorm: flat("input_layernorm.weight", h)?,

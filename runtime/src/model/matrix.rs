@@ -1,6 +1,7 @@
 //! Resident weight matrices and vectors shared by every architecture: a [`Matrix`] in the dtype it
 //! is stored in (f32, bf16, or Picchio (C)'s i8 rows), norm/bias vectors widened to f32, and the
-//! residual add.
+//! residual add, and the opt-in conversion of the resident projections at load ([`DenseFormat`],
+//! `--dense bf16|int8`).
 
 use half::bf16;
 use safetensors::Dtype;
@@ -26,7 +27,138 @@ pub enum Matrix {
     },
 }
 
+/// How the resident projection matrices are kept once loaded (`picchio run --dense`): as stored, or
+/// converted at load to trade exactness for the bytes a token streams from RAM.
+///
+/// Only the matrices [`DenseFormat::converts`] names are converted: the attention projections
+/// (`self_attn.{q,k,v,o}_proj.weight`) and the dense-MLP projections
+/// (`mlp.{gate,up,down}_proj.weight` of `mlp_only_layers`). The router (`mlp.gate.weight`,
+/// `mlp.router.weight`) stays as stored, because its logits pick the experts and a flipped top-k
+/// choice is a discrete change (and it is ~1.4% of the attention bytes); embeddings and lm_head stay
+/// as stored (Picchio (C) directories already keep them as `i8` rows). Norms and biases stay `f32`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum DenseFormat {
+    /// Every matrix as stored in the directory (exact; the default).
+    #[default]
+    Stored,
+    /// `f32` projections rounded to `bf16` (round to nearest even, `half::bf16::from_f32`): half
+    /// the bytes, a relative error of at most 2^-9 per weight. `bf16` and `i8` matrices stay.
+    Bf16,
+    /// `f32` and `bf16` projections quantized to `i8` rows with one `f32` scale per row
+    /// (`scale = max|row| / 127`, `q = round(w / scale)`, Picchio (C)'s embedding layout): a quarter
+    /// of the `f32` bytes. `i8` matrices stay.
+    Int8,
+}
+
+impl DenseFormat {
+    /// Every format, the default first.
+    pub const ALL: [DenseFormat; 3] = [DenseFormat::Stored, DenseFormat::Bf16, DenseFormat::Int8];
+
+    /// The name `--dense` takes: `stored`, `bf16` or `int8`.
+    pub fn name(self) -> &'static str {
+        match self {
+            DenseFormat::Stored => "stored",
+            DenseFormat::Bf16 => "bf16",
+            DenseFormat::Int8 => "int8",
+        }
+    }
+
+    /// Whether the tensor `name` is one of the projections this option converts (see the type docs):
+    /// `model.layers.N.self_attn.{q,k,v,o}_proj.weight` or `model.layers.N.mlp.{gate,up,down}_proj.weight`.
+    pub fn converts(name: &str) -> bool {
+        const SUFFIXES: [&str; 7] = [
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+        ];
+        let Some(rest) = name.strip_prefix("model.layers.") else { return false };
+        let Some((layer, tail)) = rest.split_once('.') else { return false };
+        !layer.is_empty() && layer.bytes().all(|b| b.is_ascii_digit()) && SUFFIXES.contains(&tail)
+    }
+
+    /// The resident bytes of a `[rows, cols]` matrix of `stored` bytes per weight (4 for F32, 2 for
+    /// BF16, 1 for I8 with its `4 * rows` bytes of scales) once kept in this format, as
+    /// [`Matrix::load_as`] keeps a matrix that [`DenseFormat::converts`] names.
+    pub fn matrix_bytes(self, stored: usize, rows: usize, cols: usize) -> u64 {
+        let n = (rows * cols) as u64;
+        let i8_rows = n + 4 * rows as u64;
+        match (self, stored) {
+            (_, 1) => i8_rows,
+            (DenseFormat::Stored, b) => b as u64 * n,
+            (DenseFormat::Bf16, b) => b.min(2) as u64 * n,
+            (DenseFormat::Int8, _) => i8_rows,
+        }
+    }
+}
+
+impl std::fmt::Display for DenseFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for DenseFormat {
+    type Err = String;
+
+    /// `stored`, `bf16` or `int8` (case-insensitive).
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        DenseFormat::ALL
+            .into_iter()
+            .find(|f| f.name().eq_ignore_ascii_case(s.trim()))
+            .ok_or_else(|| format!("{s:?} is not one of stored, bf16, int8"))
+    }
+}
+
+/// `i8` codes and scale of one row: `scale = max|w| / 127`, `q = round(w / scale)` (ties away from
+/// zero, [`f32::round`]); a row of zeros gets scale 0 and codes 0.
+fn quantize_row_i8(w: impl Iterator<Item = f32> + Clone, q: &mut Vec<i8>) -> f32 {
+    let amax = w.clone().fold(0f32, |m, v| m.max(v.abs()));
+    if amax == 0.0 {
+        q.extend(w.map(|_| 0i8));
+        return 0.0;
+    }
+    let scale = amax / 127.0;
+    q.extend(w.map(|v| (v / scale).round().clamp(-127.0, 127.0) as i8));
+    scale
+}
+
 impl Matrix {
+    /// This matrix kept in `fmt` (see [`DenseFormat`]); a format that does not apply (`bf16` of an
+    /// `i8` matrix, `int8` of an `i8` one, `stored`) returns it unchanged.
+    pub fn convert(self, fmt: DenseFormat, cols: usize) -> Matrix {
+        match (fmt, self) {
+            (DenseFormat::Bf16, Matrix::F32(w)) => Matrix::Bf16(w.iter().map(|&v| bf16::from_f32(v)).collect()),
+            (DenseFormat::Int8, Matrix::F32(w)) => Matrix::int8_rows(&w, cols, |&v| v),
+            (DenseFormat::Int8, Matrix::Bf16(w)) => Matrix::int8_rows(&w, cols, |v| v.to_f32()),
+            (_, m) => m,
+        }
+    }
+
+    /// `w [rows, cols]` quantized to `i8` rows with per-row scales.
+    fn int8_rows<T>(w: &[T], cols: usize, f: impl Fn(&T) -> f32 + Copy) -> Matrix {
+        let rows = if cols == 0 { 0 } else { w.len() / cols };
+        let mut q = Vec::with_capacity(w.len());
+        let mut scales = Vec::with_capacity(rows);
+        for r in 0..rows {
+            scales.push(quantize_row_i8(w[r * cols..(r + 1) * cols].iter().map(f), &mut q));
+        }
+        Matrix::I8Rows { q, scales }
+    }
+
+    /// [`Matrix::load`], then [`Matrix::convert`] to `fmt` when [`DenseFormat::converts`] names the
+    /// tensor (one matrix is held in its stored form at a time).
+    ///
+    /// # Errors
+    /// As [`Matrix::load`].
+    pub fn load_as(store: &TensorStore, name: &str, rows: usize, cols: usize, fmt: DenseFormat) -> Result<Matrix> {
+        let m = Matrix::load(store, name, rows, cols)?;
+        Ok(if DenseFormat::converts(name) { m.convert(fmt, cols) } else { m })
+    }
+
     /// The kernel view of the matrix.
     pub fn as_mat(&self) -> MatRef<'_> {
         match self {

@@ -38,7 +38,7 @@ use crate::model::moe::{combine_canonical, expert_forward_with, ExpertAct, Exper
 use crate::model::prefill::{ChunkState, DEFAULT_PREFILL_CHUNK};
 use crate::model::safetensors::TensorStore;
 
-pub use matrix::Matrix;
+pub use matrix::{DenseFormat, Matrix};
 pub use qwen3_moe::{LayerWeights, Mlp, Weights};
 pub use state::{RunState, StepTimers, Trace};
 
@@ -277,6 +277,16 @@ impl Model {
     /// # Errors
     /// Those of the steps above, and [`Error::Invalid`] when `max_seq` is 0.
     pub fn load(dir: &Path, max_seq: usize) -> Result<Model> {
+        Model::load_as(dir, max_seq, DenseFormat::Stored)
+    }
+
+    /// [`Model::load`] with the resident attention and dense-MLP projections converted to `dense` at
+    /// load ([`DenseFormat`], `picchio run --dense`): fewer bytes streamed from RAM per token, at the
+    /// cost of exactness (the drift is measured in docs/kernels.md).
+    ///
+    /// # Errors
+    /// As [`Model::load`].
+    pub fn load_as(dir: &Path, max_seq: usize, dense: DenseFormat) -> Result<Model> {
         if max_seq == 0 {
             return Err(Error::Invalid(format!("{}: max_seq must be at least 1", dir.display())));
         }
@@ -299,8 +309,8 @@ impl Model {
         }
         let layout = ExpertLayout::detect(&store, &config)?;
         let weights = match config.arch() {
-            Arch::Qwen3Moe => ArchWeights::Qwen3Moe(qwen3_moe::Weights::load(&store, &config)?),
-            Arch::GptOss => ArchWeights::GptOss(gpt_oss::Weights::load(&store, &config)?),
+            Arch::Qwen3Moe => ArchWeights::Qwen3Moe(qwen3_moe::Weights::load_as(&store, &config, dense)?),
+            Arch::GptOss => ArchWeights::GptOss(gpt_oss::Weights::load_as(&store, &config, dense)?),
         };
         // The dense part is resident once, as the copies just made: no mapped page stays behind
         // (the safetensors fallback faults an expert's pages in only when it reads that expert).
@@ -385,6 +395,17 @@ impl Model {
     /// The always-correct loader: experts copied from this directory's safetensors tensors.
     pub fn safetensors_loader(&self) -> SafetensorsExperts {
         SafetensorsExperts::new(Arc::clone(&self.store), self.layout.clone())
+    }
+
+    /// The kernels of later forward passes and prefills.
+    pub fn kernels(&self) -> Kernels {
+        self.kernels
+    }
+
+    /// Runs later forward passes and prefills with `k` (default [`Kernels::get`]); for example
+    /// `Kernels::get().with_idot(true)` for the integer Q4 expert kernels (`picchio run --idot`).
+    pub fn set_kernels(&mut self, k: Kernels) {
+        self.kernels = k;
     }
 
     /// Sets the tokens per chunk of [`Model::prefill`] (`--prefill-chunk`; default

@@ -26,8 +26,9 @@
 //! chunk's tokens in position order, then the next layer (see [`RoutingObserver`]).
 
 use picchio_core::ExpertLoader;
+use rayon::prelude::*;
 
-use super::attention::Attention;
+use super::attention::{Attention, PAR_ATTENTION_ELEMS};
 use super::moe::{activate, combine_canonical, expert_mats, ExpertAct, Routing, RoutingObserver};
 use super::rope::Rope;
 use super::RouterKind;
@@ -158,20 +159,31 @@ pub(crate) fn attend_chunk(
     let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
     let (kvd, qd, max_seq) = (nkv * hd, nh * hd, s.max_seq);
     let scale = (hd as f64).powf(-0.5) as f32;
-    for t in 0..n {
+    let (key_cache, value_cache) = (&s.key_cache, &s.value_cache);
+    // Query head `hi` of token `t` (work item `t * nh + hi`), exactly as `Attention::run` computes
+    // it for that token alone; `att` is score scratch of at least `pos + 1` entries.
+    let one = |i: usize, att: &mut [f32], out: &mut [f32]| {
+        let (t, hi) = (i / nh, i % nh);
         let pos = pos0 + t;
         let first = Attention::first_visible(pos, cfg.attention_window(l));
         let attn = Attention {
             k,
-            keys: &s.key_cache[(l * max_seq + first) * kvd..(l * max_seq + pos + 1) * kvd],
-            values: &s.value_cache[(l * max_seq + first) * kvd..(l * max_seq + pos + 1) * kvd],
+            keys: &key_cache[(l * max_seq + first) * kvd..(l * max_seq + pos + 1) * kvd],
+            values: &value_cache[(l * max_seq + first) * kvd..(l * max_seq + pos + 1) * kvd],
             kvd,
             hd,
             n_rep: nh / nkv,
             scale,
             sinks,
         };
-        attn.run(&q[t * qd..(t + 1) * qd], &mut s.att, max_seq, &mut out[t * qd..(t + 1) * qd]);
+        attn.head(hi, &q[t * qd + hi * hd..t * qd + (hi + 1) * hd], &mut att[..pos + 1 - first], out);
+    };
+    // One split across the pool for the whole chunk (every token's heads), not one per token.
+    let out = &mut out[..n * qd];
+    if n * nh * hd * (pos0 + n) >= PAR_ATTENTION_ELEMS {
+        out.par_chunks_mut(hd).enumerate().for_each_init(|| vec![0f32; max_seq], |att, (i, o)| one(i, att, o));
+    } else {
+        out.chunks_mut(hd).enumerate().for_each(|(i, o)| one(i, &mut s.att[..max_seq], o));
     }
 }
 

@@ -27,7 +27,7 @@ use std::time::Instant;
 use picchio_core::ExpertLoader;
 
 use super::attention::Attention;
-use super::matrix::{add_into, vector};
+use super::matrix::{add_into, vector, DenseFormat};
 use super::prefill::{attend_chunk, project, routed_experts_chunk, ChunkState, MoeChunk};
 use super::{Io, RouterKind, Step};
 use crate::error::Result;
@@ -101,12 +101,20 @@ impl Weights {
     /// # Errors
     /// [`Error::MissingTensor`](crate::Error::MissingTensor), [`Error::TensorShape`](crate::Error::TensorShape), [`Error::TensorDtype`](crate::Error::TensorDtype), naming tensor and file.
     pub fn load(store: &TensorStore, cfg: &Config) -> Result<Weights> {
+        Weights::load_as(store, cfg, DenseFormat::Stored)
+    }
+
+    /// [`Weights::load`] with the attention and dense-MLP projections kept in `dense` ([`DenseFormat`]).
+    ///
+    /// # Errors
+    /// As [`Weights::load`].
+    pub fn load_as(store: &TensorStore, cfg: &Config, dense: DenseFormat) -> Result<Weights> {
         let (h, hd) = (cfg.hidden_size, cfg.head_dim());
         let (qd, kvd) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{l}");
-            let mat = |n: &str, r, c| Matrix::load(store, &format!("{p}.{n}"), r, c);
+            let mat = |n: &str, r, c| Matrix::load_as(store, &format!("{p}.{n}"), r, c, dense);
             let mlp = if cfg.is_moe_layer(l) {
                 Mlp::Moe { gate: mat("mlp.gate.weight", cfg.num_experts, h)? }
             } else {

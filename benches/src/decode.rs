@@ -20,6 +20,7 @@ use picchio_core::StoreUri;
 use picchio_runtime::error::{Error, Result};
 use picchio_runtime::expert::cache::PrefetchStats;
 use picchio_runtime::expert::store::IoOptions;
+use picchio_runtime::model::DenseFormat;
 use picchio_runtime::run::{DecodeSplit, GenerateOptions, Session, SessionOptions};
 
 use crate::cache::drop_page_cache;
@@ -47,6 +48,15 @@ pub struct DecodeOptions {
     pub warm_from: Option<PathBuf>,
     /// Drop the image's pages from the page cache before each point.
     pub drop_page_cache: bool,
+    /// How the resident attention projections are kept (`--dense`).
+    #[serde(serialize_with = "display_dense")]
+    pub dense: DenseFormat,
+    /// Int8-activation Q4 expert products (`--idot`).
+    pub idot: bool,
+}
+
+fn display_dense<S: serde::Serializer>(v: &DenseFormat, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.collect_str(v)
 }
 
 fn display<S: serde::Serializer>(v: &StoreUri, s: S) -> std::result::Result<S::Ok, S::Error> {
@@ -194,10 +204,14 @@ pub fn run_decode(opts: &DecodeOptions, progress: &mut dyn FnMut(usize, usize)) 
             io: opts.io,
             ecap: Some(ecap),
             max_seq: opts.prompt.len() + opts.tokens,
+            dense: opts.dense,
         };
         rss_reset &= reset_peak_rss();
         let mut s = Session::open(&session_opts, None)?;
         s.model.set_prefill_chunk(opts.prefill_chunk)?;
+        if opts.idot {
+            s.model.set_kernels(s.model.kernels().with_idot(true));
+        }
         let cfg = s.model.config();
         let total = cfg.moe_layers().len() * cfg.num_experts;
         shape.get_or_insert_with(|| {
@@ -289,6 +303,8 @@ mod tests {
             prefill_chunk: 64,
             warm_from: None,
             drop_page_cache: false,
+            dense: DenseFormat::Stored,
+            idot: false,
         };
         assert!(run_decode(&o, &mut |_, _| {}).unwrap_err().to_string().contains("at least 1 expert"));
         let o = DecodeOptions { ecaps: vec![1], prompt: vec![], ..o };

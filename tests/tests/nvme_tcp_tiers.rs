@@ -125,6 +125,7 @@ fn a_target_that_goes_away_mid_run_falls_back_to_safetensors_counted() {
         io,
         ecap: Some(1),
         max_seq: m.prompt.len() + m.tokens.len(),
+        dense: picchio_runtime::model::DenseFormat::Stored,
     };
     let mut s = picchio_runtime::run::Session::open(
         &opts,

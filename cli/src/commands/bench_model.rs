@@ -160,6 +160,8 @@ pub struct DecodeArgs {
     #[arg(long)]
     pub warm: bool,
     #[command(flatten)]
+    pub compute: super::compute_args::ComputeArgs,
+    #[command(flatten)]
     pub out: Output,
 }
 
@@ -385,6 +387,8 @@ pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
         prefill_chunk: a.engine.prefill_chunk(false)?,
         warm_from: a.warm_from.clone(),
         drop_page_cache: !a.warm,
+        dense: a.compute.dense,
+        idot: a.compute.idot,
     };
     let image = image_of(&a.store, &a.model);
     a.out.check("decode", image.as_deref())?;

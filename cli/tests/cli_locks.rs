@@ -17,7 +17,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use common::{model, picchio, private_model, scratch};
+use common::{assert_packed_image, model, picchio, private_model, scratch};
 use picchio_testkit::bin::{stderr, wait_bounded};
 use picchio_testkit::wait_until;
 
@@ -258,7 +258,7 @@ fn two_writers_of_one_output_the_second_is_refused_while_the_first_writes() {
     let o = picchio(&["pack", m.to_str().unwrap(), "--out", out.to_str().unwrap(), "--no-progress"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains(&format!("removed {}", tmp.display())), "{}", stderr(&o));
-    assert!(std::fs::read(&out).unwrap() == std::fs::read(m.join("experts.picchioflat")).unwrap());
+    assert_packed_image(&std::fs::read(&out).unwrap(), &std::fs::read(m.join("experts.picchioflat")).unwrap(), &m);
 }
 
 #[test]

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{image, model, ok, picchio, scratch};
+use common::{assert_packed_image, image, model, ok, picchio, scratch};
 use picchio_nvme::tcp::model::{ModelConfig, TargetModel};
 use serde_json::Value;
 
@@ -32,7 +32,7 @@ fn pack_run_verify_bench_and_discover_over_nvme_tcp() {
     let out = ok(&["pack", m.to_str().unwrap(), "--out", &uri, "--no-progress"]);
     assert!(out.contains("payload hashes OK"), "{out}");
     let img = std::fs::read(m.join("experts.picchioflat")).unwrap();
-    assert_eq!(&std::fs::read(&ns).unwrap()[..img.len()], &img[..], "the namespace holds the image");
+    assert_packed_image(&std::fs::read(&ns).unwrap(), &img, &m);
     assert_eq!(run_tokens(&uri), run_tokens(&image()), "nvme-tcp:// gives the file tier's tokens");
     let out = ok(&["verify", &uri, "--model", m.to_str().unwrap(), "--no-progress"]);
     assert!(out.contains("OK") || out.contains("ok"), "{out}");

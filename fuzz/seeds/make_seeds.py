@@ -152,3 +152,16 @@ swap = bytearray(4096)
 swap[4086:4096] = b"SWAPSPACE2"
 put("device_signatures", "swap", bytes(swap))
 put("device_signatures", "picchioflat", img[:BS])
+
+# --- chat_template: first byte even = tokenizer_config.json, odd = chat_template.jinja (beside the
+# Qwen3 fixture's tokenizer config).
+qwen_tc = fixture("qwen3_moe_text", "tokenizer_config.json")
+put("chat_template", "qwen3_tokenizer_config", b"\x00" + qwen_tc)
+put("chat_template", "gpt_oss_tokenizer_config", b"\x00" + fixture("tokenizers", "gpt_oss", "tokenizer_config.json"))
+put("chat_template", "qwen3_chat_template_jinja", b"\x01" + json.loads(qwen_tc)["chat_template"].encode())
+put("chat_template", "template_list", b"\x00" + json.dumps({
+    "eos_token": {"content": "<|im_end|>"},
+    "chat_template": [{"name": "tool_use", "template": "{{ tools }}"},
+                      {"name": "default", "template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                                                      "{% if add_generation_prompt %}<assistant>{% endif %}"}]}).encode())
+put("chat_template", "raise_exception", b"\x01{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}")

@@ -216,9 +216,13 @@ impl<Q: NvmWriteQueue> ImageSink for NvmeSink<'_, Q> {
         Ok(())
     }
 
-    fn barrier(&mut self) -> io::Result<()> {
+    fn end_run(&mut self) -> io::Result<()> {
         self.submit()?;
-        self.drain_to(0)?;
+        self.drain_to(0)
+    }
+
+    fn barrier(&mut self) -> io::Result<()> {
+        self.end_run()?;
         self.queue.flush()
     }
 

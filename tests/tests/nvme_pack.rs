@@ -26,7 +26,9 @@ fn queue(ns: &Path, lba: u32) -> (NvmeQueue, Sim) {
     NvmeQueue::open_sim_with(cfg, &opts, HeapDma::new(), true).unwrap()
 }
 
-const POPTS: PackOptions = PackOptions { layers: None, progress: false, record: RecordModel::Packed };
+// No model record: the namespace then holds Picchio (C)'s image byte for byte (the record itself is
+// tested in convert_pack and the CLI tests).
+const POPTS: PackOptions = PackOptions { layers: None, progress: false, record: RecordModel::Nothing };
 
 fn opts(force: bool) -> WriteOptions {
     WriteOptions { force, io_threads: 1, ..WriteOptions::default() }

@@ -16,7 +16,9 @@ use picchio_runtime::image::write::{WriteOptions, WriteTo};
 use picchio_runtime::run::GenerateOptions;
 use picchio_tests::*;
 
-const POPTS: PackOptions = PackOptions { layers: None, progress: false, record: RecordModel::Packed };
+// No model record: the namespace then holds Picchio (C)'s image byte for byte (the record itself is
+// tested in convert_pack and the CLI tests).
+const POPTS: PackOptions = PackOptions { layers: None, progress: false, record: RecordModel::Nothing };
 
 /// A model target of `len` bytes of `fill` (a file in a scratch directory) with `lba`-byte LBAs.
 fn target(len: usize, lba: u32, fill: u8) -> (TargetModel, tempfile::TempDir) {

@@ -8,7 +8,8 @@
 # (`nvme-tcp://`). Every check prints one marker line that run.sh counts:
 #   PICCHIO-VM: PASS|FAIL|SKIP <check> <detail>
 . /test/env
-IMAGE=/fixture/experts.picchioflat
+FIXTURE_DIR=/fixture
+IMAGE=$FIXTURE_DIR/experts.picchioflat
 MAGIC=PCHIOFL1
 PICCHIO=/test/bin/picchio
 EXPORT=/test/bin/nvmet-export.sh
@@ -45,9 +46,16 @@ check_image() {
   dd if="$2" of=/tmp/blk0 bs=4096 count=1 iflag=direct 2>/dev/null
   m="$(head -c 8 /tmp/blk0 2>/dev/null)"
   head -c 4096 "$IMAGE" > /tmp/img0
+  # `picchio pack` writes a model record into the superblock's reserved bytes 96..4096 (docs/format.md):
+  # then the 96 bytes of fields equal the image's, the record magic is at 96 and the path at 144.
+  head -c 96 /tmp/blk0 > /tmp/blk0.fields; head -c 96 /tmp/img0 > /tmp/img0.fields
+  rec="$(dd if=/tmp/blk0 bs=1 skip=96 count=8 2>/dev/null)"
+  dir="$(dd if=/tmp/blk0 bs=1 skip=144 count=${#FIXTURE_DIR} 2>/dev/null)"
   if [ "$m" != "$MAGIC" ]; then fail "$1" "magic at LBA 0 of $2 is '$m', want $MAGIC"
-  elif ! cmp -s /tmp/blk0 /tmp/img0; then fail "$1" "first 4 KiB of $2 differ from $IMAGE"
-  else pass "$1" "$2 starts with $MAGIC and equals the image's first 4 KiB"; fi
+  elif cmp -s /tmp/blk0 /tmp/img0; then pass "$1" "$2 starts with $MAGIC and equals the image's first 4 KiB"
+  elif cmp -s /tmp/blk0.fields /tmp/img0.fields && [ "$rec" = PCHMODEL ] && [ "$dir" = "$FIXTURE_DIR" ]; then
+    pass "$1" "$2 starts with $MAGIC, the image's superblock fields and picchio pack's model record naming $FIXTURE_DIR"
+  else fail "$1" "first 4 KiB of $2 differ from $IMAGE (and are not its superblock with a model record naming $FIXTURE_DIR)"; fi
 }
 
 # picchio run; tokens compared. $1 = check, $2 = store, $3 = model dir, $4 = prompt ids, $5 = tokens.

@@ -184,6 +184,10 @@ impl ImageSink for DeviceSink {
         Ok(())
     }
 
+    fn end_run(&mut self) -> io::Result<()> {
+        self.flush()
+    }
+
     fn barrier(&mut self) -> io::Result<()> {
         self.flush()?;
         rawdev::sync(&self.file).map_err(|cause| Error::Sync { path: self.path.clone(), cause }.into_io())

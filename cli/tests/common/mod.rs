@@ -50,3 +50,19 @@ pub fn ok(args: &[&str]) -> String {
     assert!(o.status.success(), "picchio {} failed", args.join(" "));
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
+
+/// Asserts that `written` (the first bytes of what `picchio pack DIR` wrote, at least as long as
+/// `fixture`) is the fixture image Picchio (C) packed from `dir`, with `picchio pack`'s model record
+/// naming `dir` in the superblock's reserved bytes 96..4096 (docs/format.md, "Model record"): every
+/// other byte equal, the record's magic at 96 and `dir`'s canonical path at 144.
+pub fn assert_packed_image(written: &[u8], fixture: &[u8], dir: &Path) {
+    const RECORD: std::ops::Range<usize> = 96..4096;
+    assert!(written.len() >= fixture.len(), "{} bytes written, the image has {}", written.len(), fixture.len());
+    let written = &written[..fixture.len()];
+    assert!(written[..RECORD.start] == fixture[..RECORD.start], "the superblock fields differ from the fixture's");
+    assert!(written[RECORD.end..] == fixture[RECORD.end..], "the index or payloads differ from the fixture's");
+    assert_eq!(&written[96..104], b"PCHMODEL", "no model record at superblock byte 96");
+    let path = std::fs::canonicalize(dir).unwrap();
+    let path = path.to_str().unwrap().as_bytes();
+    assert_eq!(&written[144..144 + path.len()], path, "the record names {}", dir.display());
+}

@@ -43,6 +43,16 @@ pub trait ImageSink {
     /// The I/O error (it becomes [`Error::Write`] naming [`ImageSink::written_path`]).
     fn write_at(&mut self, offset: u64, bytes: &[u8]) -> std::io::Result<()>;
 
+    /// Writes out what a buffering sink still holds of the runs written so far, and waits for it
+    /// (the writer calls it after the last payload, so a failed payload write is told as one, not as
+    /// the next run's write that would have flushed it). Default: nothing (an unbuffered sink).
+    ///
+    /// # Errors
+    /// The I/O error (it becomes [`Error::Write`]).
+    fn end_run(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+
     /// Makes everything written so far durable before anything written after it. Default: nothing
     /// (a file image becomes visible only by [`ImageSink::commit`]'s rename anyway).
     ///
@@ -69,6 +79,9 @@ impl<S: ImageSink + ?Sized> ImageSink for &mut S {
     }
     fn write_at(&mut self, offset: u64, bytes: &[u8]) -> std::io::Result<()> {
         (**self).write_at(offset, bytes)
+    }
+    fn end_run(&mut self) -> std::io::Result<()> {
+        (**self).end_run()
     }
     fn barrier(&mut self) -> std::io::Result<()> {
         (**self).barrier()
@@ -416,6 +429,7 @@ impl<S: ImageSink> FlatWriter<S> {
         };
         // The index region is padded with zeros up to the data, so it is whole blocks.
         index.resize((self.data_offset - self.index_offset) as usize, 0);
+        self.sink.end_run().map_err(self.werr("payload"))?;
         self.sink.write_at(self.index_offset, &index).map_err(self.werr("index"))?;
         self.sink.barrier().map_err(self.werr("barrier before the superblock"))?;
         self.sink.write_at(0, &sb.encode()).map_err(self.werr("superblock"))?;
@@ -538,6 +552,51 @@ mod tests {
         assert!(crate::error::chain(&e).to_string().starts_with("mem: writing superblock: "), "{e}");
         let e = FlatWriter::with_sink(Recorder::default(), dims, 2).err().unwrap();
         assert!(e.to_string().contains("2 entries exceed"), "{e}");
+    }
+
+    /// A sink that holds every write until [`ImageSink::end_run`] or a non-contiguous write, as the
+    /// device and NVMe sinks gather runs, and fails the flush of its first run.
+    #[derive(Default)]
+    struct FailingRun {
+        held: usize,
+        next: u64,
+    }
+
+    impl ImageSink for FailingRun {
+        fn dest(&self) -> &Path {
+            Path::new("/dev/held")
+        }
+        fn write_at(&mut self, offset: u64, bytes: &[u8]) -> std::io::Result<()> {
+            if self.held > 0 && offset != self.next {
+                return Err(std::io::Error::from_raw_os_error(libc::EIO));
+            }
+            self.held += bytes.len();
+            self.next = offset + bytes.len() as u64;
+            Ok(())
+        }
+        fn end_run(&mut self) -> std::io::Result<()> {
+            match self.held {
+                0 => Ok(()),
+                _ => Err(std::io::Error::from_raw_os_error(libc::EIO)),
+            }
+        }
+        fn commit(&mut self, _: u64) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_buffered_payload_write_that_fails_is_told_as_a_payload_write() {
+        // The payloads are one run the sink holds; its failure shows when the writer ends the run
+        // after the last payload, not at the index write that follows (which used to flush it and be
+        // blamed: "writing index").
+        let dims = StoreDims { hidden: 64, n_layers: 1, n_experts: 2, topk: 1, moe_inter: 128 };
+        let mut w = FlatWriter::with_sink(FailingRun::default(), dims, 2).unwrap();
+        w.push(&[1u8; 4096]).unwrap();
+        w.push(&[2u8; 4096]).unwrap();
+        let e = w.finish().unwrap_err();
+        assert!(matches!(e, Error::Write { what: "payload", .. }), "{e}");
+        assert!(crate::error::chain(&e).to_string().starts_with("/dev/held: writing payload: "), "{e}");
     }
 
     #[test]

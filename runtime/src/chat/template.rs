@@ -110,6 +110,16 @@ pub struct JinjaTemplate {
 /// The name the template is compiled under.
 const NAME: &str = "chat_template";
 
+/// The most instructions one rendering may run (minijinja's fuel): a template comes from a model
+/// directory, and one that loops without end (`range` nested in `range`) must stop with an error
+/// naming it, not hang a chat turn or a server request. The Qwen3 template on a 2,000-message
+/// conversation with tools uses well under a tenth of it (test `fuel_bounds_a_runaway_template`).
+pub const TEMPLATE_FUEL: u64 = 50_000_000;
+
+/// The largest `indent` the `tojson` filter takes (Python takes any; a number in the template must
+/// not size an allocation).
+const MAX_TOJSON_INDENT: usize = 64;
+
 impl JinjaTemplate {
     /// Compiles `source` (read from `path`, named in errors), with the special tokens of
     /// `tokenizer_config` (its `bos_token`, `eos_token`, `pad_token`, `unk_token`, each a string or an
@@ -118,12 +128,23 @@ impl JinjaTemplate {
     /// # Errors
     /// [`Error::Template`] naming the line of a syntax error.
     pub fn new(source: &str, path: &Path, tokenizer_config: Option<&serde_json::Value>) -> Result<JinjaTemplate> {
+        Self::with_fuel(source, path, tokenizer_config, TEMPLATE_FUEL)
+    }
+
+    /// [`JinjaTemplate::new`] with `fuel` instructions per rendering instead of [`TEMPLATE_FUEL`].
+    fn with_fuel(
+        source: &str,
+        path: &Path,
+        tokenizer_config: Option<&serde_json::Value>,
+        fuel: u64,
+    ) -> Result<JinjaTemplate> {
         let mut env = minijinja::Environment::new();
         // transformers: ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
         // extensions=[AssertExtension, jinja2.ext.loopcontrols]).
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_keep_trailing_newline(false);
+        env.set_fuel(Some(fuel));
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
@@ -221,6 +242,12 @@ fn tojson(
     kwargs: minijinja::value::Kwargs,
 ) -> std::result::Result<minijinja::Value, minijinja::Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
+    if let Some(n) = indent.filter(|&n| n > MAX_TOJSON_INDENT) {
+        return Err(minijinja::Error::new(
+            minijinja::ErrorKind::InvalidOperation,
+            format!("tojson indent {n} is above the largest taken, {MAX_TOJSON_INDENT}"),
+        ));
+    }
     let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
     kwargs.assert_all_used()?;
     let mut out = String::new();
@@ -336,5 +363,38 @@ mod tests {
         assert!(e.to_string().contains("empty"), "{e}");
         let e = check_messages(&[Message::new("user", "a"), Message::new("wizard", "b")]).unwrap_err();
         assert!(e.to_string().contains("message 1 has role `wizard`"), "{e}");
+    }
+
+    #[test]
+    fn fuel_bounds_a_runaway_template() {
+        let src = "{% for m in messages %}{{ m.content }}{% endfor %}\n{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}";
+        let t = JinjaTemplate::new(src, Path::new("/m/chat_template.jinja"), None).unwrap();
+        let e = t.render(&[Message::new("user", "hi")], RenderOptions::default()).unwrap_err();
+        assert!(matches!(e, Error::Template { line: Some(2), .. }), "{e:?}");
+        assert!(e.to_string().contains("/m/chat_template.jinja"), "{e}");
+        // The Qwen3 template on a 2,001-message conversation with tools, with a tenth of the fuel.
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/qwen3_moe_text");
+        let tc: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("tokenizer_config.json")).unwrap()).unwrap();
+        let qwen = tc["chat_template"].as_str().unwrap();
+        let t = JinjaTemplate::with_fuel(qwen, &dir, Some(&tc), TEMPLATE_FUEL / 10).unwrap();
+        let messages: Vec<Message> = (0..2001)
+            .map(|i| {
+                Message::new(if i % 2 == 0 { "user" } else { "assistant" }, &format!("turn {i} <think>x</think> y"))
+            })
+            .collect();
+        let tools = [minijinja::Value::from_serialize(serde_json::json!({
+            "type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}
+        }))];
+        let opts = RenderOptions { add_generation_prompt: true, enable_thinking: None, tools: &tools };
+        let text = t.render(&messages, opts).unwrap();
+        assert!(text.contains("turn 2000"), "{}", &text[text.len().saturating_sub(200)..]);
+    }
+
+    #[test]
+    fn tojson_indent_is_bounded() {
+        let t = JinjaTemplate::new("{{ messages | tojson(indent=1000000000) }}", Path::new("/t"), None).unwrap();
+        let e = t.render(&[Message::new("user", "x")], RenderOptions::default()).unwrap_err();
+        assert!(e.to_string().contains("indent 1000000000"), "{e}");
     }
 }

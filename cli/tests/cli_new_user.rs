@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{model, picchio, scratch};
+use common::{assert_packed_image, model, picchio, scratch};
 use std::process::Output;
 
 fn stderr(o: &Output) -> String {
@@ -229,4 +229,19 @@ fn a_corrupt_expert_is_logged_once_however_often_it_is_requested() {
     assert_eq!(warned.len(), distinct.len(), "an expert was logged twice: {err}");
     assert!(st["fallbacks"].as_u64().unwrap() > warned.len() as u64, "each expert was requested once only: {st}");
     assert!(err.contains("distinct experts) were served by the fallback") && err.contains("hash mismatch"), "{err}");
+}
+
+#[test]
+fn pack_records_its_model_directory_unless_told_not_to() {
+    let dir = scratch();
+    let fixture = std::fs::read(model().join("experts.picchioflat")).unwrap();
+    let with = dir.path().join("with.picchioflat");
+    let o = picchio(&["pack", &m(), "--out", with.to_str().unwrap(), "--no-progress"]);
+    assert!(o.status.success());
+    assert_packed_image(&std::fs::read(&with).unwrap(), &fixture, &model());
+    // --no-model-record: Picchio (C)'s packer's bytes, naming no local path.
+    let without = dir.path().join("without.picchioflat");
+    let o = picchio(&["pack", &m(), "--out", without.to_str().unwrap(), "--no-progress", "--no-model-record"]);
+    assert!(o.status.success());
+    assert!(std::fs::read(&without).unwrap() == fixture, "--no-model-record writes the fixture image byte for byte");
 }

@@ -47,10 +47,12 @@ check_image() { # $1 = check name, $2 = device
   # then the 96 bytes of fields equal the image's, the record magic is at 96 and the path at 144.
   head -c 96 /tmp/blk0 > /tmp/blk0.fields; head -c 96 /tmp/img0 > /tmp/img0.fields
   rec="$(dd if=/tmp/blk0 bs=1 skip=96 count=8 2>/dev/null)"
-  dir="$(dd if=/tmp/blk0 bs=1 skip=144 count=${#FIXTURE_DIR} 2>/dev/null)"
+  # The path and the zero after it (a longer recorded path is another directory).
+  printf '%s\0' "$FIXTURE_DIR" > /tmp/want.dir
+  dd if=/tmp/blk0 of=/tmp/got.dir bs=1 skip=144 count=$((${#FIXTURE_DIR} + 1)) 2>/dev/null
   if [ "$m" != "$MAGIC" ]; then fail "$1" "magic at LBA 0 of $2 is '$m', want $MAGIC"
   elif cmp -s /tmp/blk0 /tmp/img0; then pass "$1" "$2 starts with $MAGIC and equals the image's first 4 KiB"
-  elif cmp -s /tmp/blk0.fields /tmp/img0.fields && [ "$rec" = PCHMODEL ] && [ "$dir" = "$FIXTURE_DIR" ]; then
+  elif cmp -s /tmp/blk0.fields /tmp/img0.fields && [ "$rec" = PCHMODEL ] && cmp -s /tmp/want.dir /tmp/got.dir; then
     pass "$1" "$2 starts with $MAGIC, the image's superblock fields and picchio pack's model record naming $FIXTURE_DIR"
   else fail "$1" "first 4 KiB of $2 differ from $IMAGE (and are not its superblock with a model record naming $FIXTURE_DIR)"; fi
 }

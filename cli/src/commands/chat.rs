@@ -255,6 +255,13 @@ fn talk(
                 continue;
             }
         };
+        if o.finish == FinishReason::Cancelled && o.turn.completion_tokens() == 0 {
+            // Stopped before the answer began (during the prefill): the question leaves the
+            // conversation, so no empty assistant turn is rendered into the next prompts.
+            messages.pop();
+            println!("(stopped before answering; the message is not kept)");
+            continue;
+        }
         if o.finish == FinishReason::Cancelled {
             println!("(stopped)");
         }

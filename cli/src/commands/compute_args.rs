@@ -7,8 +7,8 @@ use picchio_runtime::model::DenseFormat;
 pub struct ComputeArgs {
     /// Keep the resident attention (and dense-MLP) projections as stored (`stored`: exact), or
     /// convert them at load to `bf16` (half the RAM traffic of f32) or `int8` rows with one scale per
-    /// row (a quarter): faster decode when the dense part dominates (every expert cached), at a
-    /// drift from the reference measured in docs/kernels.md. The router, embeddings and lm_head stay
+    /// row (a quarter), for when the dense part's RAM traffic dominates a token (every expert
+    /// cached), at a drift from the reference measured in docs/kernels.md. The router, embeddings and lm_head stay
     /// as stored.
     #[arg(long, value_name = "FORMAT", default_value = "stored")]
     pub dense: DenseFormat,

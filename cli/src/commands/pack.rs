@@ -45,10 +45,20 @@ pub struct Args {
     /// Hide the progress bar.
     #[arg(long)]
     pub no_progress: bool,
+    /// Leave the superblock's reserved bytes zero instead of recording MODEL_DIR there (by default
+    /// the image names the directory it was packed from, with a hash of its config.json, so
+    /// `picchio --store URI` finds the model: docs/format.md, "Model record"). Without the record the
+    /// image is byte for byte what Picchio (C)'s packer writes, and names no local path.
+    #[arg(long)]
+    pub no_model_record: bool,
 }
 
 pub fn exec(a: Args) -> anyhow::Result<()> {
-    let opts = PackOptions { layers: a.layers, progress: !a.no_progress, ..PackOptions::default() };
+    let record = match a.no_model_record {
+        true => picchio_runtime::image::record::RecordModel::Nothing,
+        false => picchio_runtime::image::record::RecordModel::Packed,
+    };
+    let opts = PackOptions { layers: a.layers, progress: !a.no_progress, record };
     // SIGINT/SIGTERM stop the write between payloads: a file's temporary file is removed, a device
     // is left without a valid superblock.
     picchio_runtime::interrupt::install().context("installing the SIGINT/SIGTERM handlers")?;

@@ -241,6 +241,13 @@ impl ImageSink for FileSink {
         Ok(())
     }
 
+    fn end_run(&mut self) -> std::io::Result<()> {
+        match self.out.as_mut() {
+            Some(out) => out.flush(),
+            None => Err(std::io::Error::other("image already committed")),
+        }
+    }
+
     fn commit(&mut self, len: u64) -> Result<()> {
         let tmp = &self.tmp_path;
         let werr = |what: &'static str| move |cause| Error::Write { path: tmp.clone(), what, cause };

@@ -116,8 +116,8 @@ const NAME: &str = "chat_template";
 /// conversation with tools uses well under a tenth of it (test `fuel_bounds_a_runaway_template`).
 pub const TEMPLATE_FUEL: u64 = 50_000_000;
 
-/// The largest `indent` the `tojson` filter takes (Python takes any; a number in the template must
-/// not size an allocation).
+/// The largest `indent` the `tojson` filter and the `indent` width the `indent` filter take (Python
+/// takes any; a number in the template must not size an allocation).
 const MAX_TOJSON_INDENT: usize = 64;
 
 impl JinjaTemplate {
@@ -149,6 +149,7 @@ impl JinjaTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_filter("tojson", tojson);
+        env.add_filter("indent", indent);
         env.add_template_owned(NAME, source.to_owned()).map_err(|e| template_error(path, &e))?;
         let mut specials = Vec::new();
         if let Some(cfg) = tokenizer_config {
@@ -231,6 +232,66 @@ fn template_error(path: &Path, e: &minijinja::Error) -> Error {
 /// transformers' `raise_exception(message)`: the template refuses its input.
 fn raise_exception(message: String) -> std::result::Result<minijinja::Value, minijinja::Error> {
     Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, message))
+}
+
+/// Jinja2's `indent(width=4, first=False, blank=False)` filter, with `width` (a count of spaces or
+/// the indentation string) at most [`MAX_TOJSON_INDENT`] characters: minijinja's own takes any
+/// width, so a number in a template would size every line's allocation.
+fn indent(
+    value: String,
+    width: Option<minijinja::Value>,
+    first: Option<bool>,
+    blank: Option<bool>,
+    kwargs: minijinja::value::Kwargs,
+) -> std::result::Result<String, minijinja::Error> {
+    let width = match width {
+        Some(w) => Some(w),
+        None => kwargs.get::<Option<minijinja::Value>>("width")?,
+    };
+    let first = match first {
+        Some(f) => f,
+        None => kwargs.get::<Option<bool>>("first")?.unwrap_or(false),
+    };
+    let blank = match blank {
+        Some(b) => b,
+        None => kwargs.get::<Option<bool>>("blank")?.unwrap_or(false),
+    };
+    kwargs.assert_all_used()?;
+    let too_wide = |n: usize| {
+        minijinja::Error::new(
+            minijinja::ErrorKind::InvalidOperation,
+            format!("indent width {n} is above the largest taken, {MAX_TOJSON_INDENT}"),
+        )
+    };
+    let pad = match width {
+        None => "    ".to_string(),
+        Some(w) => match w.as_str() {
+            Some(s) if s.chars().count() > MAX_TOJSON_INDENT => return Err(too_wide(s.chars().count())),
+            Some(s) => s.to_string(),
+            None => {
+                let n = usize::try_from(w.clone()).map_err(|_| {
+                    minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, format!("indent width {w}"))
+                })?;
+                if n > MAX_TOJSON_INDENT {
+                    return Err(too_wide(n));
+                }
+                " ".repeat(n)
+            }
+        },
+    };
+    // Jinja2: the lines after the first get the indentation (blank ones only with `blank`), the
+    // first with `first`; a trailing newline is dropped.
+    let mut out = String::with_capacity(value.len());
+    for (i, line) in value.lines().enumerate() {
+        if i > 0 {
+            out.push('\n');
+        }
+        if (i > 0 || first) && (blank || !line.trim().is_empty()) {
+            out.push_str(&pad);
+        }
+        out.push_str(line);
+    }
+    Ok(out)
 }
 
 /// transformers' `tojson` filter: `json.dumps(x, ensure_ascii=False, indent=indent,
@@ -396,5 +457,19 @@ mod tests {
         let t = JinjaTemplate::new("{{ messages | tojson(indent=1000000000) }}", Path::new("/t"), None).unwrap();
         let e = t.render(&[Message::new("user", "x")], RenderOptions::default()).unwrap_err();
         assert!(e.to_string().contains("indent 1000000000"), "{e}");
+    }
+
+    #[test]
+    fn indent_filter_follows_jinja2_and_is_bounded() {
+        let render = |src: &str| {
+            let t = JinjaTemplate::new(src, Path::new("/t"), None).unwrap();
+            t.render(&[Message::new("user", "a\n\nb\n")], RenderOptions::default())
+        };
+        // Jinja2: indent("a\n\nb\n") == "a\n\n    b"; first=True indents "a"; blank=True the blank line.
+        assert_eq!(render("{{ messages[0].content | indent }}").unwrap(), "a\n\n    b");
+        assert_eq!(render("{{ messages[0].content | indent(2, true) }}").unwrap(), "  a\n\n  b");
+        assert_eq!(render("{{ messages[0].content | indent(width='> ', blank=true) }}").unwrap(), "a\n> \n> b");
+        let e = render("{{ messages[0].content | indent(1000000000) }}").unwrap_err();
+        assert!(e.to_string().contains("indent width 1000000000"), "{e}");
     }
 }

@@ -1201,7 +1201,8 @@ mod tests {
             let seen = fetch_ov(&mut c, io, 0, &[7, 1, 3], None).unwrap();
             assert_eq!(seen[..2], [1, 2], "hits first");
             c.settle(io).unwrap();
-        });
+        })
+        .unwrap();
         assert!(c.in_flight.is_empty());
         assert_eq!(c.lru_order().len(), 6);
         // The worker ran each fetch's misses as one job, the prefetch as another.
@@ -1224,7 +1225,8 @@ mod tests {
             c.settle(io).unwrap();
             // The misses leave one resident slot that is not a hit: the prefetch takes at most that.
             assert!(c.prefetch_stats().issued <= 1, "{:?}", c.prefetch_stats());
-        });
+        })
+        .unwrap();
         assert_eq!(c.allocated(), 3);
         c.end_speculation();
         let p = c.prefetch_stats();
@@ -1241,7 +1243,8 @@ mod tests {
             let e = fetch_ov(&mut c, io, 2, &[1, 6], None).unwrap_err();
             c.settle(io).unwrap();
             e
-        });
+        })
+        .unwrap();
         assert!(picchio_core::error::chain(&e).to_string().contains("injected failure"), "{e}");
         assert!(!c.contains(ExpertKey { layer: 2, expert: 6 }));
         l.fail.clear();
@@ -1250,10 +1253,11 @@ mod tests {
             let e = fetch_ov(&mut c, io, 3, &[1, 2], None).unwrap_err();
             c.settle(io).unwrap();
             e
-        });
+        })
+        .unwrap();
         assert!(e.to_string().contains("did not return the slot"), "{e}");
         l.keep_slots = false;
-        with_io_worker(&mut l, |io| fetch_ov(&mut c, io, 3, &[1, 2], None)).unwrap();
+        with_io_worker(&mut l, |io| fetch_ov(&mut c, io, 3, &[1, 2], None)).unwrap().unwrap();
         assert_eq!(c.allocated(), 3, "the kept slots were replaced, not added to");
         assert!(c.contains(ExpertKey { layer: 3, expert: 1 }) && c.contains(ExpertKey { layer: 3, expert: 2 }));
     }

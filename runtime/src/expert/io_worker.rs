@@ -115,31 +115,32 @@ impl IoWorker {
 /// the jobs already sent (their messages are dropped unless `f` received them, so `f` must receive
 /// every job's [`IoMsg::JobEnd`] before returning to get its slots back: `ExpertCache::settle`).
 ///
+/// # Errors
+/// The OS error when the thread cannot be started (e.g. `EAGAIN` at a process or pids limit); `f`
+/// has not run then.
+///
 /// # Panics
 /// Re-raises a panic of the loader on the worker thread.
-pub fn with_io_worker<R>(loader: &mut dyn ExpertLoader, f: impl FnOnce(&mut IoWorker) -> R) -> R {
+pub fn with_io_worker<R>(loader: &mut dyn ExpertLoader, f: impl FnOnce(&mut IoWorker) -> R) -> std::io::Result<R> {
     let describe = loader.describe();
     std::thread::scope(|scope| {
         let (job_tx, job_rx) = channel::<Job>();
         let (done_tx, done_rx) = channel::<IoMsg>();
-        std::thread::Builder::new()
-            .name("picchio-io".into())
-            .spawn_scoped(scope, move || {
-                for job in job_rx {
-                    // A send fails only once the forward pass has dropped its end: nothing to do.
-                    loader.load(job.layer, job.requests, &mut |l| {
-                        let _ = done_tx.send(IoMsg::Loaded(l));
-                    });
-                    let _ = done_tx.send(IoMsg::JobEnd { job: job.id });
-                }
-            })
-            .expect("spawn the expert I/O thread");
+        std::thread::Builder::new().name("picchio-io".into()).spawn_scoped(scope, move || {
+            for job in job_rx {
+                // A send fails only once the forward pass has dropped its end: nothing to do.
+                loader.load(job.layer, job.requests, &mut |l| {
+                    let _ = done_tx.send(IoMsg::Loaded(l));
+                });
+                let _ = done_tx.send(IoMsg::JobEnd { job: job.id });
+            }
+        })?;
         let mut worker =
             IoWorker { jobs: Some(job_tx), done: done_rx, open_jobs: 0, next_job: 0, waited_ns: 0, describe };
         let r = f(&mut worker);
         // Closing the job channel ends the worker's loop once it has finished the jobs sent.
         worker.jobs = None;
-        r
+        Ok(r)
     })
 }
 
@@ -182,7 +183,8 @@ mod tests {
             assert_eq!(w.open_jobs(), 0);
             assert_eq!(w.describe(), "mock");
             got
-        });
+        })
+        .unwrap();
         assert_eq!(got, ["3:2:2", "3:1:1", "end 0", "5:7:7", "end 1"]);
     }
 }

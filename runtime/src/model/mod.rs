@@ -616,13 +616,20 @@ impl Model {
         };
         let DecodeIo { overlap, prefetch } = self.decode_io;
         if overlap && cache.async_moe() {
+            let mut settle_ns = 0;
             with_io_worker(loader, |w| {
                 let ran = run(step, &mut Io::Worker { io: &mut *w, prefetch, predicted: None }, &mut *cache);
                 // Every slot back from the worker before it ends, even after an error.
+                let t_settle = std::time::Instant::now();
                 let settled = cache.settle(w);
                 cache.end_speculation();
+                settle_ns = t_settle.elapsed().as_nanos() as u64;
                 ran.and(settled)
-            })?;
+            })
+            .map_err(|cause| Error::Invalid(format!("cannot start the expert I/O thread: {cause}")))??;
+            // Waiting for reads still in flight (wrong prefetch guesses) is part of the step: the
+            // exposed wait counts it, so the step's time must too (the split's parts add up to it).
+            self.state.timers.total_ns += settle_ns;
         } else {
             run(step, &mut Io::Direct(loader), cache)?;
         }

@@ -140,7 +140,7 @@ impl Matrix {
 
     /// `w [rows, cols]` quantized to `i8` rows with per-row scales.
     fn int8_rows<T>(w: &[T], cols: usize, f: impl Fn(&T) -> f32 + Copy) -> Matrix {
-        let rows = if cols == 0 { 0 } else { w.len() / cols };
+        let rows = w.len().checked_div(cols).unwrap_or(0);
         let mut q = Vec::with_capacity(w.len());
         let mut scales = Vec::with_capacity(rows);
         for r in 0..rows {

@@ -54,6 +54,10 @@ pub(crate) enum RouterKind {
     TopKSoftmax,
 }
 
+/// A MoE layer's router as a closure: `logits [n_experts] = router(x [hidden])`, computed with the
+/// given kernels (`--prefetch` applies the next layer's to the current hidden state).
+pub(crate) type RouterFn<'a> = dyn Fn(Kernels, &[f32], &mut [f32]) + 'a;
+
 /// What one forward pass of any architecture works with, borrowed from the [`Model`].
 pub(crate) struct Step<'a> {
     /// The configuration.
@@ -149,13 +153,7 @@ impl Step<'_> {
     /// normalised MLP input, the hidden state at hand), routed as `router` into `s.next_routing`,
     /// and the prediction handed to `io` for layer `l`'s fetch to read speculatively. Otherwise
     /// does nothing.
-    pub fn predict_next(
-        &mut self,
-        l: usize,
-        router: RouterKind,
-        next_router: Option<&dyn Fn(Kernels, &[f32], &mut [f32])>,
-        io: &mut Io<'_>,
-    ) {
+    pub fn predict_next(&mut self, l: usize, router: RouterKind, next_router: Option<&RouterFn<'_>>, io: &mut Io<'_>) {
         let Io::Worker { predicted, prefetch: true, .. } = io else { return };
         let Some(next_router) = next_router else { return };
         if l + 1 >= self.cfg.num_hidden_layers || !self.cfg.is_moe_layer(l + 1) {

@@ -64,8 +64,9 @@ impl UsageProfile {
             }
             None => return Err(bad(1, format!("empty file: expected `{MAGIC}`"))),
         }
-        let mut dim = |key: &str| -> Result<usize> {
-            let (n, l) = lines.next().ok_or_else(|| bad(0, format!("ends before `{key} N`")))?;
+        // `layers` is on line 2, `experts` on line 3: a file that ends before names the missing line.
+        let mut dim = |key: &str, line: usize| -> Result<usize> {
+            let (n, l) = lines.next().ok_or_else(|| bad(line, format!("ends before `{key} N`")))?;
             let v =
                 l.strip_prefix(key).map(str::trim).ok_or_else(|| bad(n, format!("expected `{key} N`, found `{l}`")))?;
             match v.parse::<usize>() {
@@ -73,7 +74,7 @@ impl UsageProfile {
                 _ => Err(bad(n, format!("`{key}` must be a number from 1 to 2^20, found `{v}`"))),
             }
         };
-        let (layers, experts) = (dim("layers")?, dim("experts")?);
+        let (layers, experts) = (dim("layers", 2)?, dim("experts", 3)?);
         if layers * experts > 1 << 24 {
             return Err(bad(3, format!("{layers} layers × {experts} experts is beyond 2^24 entries")));
         }

@@ -1,4 +1,5 @@
-//! The compute options the model-running commands share (`run`, `demo`, `chat`, `serve`, `plan`).
+//! The compute options the model-running commands share (`run`, `demo`, `chat`, `serve`, `bench decode`;
+//! `plan` takes `--dense` alone).
 
 use picchio_runtime::model::DenseFormat;
 

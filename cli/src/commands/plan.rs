@@ -27,8 +27,9 @@ pub struct Args {
     /// Plan N cache slots per MoE layer (Picchio (C)'s ECAP: N × MoE layers experts in all).
     #[arg(long, value_name = "N")]
     pub ecap_per_layer: Option<usize>,
-    #[command(flatten)]
-    pub compute: super::compute_args::ComputeArgs,
+    /// Plan the resident projections as `stored`, `bf16` or `int8` (as `run --dense`).
+    #[arg(long, value_name = "FORMAT", default_value = "stored")]
+    pub dense: picchio_runtime::model::DenseFormat,
     /// Print the plan as one JSON object (bytes) on stdout.
     #[arg(long)]
     pub json: bool,
@@ -61,7 +62,7 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
             cfg.max_position_embeddings
         );
     }
-    let p = plan_for(&a.model, a.mem, cache_request(a.ecap, a.ecap_per_layer), ctx, a.compute.dense)?;
+    let p = plan_for(&a.model, a.mem, cache_request(a.ecap, a.ecap_per_layer), ctx, a.dense)?;
     if a.json {
         println!("{}", serde_json::to_string(&p)?);
     } else {

@@ -316,10 +316,8 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
         s.warm_from(p).with_context(|| format!("warm start from {}", p.display()))?;
     }
     let g = s.generate(&prompt_ids, &gen)?;
-    if let Some(p) = &a.usage_out {
-        let merged = s.usage_profile().save_adding(p)?;
-        tracing::info!("usage profile {} {}", if merged { "added to" } else { "written to" }, p.display());
-    }
+    // Saved now, told after the output: a profile that cannot be written does not lose the tokens.
+    let usage_saved = a.usage_out.as_ref().map(|p| s.usage_profile().save_adding(p).map(|merged| (p, merged)));
     if let Some(p) = &a.trace {
         s.model.take_routing_observer().with_context(|| format!("writing the trace {}", p.display()))?;
     }
@@ -360,6 +358,13 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
             st.fallbacks,
             st.peak_rss_bytes as f64 / 1e6
         );
+    }
+    match usage_saved {
+        Some(Ok((p, merged))) => {
+            tracing::info!("usage profile {} {}", if merged { "added to" } else { "written to" }, p.display())
+        }
+        Some(Err(e)) => return Err(e).context("saving the usage profile (--usage-out); the output above is complete"),
+        None => {}
     }
     Ok(())
 }

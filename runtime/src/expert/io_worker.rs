@@ -7,7 +7,8 @@
 //! [`IoMsg::JobEnd`] per job, in job order. A slot of the job that did not come back before its
 //! `JobEnd` was kept by the loader (a contract violation the cache reports). Jobs run one after
 //! another, in the order they were sent: a speculative prefetch sent after a layer's misses never
-//! delays them.
+//! delays them, but the next layer's misses wait behind it (a wrong guess is read in full before
+//! them).
 //!
 //! The thread is scoped ([`with_io_worker`]): it borrows the loader, and it ends, after the jobs
 //! sent so far, when the forward pass returns. The worker only submits and reaps: every expert is

@@ -5,6 +5,7 @@
 //! charts are valid SVG. Structure and consistency only, never speeds.
 
 mod common;
+#[cfg_attr(not(target_os = "linux"), allow(unused_imports))] // the Linux-only cases use the rest
 use common::{image, model, ok, picchio, private_model, scratch};
 
 use std::path::Path;

@@ -11,6 +11,7 @@ use std::path::Path;
 use std::process::{Output, Stdio};
 
 use common::serve::packed_model;
+#[cfg(target_os = "linux")]
 use picchio_testkit::loopdev::{sparse_file, LoopDevice, LoopOptions};
 
 /// `picchio ARGS` with `input` on stdin (then end of input), without `$PICCHIO_MODEL`.
@@ -108,6 +109,7 @@ fn the_image_names_its_model() {
     assert!(stderr(&o).contains("no model: give --model DIR"), "{}", stderr(&o));
 }
 
+#[cfg(target_os = "linux")]
 #[test]
 #[ignore = "needs root: losetup"]
 fn a_raw_device_names_its_model() {

@@ -3,6 +3,7 @@
 //! for `convert --force`, for superblock dimensions no hash covers, and for stores that are not files.
 
 use std::path::{Path, PathBuf};
+#[cfg_attr(not(target_os = "linux"), allow(unused_imports))] // the Linux-only cases use the rest
 use std::process::{Command, Output, Stdio};
 
 fn fixture(name: &str) -> PathBuf {

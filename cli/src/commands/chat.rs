@@ -93,22 +93,26 @@ impl Signals {
             stop_answer: AtomicBool::new(false),
             quit: AtomicBool::new(false),
         });
-        let mut signals =
-            signal_hook::iterator::Signals::new([SIGINT, SIGTERM]).context("installing the Ctrl-C handler")?;
+        // The handlers only set flags (signal_hook::flag, on Unix and Windows); a thread turns
+        // them into the chat's meaning every 20 ms. Two Ctrl-C within one period count as one.
+        let (int, term) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+        signal_hook::flag::register(SIGINT, int.clone()).context("installing the Ctrl-C handler")?;
+        signal_hook::flag::register(SIGTERM, term.clone()).context("installing the SIGTERM handler")?;
         let s2 = s.clone();
         std::thread::Builder::new()
             .name("picchio-signals".into())
-            .spawn(move || {
-                for sig in signals.forever() {
-                    if sig == SIGINT
-                        && s2.answering.load(Ordering::SeqCst)
-                        && !s2.stop_answer.swap(true, Ordering::SeqCst)
-                    {
-                        continue;
-                    }
-                    s2.quit.store(true, Ordering::SeqCst);
-                    picchio_runtime::interrupt::flag().store(true, Ordering::SeqCst);
+            .spawn(move || loop {
+                std::thread::sleep(Duration::from_millis(20));
+                let terminate = term.swap(false, Ordering::SeqCst);
+                let interrupt = int.swap(false, Ordering::SeqCst);
+                if !terminate && !interrupt {
+                    continue;
                 }
+                if !terminate && s2.answering.load(Ordering::SeqCst) && !s2.stop_answer.swap(true, Ordering::SeqCst) {
+                    continue;
+                }
+                s2.quit.store(true, Ordering::SeqCst);
+                picchio_runtime::interrupt::flag().store(true, Ordering::SeqCst);
             })
             .context("starting the signal thread")?;
         Ok(s)

@@ -317,5 +317,5 @@ fn prefill_checks_its_arguments() {
     assert!(e.contains("100-byte payloads"), "{e}");
     let e = m.set_prefill_chunk(0).unwrap_err().to_string();
     assert!(e.contains("prefill-chunk"), "{e}");
-    assert_eq!(m.prefill_chunk(), 64);
+    assert_eq!(m.prefill_chunk(), picchio_runtime::model::prefill::DEFAULT_PREFILL_CHUNK);
 }

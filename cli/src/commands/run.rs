@@ -172,8 +172,9 @@ pub struct EngineArgs {
     /// Prompt tokens per prefill chunk: each chunk runs every dense projection as one matrix-matrix
     /// product and fetches the union of its routed experts once per MoE layer, so the prompt reads
     /// each expert (and streams each resident weight) once per chunk instead of once per token.
-    /// 1 runs the prompt token by token; tokens are identical at any size. [default: 64; 1 with
-    /// --trace, whose file is in token-by-token order]
+    /// 1 runs the prompt token by token; tokens are identical at any size. [default: 256 (measured
+    /// fastest on the real-geometry model: docs/experiments.md); 1 with --trace, whose file is in
+    /// token-by-token order]
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub prefill_chunk: Option<u32>,
     /// Decode without the I/O thread: each layer computes its cached experts first and only then

@@ -614,7 +614,7 @@ fn plot_is_checked_first_and_offered_only_where_there_are_charts() {
         assert!(!help.contains("--plot"), "{exp} --help offers --plot: {help}");
     }
     let help = ok(&["bench", "--help"]);
-    for exp in ["env", "qd-sweep", "layout", "tiers", "overhead", "trace", "cache", "plot"] {
+    for exp in ["env", "qd-sweep", "layout", "tiers", "overhead", "trace", "cache", "decode", "plot"] {
         assert!(help.contains(exp), "{exp} missing from bench --help");
     }
     let help = ok(&["bench", "plot", "--help"]);

@@ -168,7 +168,8 @@ pub struct DecodeArgs {
 /// Options of `picchio bench plot`.
 #[derive(clap::Args, Debug)]
 pub struct PlotArgs {
-    /// A saved report (`--json` of any experiment with charts: qd-sweep, layout, trace, cache).
+    /// A saved report (`--json` of any experiment with charts: qd-sweep, layout, trace, cache,
+    /// decode).
     #[arg(value_name = "REPORT.json")]
     pub report: PathBuf,
     /// Directory for the SVG charts (created if missing; its parent must exist).

@@ -37,7 +37,8 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Convert a Hugging Face Qwen3-MoE checkpoint into a Picchio model directory (quantized experts).
+    /// Convert a Hugging Face Qwen3-MoE or GPT-OSS checkpoint into a Picchio model directory
+    /// (quantized experts).
     Convert(convert::Args),
     /// Pack a converted model's routed experts into a .picchioflat image.
     Pack(pack::Args),
@@ -63,7 +64,7 @@ enum Command {
     /// List NVMe controllers, hand one to vfio-pci for the user-space driver and back, identify it.
     Nvme(nvme::Args),
     /// Experiments with a JSON report (docs/experiments.md): env, qd-sweep, layout, tiers, overhead,
-    /// trace, cache; plot redraws a report's charts.
+    /// trace, cache, decode; plot redraws a report's charts.
     Bench(bench::Args),
     /// Write a .picchioflat image with a real model's expert geometry and seeded random payloads.
     Synth(synth::Args),

@@ -26,7 +26,9 @@ pub struct Args {
     /// controller must already be bound to vfio-pci (`picchio nvme bind BDF`, which refuses
     /// controllers with mounted namespaces), the namespace's first blocks are inspected and refused
     /// like raw:, and the image is flushed and read back through the driver.
-    #[arg(long, value_name = "PATH|raw:/dev/X[@BYTES]|nvme:BDF[/NSID]")]
+    /// nvme-tcp://HOST:PORT/NQN[/NSID] writes a remote namespace the same way through the NVMe/TCP
+    /// initiator (docs/nvme-tcp.md).
+    #[arg(long, value_name = "PATH|raw:/dev/X[@BYTES]|nvme:BDF[/NSID]|nvme-tcp://HOST:PORT/NQN[/NSID]")]
     pub out: Option<String>,
     /// With --out raw: or nvme:, write the target although it carries a partition table or a
     /// file-system signature, or (raw:) is found mounted or in use; everything on it is lost. The

@@ -25,10 +25,11 @@ pub struct Args {
     /// block device after inspecting it (refused if too small, mounted, in use, or carrying a
     /// partition table or file-system signature, unless --force; never the device behind /), then
     /// reads it back and checks it. nvme:BDF[/NSID] writes the namespace through the user-space
-    /// driver exactly as `picchio pack --out nvme:` does (the controller bound to vfio-pci first).
+    /// driver exactly as `picchio pack --out nvme:` does (the controller bound to vfio-pci first);
+    /// nvme-tcp://HOST:PORT/NQN[/NSID] through the NVMe/TCP initiator, as `pack --out nvme-tcp://`.
     #[arg(
         long,
-        value_name = "PATH|raw:/dev/X[@BYTES]|nvme:BDF[/NSID]",
+        value_name = "PATH|raw:/dev/X[@BYTES]|nvme:BDF[/NSID]|nvme-tcp://HOST:PORT/NQN[/NSID]",
         required_unless_present = "model_out",
         conflicts_with = "model_out"
     )]

@@ -12,7 +12,8 @@ pub struct Args {
     /// The .picchioflat image: a path, file:PATH, raw:/dev/X or raw:/dev/X@BYTES for an image on
     /// a block device starting at byte BYTES (default 0), or nvme:BDF[/NSID] for an image at LBA 0 of
     /// an NVMe namespace read through the user-space driver (controller bound to vfio-pci with
-    /// `picchio nvme bind`). The image is only read.
+    /// `picchio nvme bind`), or nvme-tcp://HOST:PORT/NQN[/NSID] for one on a remote namespace read
+    /// through the NVMe/TCP initiator. The image is only read.
     #[arg(value_name = "STORE")]
     pub store: String,
     /// Also compare every payload byte for byte with this converted model's safetensors experts.

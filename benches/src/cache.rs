@@ -216,13 +216,7 @@ pub fn run_cache(opts: &CacheOptions, progress: &mut dyn FnMut(usize, usize)) ->
     let mut ecaps = opts.ecaps.clone();
     ecaps.sort_unstable();
     ecaps.dedup();
-    let image = match &opts.store {
-        StoreUri::File(p) => Some(p.clone()),
-        StoreUri::Auto => {
-            Some(opts.model_dir.join(picchio_runtime::expert::store::DEFAULT_IMAGE)).filter(|p| p.exists())
-        }
-        _ => None,
-    };
+    let image = image_file(&opts.store, &opts.model_dir);
     let total_points = ecaps.len() * opts.modes.len();
     let mut points = Vec::with_capacity(total_points);
     let mut shape = None;
@@ -362,6 +356,16 @@ pub fn ecaps_for_percents(total: usize, percents: &[f64]) -> Vec<usize> {
     v.sort_unstable();
     v.dedup();
     v
+}
+
+/// The image file a run over `store` reads (`file:PATH`, or `auto`'s `model_dir/experts.picchioflat`
+/// when it exists), for dropping its pages between points; `None` for devices and safetensors.
+pub(crate) fn image_file(store: &StoreUri, model_dir: &std::path::Path) -> Option<std::path::PathBuf> {
+    match store {
+        StoreUri::File(p) => Some(p.clone()),
+        StoreUri::Auto => Some(model_dir.join(picchio_runtime::expert::store::DEFAULT_IMAGE)).filter(|p| p.exists()),
+        _ => None,
+    }
 }
 
 #[cfg(test)]

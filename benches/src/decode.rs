@@ -187,13 +187,7 @@ pub fn run_decode(opts: &DecodeOptions, progress: &mut dyn FnMut(usize, usize)) 
     let mut ecaps = opts.ecaps.clone();
     ecaps.sort_unstable();
     ecaps.dedup();
-    let image = match &opts.store {
-        StoreUri::File(p) => Some(p.clone()),
-        StoreUri::Auto => {
-            Some(opts.model_dir.join(picchio_runtime::expert::store::DEFAULT_IMAGE)).filter(|p| p.exists())
-        }
-        _ => None,
-    };
+    let image = crate::cache::image_file(&opts.store, &opts.model_dir);
     let mut points = Vec::with_capacity(ecaps.len());
     let mut shape = None;
     let mut rss_reset = true;

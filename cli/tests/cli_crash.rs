@@ -17,20 +17,15 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::process::Command;
 
+use common::stop::{self, kill9, spawn_stopped};
 use common::{ok, private_model, scratch};
 use picchio_core::rng::SplitMix64;
-use picchio_testkit::bin::wait_bounded;
 
 /// Kill points per writer.
 const SEEDS: u64 = 10;
-
-/// Bounds each wait for a child (a hang fails the test; not a timing assertion).
-const LIMIT: Duration = Duration::from_secs(300);
 
 /// Every file under `p` (a file, or a directory tree) by relative path, with its bytes.
 fn contents(p: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
@@ -52,46 +47,6 @@ fn size(p: &Path) -> u64 {
     contents(p).values().map(|b| b.len() as u64).sum()
 }
 
-/// How a writer stopped at its kill point ended.
-enum Ended {
-    /// Stopped at the point (still to be killed).
-    Stopped(Child),
-    /// Exited before reaching it: its stderr.
-    Exited(String),
-}
-
-/// Starts `picchio ARGS` with `PICCHIO_STOP_AFTER_BYTES=at`, stderr to `log`, and waits until it
-/// stops itself there (or exits).
-fn start_stopped(args: &[String], at: u64, log: &Path) -> Ended {
-    let child = Command::new(env!("CARGO_BIN_EXE_picchio"))
-        .args(args)
-        .env(picchio_core::stop_point::BYTES_ENV, at.to_string())
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(File::create(log).unwrap())
-        .spawn()
-        .expect("start picchio");
-    let mut status = 0;
-    // SAFETY: waits for our own child; `status` is a valid out-pointer.
-    let r = unsafe { libc::waitpid(child.id() as libc::pid_t, &mut status, libc::WUNTRACED) };
-    assert_eq!(r, child.id() as libc::pid_t, "waitpid: {}", std::io::Error::last_os_error());
-    if libc::WIFSTOPPED(status) {
-        Ended::Stopped(child)
-    } else {
-        // Reaped by waitpid: `child` must not be waited for again.
-        std::mem::forget(child);
-        Ended::Exited(std::fs::read_to_string(log).unwrap_or_default())
-    }
-}
-
-fn kill9(child: Child) {
-    // SAFETY: signals our own child, stopped and not yet reaped.
-    assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGKILL) }, 0);
-    let o = wait_bounded(child, LIMIT).expect("the killed writer exits");
-    assert_eq!(o.status.code(), None, "killed by the signal");
-}
-
 /// One writer under test: `args` writes `out`; a killed one (pid) leaves `leftover(pid)`.
 struct Writer<'a> {
     name: &'a str,
@@ -111,12 +66,12 @@ fn kill_at_seeded_points(w: &Writer<'_>, logs: &Path) {
         let salt = w.name.bytes().fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
         let at = SplitMix64::new(seed ^ salt).below(total);
         let log = logs.join(format!("{}-{seed}.log", w.name));
-        let child = match start_stopped(&w.args, at, &log) {
-            Ended::Stopped(c) => c,
-            Ended::Exited(e) => panic!("{} seed {seed}: exited before writing {at} of {total} bytes:\n{e}", w.name),
-        };
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_picchio"));
+        cmd.args(&w.args).env(picchio_core::stop_point::BYTES_ENV, at.to_string());
+        let child = spawn_stopped(&mut cmd, &log)
+            .unwrap_or_else(|e| panic!("{} seed {seed}: never wrote {at} of {total} bytes: {e}", w.name));
         let pid = child.id();
-        let err = std::fs::read_to_string(&log).unwrap();
+        let err = stop::read(&log);
         kill9(child);
         eprintln!("{} seed {seed}: killed -9 after {at} of {total} bytes", w.name);
         assert!(contents(&w.out) == old, "{} seed {seed}: the killed write changed {}", w.name, w.out.display());

@@ -15,30 +15,26 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
-use std::time::Duration;
 
+use common::stop::{self, kill9, resume, spawn_stopped, LIMIT};
 use common::{assert_packed_image, model, picchio, private_model, scratch};
-use picchio_testkit::bin::{stderr, wait_bounded};
-use picchio_testkit::wait_until;
+use picchio_testkit::bin::stderr;
 
-/// Bounds every wait for a child (a hang fails the test; not a timing assertion).
-const LIMIT: Duration = Duration::from_secs(300);
-
-/// `picchio synth` arguments for a custom image of 16 × 8 experts of 1,769,472 bytes (~226 MB): big
-/// enough that its write is still under way when the test has seen its temporary file grow.
-fn big_synth(out: &Path) -> Vec<String> {
+/// `picchio synth` arguments for a custom image of 16 × 4 experts of 110,592 bytes (~7 MB): many
+/// payload writes, so a stop point a quarter or half through lands in the middle of the write.
+fn synth_args(out: &Path) -> Vec<String> {
     [
         "synth",
         "--arch",
         "custom",
         "--hidden",
-        "1024",
+        "256",
         "--moe-intermediate",
-        "1024",
+        "256",
         "--experts",
         "16",
         "--model-layers",
-        "8",
+        "4",
         "--no-progress",
         "--out",
     ]
@@ -48,16 +44,12 @@ fn big_synth(out: &Path) -> Vec<String> {
     .collect()
 }
 
-const BIG_LEN: u64 = 16 * 8 * 1_769_472;
-
-fn spawn(args: &[String]) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_picchio"))
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start picchio")
+/// `picchio ARGS` with `PICCHIO_STOP_AFTER_BYTES=at`, stopped once it has written `at` bytes of its
+/// output (stderr in `log`).
+fn writer_stopped_at(args: &[String], at: u64, log: &Path) -> Child {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_picchio"));
+    cmd.args(args).env(picchio_core::stop_point::BYTES_ENV, at.to_string());
+    spawn_stopped(&mut cmd, log).unwrap_or_else(|e| panic!("the writer never wrote {at} bytes: {e}"))
 }
 
 fn tmp_of(out: &Path, pid: u32) -> PathBuf {
@@ -70,18 +62,18 @@ fn len(p: &Path) -> u64 {
     std::fs::metadata(p).map(|m| m.len()).unwrap_or(0)
 }
 
-fn kill9(child: &mut Child) {
-    // SAFETY: `kill` sends a signal to our own child, not yet reaped.
-    assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGKILL) }, 0);
-}
-
 #[test]
 fn kill_9_of_a_writer_keeps_the_old_image_and_the_next_writer_removes_its_leftover() {
     let dir = scratch();
     let out = dir.path().join("experts.picchioflat");
+    let args = synth_args(&out);
+    // The complete output's size, from a complete synth elsewhere.
+    let whole = dir.path().join("whole.picchioflat");
+    let o = picchio(&synth_args(&whole).iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let total = len(&whole);
     std::fs::copy(model().join("experts.picchioflat"), &out).unwrap();
     let old = std::fs::read(&out).unwrap();
-    let args = big_synth(&out);
     // A live process's temporary file (ours: this test is running) is another writer's, kept.
     let live = tmp_of(&out, std::process::id());
     std::fs::write(&live, b"a writer at work").unwrap();
@@ -93,23 +85,19 @@ fn kill_9_of_a_writer_keeps_the_old_image_and_the_next_writer_removes_its_leftov
         );
     };
     let mut leftover: Option<(PathBuf, u64)> = None;
-    // Killed just after its temporary file appears, a quarter through, half through; each writer
-    // removes the previous one's leftover.
-    for at in [0, BIG_LEN / 4, BIG_LEN / 2] {
-        let mut child = spawn(&args);
+    // Killed after its first write, a quarter through, half through; each writer removes the
+    // previous one's leftover.
+    for (i, at) in [1, total / 4, total / 2].into_iter().enumerate() {
+        let log = dir.path().join(format!("synth-{i}.log"));
+        let child = writer_stopped_at(&args, at, &log);
         let tmp = tmp_of(&out, child.id());
-        let seen = wait_until(LIMIT, || (tmp.exists() && len(&tmp) >= at) || child.try_wait().unwrap().is_some());
-        assert!(
-            seen && child.try_wait().unwrap().is_none(),
-            "synth ended before its temporary file reached {at} bytes"
-        );
-        kill9(&mut child);
-        let o = wait_bounded(child, LIMIT).expect("the killed synth exits");
-        assert_eq!(o.status.code(), None, "synth was killed by the signal, not finished");
+        let e = stop::read(&log);
+        kill9(child);
         assert!(std::fs::read(&out).unwrap() == old, "the killed write changed the old image");
         assert!(tmp.exists(), "kill -9 leaves the temporary file (nothing can remove it)");
+        assert!(len(&tmp) >= at, "{} has {} bytes, the writer had written {at}", tmp.display(), len(&tmp));
         if let Some(prev) = &leftover {
-            removed(&stderr(&o), prev);
+            removed(&e, prev);
         }
         leftover = Some((tmp.clone(), len(&tmp)));
     }
@@ -194,9 +182,8 @@ fn start_run(model: &Path, store: &str) -> (Child, std::thread::JoinHandle<Strin
     (child, reader)
 }
 
-fn stop(mut child: Child, reader: std::thread::JoinHandle<String>) -> String {
-    kill9(&mut child);
-    wait_bounded(child, LIMIT).expect("the run exits");
+fn stop_run(child: Child, reader: std::thread::JoinHandle<String>) -> String {
+    kill9(child);
     reader.join().unwrap()
 }
 
@@ -222,7 +209,7 @@ fn pack_onto_an_image_a_run_reads_refuses_naming_the_run_and_force_replaces_it()
     // --force replaces it by rename; the run goes on reading its open (old) file.
     let o = picchio(&["pack", ms, "--out", is, "--force", "--no-progress"]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let log = stop(run, reader);
+    let log = stop_run(run, reader);
     assert!(!log.contains("Error"), "{log}");
     // The default --out is the same image.
     let o = picchio(&["pack", ms, "--no-progress"]);
@@ -233,27 +220,24 @@ fn pack_onto_an_image_a_run_reads_refuses_naming_the_run_and_force_replaces_it()
 fn two_writers_of_one_output_the_second_is_refused_while_the_first_writes() {
     let dir = scratch();
     let out = dir.path().join("e.picchioflat");
-    let mut first = spawn(&big_synth(&out));
-    let tmp = tmp_of(&out, first.id());
-    assert!(wait_until(LIMIT, || tmp.exists() || first.try_wait().unwrap().is_some()));
-    // Frozen mid-write, holding its claim, until the test kills it.
-    // SAFETY: `kill` sends a signal to our own child, not yet reaped.
-    assert_eq!(unsafe { libc::kill(first.id() as libc::pid_t, libc::SIGSTOP) }, 0);
-    assert!(tmp.exists(), "the first synth finished before the test could stop it");
+    // Stopped mid-write (after its first bytes), holding its claim, until the test kills it.
+    let first = writer_stopped_at(&synth_args(&out), 1, &dir.path().join("first.log"));
+    let first_pid = first.id();
+    let tmp = tmp_of(&out, first_pid);
+    assert!(tmp.exists(), "the stopped synth has no temporary file {}", tmp.display());
     let m = model();
     let o = picchio(&["pack", m.to_str().unwrap(), "--out", out.to_str().unwrap(), "--no-progress"]);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     let e = stderr(&o);
     assert!(
-        e.contains(&format!("{} is being written by another picchio process (pid {})", out.display(), first.id())),
+        e.contains(&format!("{} is being written by another picchio process (pid {first_pid})", out.display())),
         "{e}"
     );
     assert!(tmp.exists(), "the refused writer touched the first one's temporary file");
     // Even --force does not let two writers write one file at once.
     let o = picchio(&["pack", m.to_str().unwrap(), "--out", out.to_str().unwrap(), "--force", "--no-progress"]);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
-    kill9(&mut first);
-    wait_bounded(first, LIMIT).expect("the first synth exits");
+    kill9(first);
     // Once the first writer is gone its lock is too: the next one writes (and removes its leftover).
     let o = picchio(&["pack", m.to_str().unwrap(), "--out", out.to_str().unwrap(), "--no-progress"]);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -291,7 +275,7 @@ fn pack_onto_a_loop_device_a_run_reads_refuses_and_force_writes_it() {
     assert!(std::fs::read(&file).unwrap() == before, "a refused pack wrote the device");
     let o = picchio(&["pack", ms, "--out", &raw, "--force", "--no-progress"]);
     assert!(o.status.success(), "{}", stderr(&o));
-    stop(run, reader);
+    stop_run(run, reader);
 }
 
 #[test]
@@ -345,30 +329,20 @@ fn an_image_overwritten_in_place_under_a_verifying_run_gives_the_same_tokens() {
     // The run stops itself after its second batch of expert reads (PICCHIO_STOP_AFTER_LOADS); the
     // image is then overwritten in place (same inode, as a program writing the file would) and the
     // run goes on reading it.
-    let child = Command::new(env!("CARGO_BIN_EXE_picchio"))
-        .args(args)
-        .env(picchio_core::stop_point::LOADS_ENV, "2")
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let pid = child.id() as libc::pid_t;
-    let mut status = 0;
-    // SAFETY: waits for our own child; `status` is a valid out-pointer.
-    assert_eq!(unsafe { libc::waitpid(pid, &mut status, libc::WUNTRACED) }, pid);
-    assert!(libc::WIFSTOPPED(status), "the run ended before its second load batch");
+    let log = dir.path().join("run.log");
+    let child = spawn_stopped(
+        Command::new(env!("CARGO_BIN_EXE_picchio")).args(args).env(picchio_core::stop_point::LOADS_ENV, "2"),
+        &log,
+    )
+    .unwrap_or_else(|e| panic!("the run never finished its second load batch: {e}"));
     {
         use std::io::Write;
         let mut f = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
         f.write_all(&std::fs::read(&other).unwrap()).unwrap();
         f.sync_all().unwrap();
     }
-    // SAFETY: signals our own stopped child.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
-    let o = wait_bounded(child, LIMIT).expect("the run ends");
-    let e = stderr(&o);
+    let o = resume(child);
+    let e = stop::read(&log);
     assert!(o.status.success(), "{e}");
     let got = json(&o.stdout);
     assert_eq!(got["tokens"], reference["tokens"], "mixed tokens: {e}");
@@ -396,20 +370,12 @@ fn force_onto_a_loop_device_under_a_verifying_run_gives_the_same_tokens() {
     let reference = json(&picchio(&args).stdout);
     assert_eq!(reference["stats"]["fallbacks"], 0, "{reference}");
 
-    let child = Command::new(env!("CARGO_BIN_EXE_picchio"))
-        .args(args)
-        .env(picchio_core::stop_point::LOADS_ENV, "2")
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let pid = child.id() as libc::pid_t;
-    let mut status = 0;
-    // SAFETY: waits for our own child; `status` is a valid out-pointer.
-    assert_eq!(unsafe { libc::waitpid(pid, &mut status, libc::WUNTRACED) }, pid);
-    assert!(libc::WIFSTOPPED(status), "the run ended before its second load batch");
+    let log = dir.path().join("run.log");
+    let child = spawn_stopped(
+        Command::new(env!("CARGO_BIN_EXE_picchio")).args(args).env(picchio_core::stop_point::LOADS_ENV, "2"),
+        &log,
+    )
+    .unwrap_or_else(|e| panic!("the run never finished its second load batch: {e}"));
     // The run holds the device: without --force the writer refuses; with it, it writes another
     // image (other payloads, index and superblock) under the run.
     let synth = |force: bool| {
@@ -439,10 +405,8 @@ fn force_onto_a_loop_device_under_a_verifying_run_gives_the_same_tokens() {
     assert_eq!(synth(false).status.code(), Some(1));
     let o = synth(true);
     assert!(o.status.success(), "{}", stderr(&o));
-    // SAFETY: signals our own stopped child.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
-    let o = wait_bounded(child, LIMIT).expect("the run ends");
-    let e = stderr(&o);
+    let o = resume(child);
+    let e = stop::read(&log);
     assert!(o.status.success(), "{e}");
     let got = json(&o.stdout);
     assert_eq!(got["tokens"], reference["tokens"], "mixed tokens: {e}");

@@ -23,6 +23,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
+use common::stop::{resume, spawn_stopped};
 use common::{model, ok, scratch};
 use picchio_testkit::bin::{stderr, wait_bounded};
 use picchio_testkit::loopdev::{self, sparse_file, LoopDevice, LoopOptions, Mounted};
@@ -59,28 +60,11 @@ fn fill(dir: &Path) -> PathBuf {
 
 /// Runs `picchio ARGS`, stopped after its first written byte; fills `fs`; lets it go on.
 fn run_into_full_disk(args: &[String], fs: &Path, log: &Path) -> Output {
-    let child = Command::new(env!("CARGO_BIN_EXE_picchio"))
-        .args(args)
-        .env(picchio_core::stop_point::BYTES_ENV, "1")
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(File::create(log).unwrap())
-        .spawn()
-        .expect("start picchio");
-    let pid = child.id() as libc::pid_t;
-    let mut status = 0;
-    // SAFETY: waits for our own child; `status` is a valid out-pointer.
-    assert_eq!(unsafe { libc::waitpid(pid, &mut status, libc::WUNTRACED) }, pid);
-    assert!(
-        libc::WIFSTOPPED(status),
-        "{args:?} ended before writing (status {status:#x}):\n{}",
-        std::fs::read_to_string(log).unwrap_or_default()
-    );
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_picchio"));
+    cmd.args(args).env(picchio_core::stop_point::BYTES_ENV, "1");
+    let child = spawn_stopped(&mut cmd, log).unwrap_or_else(|e| panic!("the writer never wrote a byte: {e}"));
     let filler = fill(fs);
-    // SAFETY: signals our own stopped child.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
-    let mut o = wait_bounded(child, LIMIT).expect("the writer ends");
+    let mut o = resume(child);
     o.stderr = std::fs::read(log).unwrap();
     std::fs::remove_file(filler).unwrap();
     eprintln!("$ picchio {}\n[{}]\n{}", args.join(" "), o.status, stderr(&o));

@@ -3,7 +3,8 @@
 //!
 //! - `PICCHIO_STOP_AFTER_BYTES=N` ([`BYTES_ENV`]): the writers (`pack`, `synth`, `convert`,
 //!   `transcode`, the synthetic-model writer) stop once they have handed `N` bytes of output to the
-//!   kernel in all ([`wrote`] is called after each write into a temporary output).
+//!   kernel in all ([`wrote`] is called after each write into a temporary output; a buffered
+//!   writer counts below its buffer, through [`Counted`]).
 //! - `PICCHIO_STOP_AFTER_LOADS=N` ([`LOADS_ENV`]): a reader stops after the `N`th batch of expert
 //!   reads a [`crate::FlatStore`] completed ([`loaded`]).
 //!
@@ -61,6 +62,36 @@ static LOADS: Point = Point::new(LOADS_ENV, "load batches");
 /// output (an image's payloads, a shard's tensors, a copied file).
 pub fn wrote(bytes: u64) {
     BYTES.add(bytes);
+}
+
+/// A writer that reports each write to the kernel to [`wrote`]: put it under a `BufWriter`
+/// (`BufWriter<Counted<File>>`), so the count is of bytes the kernel has, not bytes waiting in
+/// the buffer, and a process stopped at `N` bytes has at least `N` bytes in its output file.
+pub struct Counted<W>(pub W);
+
+impl<W> Counted<W> {
+    /// The wrapped writer.
+    pub fn into_inner(self) -> W {
+        self.0
+    }
+}
+
+impl<W: std::io::Write> std::io::Write for Counted<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.0.write(buf)?;
+        wrote(n as u64);
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush()
+    }
+}
+
+impl<W: std::io::Seek> std::io::Seek for Counted<W> {
+    fn seek(&mut self, pos: std::io::SeekFrom) -> std::io::Result<u64> {
+        self.0.seek(pos)
+    }
 }
 
 /// Records that a [`crate::FlatStore`] completed a batch of expert reads; stops the process after

@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 
 pub mod serve;
+#[cfg(unix)]
+pub mod stop;
 
 /// Picchio (C)'s fixture model directory (config, safetensors, `experts.picchioflat`).
 pub fn model() -> PathBuf {

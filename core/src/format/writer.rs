@@ -12,6 +12,8 @@ use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
+use crate::stop_point::Counted;
+
 use super::{
     encode_index, index_sha256, payload_hash, round_up, ExpertLoc, ModelRecord, Superblock, BLOCK_SIZE,
     EXPERT_LOC_SIZE, VERSION,
@@ -190,7 +192,8 @@ pub fn plan_image_len(
 pub struct FileSink {
     path: PathBuf,
     tmp_path: PathBuf,
-    out: Option<BufWriter<File>>,
+    /// The temporary file under its buffer, counted for the writers' stop point.
+    out: Option<BufWriter<Counted<File>>>,
     /// Where the buffered writer's cursor is.
     pos: u64,
     renamed: bool,
@@ -214,7 +217,7 @@ impl FileSink {
         Ok(FileSink {
             path: path.into(),
             tmp_path,
-            out: Some(BufWriter::with_capacity(1 << 20, file)),
+            out: Some(BufWriter::with_capacity(1 << 20, Counted(file))),
             pos: 0,
             renamed: false,
         })
@@ -237,7 +240,6 @@ impl ImageSink for FileSink {
         }
         out.write_all(bytes)?;
         self.pos = offset + bytes.len() as u64;
-        crate::stop_point::wrote(bytes.len() as u64);
         Ok(())
     }
 
@@ -252,7 +254,7 @@ impl ImageSink for FileSink {
         let tmp = &self.tmp_path;
         let werr = |what: &'static str| move |cause| Error::Write { path: tmp.clone(), what, cause };
         let out = self.out.take().ok_or_else(|| werr("flush")(std::io::Error::other("image already committed")))?;
-        let file = out.into_inner().map_err(|e| werr("flush")(e.into_error()))?;
+        let file = out.into_inner().map_err(|e| werr("flush")(e.into_error()))?.into_inner();
         // The file ends at the last padded payload (or at the data offset for an empty store).
         file.set_len(len).map_err(werr("set length"))?;
         file.sync_all().map_err(werr("sync"))?;

@@ -411,9 +411,8 @@ fn write_file_items(
     bar: &indicatif::ProgressBar,
 ) -> Result<()> {
     let file = File::create(path).map_err(Error::io(path, "create"))?;
-    let mut w = BufWriter::with_capacity(8 << 20, file);
+    let mut w = BufWriter::with_capacity(8 << 20, picchio_core::stop_point::Counted(file));
     w.write_all(header).map_err(Error::io(path, "write"))?;
-    picchio_core::stop_point::wrote(header.len() as u64);
     let chunk = (4 * rayon::current_num_threads()).max(16);
     let mut written = 0u64;
     for c in f.items.chunks(chunk) {
@@ -429,7 +428,6 @@ fn write_file_items(
             .collect::<Result<Vec<_>>>()?;
         for b in bytes {
             w.write_all(&b).map_err(Error::io(path, "write"))?;
-            picchio_core::stop_point::wrote(b.len() as u64);
             written += b.len() as u64;
             bar.inc(1);
         }
@@ -437,7 +435,7 @@ fn write_file_items(
     if written != f.bytes {
         return Err(Error::Invalid(format!("{}: wrote {written} tensor bytes, planned {}", path.display(), f.bytes)));
     }
-    let file = w.into_inner().map_err(|e| Error::io(path, "write")(e.into_error()))?;
+    let file = w.into_inner().map_err(|e| Error::io(path, "write")(e.into_error()))?.into_inner();
     file.sync_all().map_err(Error::io(path, "sync"))
 }
 

@@ -287,10 +287,9 @@ fn write_shard(
     bar: &indicatif::ProgressBar,
 ) -> Result<()> {
     let file = File::create(path).map_err(Error::io(path, "create"))?;
-    let mut w = BufWriter::with_capacity(8 << 20, file);
+    let mut w = BufWriter::with_capacity(8 << 20, picchio_core::stop_point::Counted(file));
     let header = shard::header(&s.tensors, path)?;
     w.write_all(&header).map_err(Error::io(path, "write"))?;
-    picchio_core::stop_point::wrote(header.len() as u64);
     let per_expert = shard::expert_tensors(layout, 0, 0).len() as u64;
     let chunk = (4 * rayon::current_num_threads()).max(16);
     let mut written = 0u64;
@@ -311,7 +310,6 @@ fn write_shard(
             .collect::<Result<Vec<_>>>()?;
         for p in payloads {
             w.write_all(&p).map_err(Error::io(path, "write"))?;
-            picchio_core::stop_point::wrote(p.len() as u64);
             written += p.len() as u64;
             bar.inc(per_expert);
         }
@@ -320,14 +318,13 @@ fn write_shard(
         stop()?;
         let t = store.get(name)?;
         w.write_all(t.bytes).map_err(Error::io(path, "write"))?;
-        picchio_core::stop_point::wrote(t.bytes.len() as u64);
         written += t.bytes.len() as u64;
         bar.inc(1);
     }
     if written != s.bytes {
         return Err(Error::Invalid(format!("{}: wrote {written} tensor bytes, planned {}", path.display(), s.bytes)));
     }
-    let file = w.into_inner().map_err(|e| Error::io(path, "write")(e.into_error()))?;
+    let file = w.into_inner().map_err(|e| Error::io(path, "write")(e.into_error()))?.into_inner();
     file.sync_all().map_err(Error::io(path, "sync"))
 }
 

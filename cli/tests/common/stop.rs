@@ -1,0 +1,82 @@
+//! Children that stop themselves at a `picchio_core::stop_point` (`PICCHIO_STOP_AFTER_BYTES`,
+//! `PICCHIO_STOP_AFTER_LOADS`): the test acts at exactly that point — kills the process, changes the
+//! world under it, starts a second writer — instead of polling for progress and racing the process
+//! to the end. Nothing here depends on the machine's speed or load: a count names the point.
+
+use std::fs::File;
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+use picchio_testkit::bin::wait_bounded;
+
+/// Bounds each wait for a child (a hang fails the test; not a timing assertion).
+pub const LIMIT: Duration = Duration::from_secs(300);
+
+/// Starts `cmd` with stdin closed, stdout piped and stderr to the file `log`, and waits until it
+/// stops itself (`waitpid(WUNTRACED)`). `cmd` carries the stop point's variable.
+///
+/// # Errors
+/// The process exited (or was killed) before its stop point: its status and `log`'s text, for the
+/// test's failure message. It has been reaped.
+///
+/// # Panics
+/// When it neither stops nor exits within [`LIMIT`] (it is killed).
+pub fn spawn_stopped(cmd: &mut Command, log: &Path) -> Result<Child, String> {
+    let child = cmd
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(File::create(log).expect("create the child's stderr log"))
+        .spawn()
+        .expect("start picchio");
+    let pid = child.id() as libc::pid_t;
+    let t0 = std::time::Instant::now();
+    let mut status = 0;
+    loop {
+        // SAFETY: waits for our own child; `status` is a valid out-pointer.
+        let r = unsafe { libc::waitpid(pid, &mut status, libc::WUNTRACED | libc::WNOHANG) };
+        assert!(r >= 0, "waitpid: {}", std::io::Error::last_os_error());
+        if r == pid {
+            break;
+        }
+        if t0.elapsed() > LIMIT {
+            // SAFETY: signals our own child, not yet reaped.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            panic!("{cmd:?} neither stopped nor exited in {LIMIT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    if libc::WIFSTOPPED(status) {
+        return Ok(child);
+    }
+    // Reaped by waitpid: `child` is not waited for again (dropping a `Child` does not wait).
+    drop(child);
+    let how = if libc::WIFEXITED(status) {
+        format!("exit code {}", libc::WEXITSTATUS(status))
+    } else {
+        format!("signal {}", libc::WTERMSIG(status))
+    };
+    Err(format!("{cmd:?} ended ({how}) before its stop point; its stderr:\n{}", read(log)))
+}
+
+/// `log`'s text (lossy; empty when missing).
+pub fn read(log: &Path) -> String {
+    String::from_utf8_lossy(&std::fs::read(log).unwrap_or_default()).into_owned()
+}
+
+/// Kills a stopped child with `SIGKILL` and reaps it; asserts the signal ended it.
+pub fn kill9(child: Child) -> Output {
+    // SAFETY: signals our own child, stopped and not yet reaped.
+    assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGKILL) }, 0);
+    let o = wait_bounded(child, LIMIT).expect("the killed process exits");
+    assert_eq!(o.status.code(), None, "killed by the signal, not finished");
+    o
+}
+
+/// Lets a stopped child go on (`SIGCONT`) and waits for it to end.
+pub fn resume(child: Child) -> Output {
+    // SAFETY: signals our own child, stopped and not yet reaped.
+    assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGCONT) }, 0);
+    wait_bounded(child, LIMIT).expect("the resumed process ends")
+}

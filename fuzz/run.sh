@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# fuzz/run.sh [SECONDS]: builds every fuzz target (cargo-fuzz, libFuzzer, AddressSanitizer, debug
-# assertions), replays each target's checked-in corpus (fuzz/corpus/<target>/), then fuzzes each
-# target for SECONDS (default 60) into a scratch corpus (fuzz/scratch/<target>/, seeded from the
-# checked-in one, which is never written). Fails on any crash, hang (-timeout) or oversized
+# fuzz/run.sh [SECONDS [TARGET...]]: builds every fuzz target (cargo-fuzz, libFuzzer,
+# AddressSanitizer, debug assertions), replays each target's checked-in corpus (fuzz/corpus/<target>/),
+# then fuzzes each target (or only the TARGETs named) for SECONDS (default 60) into a scratch corpus
+# (fuzz/scratch/<target>/, seeded from the checked-in one, which is never written). Fails on any crash, hang (-timeout) or oversized
 # allocation (-malloc_limit_mb); a failing input is saved under fuzz/artifacts/<target>/.
 # Prints the executions per target. See docs/fuzzing.md.
 #
@@ -11,15 +11,22 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 secs=${1:-60}
+shift || true
 export RUSTC_BOOTSTRAP=1
 if ! command -v cargo-fuzz >/dev/null; then
   echo "fuzz/run.sh: cargo-fuzz is not installed (cargo install --locked cargo-fuzz@0.13.2)" >&2
   exit 1
 fi
 mapfile -t targets < <(cargo fuzz list)
+if [ $# -gt 0 ]; then
+  for t in "$@"; do
+    printf '%s\n' "${targets[@]}" | grep -qx "$t" || { echo "fuzz/run.sh: no target $t (cargo fuzz list)" >&2; exit 1; }
+  done
+  targets=("$@")
+fi
 t0=$SECONDS
 cargo fuzz build -O -a
-echo "fuzz: built ${#targets[@]} targets in $((SECONDS - t0)) s"
+echo "fuzz: built every target in $((SECONDS - t0)) s"
 bin=target/x86_64-unknown-linux-gnu/release
 # The targets' scratch model directories (tempfile) go here, in memory when /dev/shm is there: the
 # file targets rewrite a file per input, and on ext4 each rewrite of a truncated file waits for the

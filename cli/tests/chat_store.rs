@@ -1,7 +1,8 @@
 //! `picchio --store URI` with no `--model`: the chat finds the converted model directory the image
 //! records in its superblock (`picchio pack` writes the record; docs/format.md, "Model record"), or
-//! the directory holding a file image, and talks; a moved or changed directory, or an image
-//! without a record, is a clear error naming what was recorded and suggesting `--model`. Through a
+//! the directory holding a file image, and talks; a moved or changed directory, an image without a
+//! record or with a damaged one, is a clear error naming what was recorded (or the damaged field) and
+//! suggesting `--model`. Through a
 //! file, the software NVMe controller (`nvme-sim:`) and, as root, a loop device (`raw:`).
 
 mod common;
@@ -102,6 +103,25 @@ fn the_image_names_its_model() {
     std::fs::copy(common::model().join("experts.picchioflat"), &c_image).unwrap();
     let e = stderr(&chat(&["--store", c_image.to_str().unwrap()], ""));
     assert!(e.contains("records no model directory") && e.contains("--model DIR"), "{e}");
+
+    // A damaged record (its version field overwritten) only loses the way to the model: without
+    // --model the error names the field and its offset; with it the image is read as any other.
+    let damaged = tmp.path().join("damaged.picchioflat");
+    let mut bytes = std::fs::read(moved.join("experts.picchioflat")).unwrap();
+    assert_eq!(&bytes[96..104], b"PCHMODEL");
+    bytes[104..108].copy_from_slice(&7u32.to_le_bytes());
+    std::fs::write(&damaged, &bytes).unwrap();
+    let o = chat(&["--store", damaged.to_str().unwrap()], "");
+    let e = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{e}");
+    assert!(
+        e.contains("model record in its superblock is damaged")
+            && e.contains("model_record.version")
+            && e.contains("0x68")
+            && e.contains("--model DIR"),
+        "{e}"
+    );
+    talks_with(&format!("file:{}", damaged.display()), &moved, &["--model", moved.to_str().unwrap()]);
 
     // No store and no model: say what to give.
     let o = chat(&["chat"], "");

@@ -1,7 +1,9 @@
 //! The `.picchioflat` superblock + index parser as the runtime reads an image: `FlatStore::open`
 //! (superblock, index hash, per-entry checks, with and without the model's expectations), a load of
 //! every entry it accepted (with `--verify` hashing), and `picchio verify`'s own reader
-//! (`verify_queue`). Input: the image bytes. Every outcome must be `Ok` or a clear error.
+//! (`verify_queue`), and the model record in the superblock's reserved bytes (`ModelRecord::decode`,
+//! which the superblock itself reads leniently). Input: the image bytes. Every outcome must be `Ok`
+//! or a clear error.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -11,6 +13,7 @@ use picchio_fuzz::MemQueue;
 
 fuzz_target!(|image: &[u8]| {
     let image_len = image.len() as u64;
+    let _ = picchio_core::format::ModelRecord::decode(image, "fuzz.picchioflat");
     // Without and with a model's expectations (the superblock of the fixture: 64/3/16/4/128).
     let expects = [
         None,

@@ -59,7 +59,10 @@ pub struct Superblock {
     /// SHA-256 of the `index_len` index bytes.
     pub index_sha256: [u8; 32],
     /// The converted model directory the image was written for, in the reserved bytes from 96 on
-    /// ([`ModelRecord`]); `None` for images without one (Picchio (C)'s write zeros there).
+    /// ([`ModelRecord`]); `None` for images without one (Picchio (C)'s write zeros there) and for a
+    /// damaged record (magic present, the rest not a record): the record only finds the model, so
+    /// damage there never stops the experts from being read. [`ModelRecord::decode`] on the block
+    /// names what is wrong with it.
     pub model: Option<ModelRecord>,
 }
 
@@ -108,7 +111,7 @@ impl Superblock {
     ///
     /// # Errors
     /// [`Error::BadMagic`], [`Error::BadField`] (version, block size, zero dimensions, misaligned or
-    /// inconsistent offsets, a damaged model record) or [`Error::Truncated`] (index or data region
+    /// inconsistent offsets; not the model record, see [`Superblock::model`]) or [`Error::Truncated`] (index or data region
     /// past `image_len`).
     pub fn decode(bytes: &[u8], source_name: &str, image_len: u64) -> Result<Self> {
         // The magic first: a short foreign buffer is "not an image", not a truncated one.
@@ -242,7 +245,7 @@ impl Superblock {
                 len: image_len,
             });
         }
-        Ok(Superblock { model: ModelRecord::decode(bytes, source_name)?, ..sb })
+        Ok(Superblock { model: ModelRecord::decode(bytes, source_name).ok().flatten(), ..sb })
     }
 }
 
@@ -285,6 +288,12 @@ mod tests {
         assert_eq!(&b[96..104], b"PCHMODEL");
         assert_eq!(Superblock::decode(&b, "t", 1 << 20).unwrap().model, model);
         assert_eq!(Superblock::decode(&a, "t", 1 << 20).unwrap().model, None);
+        // A damaged record (bad version) loses the record, not the image.
+        let mut d = b.clone();
+        d[104] = 9;
+        let sb = Superblock::decode(&d, "t", 1 << 20).unwrap();
+        assert_eq!(sb, Superblock { model: None, ..with.clone() });
+        assert!(ModelRecord::decode(&d, "t").unwrap_err().to_string().contains("model_record.version"));
     }
 
     #[test]

@@ -103,7 +103,8 @@ pub struct PrefetchStats {
     pub issued: u64,
     /// Of those, experts their layer then picked.
     pub used: u64,
-    /// Of those, experts their layer did not pick (read for nothing).
+    /// Of those, experts their layer did not pick, or whose read failed or was lost (read for
+    /// nothing; a failed one is read again if its layer picks it).
     pub wasted: u64,
 }
 
@@ -711,6 +712,9 @@ impl ExpertCache {
         for key in gone {
             let f = self.in_flight.remove(&key).expect("listed above");
             self.replace_slot(f.slot);
+            if f.prefetch {
+                self.speculation_failed(key);
+            }
             violation.get_or_insert_with(|| format!("the I/O worker stopped while reading {key}"));
         }
         match violation {
@@ -724,6 +728,15 @@ impl ExpertCache {
     pub fn end_speculation(&mut self) {
         self.prefetch.wasted += self.speculative.len() as u64;
         self.speculative.clear();
+    }
+
+    /// A prefetched expert whose read failed or was lost, before its layer routed: wasted, whatever
+    /// the layer then picks (the layer reads it again as a miss).
+    fn speculation_failed(&mut self, key: ExpertKey) {
+        if let Some(i) = self.speculative.iter().position(|k| *k == key) {
+            self.speculative.swap_remove(i);
+            self.prefetch.wasted += 1;
+        }
     }
 
     /// Used-or-wasted verdicts on the prefetched experts of `layer`, which now routed to `experts`.
@@ -793,6 +806,9 @@ impl ExpertCache {
                     format!("returned a slot of {} bytes for {key}; the cache lent {}", buf.len(), self.slot_len);
                 violation.get_or_insert_with(|| what.clone());
                 self.replace_slot(slot);
+                if f.prefetch {
+                    self.speculation_failed(key);
+                }
                 Some(Arrival {
                     key,
                     result: Err(Error::Invalid(format!("expert cache: {what}"))),
@@ -802,6 +818,9 @@ impl ExpertCache {
             Err(cause) => {
                 self.slots[slot].buf = Some(buf);
                 self.free.push(slot);
+                if f.prefetch {
+                    self.speculation_failed(key);
+                }
                 Some(Arrival { key, result: Err(Error::ExpertLoad { key, cause }), prefetch: f.prefetch })
             }
         }
@@ -815,6 +834,9 @@ impl ExpertCache {
             let f = self.in_flight.remove(key).expect("listed above");
             violation.get_or_insert_with(|| format!("did not return the slot of {key}"));
             self.replace_slot(f.slot);
+            if f.prefetch {
+                self.speculation_failed(*key);
+            }
         }
         keys
     }
@@ -1221,6 +1243,8 @@ mod tests {
             let mut seen = fetch_ov(&mut c, io, 0, &[1, 2, 8, 9], Some((1, &[3, 4, 5]))).unwrap();
             seen.sort();
             assert_eq!(seen, [0, 1, 2, 3]);
+            // 1 and 2 were hits, computed from their slots (check_payload read their keys there).
+            assert_eq!((c.hits(), c.misses()), (2, 4));
             fetch_ov(&mut c, io, 0, &[5, 6], Some((1, &[3, 4, 5]))).unwrap();
             c.settle(io).unwrap();
             // The misses leave one resident slot that is not a hit: the prefetch takes at most that.
@@ -1228,6 +1252,8 @@ mod tests {
         })
         .unwrap();
         assert_eq!(c.allocated(), 3);
+        // Nothing read 1 or 2 again: no slot of a hit was taken while its layer was computed.
+        assert!(l.batches[1..].iter().all(|b| !b.contains(&1) && !b.contains(&2)), "{:?}", l.batches);
         c.end_speculation();
         let p = c.prefetch_stats();
         assert_eq!(p.issued, p.used + p.wasted);
@@ -1260,6 +1286,33 @@ mod tests {
         with_io_worker(&mut l, |io| fetch_ov(&mut c, io, 3, &[1, 2], None)).unwrap().unwrap();
         assert_eq!(c.allocated(), 3, "the kept slots were replaced, not added to");
         assert!(c.contains(ExpertKey { layer: 3, expert: 1 }) && c.contains(ExpertKey { layer: 3, expert: 2 }));
+    }
+
+    #[test]
+    fn a_failed_prefetch_counts_as_wasted_even_when_its_layer_picks_it() {
+        use crate::expert::io_worker::with_io_worker;
+        let mut c = ExpertCache::new(6, 5000).unwrap();
+        let mut l = FakeLoader::new();
+        l.fail = vec![5];
+        with_io_worker(&mut l, |io| {
+            // Layer 0 prefetches layer 1's predicted [4, 5]; the read of 5 fails (not an error).
+            fetch_ov(&mut c, io, 0, &[1], Some((1, &[4, 5]))).unwrap();
+            c.settle(io).unwrap();
+            assert!(!c.contains(ExpertKey { layer: 1, expert: 5 }));
+            assert_eq!(c.prefetch_stats(), PrefetchStats { issued: 2, used: 0, wasted: 1 });
+        })
+        .unwrap();
+        l.fail.clear();
+        with_io_worker(&mut l, |io| {
+            // Layer 1 picks 4 (prefetched: used, a hit) and 5 (its prefetch failed: a miss, read again).
+            let (h, m) = (c.hits(), c.misses());
+            fetch_ov(&mut c, io, 1, &[4, 5], None).unwrap();
+            c.settle(io).unwrap();
+            assert_eq!((c.hits() - h, c.misses() - m), (1, 1));
+        })
+        .unwrap();
+        assert_eq!(c.prefetch_stats(), PrefetchStats { issued: 2, used: 1, wasted: 1 });
+        assert_eq!(l.batches.last().unwrap(), &vec![5], "the failed prefetch is read again");
     }
 
     #[test]

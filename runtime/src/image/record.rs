@@ -61,12 +61,17 @@ pub fn record_for(model_dir: &Path, how: &RecordModel) -> Result<Option<ModelRec
     Ok(Some(ModelRecord { dir, config_sha256: config_sha256(model_dir)? }))
 }
 
-/// The superblock at the start of the image `uri` names (read with one block read; nothing else).
+/// The superblock at the start of the image `uri` names (read with one block read; nothing else):
+/// the store's name, the decoded superblock and the model record's own decode (`Err` naming the
+/// field of a damaged record, which the superblock reads as none).
 ///
 /// # Errors
 /// As [`crate::expert::open::open_engine`]; [`Error::Store`] for a read failure or a block that
 /// is not a superblock.
-pub fn read_superblock(uri: &StoreUri, io: IoOptions) -> Result<(String, Superblock)> {
+pub fn read_superblock(
+    uri: &StoreUri,
+    io: IoOptions,
+) -> Result<(String, Superblock, picchio_core::Result<Option<ModelRecord>>)> {
     let opened = crate::expert::open::open_engine(uri, io)?;
     let (name, image_len) = (opened.name.clone(), opened.image_len);
     let mut queue = opened.into_image_queue();
@@ -81,7 +86,8 @@ pub fn read_superblock(uri: &StoreUri, io: IoOptions) -> Result<(String, Superbl
         cause,
     })?;
     let sb = Superblock::decode(block.as_slice(), &name, image_len)?;
-    Ok((name, sb))
+    let record = ModelRecord::decode(block.as_slice(), &name);
+    Ok((name, sb, record))
 }
 
 /// Where the model directory of a store was found.
@@ -104,7 +110,8 @@ pub struct FoundModel {
 ///
 /// # Errors
 /// [`Error::Invalid`] naming the store and what was recorded (the path and the config.json
-/// SHA-256 prefix, and why neither candidate matched) or that nothing was, and suggesting
+/// SHA-256 prefix, and why neither candidate matched), that nothing was, or which field of a damaged
+/// record is wrong, and suggesting
 /// `--model DIR`; the errors of [`read_superblock`]; [`Error::StoreNotAccepted`] for `auto` and
 /// `safetensors`, which name no image.
 pub fn find_model_dir(uri: &StoreUri, io: IoOptions) -> Result<FoundModel> {
@@ -115,7 +122,7 @@ pub fn find_model_dir(uri: &StoreUri, io: IoOptions) -> Result<FoundModel> {
             reason: "names no image to find the model in: give --model DIR (or set PICCHIO_MODEL)".into(),
         });
     }
-    let (name, sb) = read_superblock(uri, io)?;
+    let (name, sb, record) = read_superblock(uri, io)?;
     let beside = match uri {
         StoreUri::File(p) | StoreUri::NvmeSim(p) => {
             let p = std::path::absolute(p).unwrap_or_else(|_| p.clone());
@@ -131,6 +138,13 @@ pub fn find_model_dir(uri: &StoreUri, io: IoOptions) -> Result<FoundModel> {
         }
     };
     let Some(rec) = sb.model else {
+        if let Err(e) = record {
+            // The experts are readable; only the way to the model is lost.
+            return Err(Error::Invalid(format!(
+                "{name}: the model record in its superblock is damaged ({e}), so it names no model directory: give the \
+                 converted directory with --model DIR (or set PICCHIO_MODEL); `picchio pack` writes the record again"
+            )));
+        }
         if let Some(dir) = beside.filter(|d| d.join("config.json").is_file()) {
             return Ok(FoundModel { dir, how: "the directory holding the image (the image records no model)" });
         }

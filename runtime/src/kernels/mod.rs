@@ -384,14 +384,25 @@ impl Kernels {
         }
     }
 
-    /// Each of the `n` rows of `xs` quantized ([`QuantizedInput::quantize`]).
-    fn quantize_inputs(xs: &[f32], n: usize) -> Vec<QuantizedInput> {
+    /// Runs `f` on each of the `n` rows of `xs` quantized ([`QuantizedInput::quantize`]) into this
+    /// thread's buffers, which are kept for the next product: after the first product of a shape,
+    /// `--idot` allocates nothing per product. The buffers are taken out of the thread-local for
+    /// the call, so `f` may itself quantize.
+    fn with_quantized<R>(xs: &[f32], n: usize, f: impl FnOnce(&[QuantizedInput]) -> R) -> R {
+        thread_local! {
+            static QUANTIZED: std::cell::RefCell<Vec<QuantizedInput>> = const { std::cell::RefCell::new(Vec::new()) };
+        }
+        let mut qs = QUANTIZED.take();
         let cols = xs.len() / n;
-        let mut out = vec![QuantizedInput::default(); n];
-        for (t, q) in out.iter_mut().enumerate() {
+        if qs.len() < n {
+            qs.resize_with(n, QuantizedInput::default);
+        }
+        for (t, q) in qs[..n].iter_mut().enumerate() {
             q.quantize(&xs[t * cols..(t + 1) * cols]);
         }
-        out
+        let r = f(&qs[..n]);
+        QUANTIZED.set(qs);
+        r
     }
 
     /// `y = W x` for row-major `f32 W [y.len(), x.len()]`.
@@ -429,9 +440,7 @@ impl Kernels {
     pub fn matvec_q4(self, packed: &[u8], scales: &[f32], x: &[f32], y: &mut [f32]) {
         MatRef::Q4 { packed, scales }.check(y.len(), x.len());
         if self.idot {
-            let mut qx = QuantizedInput::default();
-            qx.quantize(x);
-            return self.matvec_q4_quantized(packed, scales, &qx, y);
+            return Kernels::with_quantized(x, 1, |qx| self.matvec_q4_quantized(packed, scales, &qx[0], y));
         }
         dispatch!(self, q4::matvec(packed, scales, x, y));
     }
@@ -475,13 +484,13 @@ impl Kernels {
         let chunk_rows = (PAR_CHUNK_ELEMS / cols.max(1)).max(1);
         if let (true, MatRef::Q4 { .. }) = (self.idot, w) {
             // The input is quantized once for every chunk of rows.
-            let mut qx = QuantizedInput::default();
-            qx.quantize(x);
-            return y.par_chunks_mut(chunk_rows).enumerate().for_each(|(i, y_chunk)| {
-                let r0 = i * chunk_rows;
-                if let MatRef::Q4 { packed, scales } = w.rows(r0, r0 + y_chunk.len(), cols) {
-                    self.matvec_q4_quantized(packed, scales, &qx, y_chunk);
-                }
+            return Kernels::with_quantized(x, 1, |qx| {
+                y.par_chunks_mut(chunk_rows).enumerate().for_each(|(i, y_chunk)| {
+                    let r0 = i * chunk_rows;
+                    if let MatRef::Q4 { packed, scales } = w.rows(r0, r0 + y_chunk.len(), cols) {
+                        self.matvec_q4_quantized(packed, scales, &qx[0], y_chunk);
+                    }
+                })
             });
         }
         y.par_chunks_mut(chunk_rows).enumerate().for_each(|(i, y_chunk)| {
@@ -505,7 +514,7 @@ impl Kernels {
             MatRef::Bf16(w) => dispatch!(self, dense::matmul_bf16(w, xs, n, yt)),
             MatRef::I8Rows { q, scales } => dispatch!(self, dense::matmul_i8_rows(q, scales, xs, n, yt)),
             MatRef::Q4 { packed, scales } if self.idot => {
-                self.matmul_q4_quantized(packed, scales, &Kernels::quantize_inputs(xs, n), yt)
+                Kernels::with_quantized(xs, n, |qxs| self.matmul_q4_quantized(packed, scales, qxs, yt))
             }
             MatRef::Q4 { packed, scales } => dispatch!(self, q4::matmul(packed, scales, xs, n, yt)),
             MatRef::Q3 { packed, scales } => dispatch!(self, q3::matmul(packed, scales, xs, n, yt)),
@@ -527,12 +536,13 @@ impl Kernels {
         let chunk_rows = (PAR_CHUNK_ELEMS / cols.max(1)).max(1);
         if let (true, MatRef::Q4 { .. }) = (self.idot, w) {
             // The inputs are quantized once for every chunk of rows.
-            let qxs = Kernels::quantize_inputs(xs, n);
-            return yt.par_chunks_mut(chunk_rows * n).enumerate().for_each(|(i, y_chunk)| {
-                let r0 = i * chunk_rows;
-                if let MatRef::Q4 { packed, scales } = w.rows(r0, r0 + y_chunk.len() / n, cols) {
-                    self.matmul_q4_quantized(packed, scales, &qxs, y_chunk);
-                }
+            return Kernels::with_quantized(xs, n, |qxs| {
+                yt.par_chunks_mut(chunk_rows * n).enumerate().for_each(|(i, y_chunk)| {
+                    let r0 = i * chunk_rows;
+                    if let MatRef::Q4 { packed, scales } = w.rows(r0, r0 + y_chunk.len() / n, cols) {
+                        self.matmul_q4_quantized(packed, scales, qxs, y_chunk);
+                    }
+                })
             });
         }
         yt.par_chunks_mut(chunk_rows * n).enumerate().for_each(|(i, y_chunk)| {

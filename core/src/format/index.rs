@@ -39,10 +39,10 @@ impl ExpertLoc {
     /// Decodes 24 on-disk bytes.
     pub fn decode(b: &[u8; EXPERT_LOC_SIZE]) -> Self {
         ExpertLoc {
-            offset: u64::from_le_bytes(b[0..8].try_into().expect("8")),
-            len: u32::from_le_bytes(b[8..12].try_into().expect("4")),
-            padded_len: u32::from_le_bytes(b[12..16].try_into().expect("4")),
-            hash: u64::from_le_bytes(b[16..24].try_into().expect("8")),
+            offset: super::le_u64(b, 0),
+            len: super::le_u32(b, 8),
+            padded_len: super::le_u32(b, 12),
+            hash: super::le_u64(b, 16),
         }
     }
 

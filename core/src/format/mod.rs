@@ -28,6 +28,22 @@ pub const BLOCK_SIZE: u32 = 4096;
 /// computing with made-up weights; `picchio verify --model` checks that the slots hold exactly this.
 pub const DENSE_LAYER_PLACEHOLDER: &[u8; 32] = b"PICCHIO:DENSE-MLP-LAYER:NOEXPERT";
 
+/// The little-endian `u32` at byte `o` of `b` (every integer field of the format is little-endian).
+///
+/// # Panics
+/// When `b` is shorter than `o + 4` (callers check lengths first).
+pub(crate) fn le_u32(b: &[u8], o: usize) -> u32 {
+    u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"))
+}
+
+/// The little-endian `u64` at byte `o` of `b`.
+///
+/// # Panics
+/// When `b` is shorter than `o + 8`.
+pub(crate) fn le_u64(b: &[u8], o: usize) -> u64 {
+    u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"))
+}
+
 /// Rounds `n` up to a multiple of `to` (a power of two or any non-zero value).
 pub const fn round_up(n: u64, to: u64) -> u64 {
     n.div_ceil(to) * to

@@ -89,7 +89,7 @@ impl ModelRecord {
         if block.len() < super::BLOCK_SIZE as usize || block[off::MAGIC..off::MAGIC + 8] != MODEL_RECORD_MAGIC {
             return Ok(None);
         }
-        let u32_at = |o: usize| u32::from_le_bytes(block[o..o + 4].try_into().expect("4 bytes"));
+        let u32_at = |o: usize| super::le_u32(block, o);
         let bad = |field: &'static str, offset: usize, expected: String, found: u64| Error::BadField {
             source_name: source_name.into(),
             field,

@@ -1,6 +1,6 @@
 //! The superblock: the first `BLOCK_SIZE` bytes of an image (Python struct `<8sIIIIIIIIQQQ32s`).
 
-use super::ModelRecord;
+use super::{le_u32, le_u64, ModelRecord};
 use crate::error::{Error, Result};
 
 /// `"PCHIOFL1"`, the first eight bytes of every image.
@@ -64,13 +64,6 @@ pub struct Superblock {
     /// damage there never stops the experts from being read. [`ModelRecord::decode`] on the block
     /// names what is wrong with it.
     pub model: Option<ModelRecord>,
-}
-
-fn u32_at(b: &[u8], o: usize) -> u32 {
-    u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"))
-}
-fn u64_at(b: &[u8], o: usize) -> u64 {
-    u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"))
 }
 
 impl Superblock {
@@ -139,17 +132,17 @@ impl Superblock {
         let mut index_sha256 = [0u8; 32];
         index_sha256.copy_from_slice(&bytes[off::INDEX_SHA256..off::INDEX_SHA256 + 32]);
         let sb = Superblock {
-            version: u32_at(bytes, off::VERSION),
-            block_size: u32_at(bytes, off::BLOCK_SIZE),
-            hidden: u32_at(bytes, off::HIDDEN),
-            n_layers: u32_at(bytes, off::N_LAYERS),
-            n_experts: u32_at(bytes, off::N_EXPERTS),
-            topk: u32_at(bytes, off::TOPK),
-            moe_inter: u32_at(bytes, off::MOE_INTER),
-            n_entries: u32_at(bytes, off::N_ENTRIES),
-            index_offset: u64_at(bytes, off::INDEX_OFFSET),
-            index_len: u64_at(bytes, off::INDEX_LEN),
-            data_offset: u64_at(bytes, off::DATA_OFFSET),
+            version: le_u32(bytes, off::VERSION),
+            block_size: le_u32(bytes, off::BLOCK_SIZE),
+            hidden: le_u32(bytes, off::HIDDEN),
+            n_layers: le_u32(bytes, off::N_LAYERS),
+            n_experts: le_u32(bytes, off::N_EXPERTS),
+            topk: le_u32(bytes, off::TOPK),
+            moe_inter: le_u32(bytes, off::MOE_INTER),
+            n_entries: le_u32(bytes, off::N_ENTRIES),
+            index_offset: le_u64(bytes, off::INDEX_OFFSET),
+            index_len: le_u64(bytes, off::INDEX_LEN),
+            data_offset: le_u64(bytes, off::DATA_OFFSET),
             index_sha256,
             model: None,
         };
@@ -301,12 +294,12 @@ mod tests {
         let b = sample().encode();
         assert_eq!(b.len(), 4096);
         assert_eq!(&b[0..8], b"PCHIOFL1");
-        assert_eq!(u32_at(&b, 8), 2);
-        assert_eq!(u32_at(&b, 32), 128);
-        assert_eq!(u32_at(&b, 36), 48);
-        assert_eq!(u64_at(&b, 40), 4096);
-        assert_eq!(u64_at(&b, 48), 1152);
-        assert_eq!(u64_at(&b, 56), 8192);
+        assert_eq!(le_u32(&b, 8), 2);
+        assert_eq!(le_u32(&b, 32), 128);
+        assert_eq!(le_u32(&b, 36), 48);
+        assert_eq!(le_u64(&b, 40), 4096);
+        assert_eq!(le_u64(&b, 48), 1152);
+        assert_eq!(le_u64(&b, 56), 8192);
         assert_eq!(&b[64..96], &[7; 32]);
         assert!(b[96..].iter().all(|&x| x == 0));
         assert_eq!(Superblock::decode(&b, "t", 1 << 20).unwrap(), sample());

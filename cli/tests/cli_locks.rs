@@ -278,76 +278,69 @@ fn pack_onto_a_loop_device_a_run_reads_refuses_and_force_writes_it() {
     stop_run(run, reader);
 }
 
-#[test]
-fn an_image_overwritten_in_place_under_a_verifying_run_gives_the_same_tokens() {
-    let dir = scratch();
-    let m = private_model(dir.path());
-    let img = m.join("experts.picchioflat");
-    let (ms, store) = (m.to_str().unwrap().to_string(), format!("file:{}", img.display()));
+/// `picchio synth` arguments for another image of the fixture's geometry (other payloads, index and
+/// superblock) at `out`.
+fn other_image_args(out: &str) -> Vec<String> {
+    let geometry = ["--hidden", "64", "--moe-intermediate", "64", "--experts", "16", "--model-layers", "3"];
+    ["synth", "--arch", "custom"]
+        .into_iter()
+        .chain(geometry)
+        .chain(["--seed", "9", "--no-progress", "--out", out])
+        .map(String::from)
+        .collect()
+}
+
+/// `picchio run --verify --json` of `model` on `store` with a cache of 4 experts (3 layers × top-4:
+/// every layer of every token reads from the image): first untouched for the reference tokens, then
+/// stopped after its second batch of expert reads (`PICCHIO_STOP_AFTER_LOADS`) while `change`
+/// rewrites the image under it. Asserts the second run gives the same tokens, served partly by the
+/// fallback, and says the image changed; returns its stderr.
+fn same_tokens_when_changed_under_a_verifying_run(
+    dir: &Path,
+    model: &Path,
+    store: &str,
+    change: impl FnOnce(),
+) -> String {
     let ids = prompt_ids();
-    // A cache of 4 experts for 3 layers × top-4: every layer of every token reads from the image.
-    let args = [
-        "run",
-        "--model",
-        &ms,
-        "--store",
-        &store,
-        "--verify",
-        "--ecap",
-        "4",
-        "--prompt-ids",
-        &ids,
-        "-n",
-        "12",
-        "--json",
-    ];
+    let args = ["run", "--model", model.to_str().unwrap(), "--store", store, "--verify", "--ecap", "4"];
+    let args: Vec<&str> = args.into_iter().chain(["--prompt-ids", &ids, "-n", "12", "--json"]).collect();
     let json = |out: &[u8]| -> serde_json::Value { serde_json::from_slice(out).expect("run --json") };
     let reference = json(&picchio(&args).stdout);
     assert_eq!(reference["stats"]["fallbacks"], 0, "{reference}");
-    // Another image of the same geometry (other payloads, index and superblock).
-    let other = dir.path().join("other.picchioflat");
-    let o = picchio(&[
-        "synth",
-        "--arch",
-        "custom",
-        "--hidden",
-        "64",
-        "--moe-intermediate",
-        "64",
-        "--experts",
-        "16",
-        "--model-layers",
-        "3",
-        "--seed",
-        "9",
-        "--no-progress",
-        "--out",
-        other.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-
-    // The run stops itself after its second batch of expert reads (PICCHIO_STOP_AFTER_LOADS); the
-    // image is then overwritten in place (same inode, as a program writing the file would) and the
-    // run goes on reading it.
-    let log = dir.path().join("run.log");
+    let log = dir.join("run.log");
     let child = spawn_stopped(
-        Command::new(env!("CARGO_BIN_EXE_picchio")).args(args).env(picchio_core::stop_point::LOADS_ENV, "2"),
+        Command::new(env!("CARGO_BIN_EXE_picchio")).args(&args).env(picchio_core::stop_point::LOADS_ENV, "2"),
         &log,
     )
     .unwrap_or_else(|e| panic!("the run never finished its second load batch: {e}"));
-    {
-        use std::io::Write;
-        let mut f = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
-        f.write_all(&std::fs::read(&other).unwrap()).unwrap();
-        f.sync_all().unwrap();
-    }
+    change();
     let o = resume(child);
     let e = stop::read(&log);
     assert!(o.status.success(), "{e}");
     let got = json(&o.stdout);
     assert_eq!(got["tokens"], reference["tokens"], "mixed tokens: {e}");
     assert!(got["stats"]["fallbacks"].as_u64().unwrap() > 0, "{got}");
-    assert!(e.contains("the image changed under this run") && e.contains("nothing more is read from it"), "{e}");
+    assert!(e.contains("the image changed under this run"), "{e}");
+    e
+}
+
+#[test]
+fn an_image_overwritten_in_place_under_a_verifying_run_gives_the_same_tokens() {
+    let dir = scratch();
+    let m = private_model(dir.path());
+    let img = m.join("experts.picchioflat");
+    let other = dir.path().join("other.picchioflat");
+    let o = picchio(&other_image_args(other.to_str().unwrap()).iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(o.status.success(), "{}", stderr(&o));
+    // Overwritten in place (same inode, as a program writing the file would); the run goes on
+    // reading it.
+    let e = same_tokens_when_changed_under_a_verifying_run(dir.path(), &m, &format!("file:{}", img.display()), || {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
+        f.write_all(&std::fs::read(&other).unwrap()).unwrap();
+        f.sync_all().unwrap();
+    });
+    assert!(e.contains("nothing more is read from it"), "{e}");
 }
 
 #[test]
@@ -360,56 +353,17 @@ fn force_onto_a_loop_device_under_a_verifying_run_gives_the_same_tokens() {
     let m = private_model(dir.path());
     let file = sparse_file(&dir.path().join("dev.img"), 4 << 20);
     let lo = LoopDevice::attach_for_test(test, &file, LoopOptions::default());
-    let (ms, raw) = (m.to_str().unwrap().to_string(), format!("raw:{}", lo.dev.display()));
-    let o = picchio(&["pack", &ms, "--out", &raw, "--no-progress"]);
+    let raw = format!("raw:{}", lo.dev.display());
+    let o = picchio(&["pack", m.to_str().unwrap(), "--out", &raw, "--no-progress"]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let ids = prompt_ids();
-    let args =
-        ["run", "--model", &ms, "--store", &raw, "--verify", "--ecap", "4", "--prompt-ids", &ids, "-n", "12", "--json"];
-    let json = |out: &[u8]| -> serde_json::Value { serde_json::from_slice(out).expect("run --json") };
-    let reference = json(&picchio(&args).stdout);
-    assert_eq!(reference["stats"]["fallbacks"], 0, "{reference}");
-
-    let log = dir.path().join("run.log");
-    let child = spawn_stopped(
-        Command::new(env!("CARGO_BIN_EXE_picchio")).args(args).env(picchio_core::stop_point::LOADS_ENV, "2"),
-        &log,
-    )
-    .unwrap_or_else(|e| panic!("the run never finished its second load batch: {e}"));
     // The run holds the device: without --force the writer refuses; with it, it writes another
-    // image (other payloads, index and superblock) under the run.
-    let synth = |force: bool| {
-        let mut a = vec![
-            "synth",
-            "--arch",
-            "custom",
-            "--hidden",
-            "64",
-            "--moe-intermediate",
-            "64",
-            "--experts",
-            "16",
-            "--model-layers",
-            "3",
-            "--seed",
-            "9",
-            "--no-progress",
-            "--out",
-            &raw,
-        ];
-        if force {
-            a.push("--force");
-        }
-        picchio(&a)
-    };
-    assert_eq!(synth(false).status.code(), Some(1));
-    let o = synth(true);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let o = resume(child);
-    let e = stop::read(&log);
-    assert!(o.status.success(), "{e}");
-    let got = json(&o.stdout);
-    assert_eq!(got["tokens"], reference["tokens"], "mixed tokens: {e}");
-    assert!(got["stats"]["fallbacks"].as_u64().unwrap() > 0, "{got}");
-    assert!(e.contains("the image changed under this run"), "{e}");
+    // image under the run.
+    same_tokens_when_changed_under_a_verifying_run(dir.path(), &m, &raw, || {
+        let synth = other_image_args(&raw);
+        let synth: Vec<&str> = synth.iter().map(String::as_str).collect();
+        assert_eq!(picchio(&synth).status.code(), Some(1));
+        let forced: Vec<&str> = synth.into_iter().chain(["--force"]).collect();
+        let o = picchio(&forced);
+        assert!(o.status.success(), "{}", stderr(&o));
+    });
 }

@@ -12,6 +12,8 @@
 #                     served from safetensors and counted; verify names exactly those (layer, expert)
 #   error (header)    the superblock fails: run and verify stop with an error naming device and superblock
 #   flakey            payloads up 1 s / down 1 s: same tokens in every run, each error a counted fallback
+#   flakey, corrupt   reads in a down interval return a changed byte (corrupt_bio_byte), no error:
+#                     under --verify the same tokens, each corrupted payload a hash mismatch fallback
 #   delay             every read held 100 ms: same tokens, no fallback, the delay in the read latency;
 #                     verify OK
 #   pack, head error  the signature scan cannot read the first 256 KiB: pack stops before writing
@@ -178,6 +180,41 @@ case_flakey() {
   dm_remove "$n"
 }
 
+# Payloads on `flakey` with `corrupt_bio_byte 32 r 1 0` (up 1 s, down 1 s): a read in a down interval
+# completes without error but with the 32nd byte of its data set to 1, silent corruption only a hash
+# can see. Up to 8 runs with --verify at --ecap 4: every run gives the tokens, each corrupted payload
+# fails its SHA-256 and is served by the fallback (fallbacks = store_errors); at least one run must
+# have met a down interval and named a hash mismatch.
+case_flakey_corrupt() {
+  tag="$1" base="$2" model="$3" prompt="$4" want="$5" sectors="$6"
+  read_header "$DEV1" "$base" || { fail "dm-flakey-corrupt-$tag" "no image header at byte $base of $DEV1"; return; }
+  d=$((DATA_OFF / SECT)); n="flc-$tag"
+  dm_create "$n" "0 $d linear $DEV1 $((base / SECT))" \
+    "$d $((sectors - d)) flakey $DEV1 $((base / SECT + d)) 1 1 5 corrupt_bio_byte 32 r 1 0" ||
+    { fail "dm-flakey-corrupt-$tag" "dmsetup create failed"; return; }
+  runs=0; hit=0; bad=""; tot_fb=0; line=""
+  while [ $runs -lt 8 ] && [ $hit -lt 1 ] && [ -z "$bad" ]; do
+    runs=$((runs + 1))
+    dm_run "dm-flakey-corrupt-$tag" "raw:/dev/mapper/$n" "$model" "$prompt" "$want" --ecap 4 --verify
+    [ $RUN_OK = 1 ] || { bad=1; break; }
+    fb="$(json_num fallbacks)"; se="$(json_num store_errors)"
+    echo "dm-flakey-corrupt-$tag run $runs: $fb fallbacks, $se store errors, $(json_num reads) reads ($RUN_S s)"
+    if [ "$fb" != "$se" ]; then bad="run $runs: fallbacks $fb != store_errors $se"; fi
+    if [ "$fb" -gt 0 ] 2> /dev/null; then
+      tot_fb=$((tot_fb + fb)); line="$(fallback_line)"
+      case "$line" in
+        *"hash mismatch"*) hit=$((hit + 1)) ;;
+        *) bad="run $runs: $fb fallbacks but none for a hash mismatch: $line" ;;
+      esac
+    fi
+  done
+  if [ "$bad" = 1 ]; then :
+  elif [ -n "$bad" ]; then fail "dm-flakey-corrupt-$tag" "$bad"
+  elif [ $hit -eq 0 ]; then fail "dm-flakey-corrupt-$tag" "$runs runs never read during a down interval"
+  else pass "dm-flakey-corrupt-$tag" "$runs run(s) with --verify, tokens match in each; $tot_fb fallbacks = store errors; $(echo "$line" | cut -c1-100)"; fi
+  dm_remove "$n"
+}
+
 # Every read held DELAY_MS by `delay`: same tokens, no fallback, and the delay shows in the mean read
 # latency (dm-delay holds each bio at least DELAY_MS less one jiffy: a lower bound, not a timing race).
 case_delay() {
@@ -253,10 +290,12 @@ case_linear qwen3 0 /fixture "$PROMPT_IDS" "$EXPECT_TOKENS" "$QWEN_SECT"
 case_error qwen3 0 /fixture "$PROMPT_IDS" "$EXPECT_TOKENS" "$QWEN_SECT"
 case_error_header "$QWEN_SECT"
 case_flakey qwen3 0 /fixture "$PROMPT_IDS" "$EXPECT_TOKENS" "$QWEN_SECT"
+case_flakey_corrupt qwen3 0 /fixture "$PROMPT_IDS" "$EXPECT_TOKENS" "$QWEN_SECT"
 case_delay qwen3 0 /fixture "$PROMPT_IDS" "$EXPECT_TOKENS" "$QWEN_SECT"
 if [ -n "$GPT_SECT" ]; then
   case_error gpt-oss "$GPT_BASE" /fixture-gpt-oss "$GPT_PROMPT_IDS" "$GPT_EXPECT_TOKENS" "$GPT_SECT"
   case_flakey gpt-oss "$GPT_BASE" /fixture-gpt-oss "$GPT_PROMPT_IDS" "$GPT_EXPECT_TOKENS" "$GPT_SECT"
+  case_flakey_corrupt gpt-oss "$GPT_BASE" /fixture-gpt-oss "$GPT_PROMPT_IDS" "$GPT_EXPECT_TOKENS" "$GPT_SECT"
 fi
 
 S=$((SCRATCH_BASE / SECT)); PK=4096 # 2 MiB of scratch for the Qwen3 image (401,408 bytes)

@@ -181,3 +181,38 @@ fn a_read_only_namespace_fails_the_pack_with_the_write_status() {
     let e = picchio_core::error::chain(&e).to_string();
     assert!(e.contains("nvme:sim/1") && e.contains("NVMe write of namespace 1"), "{e}");
 }
+
+#[test]
+fn a_write_the_device_acknowledges_but_loses_fails_the_read_back_naming_the_experts() {
+    // Each of the first few NVM Writes in turn is acknowledged but never reaches the media (a
+    // device that loses acknowledged writes). The first write zeroes block 0 and is rewritten by
+    // the superblock later, so losing it loses nothing; losing any later one loses a payload or
+    // the index or the superblock, and the read-back must say so: never "payload hashes OK".
+    let m = TierModel::picchio_c();
+    let mut lost_payloads = 0;
+    for nth in 1..=4u64 {
+        let tmp = scratch();
+        let ns = tmp.path().join("ns1");
+        std::fs::write(&ns, vec![0x5Au8; 4 << 20]).unwrap();
+        let (mut q, sim) = queue(&ns, 512);
+        sim.inject(picchio_nvme::sim::Fault::io_vanish(picchio_nvme::spec::nvm::WRITE, nth));
+        let r = pack_nvme_queue(&m.dir, &mut q, false, &mut |_| {});
+        drop(q);
+        assert_eq!(sim.stats().faults_fired, 1, "write {nth}: the fault fired");
+        match r {
+            Ok(report) if nth == 1 => assert!(report.verify().unwrap().is_clean()),
+            Ok(report) => panic!("write {nth} was lost, yet the pack succeeded: {report}"),
+            Err(e) => {
+                assert!(nth > 1, "losing the first write (block 0, rewritten later) failed the pack: {e}");
+                let text = picchio_core::error::chain(&e).to_string();
+                assert!(
+                    matches!(e, picchio_runtime::Error::ReadBack { .. })
+                        && text.contains("nvme:sim/1: the image was written, but reading it back did not give it"),
+                    "write {nth}: {text}"
+                );
+                lost_payloads += usize::from(text.contains("(layer "));
+            }
+        }
+    }
+    assert!(lost_payloads > 0, "no lost write was a payload's: the read-back never named an expert");
+}

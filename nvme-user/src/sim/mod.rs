@@ -134,6 +134,8 @@ pub(crate) struct Model {
     pub(crate) page: usize,
     pub(crate) faults: Vec<Fault>,
     pub(crate) io_count: u64,
+    /// I/O commands fetched so far, by opcode ([`FaultWhen::IoOpcode`]).
+    io_opcode_counts: [u64; 256],
     pub(crate) stats: SimStats,
     pub(crate) queues_granted: u16,
     pub(crate) scratch: Vec<u8>,
@@ -262,6 +264,7 @@ impl Sim {
             page: 4096,
             faults: Vec::new(),
             io_count: 0,
+            io_opcode_counts: [0; 256],
             stats: SimStats::default(),
             queues_granted: (MAX_QUEUES - 1) as u16,
             scratch: Vec::new(),
@@ -453,8 +456,10 @@ impl Model {
     fn execute(&mut self, shared: &Shared, qid: u16, cmd: &Command) -> Outcome {
         if qid != 0 {
             self.io_count += 1;
+            self.io_opcode_counts[usize::from(cmd.opc())] += 1;
         }
-        if let Some(action) = fault::take(&mut self.faults, qid, cmd.opc(), self.io_count) {
+        let opcode_count = self.io_opcode_counts[usize::from(cmd.opc())];
+        if let Some(action) = fault::take(&mut self.faults, qid, cmd.opc(), self.io_count, opcode_count) {
             self.stats.faults_fired += 1;
             match action {
                 FaultAction::Status(s) => return Outcome::Complete(s, 0),
@@ -467,6 +472,7 @@ impl Model {
                     return Outcome::Drop;
                 }
                 FaultAction::Hold => return Outcome::Hold,
+                FaultAction::Vanish => return Outcome::Complete(Status::SUCCESS, 0),
             }
         }
         self.dispatch(shared, qid, cmd)

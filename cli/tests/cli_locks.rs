@@ -209,6 +209,9 @@ fn pack_onto_an_image_a_run_reads_refuses_naming_the_run_and_force_replaces_it()
     // --force replaces it by rename; the run goes on reading its open (old) file.
     let o = picchio(&["pack", ms, "--out", is, "--force", "--no-progress"]);
     assert!(o.status.success(), "{}", stderr(&o));
+    // The refusal said "use --force": it works without --out too (the default --out is this image).
+    let o = picchio(&["pack", ms, "--force", "--no-progress"]);
+    assert!(o.status.success(), "{}", stderr(&o));
     let log = stop_run(run, reader);
     assert!(!log.contains("Error"), "{log}");
     // The default --out is the same image.

@@ -97,6 +97,16 @@ fn endpoints_answer_and_bad_requests_get_openai_errors() {
         ),
         ("bad temperature", chat("Hi", json!({"temperature": -1})).to_string().into_bytes(), 400, "temperature", None),
         ("bad top_p", chat("Hi", json!({"top_p": 0})).to_string().into_bytes(), 400, "top_p", None),
+        // Asked-for fields the server does not do are refused, not dropped from the answer.
+        ("logprobs", chat("Hi", json!({"logprobs": true})).to_string().into_bytes(), 400, "logprobs is not", None),
+        ("top_logprobs", chat("Hi", json!({"top_logprobs": 3})).to_string().into_bytes(), 400, "top_logprobs", None),
+        (
+            "response_format",
+            chat("Hi", json!({"response_format": {"type": "json_object"}})).to_string().into_bytes(),
+            400,
+            "response_format",
+            None,
+        ),
     ];
     for (what, body, status, text, code) in cases {
         let (st, raw) = s.request("POST", "/v1/chat/completions", &[], &body);
@@ -119,10 +129,20 @@ fn endpoints_answer_and_bad_requests_get_openai_errors() {
     assert!(err(&v).0.contains("outside the vocabulary"), "{v}");
     let (st, v) = s.post("/v1/completions", &json!({"prompt": {"a": 1}}));
     assert_eq!(st, 400, "{v}");
+    for (field, value) in [("echo", json!(true)), ("logprobs", json!(2)), ("best_of", json!(3))] {
+        let mut body = json!({"prompt": "Hi", "max_tokens": 2});
+        body[field] = value;
+        let (st, v) = s.post("/v1/completions", &body);
+        assert_eq!(st, 400, "{field}: {v}");
+        assert!(err(&v).0.contains(&format!("{field} is not supported")), "{v}");
+    }
+    // Their "off" values are accepted (clients send them by default).
+    let off = json!({"prompt": "Hi", "max_tokens": 1, "temperature": 0, "logprobs": null, "echo": false, "best_of": 1});
+    assert_eq!(s.post("/v1/completions", &off).0, 200);
     let (st, _) = s.get("/v1/nothing");
     assert_eq!(st, 404);
     // None of the refused requests generated anything.
-    assert_eq!(s.metric("picchio_completion_tokens_total"), generated + 5.0);
+    assert_eq!(s.metric("picchio_completion_tokens_total"), generated + 6.0);
 }
 
 #[test]

@@ -35,8 +35,9 @@ pub struct Args {
     /// kernel still refuses a device that a mounted file system, swap area or device-mapper holds,
     /// and the device backing / is never written. With a file --out, replace the image
     /// although another picchio process (run, verify, bench) is reading it: that reader keeps
-    /// serving the old image from its open file; a raw: device being read is written anyway.
-    #[arg(long, requires = "out")]
+    /// serving the old image from its open file (also for the default --out, MODEL_DIR's own
+    /// image); a raw: device being read is written anyway.
+    #[arg(long)]
     pub force: bool,
     /// Pack only the first N layers (a prefix store; later layers are served from safetensors).
     #[arg(long, value_name = "N")]

@@ -152,6 +152,39 @@ struct Body {
     /// `tojson`, harmony as TypeScript types).
     tools: Option<Vec<TemplateValue>>,
     n: Option<i64>,
+    /// Read only to refuse them: a client that asks for these would get an answer without them.
+    logprobs: Option<Value>,
+    top_logprobs: Option<Value>,
+    #[serde(default)]
+    echo: bool,
+    best_of: Option<i64>,
+    response_format: Option<Value>,
+}
+
+impl Body {
+    /// The first field asked for that this server does not do (`None`: none), so the request is
+    /// refused instead of answered without it: logprobs, top_logprobs, echo, best_of > 1, and a
+    /// response_format other than text.
+    fn unsupported(&self) -> Option<&'static str> {
+        let asked = |v: &Option<Value>| match v {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+            Some(Value::Number(n)) => n.as_f64() != Some(0.0),
+            Some(_) => true,
+        };
+        if asked(&self.logprobs) {
+            Some("logprobs")
+        } else if asked(&self.top_logprobs) {
+            Some("top_logprobs")
+        } else if self.echo {
+            Some("echo")
+        } else if self.best_of.is_some_and(|b| b != 1) {
+            Some("best_of")
+        } else if self.response_format.as_ref().is_some_and(|f| f.get("type").and_then(Value::as_str) != Some("text")) {
+            Some("response_format (only {\"type\": \"text\"})")
+        } else {
+            None
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -213,6 +246,9 @@ fn parse(s: &Server, bytes: Result<Bytes, BytesRejection>, chat: bool) -> Result
     }
     if body.n.is_some_and(|n| n != 1) {
         return Err(bad_request("n must be 1"));
+    }
+    if let Some(field) = body.unsupported() {
+        return Err(bad_request(format!("{field} is not supported by this server")));
     }
     let max_tokens = match body.max_completion_tokens.or(body.max_tokens) {
         Some(n) if n < 1 => return Err(bad_request(format!("max_tokens must be at least 1, got {n}"))),

@@ -38,7 +38,7 @@ pub struct Args {
     /// geometry (qwen3-30b-a3b or gpt-oss-20b): config.json, the vendored tokenizer, resident tensors
     /// (I8 embeddings and lm_head with row scales, F32 attention, norms and router), Q4 expert shards
     /// and DIR/experts.picchioflat, initialised so a deep random stack routes and decodes like a real
-    /// one (shared/notes/synthetic-models.md). Written beside DIR and renamed into place after a
+    /// one (docs/synthetic-models.md). Written beside DIR and renamed into place after a
     /// free-space check; an existing DIR is replaced only if it is an earlier synthetic model.
     #[arg(long, value_name = "DIR")]
     pub model_out: Option<PathBuf>,

@@ -167,8 +167,24 @@ impl JinjaTemplate {
     /// # Errors
     /// [`Error::Invalid`] for a bad message list; [`Error::Template`] naming the template line where
     /// rendering failed (including the template's own `raise_exception`).
+    /// A `developer` message is given to the template as `system`: OpenAI's developer role is the
+    /// system role of models before it, and transformers' templates (Qwen3's) know only `system`
+    /// (they would drop it). Harmony ([`crate::chat::harmony`]) keeps the role as its own.
     pub fn render(&self, messages: &[Message], opts: RenderOptions<'_>) -> Result<String> {
         check_messages(messages)?;
+        let renamed: Vec<Message>;
+        let messages = if messages.iter().any(|m| m.role == "developer") {
+            renamed = messages
+                .iter()
+                .map(|m| match m.role.as_str() {
+                    "developer" => Message { role: "system".into(), ..m.clone() },
+                    _ => m.clone(),
+                })
+                .collect();
+            &renamed[..]
+        } else {
+            messages
+        };
         let tmpl = self.env.get_template(NAME).map_err(|e| template_error(&self.path, &e))?;
         // minijinja values, not serde_json's (whose maps sort their keys): fields keep their order.
         let mut ctx = std::collections::BTreeMap::new();
@@ -403,6 +419,16 @@ mod tests {
         assert_eq!(render(src), "{\n  \"a\": 2,\n  \"b\": [\n    1\n  ]\n}");
         // A message's fields in their declared order.
         assert_eq!(render("{{ messages[0] | tojson }}"), r#"{"role": "user", "content": "x"}"#);
+    }
+
+    #[test]
+    fn a_developer_message_reaches_the_template_as_system() {
+        let src = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}";
+        let t = JinjaTemplate::new(src, Path::new("/t"), None).unwrap();
+        let r =
+            |role| t.render(&[Message::new(role, "be brief"), Message::new("user", "hi")], RenderOptions::default());
+        assert_eq!(r("developer").unwrap(), r("system").unwrap());
+        assert_eq!(r("system").unwrap(), "[system] be brief\n[user] hi\n");
     }
 
     #[test]

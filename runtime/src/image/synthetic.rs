@@ -18,7 +18,7 @@
 //! biases, sinks, norms, router). Experts are Q4 as `picchio convert` writes them, in the arch's
 //! spelling ([`ExpertNaming`]).
 //!
-//! Initialisation follows `shared/notes/synthetic-models.md` (measured): symmetric zero-mean Q4 codes
+//! Initialisation follows `docs/synthetic-models.md` (measured): symmetric zero-mean Q4 codes
 //! in [-7, 7], group scales giving weights of standard deviation 1/√fan_in, and an extra factor
 //! 1/√(2·n_layers) on the residual-branch outputs (o_proj and the experts' down_proj, and their
 //! biases), so routing is near-uniform and greedy output does not collapse to one token.
@@ -227,7 +227,7 @@ impl SyntheticSpec {
             "vocab": self.vocab,
             "seed": self.seed,
             "writer": WRITER_VERSION,
-            "note": "random weights, see shared/notes/synthetic-models.md",
+            "note": "random weights, see docs/synthetic-models.md",
         })
     }
 

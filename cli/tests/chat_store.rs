@@ -69,6 +69,9 @@ fn the_image_names_its_model() {
     let copy = away.join("copy.picchioflat");
     std::fs::copy(&image, &copy).unwrap();
     talks_with(&format!("file:{}", copy.display()), &model, &[]);
+    // A context past the model's is named as such (as `plan` names it), not as a long prompt.
+    let e = stderr(&chat(&["--model", model.to_str().unwrap(), "--ctx", "100000"], ""));
+    assert!(e.contains("--ctx 100000: the model's context is 1..="), "{e}");
     let o = chat(&["-v", "--store", copy.to_str().unwrap(), "--ecap", "4", "--ctx", "128"], "");
     assert!(stderr(&o).contains("(recorded in the image)"), "{}", stderr(&o));
     // The software NVMe controller reading the image serves it the same way.

@@ -218,6 +218,7 @@ fn generation_beyond_the_context_and_bad_sampling_values_are_refused() {
     for (args, want) in [
         (&["-n", "18446744073709551615"][..], "max_position_embeddings"),
         (&["-n", "600"][..], "exceed the model's context of 512"),
+        (&["-n", "2", "--ctx", "100000"][..], "--ctx 100000: the model's context is 1..=512 positions"),
         (&["--temperature", "nan"][..], "--temperature must be a finite number"),
         (&["--temperature", "inf"][..], "--temperature must be a finite number"),
         (&["--io-threads", "0"][..], "--io-threads"),
@@ -226,5 +227,23 @@ fn generation_beyond_the_context_and_bad_sampling_values_are_refused() {
         let (code, err) = run(args);
         assert_eq!(code, Some(if want.starts_with("--io") { 2 } else { 1 }), "{args:?}: {err}");
         assert!(err.contains(want) && !err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn verify_reads_every_store_scheme_and_names_an_unknown_one() {
+    let image = fixture("picchio_c/qwen3_moe").join("experts.picchioflat");
+    // The driver on its controller model reads the image as verify's file reader does.
+    let o = picchio(&["verify", &format!("nvme-sim:{}", image.display()), "--no-progress"]);
+    assert!(o.status.success() && stdout(&o).contains("OK"), "{}", stderr(&o));
+    // Not a file called "bogus:/x": a scheme, named as run, pack and synth name it.
+    let o = picchio(&["verify", "bogus:/x", "--no-progress"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("unknown scheme \"bogus:\"") && stderr(&o).contains("nvme-sim:PATH"), "{}", stderr(&o));
+    for store in ["auto", "safetensors"] {
+        let o = picchio(&["verify", store, "--no-progress"]);
+        assert_eq!(o.status.code(), Some(1));
+        assert!(stderr(&o).contains(&format!("{store}: names no image to verify")), "{}", stderr(&o));
     }
 }

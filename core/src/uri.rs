@@ -127,7 +127,8 @@ impl std::str::FromStr for StoreUri {
                 scheme: scheme.into(),
                 message: format!(
                     "unknown scheme \"{scheme}:\": use auto, safetensors, file:PATH, raw:/dev/X[@BYTES], \
-                     nvme:BDF[/NSID] or nvme-tcp://HOST:PORT/NQN[/NSID]; a file name containing ':' is written file:PATH or ./PATH"
+                     nvme:BDF[/NSID], nvme-tcp://HOST:PORT/NQN[/NSID] or nvme-sim:PATH; a file name containing ':' is \
+                     written file:PATH or ./PATH"
                 ),
             });
         }

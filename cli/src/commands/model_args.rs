@@ -88,6 +88,7 @@ impl ModelArgs {
             Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
             None => 4096.min(cfg.max_position_embeddings),
         };
+        super::plan::check_ctx(ctx, &cfg)?;
         let opts = SessionOptions {
             model_dir: model.clone(),
             store: self.store.clone(),

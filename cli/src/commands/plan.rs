@@ -53,15 +53,25 @@ pub(super) fn plan_for(
         .with_context(|| format!("planning memory for {}", model.display()))
 }
 
-pub fn exec(a: Args) -> anyhow::Result<()> {
-    let cfg = picchio_runtime::Config::from_dir(&a.model)?;
-    let ctx = a.ctx.unwrap_or(DEFAULT_PLAN_CTX.min(cfg.max_position_embeddings));
+/// Refuses a `--ctx` of `ctx` positions outside the model's context (1..=max_position_embeddings):
+/// `plan`, `run`, `chat` and `serve` say the same.
+///
+/// # Errors
+/// A message naming `--ctx`, the value and the model's range.
+pub fn check_ctx(ctx: usize, cfg: &picchio_runtime::Config) -> anyhow::Result<()> {
     if ctx == 0 || ctx > cfg.max_position_embeddings {
         bail!(
             "--ctx {ctx}: the model's context is 1..={} positions (max_position_embeddings)",
             cfg.max_position_embeddings
         );
     }
+    Ok(())
+}
+
+pub fn exec(a: Args) -> anyhow::Result<()> {
+    let cfg = picchio_runtime::Config::from_dir(&a.model)?;
+    let ctx = a.ctx.unwrap_or(DEFAULT_PLAN_CTX.min(cfg.max_position_embeddings));
+    check_ctx(ctx, &cfg)?;
     let p = plan_for(&a.model, a.mem, cache_request(a.ecap, a.ecap_per_layer), ctx, a.dense)?;
     if a.json {
         println!("{}", serde_json::to_string(&p)?);

@@ -275,7 +275,10 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
         Some(c) if c < needed => {
             bail!("--ctx {c}: the prompt ({}) and -n {} need {needed} positions", prompt_ids.len(), a.n)
         }
-        Some(c) => c,
+        Some(c) => {
+            super::plan::check_ctx(c, &picchio_runtime::Config::from_dir(&a.model)?)?;
+            c
+        }
         None => needed,
     };
     // With a budget or an explicit cache the plan decides the capacity, and refuses (naming the

@@ -13,7 +13,8 @@ pub struct Args {
     /// a block device starting at byte BYTES (default 0), or nvme:BDF[/NSID] for an image at LBA 0 of
     /// an NVMe namespace read through the user-space driver (controller bound to vfio-pci with
     /// `picchio nvme bind`), or nvme-tcp://HOST:PORT/NQN[/NSID] for one on a remote namespace read
-    /// through the NVMe/TCP initiator. The image is only read.
+    /// through the NVMe/TCP initiator, or nvme-sim:PATH for an image file read by the user-space
+    /// driver through its controller model. The image is only read.
     #[arg(value_name = "STORE")]
     pub store: String,
     /// Also compare every payload byte for byte with this converted model's safetensors experts.
@@ -32,27 +33,18 @@ pub struct Args {
 
 pub fn exec(a: Args) -> anyhow::Result<()> {
     let opts = VerifyOptions { io_threads: a.io_threads, direct: !a.buffered, progress: !a.no_progress };
-    let (name, report) = match a.store.strip_prefix("raw:") {
-        Some(_) => {
-            let StoreUri::Raw { device, offset } = a.store.parse::<StoreUri>()? else {
-                unreachable!("raw: parses as Raw")
-            };
-            (a.store.clone(), verify_raw(&device, offset, &a, &opts)?)
-        }
-        None if a.store.starts_with("nvme-tcp:") => {
-            let uri = a.store.parse::<StoreUri>()?;
-            (uri.to_string(), picchio_runtime::image::verify::verify_store(&uri, a.model.as_deref(), &opts)?)
-        }
-        None if a.store.starts_with("nvme:") => {
-            let StoreUri::Nvme { bdf, nsid } = a.store.parse::<StoreUri>()? else {
-                unreachable!("nvme: parses as Nvme")
-            };
-            (a.store.clone(), verify_nvme(&bdf, nsid, &a, &opts)?)
-        }
-        None => {
-            let path = PathBuf::from(a.store.strip_prefix("file:").unwrap_or(&a.store));
-            (path.display().to_string(), verify(&path, a.model.as_deref(), &opts)?)
-        }
+    let uri: StoreUri = a.store.parse()?;
+    let (name, report) = match &uri {
+        StoreUri::File(path) => (path.display().to_string(), verify(path, a.model.as_deref(), &opts)?),
+        StoreUri::Raw { device, offset } => (a.store.clone(), verify_raw(device, *offset, &a, &opts)?),
+        StoreUri::Nvme { bdf, nsid } => (a.store.clone(), verify_nvme(bdf, *nsid, &a, &opts)?),
+        StoreUri::Auto | StoreUri::Safetensors => bail!(
+            "{}: names no image to verify: give the image as a path, file:PATH, raw:/dev/X[@BYTES], nvme:BDF[/NSID], \
+             nvme-tcp://HOST:PORT/NQN[/NSID] or nvme-sim:PATH",
+            a.store
+        ),
+        // nvme-tcp://, nvme-sim: (the driver on its controller model): through the store's own engine.
+        other => (other.to_string(), picchio_runtime::image::verify::verify_store(other, a.model.as_deref(), &opts)?),
     };
     println!("{report}");
     if !report.is_clean() {

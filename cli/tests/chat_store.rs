@@ -69,6 +69,12 @@ fn the_image_names_its_model() {
     let copy = away.join("copy.picchioflat");
     std::fs::copy(&image, &copy).unwrap();
     talks_with(&format!("file:{}", copy.display()), &model, &[]);
+    // An answer that filled the context (the default -n is the rest of it): the next turn cannot
+    // fit, and the REPL says how to go on.
+    let o = chat(&["--model", model.to_str().unwrap(), "--ctx", "64", "--ecap", "4"], "Hi there\nAgain\n");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(out.contains("exceeds the context of 64 positions") && out.contains("/reset starts a new one"), "{out}");
     // A context past the model's is named as such (as `plan` names it), not as a long prompt.
     let e = stderr(&chat(&["--model", model.to_str().unwrap(), "--ctx", "100000"], ""));
     assert!(e.contains("--ctx 100000: the model's context is 1..="), "{e}");

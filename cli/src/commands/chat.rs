@@ -256,6 +256,12 @@ fn talk(
             Err(e) => {
                 messages.pop();
                 println!("(error: {})", picchio_core::error::chain(&e));
+                if matches!(e, picchio_runtime::Error::ContextOverflow { .. })
+                    && messages.iter().any(|m| m.role == "assistant")
+                {
+                    // The conversation so far fills the context: say how to go on.
+                    println!("(the conversation no longer fits the context: /reset starts a new one; --ctx N or -n N when starting picchio)");
+                }
                 continue;
             }
         };

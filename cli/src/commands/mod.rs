@@ -82,25 +82,38 @@ const ABOUT: &str = "picchio runs Mixture-of-Experts models larger than RAM, str
 /// error naming the option. Exits 2 (usage) on a parse error, 0 for `--help`/`--version`.
 pub fn parse() -> Cli {
     use clap::FromArgMatches;
-    let matches =
-        command().try_get_matches_from(bare_chat(std::env::args_os())).unwrap_or_else(|e| negative_unsigned(e).exit());
+    let matches = command()
+        .try_get_matches_from(bare_chat(std::env::args_os(), model_in_env()))
+        .unwrap_or_else(|e| negative_unsigned(e).exit());
     Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
+/// Whether `$PICCHIO_MODEL` names a model (set and not empty).
+fn model_in_env() -> bool {
+    std::env::var_os("PICCHIO_MODEL").is_some_and(|m| !m.is_empty())
 }
 
 /// The bare form `picchio [-v] --model DIR [--store URI] ...` (or `picchio --store URI` with
 /// `$PICCHIO_MODEL`) is `picchio chat ...`: `chat` is inserted before the first argument when that
-/// is `--model` or `--store`.
-fn bare_chat(args: impl Iterator<Item = std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+/// is `--model` or `--store`; with `$PICCHIO_MODEL` set (`model_env`), also when there is none
+/// (`picchio`) or it is another option (`picchio -n 200`), but not `--help` or `--version`.
+fn bare_chat(args: impl Iterator<Item = std::ffi::OsString>, model_env: bool) -> Vec<std::ffi::OsString> {
     let mut args: Vec<_> = args.collect();
     let first = args.iter().skip(1).position(|a| {
         let a = a.to_string_lossy();
         !(a == "-q" || a == "--quiet" || a == "--verbose" || (a.starts_with("-v") && a[1..].chars().all(|c| c == 'v')))
     });
-    if let Some(i) = first.map(|i| i + 1) {
-        let a = args[i].to_string_lossy();
-        if ["--model", "--store"].iter().any(|f| a == *f || a.starts_with(&format!("{f}="))) {
-            args.insert(i, "chat".into());
+    match first.map(|i| i + 1) {
+        Some(i) => {
+            let a = args[i].to_string_lossy();
+            let store_or_model = ["--model", "--store"].iter().any(|f| a == *f || a.starts_with(&format!("{f}=")));
+            let help = ["-h", "--help", "-V", "--version"].contains(&a.as_ref());
+            if store_or_model || (model_env && a.starts_with('-') && !help) {
+                args.insert(i, "chat".into());
+            }
         }
+        None if model_env && !args.is_empty() => args.push("chat".into()),
+        None => {}
     }
     args
 }
@@ -159,12 +172,20 @@ pub fn exec(cli: Cli) -> anyhow::Result<()> {
 mod tests {
     #[test]
     fn bare_model_or_store_is_chat() {
-        let v = |args: &[&str]| {
-            super::bare_chat(args.iter().map(|a| std::ffi::OsString::from(*a)))
+        let with = |args: &[&str], env: bool| {
+            super::bare_chat(args.iter().map(|a| std::ffi::OsString::from(*a)), env)
                 .into_iter()
                 .map(|a| a.into_string().unwrap())
                 .collect::<Vec<_>>()
         };
+        let v = |args: &[&str]| with(args, false);
+        // With $PICCHIO_MODEL: bare options (or none) are chat's; help, version and subcommands not.
+        assert_eq!(with(&["picchio"], true), ["picchio", "chat"]);
+        assert_eq!(with(&["picchio", "-v", "-n", "2"], true), ["picchio", "-v", "chat", "-n", "2"]);
+        assert_eq!(with(&["picchio", "--help"], true), ["picchio", "--help"]);
+        assert_eq!(with(&["picchio", "-V"], true), ["picchio", "-V"]);
+        assert_eq!(with(&["picchio", "run", "-n", "2"], true), ["picchio", "run", "-n", "2"]);
+        assert_eq!(with(&["picchio", "-n", "2"], false), ["picchio", "-n", "2"]);
         assert_eq!(
             v(&["picchio", "--model", "m", "--store", "s"]),
             ["picchio", "chat", "--model", "m", "--store", "s"]

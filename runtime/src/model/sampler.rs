@@ -158,18 +158,15 @@ impl Sampler {
             sum += f64::from(p);
             self.probs.push((p, i as u32));
         }
-        // Descending probability, ties by id: the nucleus is a deterministic prefix. Only as much of
-        // the vocabulary is ordered as the walks below reach (`head`): nearly all the mass is in
-        // the first few hundred tokens, so a draw rarely orders more than that of 150k.
-        let mut head = SortedHead::default();
+        // Descending probability, ties by id: the nucleus is a deterministic prefix.
+        self.probs.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
         let cut = f64::from(self.opts.top_p.clamp(f32::MIN_POSITIVE, 1.0)) * sum;
         let mut kept = 0.0f64;
         let mut n = 0;
         let top_k = if self.opts.top_k == 0 { usize::MAX } else { self.opts.top_k };
-        // min-p: the threshold relative to the most probable token (exp(0) = 1, unnormalized).
-        let floor = self.opts.min_p;
-        while n < self.probs.len() {
-            let p = head.at(&mut self.probs, n).0;
+        // min-p: the threshold relative to the most probable token (probs[0], unnormalized).
+        let floor = self.probs[0].0 * self.opts.min_p;
+        for &(p, _) in &self.probs {
             if n == top_k || (n > 0 && p < floor) {
                 break;
             }
@@ -188,34 +185,6 @@ impl Sampler {
             }
         }
         self.probs[n - 1].1
-    }
-}
-
-/// How much of a candidate list is in its final order (descending probability, ties by id): the
-/// first `sorted` entries are the `sorted` most probable ones, in order; the rest are not ordered.
-#[derive(Default)]
-struct SortedHead {
-    sorted: usize,
-}
-
-impl SortedHead {
-    /// Entry `i` of the list in its final order, ordering more of the list when `i` is past the
-    /// ordered head (doubling it, at least 64 entries: partition with `select_nth_unstable_by`,
-    /// then sort only the new part). The same entries as a full sort gives, at any `i`.
-    fn at(&mut self, probs: &mut [(f32, u32)], i: usize) -> (f32, u32) {
-        fn order(a: &(f32, u32), b: &(f32, u32)) -> std::cmp::Ordering {
-            b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
-        }
-        if i >= self.sorted {
-            let upto = (i + 1).max(2 * self.sorted).max(64).min(probs.len());
-            let rest = &mut probs[self.sorted..];
-            if upto - self.sorted < rest.len() {
-                rest.select_nth_unstable_by(upto - self.sorted - 1, order);
-            }
-            probs[self.sorted..upto].sort_by(order);
-            self.sorted = upto;
-        }
-        probs[i]
     }
 }
 
@@ -242,56 +211,6 @@ mod tests {
     fn drawn(opts: SamplerOptions, logits: &[f32], n: usize) -> std::collections::BTreeSet<u32> {
         let mut s = Sampler::new(opts);
         (0..n).map(|_| s.sample(logits)).collect()
-    }
-
-    #[test]
-    fn ordering_only_the_head_draws_what_a_full_sort_draws() {
-        // The reference: the whole list sorted, then the same walks (the sampler before the head).
-        fn full_sort_draw(opts: SamplerOptions, logits: &[f32], u: f64) -> u32 {
-            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut probs: Vec<(f32, u32)> =
-                logits.iter().enumerate().map(|(i, &l)| (((l - max) / opts.temperature).exp(), i as u32)).collect();
-            let sum: f64 = probs.iter().map(|p| f64::from(p.0)).sum();
-            probs.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-            let cut = f64::from(opts.top_p) * sum;
-            let top_k = if opts.top_k == 0 { usize::MAX } else { opts.top_k };
-            let (mut kept, mut n) = (0.0f64, 0);
-            for &(p, _) in &probs {
-                if n == top_k || (n > 0 && p < probs[0].0 * opts.min_p) {
-                    break;
-                }
-                kept += f64::from(p);
-                n += 1;
-                if kept >= cut {
-                    break;
-                }
-            }
-            let (r, mut acc) = (u * kept, 0.0f64);
-            for &(p, id) in &probs[..n] {
-                acc += f64::from(p);
-                if r < acc {
-                    return id;
-                }
-            }
-            probs[n - 1].1
-        }
-        // A vocabulary-sized list with ties (quantized logits) and a long flat tail.
-        let logits: Vec<f32> = (0..5000u32).map(|i| ((i * 7919 % 1000) as f32 / 100.0).floor() - 5.0).collect();
-        let cases = [
-            SamplerOptions { temperature: 1.0, ..Default::default() },
-            SamplerOptions { temperature: 3.0, ..Default::default() },
-            SamplerOptions { temperature: 0.7, top_p: 0.9, ..Default::default() },
-            SamplerOptions { temperature: 1.0, top_k: 40, ..Default::default() },
-            SamplerOptions { temperature: 1.0, top_k: 3000, ..Default::default() },
-            SamplerOptions { temperature: 1.5, min_p: 0.05, ..Default::default() },
-        ];
-        for opts in cases {
-            for seed in 0..50 {
-                let mut s = Sampler::new(SamplerOptions { seed, ..opts });
-                let u = StdRng::seed_from_u64(seed).gen::<f64>();
-                assert_eq!(s.sample(&logits), full_sort_draw(opts, &logits, u), "{opts:?} seed {seed}");
-            }
-        }
     }
 
     #[test]

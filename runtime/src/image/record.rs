@@ -122,7 +122,7 @@ pub fn find_model_dir(uri: &StoreUri, io: IoOptions) -> Result<FoundModel> {
             reason: "names no image to find the model in: give --model DIR (or set PICCHIO_MODEL)".into(),
         });
     }
-    let (name, sb, record) = read_superblock(uri, io)?;
+    let (name, _superblock, record) = read_superblock(uri, io)?;
     let beside = match uri {
         StoreUri::File(p) | StoreUri::NvmeSim(p) => {
             let p = std::path::absolute(p).unwrap_or_else(|_| p.clone());
@@ -137,22 +137,17 @@ pub fn find_model_dir(uri: &StoreUri, io: IoOptions) -> Result<FoundModel> {
             None
         }
     };
-    let Some(rec) = sb.model else {
-        if let Err(e) = record {
-            // The experts are readable; only the way to the model is lost.
+    let rec = match record {
+        Ok(Some(rec)) => rec,
+        // The experts are readable (the superblock reads a damaged record as none); only the way to
+        // the model is lost.
+        Err(e) => {
             return Err(Error::Invalid(format!(
                 "{name}: the model record in its superblock is damaged ({e}), so it names no model directory: give the \
                  converted directory with --model DIR (or set PICCHIO_MODEL); `picchio pack` writes the record again"
-            )));
+            )))
         }
-        if let Some(dir) = beside.filter(|d| d.join("config.json").is_file()) {
-            return Ok(FoundModel { dir, how: "the directory holding the image (the image records no model)" });
-        }
-        return Err(Error::Invalid(format!(
-            "{name} records no model directory (an image written by Picchio (C), or packed before picchio recorded \
-             the model in the superblock): give the converted directory with --model DIR (or set PICCHIO_MODEL), or \
-             pack the image again"
-        )));
+        Ok(None) => return no_record(&name, beside),
     };
     let short = hex8(&rec.config_sha256);
     let recorded = match hash_of(&rec.dir) {
@@ -179,6 +174,19 @@ pub fn find_model_dir(uri: &StoreUri, io: IoOptions) -> Result<FoundModel> {
         "{name} was written for the model directory {} (config.json SHA-256 {short}…), which was not found: {why}. \
          Give the converted directory with --model DIR (or set PICCHIO_MODEL)",
         rec.dir.display()
+    )))
+}
+
+/// [`find_model_dir`] for an image without a record: the directory holding a file image (`beside`)
+/// when it has a config.json, else an error suggesting `--model`.
+fn no_record(name: &str, beside: Option<PathBuf>) -> Result<FoundModel> {
+    if let Some(dir) = beside.filter(|d| d.join("config.json").is_file()) {
+        return Ok(FoundModel { dir, how: "the directory holding the image (the image records no model)" });
+    }
+    Err(Error::Invalid(format!(
+        "{name} records no model directory (an image written by Picchio (C), or packed before picchio recorded \
+         the model in the superblock): give the converted directory with --model DIR (or set PICCHIO_MODEL), or \
+         pack the image again"
     )))
 }
 

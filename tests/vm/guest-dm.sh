@@ -1,6 +1,6 @@
 #!/bin/sh
-# Device-mapper fault cases: run.sh's case `dm`. Sourced by /test/guest.sh after its helpers (pass,
-# fail, skip, up, load_mods, nsdev, json_num) when /etc/vm-mode is `dm` (the initramfs setup.sh builds
+# Device-mapper fault cases: run.sh's case `dm`. Sourced by /test/guest.sh after its helpers (nsdev,
+# and /test/lib.sh's pass, fail, skip, up, load_mods, json_num) when /etc/vm-mode is `dm` (the initramfs setup.sh builds
 # with dm-mod, dm-flakey, dm-delay and Debian's dmsetup). Every check prints one PICCHIO-VM marker.
 #
 # The disk is QEMU's NVMe controller on the kernel nvme driver: Picchio (C)'s Qwen3 image at byte 0 of

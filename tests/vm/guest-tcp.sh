@@ -8,10 +8,7 @@
 # (`nvme-tcp://`). Every check prints one marker line that run.sh counts:
 #   PICCHIO-VM: PASS|FAIL|SKIP <check> <detail>
 . /test/env
-FIXTURE_DIR=/fixture
-IMAGE=$FIXTURE_DIR/experts.picchioflat
-MAGIC=PCHIOFL1
-PICCHIO=/test/bin/picchio
+. /test/lib.sh
 EXPORT=/test/bin/nvmet-export.sh
 ADDR=127.0.0.1
 SVCID=4420
@@ -21,60 +18,14 @@ NQN4K=nqn.2026-12.dev.picchio:tcp-lba4k
 TCP_FALLBACK_LOG="from the fallback"
 TCP_RECONNECT_LOG="reconnected"
 
-pass() { echo "PICCHIO-VM: PASS $*"; }
-fail() { echo "PICCHIO-VM: FAIL $*"; }
-skip() { echo "PICCHIO-VM: SKIP $*"; }
-up() { cut -d' ' -f1 /proc/uptime; }
-since() { awk -v a="$1" -v b="$(up)" 'BEGIN{printf "%.1f", b-a}'; }
-
-load_mods() { # $1 = list file
-  while read -r ko; do
-    insmod "/lib/modules/$ko" 2>/tmp/insmod.err || {
-      grep -q 'File exists' /tmp/insmod.err || { echo "insmod $ko failed: $(cat /tmp/insmod.err)"; return 1; }
-    }
-  done < "$1"
-}
-
 # Whether process $1 still runs (a zombie, exited but not yet waited for, does not: kill -0 says it does).
 alive() { [ -r "/proc/$1/status" ] && ! grep -q '^State:[[:space:]]*Z' "/proc/$1/status"; }
 # Waits (up to $2 tenths of a second) for the command $1 to succeed.
 wait_for() { i=0; while [ $i -lt "$2" ]; do eval "$1" && return 0; sleep 0.1; i=$((i + 1)); done; return 1; }
 
-# Compares the first 4 KiB of a device with the image, and checks the magic. $1 = check, $2 = device.
-check_image() {
-  rm -f /tmp/blk0
-  dd if="$2" of=/tmp/blk0 bs=4096 count=1 iflag=direct 2>/dev/null
-  m="$(head -c 8 /tmp/blk0 2>/dev/null)"
-  head -c 4096 "$IMAGE" > /tmp/img0
-  # `picchio pack` writes a model record into the superblock's reserved bytes 96..4096 (docs/format.md):
-  # then the 96 bytes of fields equal the image's, the record magic is at 96 and the path at 144.
-  head -c 96 /tmp/blk0 > /tmp/blk0.fields; head -c 96 /tmp/img0 > /tmp/img0.fields
-  rec="$(dd if=/tmp/blk0 bs=1 skip=96 count=8 2>/dev/null)"
-  # The path and the zero after it (a longer recorded path is another directory).
-  printf '%s\0' "$FIXTURE_DIR" > /tmp/want.dir
-  dd if=/tmp/blk0 of=/tmp/got.dir bs=1 skip=144 count=$((${#FIXTURE_DIR} + 1)) 2>/dev/null
-  if [ "$m" != "$MAGIC" ]; then fail "$1" "magic at LBA 0 of $2 is '$m', want $MAGIC"
-  elif cmp -s /tmp/blk0 /tmp/img0; then pass "$1" "$2 starts with $MAGIC and equals the image's first 4 KiB"
-  elif cmp -s /tmp/blk0.fields /tmp/img0.fields && [ "$rec" = PCHMODEL ] && cmp -s /tmp/want.dir /tmp/got.dir; then
-    pass "$1" "$2 starts with $MAGIC, the image's superblock fields and picchio pack's model record naming $FIXTURE_DIR"
-  else fail "$1" "first 4 KiB of $2 differ from $IMAGE (and are not its superblock with a model record naming $FIXTURE_DIR)"; fi
-}
-
-# picchio run; tokens compared. $1 = check, $2 = store, $3 = model dir, $4 = prompt ids, $5 = tokens.
-# Output: /tmp/picchio.json, /tmp/picchio.err.
-run_picchio() {
-  t0="$(up)"
-  timeout "$TEST_TIMEOUT" $PICCHIO run --model "$3" --store "$2" --prompt-ids "$4" -n 16 --json \
-    > /tmp/picchio.json 2> /tmp/picchio.err
-  rc=$?
-  toks="$(tr -d ' \n\r\t' < /tmp/picchio.json | sed -n 's/.*"tokens":\[\([0-9,]*\)\].*/\1/p' | tr ',' ' ')"
-  if [ $rc -ne 0 ]; then tail -n 20 /tmp/picchio.err; fail "$1" "picchio run --store $2 exited $rc: $(tail -n 1 /tmp/picchio.err)"
-  elif [ "$toks" != "$5" ]; then tail -n 20 /tmp/picchio.err; fail "$1" "tokens '$toks' != expected '$5'"
-  else pass "$1" "16 tokens match (store $2, $(since "$t0") s)"; fi
-}
-run_qwen() { run_picchio "$1" "$2" /fixture "$PROMPT_IDS" "$EXPECT_TOKENS"; }
-run_gpt() { run_picchio "$1" "$2" /fixture-gpt-oss "$GPT_PROMPT_IDS" "$GPT_EXPECT_TOKENS"; }
-json_num() { sed -n "s/.*\"$1\":\([0-9]*\).*/\1/p" /tmp/picchio.json; }
+# run_picchio on the Qwen3 fixture and on GPT-OSS (no "store missing" pattern: a failure is a FAIL). $1 = check, $2 = store.
+run_qwen() { run_picchio "$1" "$2" "" /fixture "$PROMPT_IDS" "$EXPECT_TOKENS"; }
+run_gpt() { run_picchio "$1" "$2" "" /fixture-gpt-oss "$GPT_PROMPT_IDS" "$GPT_EXPECT_TOKENS"; }
 
 # After run_picchio: every expert came from the store (reads > 0, fallbacks 0). $1 = check.
 check_no_fallback() {
@@ -83,27 +34,6 @@ check_no_fallback() {
   elif [ -z "$reads" ] || [ "$reads" -eq 0 ]; then fail "$1" "no expert read from the store (reads='$reads')"
   elif [ "$fb" != 0 ]; then fail "$1" "$fb experts fell back to safetensors"
   else pass "$1" "$reads expert reads, 0 fallbacks"; fi
-}
-
-# picchio pack MODEL --out $3 (extra args after); $1 = check, $2 = model dir. Wants 'payload hashes OK'.
-pack_ok() {
-  name="$1"; model="$2"; shift 2
-  timeout "$TEST_TIMEOUT" $PICCHIO pack "$model" --no-progress "$@" > /tmp/pack.out 2>&1
-  prc=$?
-  sed "s/^/picchio pack: /" /tmp/pack.out
-  if [ $prc -ne 0 ]; then fail "$name" "picchio pack $model $* exited $prc: $(tail -n 1 /tmp/pack.out)"
-  elif ! grep -q 'payload hashes OK' /tmp/pack.out; then fail "$name" "no 'payload hashes OK' in the output"
-  else pass "$name" "$(grep -m1 'payload hashes OK' /tmp/pack.out | cut -c1-160)"; fi
-}
-
-# picchio verify $3 --model $2 must exit 0, print OK and "$4". $1 = check.
-verify_ok() {
-  timeout "$TEST_TIMEOUT" $PICCHIO verify "$3" --no-progress --model "$2" > /tmp/verify.out 2>&1
-  vrc=$?
-  sed "s/^/picchio verify: /" /tmp/verify.out
-  if [ $vrc -ne 0 ]; then fail "$1" "picchio verify $3 exited $vrc: $(tail -n 1 /tmp/verify.out)"
-  elif ! grep -q "$4" /tmp/verify.out || ! grep -q '^OK' /tmp/verify.out; then fail "$1" "no '$4' / OK in the report"
-  else pass "$1" "$(head -n 1 /tmp/verify.out | cut -c1-160)"; fi
 }
 
 # `picchio ARGS` that must fail: exit != 0 and stderr naming every pattern given (grep -i -E), within
@@ -208,9 +138,7 @@ target_down_mid_run() {
 echo "PICCHIO-VM: CASE $CASE (NVMe/TCP: kernel nvmet-tcp target on $ADDR:$SVCID)"
 
 # ---- 1. the backing namespaces, through the kernel nvme driver -------------------------------------
-BDF=""
-for d in /sys/bus/pci/devices/*; do [ "$(cat "$d/class")" = "0x010802" ] && { BDF="$(basename "$d")"; break; }; done
-[ -n "$BDF" ] || { fail tcp-backing "no NVMe PCI function (class 0x010802)"; exit 0; }
+BDF="$(nvme_bdf)" || { fail tcp-backing "no NVMe PCI function (class 0x010802)"; exit 0; }
 load_mods /etc/nvme.modules || { fail tcp-backing "insmod of the nvme modules failed"; exit 0; }
 bdev_of() { for d in /sys/bus/pci/devices/"$BDF"/nvme/nvme*/nvme*n"$1"; do [ -b "/dev/$(basename "$d")" ] && { echo "/dev/$(basename "$d")"; return 0; }; done; return 1; }
 wait_for 'bdev_of 1 >/dev/null && bdev_of 2 >/dev/null' 200

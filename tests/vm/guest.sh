@@ -4,26 +4,7 @@
 # Every check prints exactly one marker line that run.sh counts:
 #   PICCHIO-VM: PASS <check> [detail]   PICCHIO-VM: FAIL <check> <reason>   PICCHIO-VM: SKIP <check> <reason>
 . /test/env
-MAGIC=PCHIOFL1
-FIXTURE_DIR=/fixture
-IMAGE=$FIXTURE_DIR/experts.picchioflat
-
-pass() { echo "PICCHIO-VM: PASS $*"; }
-fail() { echo "PICCHIO-VM: FAIL $*"; }
-skip() { echo "PICCHIO-VM: SKIP $*"; }
-up() { cut -d' ' -f1 /proc/uptime; }
-
-load_mods() { # $1 = list file; extra args "module.ko=params"
-  list="$1"; shift
-  while read -r ko; do
-    params=""
-    for p in "$@"; do case "$p" in "$ko="*) params="${p#*=}" ;; esac; done
-    # shellcheck disable=SC2086
-    insmod "/lib/modules/$ko" $params 2>/tmp/insmod.err || {
-      grep -q 'File exists' /tmp/insmod.err || { echo "insmod $ko failed: $(cat /tmp/insmod.err)"; return 1; }
-    }
-  done < "$list"
-}
+. /test/lib.sh
 
 # Block device of namespace $1 of our controller, waiting for it up to 20 s.
 nsdev() {
@@ -37,53 +18,7 @@ nsdev() {
   return 1
 }
 
-# Compares the first 4096 bytes of a device with the fixture image, and checks the magic.
-check_image() { # $1 = check name, $2 = device
-  rm -f /tmp/blk0
-  dd if="$2" of=/tmp/blk0 bs=4096 count=1 iflag=direct 2>/dev/null
-  m="$(head -c 8 /tmp/blk0 2>/dev/null)"
-  head -c 4096 "$IMAGE" > /tmp/img0
-  # `picchio pack` writes a model record into the superblock's reserved bytes 96..4096 (docs/format.md):
-  # then the 96 bytes of fields equal the image's, the record magic is at 96 and the path at 144.
-  head -c 96 /tmp/blk0 > /tmp/blk0.fields; head -c 96 /tmp/img0 > /tmp/img0.fields
-  rec="$(dd if=/tmp/blk0 bs=1 skip=96 count=8 2>/dev/null)"
-  # The path and the zero after it (a longer recorded path is another directory).
-  printf '%s\0' "$FIXTURE_DIR" > /tmp/want.dir
-  dd if=/tmp/blk0 of=/tmp/got.dir bs=1 skip=144 count=$((${#FIXTURE_DIR} + 1)) 2>/dev/null
-  if [ "$m" != "$MAGIC" ]; then fail "$1" "magic at LBA 0 of $2 is '$m', want $MAGIC"
-  elif cmp -s /tmp/blk0 /tmp/img0; then pass "$1" "$2 starts with $MAGIC and equals the image's first 4 KiB"
-  elif cmp -s /tmp/blk0.fields /tmp/img0.fields && [ "$rec" = PCHMODEL ] && cmp -s /tmp/want.dir /tmp/got.dir; then
-    pass "$1" "$2 starts with $MAGIC, the image's superblock fields and picchio pack's model record naming $FIXTURE_DIR"
-  else fail "$1" "first 4 KiB of $2 differ from $IMAGE (and are not its superblock with a model record naming $FIXTURE_DIR)"; fi
-}
-
-# picchio run, tokens compared with EXPECT_TOKENS. $1 = check name, $2 = store URI, $3 = stderr
-# pattern that means "this build has no such store" (then SKIP instead of FAIL); optional $4 = model
-# directory (default /fixture), $5 = prompt ids (default PROMPT_IDS), $6 = tokens (default EXPECT_TOKENS).
-run_picchio() {
-  t0="$(up)"
-  want="${6:-$EXPECT_TOKENS}"
-  timeout "$TEST_TIMEOUT" /test/bin/picchio run --model "${4:-/fixture}" --store "$2" --prompt-ids "${5:-$PROMPT_IDS}" \
-    -n 16 --json > /tmp/picchio.json 2> /tmp/picchio.err
-  rc=$?
-  toks="$(tr -d ' \n\r\t' < /tmp/picchio.json | sed -n 's/.*"tokens":\[\([0-9,]*\)\].*/\1/p' | tr ',' ' ')"
-  if [ $rc -ne 0 ] && [ -n "$3" ] && grep -q "$3" /tmp/picchio.err; then
-    skip "$1" "$(grep -m1 "$3" /tmp/picchio.err)"
-  elif [ $rc -ne 0 ]; then
-    tail -n 20 /tmp/picchio.err
-    fail "$1" "picchio run --store $2 exited $rc"
-  elif [ "$toks" != "$want" ]; then
-    tail -n 20 /tmp/picchio.err
-    fail "$1" "tokens '$toks' != expected '$want'"
-  else
-    pass "$1" "16 tokens match (store $2, $(awk -v a="$t0" -v b="$(up)" 'BEGIN{printf "%.1f", b-a}') s)"
-  fi
-}
-
 # ---- zero-copy expert slots and `picchio pack --out nvme:` (issue 4 A/B) ------------------------------
-# Value of "key":NUMBER in the one-line JSON of the last `picchio run --json` (/tmp/picchio.json).
-json_num() { sed -n "s/.*\"$1\":\([0-9]*\).*/\1/p" /tmp/picchio.json; }
-
 # After run_picchio with an nvme: store: every expert read went straight into a cache slot in the
 # driver's hugepage DMA pool (bounce_bytes 0), nothing fell back. $1 = check name.
 check_zero_copy() {
@@ -97,27 +32,16 @@ check_zero_copy() {
   else pass "$1" "$reads expert reads, 0 bounce bytes, 0 fallbacks ($eng)"; fi
 }
 
-# `picchio pack` with $2.. as arguments; $1 = check name; $PACK_WANT = ok|refused; $PACK_GREP = a
-# pattern its output must contain. Output in /tmp/pack.out.
-pack_check() {
-  name="$1"; shift
-  timeout "$TEST_TIMEOUT" /test/bin/picchio pack /fixture --no-progress "$@" > /tmp/pack.out 2>&1
+# `picchio pack /fixture` with $3.. as arguments must be refused (exit != 0) with output matching $2.
+# $1 = check name. Output in /tmp/pack.out.
+pack_refused() {
+  name="$1"; want="$2"; shift 2
+  timeout "$TEST_TIMEOUT" $PICCHIO pack /fixture --no-progress "$@" > /tmp/pack.out 2>&1
   prc=$?
   sed "s/^/picchio pack: /" /tmp/pack.out
-  if [ "$PACK_WANT" = refused ] && [ $prc -eq 0 ]; then fail "$name" "picchio pack $* exited 0, want a refusal"
-  elif [ "$PACK_WANT" = ok ] && [ $prc -ne 0 ]; then fail "$name" "picchio pack $* exited $prc: $(tail -n 1 /tmp/pack.out)"
-  elif ! grep -q "$PACK_GREP" /tmp/pack.out; then fail "$name" "output lacks '$PACK_GREP'"
-  else pass "$name" "picchio pack $* -> $(grep -m1 "$PACK_GREP" /tmp/pack.out | cut -c1-160)"; fi
-}
-
-# `picchio verify` of $2 must exit 0 and print $3 (e.g. the entry count). $1 = check name.
-verify_check() {
-  timeout "$TEST_TIMEOUT" /test/bin/picchio verify "$2" --no-progress --model /fixture > /tmp/verify.out 2>&1
-  vrc=$?
-  sed "s/^/picchio verify: /" /tmp/verify.out
-  if [ $vrc -ne 0 ]; then fail "$1" "picchio verify $2 exited $vrc: $(tail -n 1 /tmp/verify.out)"
-  elif ! grep -q "$3" /tmp/verify.out || ! grep -q '^OK' /tmp/verify.out; then fail "$1" "no '$3' / OK in the report"
-  else pass "$1" "$(head -n 1 /tmp/verify.out | cut -c1-160)"; fi
+  if [ $prc -eq 0 ]; then fail "$name" "picchio pack $* exited 0, want a refusal"
+  elif ! grep -q "$want" /tmp/pack.out; then fail "$name" "output lacks '$want'"
+  else pass "$name" "picchio pack $* -> $(grep -m1 "$want" /tmp/pack.out | cut -c1-160)"; fi
 }
 
 # Kernel phase (iommu-2ns): an ext4 superblock (s_log_block_size 2 at byte 1048, magic 0xEF53 at
@@ -136,12 +60,11 @@ pack_nvme_prepare_ns2() {
 # --force (and nothing written), written with it, then read back by run and verify.
 pack_nvme_ns2_checks() {
   [ "$NAMESPACES" -ge 2 ] && [ $HAVE_CLI = 1 ] || return 0
-  PACK_WANT=refused PACK_GREP='refusing to write the image.*ext2/3/4 file system' \
-    pack_check pack-nvme-ns2-refused --out "nvme:$BDF/2"
-  PACK_WANT=ok PACK_GREP='payload hashes OK' pack_check pack-nvme-ns2-forced --out "nvme:$BDF/2" --force
+  pack_refused pack-nvme-ns2-refused 'refusing to write the image.*ext2/3/4 file system' --out "nvme:$BDF/2"
+  pack_ok pack-nvme-ns2-forced /fixture --out "nvme:$BDF/2" --force
   run_picchio picchio-nvme-ns2 "nvme:$BDF/2" ""
   check_zero_copy picchio-nvme-ns2-zero-copy
-  verify_check verify-nvme-ns2 "nvme:$BDF/2" '48 entries'
+  verify_ok verify-nvme-ns2 /fixture "nvme:$BDF/2" '48 entries'
 }
 
 # VFIO phase, after the driver tests: rewrite namespace 1 through the driver — first a 1-layer
@@ -149,12 +72,12 @@ pack_nvme_ns2_checks() {
 # again, which kernel-rebind-image checks after unbind) — and read it back with verify and run.
 pack_nvme_ns1_checks() {
   [ $HAVE_CLI = 1 ] || { skip pack-nvme "no picchio binary packed"; return 0; }
-  PACK_WANT=ok PACK_GREP='payload hashes OK' pack_check pack-nvme-prefix --out "nvme:$BDF" --layers 1 --force
-  verify_check verify-nvme-prefix "nvme:$BDF" '16 entries'
+  pack_ok pack-nvme-prefix /fixture --out "nvme:$BDF" --layers 1 --force
+  verify_ok verify-nvme-prefix /fixture "nvme:$BDF" '16 entries'
   # --no-model-record: Picchio (C)'s bytes exactly, as the host wrote them (the fault probes that
   # follow compare LBA 0.. with the image file); the prefix pack above wrote a record.
-  PACK_WANT=ok PACK_GREP='payload hashes OK' pack_check pack-nvme --out "nvme:$BDF" --force --no-model-record
-  verify_check verify-nvme "nvme:$BDF" '48 entries'
+  pack_ok pack-nvme /fixture --out "nvme:$BDF" --force --no-model-record
+  verify_ok verify-nvme /fixture "nvme:$BDF" '48 entries'
   run_picchio picchio-nvme-after-pack "nvme:$BDF" ""
   check_zero_copy picchio-nvme-after-pack-zero-copy
 }
@@ -166,20 +89,8 @@ pack_nvme_ns1_checks() {
 gpt_oss_nvme_checks() {
   [ $HAVE_CLI = 1 ] || { skip gpt-oss-pack-nvme "no picchio binary packed"; return 0; }
   [ -f /fixture-gpt-oss/config.json ] || { fail gpt-oss-pack-nvme "no /fixture-gpt-oss (the host's convert failed)"; return 0; }
-  timeout "$TEST_TIMEOUT" /test/bin/picchio pack /fixture-gpt-oss --no-progress --out "nvme:$BDF" --force \
-    > /tmp/pack.out 2>&1
-  prc=$?
-  sed "s/^/picchio pack gpt-oss: /" /tmp/pack.out
-  if [ $prc -ne 0 ]; then fail gpt-oss-pack-nvme "picchio pack exited $prc: $(tail -n 1 /tmp/pack.out)"; return 0; fi
-  if ! grep -q 'payload hashes OK' /tmp/pack.out; then fail gpt-oss-pack-nvme "no 'payload hashes OK'"; return 0; fi
-  pass gpt-oss-pack-nvme "$(grep -m1 'payload hashes OK' /tmp/pack.out | cut -c1-160)"
-  timeout "$TEST_TIMEOUT" /test/bin/picchio verify "nvme:$BDF" --no-progress --model /fixture-gpt-oss > /tmp/verify.out 2>&1
-  vrc=$?
-  sed "s/^/picchio verify gpt-oss: /" /tmp/verify.out
-  if [ $vrc -ne 0 ]; then fail gpt-oss-verify-nvme "picchio verify exited $vrc: $(tail -n 1 /tmp/verify.out)"
-  elif ! grep -q '32 entries' /tmp/verify.out || ! grep -q '^OK' /tmp/verify.out; then
-    fail gpt-oss-verify-nvme "no '32 entries' / OK in the report"
-  else pass gpt-oss-verify-nvme "$(head -n 1 /tmp/verify.out | cut -c1-160)"; fi
+  pack_ok gpt-oss-pack-nvme /fixture-gpt-oss --out "nvme:$BDF" --force || return 0
+  verify_ok gpt-oss-verify-nvme /fixture-gpt-oss "nvme:$BDF" '32 entries'
   run_picchio gpt-oss-nvme "nvme:$BDF" "" /fixture-gpt-oss "$GPT_PROMPT_IDS" "$GPT_EXPECT_TOKENS"
   check_zero_copy gpt-oss-nvme-zero-copy
 }
@@ -216,11 +127,7 @@ if [ "$(cat /etc/vm-mode)" = dm ]; then . /test/guest-dm.sh; exit 0; fi
 echo "PICCHIO-VM: CASE $CASE mode=$MODE namespaces=$NAMESPACES lba=$LBA_SIZE"
 
 # 1. Find the NVMe function by class code (mass storage / NVM / NVMe).
-BDF=""
-for d in /sys/bus/pci/devices/*; do
-  [ "$(cat "$d/class")" = "0x010802" ] && { BDF="$(basename "$d")"; break; }
-done
-if [ -z "$BDF" ]; then fail find-nvme "no PCI function with class 0x010802"; exit 0; fi
+BDF="$(nvme_bdf)" || { fail find-nvme "no PCI function with class 0x010802"; exit 0; }
 pass find-nvme "$BDF $(cat /sys/bus/pci/devices/$BDF/vendor):$(cat /sys/bus/pci/devices/$BDF/device)"
 
 # 2. Kernel nvme driver baseline: it reads the image written at LBA 0 of namespace 1 on the host.

@@ -126,6 +126,7 @@ STAGE="$VM/run/extra"
 rm -rf "$STAGE"; mkdir -p "$STAGE"/{test/bin,test/tests,test/probe,fixture}
 install -m 0755 "$HERE/guest.sh" "$STAGE/test/guest.sh"
 install -m 0755 "$HERE/guest-dm.sh" "$STAGE/test/guest-dm.sh"
+install -m 0644 "$HERE/lib.sh" "$STAGE/test/lib.sh"
 install -m 0755 "$HERE/nvmet-export.sh" "$STAGE/test/bin/nvmet-export.sh"
 pack_bin() { # $1 = executable, $2 = dest dir
   if [ "$(head -c 2 "$1")" = '#!' ]; then install -m 0755 "$1" "$2/$(basename "$1")"; return; fi

@@ -626,33 +626,7 @@ impl NvmeQueue {
     /// The failure of any write still in flight is reported by its own completion; this returns the
     /// Flush command's error status, a timeout, or a controller fatal status.
     pub fn flush(&mut self) -> io::Result<()> {
-        // Wait for everything in flight, keeping the completions for the caller.
-        let mut held = std::mem::take(&mut self.ready);
-        while self.active > 0 {
-            self.reap(1, &mut held);
-        }
-        held.append(&mut self.ready);
-        self.ready = held;
-        let buf = AlignedBuf::new(4096, 4096)
-            .map_err(|e| io::Error::new(io::ErrorKind::OutOfMemory, picchio_core::error::chain(&e).to_string()))?;
-        self.flush_done = None;
-        self.enqueue(Op::Flush, ReadReq { offset: picchio_core::ByteOffset(0), len: 0, buf, tag: Tag(u64::MAX) });
-        let mut spins = 0u64;
-        while self.flush_done.is_none() {
-            let got = self.poll();
-            self.pump();
-            spins += 1;
-            if spins.is_multiple_of(64) {
-                self.expire();
-            }
-            if got == 0 {
-                std::hint::spin_loop();
-                if spins.is_multiple_of(1024) {
-                    std::thread::yield_now();
-                }
-            }
-        }
-        self.flush_done.take().expect("set above").map(|_| ())
+        crate::sink::flush_after_in_flight(self)
     }
 
     /// Validates and queues one request (see [`IoQueue::submit`]).
@@ -730,6 +704,20 @@ impl NvmeQueue {
         self.active += 1;
         self.backlog.push_back(ri);
         self.pump();
+    }
+}
+
+impl crate::sink::FlushSteps for NvmeQueue {
+    fn queue_flush(&mut self, buf: AlignedBuf) {
+        self.flush_done = None;
+        self.enqueue(Op::Flush, ReadReq { offset: picchio_core::ByteOffset(0), len: 0, buf, tag: Tag(u64::MAX) });
+    }
+    fn take_flush_outcome(&mut self) -> Option<io::Result<()>> {
+        self.flush_done.take().map(|r| r.map(|_| ()))
+    }
+    fn hold_back(&mut self, mut held: Vec<Completion>) {
+        held.append(&mut self.ready);
+        self.ready = held;
     }
 }
 

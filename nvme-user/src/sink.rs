@@ -33,6 +33,58 @@ pub trait NvmWriteQueue: IoQueue {
     fn transport(&self) -> &'static str;
 }
 
+/// What an NVM Flush needs of a queue beyond [`IoQueue`]: how it queues the Flush command and keeps
+/// its outcome, and how it puts held completions back. The VFIO driver's [`NvmeQueue`] and the
+/// NVMe/TCP initiator's [`crate::tcp::NvmeTcpQueue`] implement it; [`flush_after_in_flight`] is the
+/// one flush procedure over both.
+pub(crate) trait FlushSteps: IoQueue {
+    /// Forgets the outcome of an earlier Flush and queues an NVM Flush (opcode 00h, NVM command set
+    /// §3.2.2) of the namespace, with `buf` (4 KiB, no data moves) as its request buffer. The queue
+    /// records the outcome where [`FlushSteps::take_flush_outcome`] finds it: when the command
+    /// completes, or at once when it cannot be issued.
+    fn queue_flush(&mut self, buf: AlignedBuf);
+    /// The recorded outcome of the Flush queued last (taken), or `None` while it is in flight.
+    fn take_flush_outcome(&mut self) -> Option<io::Result<()>>;
+    /// Puts `held` back ahead of any other completion, so that the next [`IoQueue::reap`] returns them.
+    fn hold_back(&mut self, held: Vec<Completion>);
+}
+
+/// Waits until every command submitted to `q` so far has completed, then issues an NVM Flush and
+/// waits for it: data of the completed writes is then in non-volatile media (NVM command set
+/// §3.2.2). The completions reaped while waiting stay queued for the caller's next
+/// [`IoQueue::reap`], on every path.
+///
+/// # Errors
+/// `OutOfMemory` when the Flush's 4 KiB request buffer cannot be allocated; otherwise the Flush's
+/// own outcome (its error status, a timeout, the controller's or connection's failure). The failure
+/// of a write still in flight is reported by that write's completion, not here.
+pub(crate) fn flush_after_in_flight<Q: FlushSteps>(q: &mut Q) -> io::Result<()> {
+    let mut held = Vec::new();
+    // `reap` moves every ready completion into `held`, so afterwards `in_flight` counts only the
+    // commands still at the device.
+    while q.in_flight() > 0 {
+        q.reap(1, &mut held);
+    }
+    let buf = match AlignedBuf::new(4096, 4096) {
+        Ok(b) => b,
+        Err(e) => {
+            q.hold_back(held);
+            return Err(io::Error::new(io::ErrorKind::OutOfMemory, picchio_core::error::chain(&e).to_string()));
+        }
+    };
+    q.queue_flush(buf);
+    let outcome = loop {
+        if let Some(outcome) = q.take_flush_outcome() {
+            break outcome;
+        }
+        // Nothing else is in flight: this returns once the Flush has completed (or the queue gave
+        // up on it), keeping any completion that arrives meanwhile.
+        q.reap(1, &mut held);
+    };
+    q.hold_back(held);
+    outcome
+}
+
 impl NvmWriteQueue for NvmeQueue {
     fn namespace(&self) -> Namespace {
         NvmeQueue::namespace(self)
@@ -261,6 +313,43 @@ mod tests {
 
     fn read(q: &mut NvmeQueue, off: u64, len: usize) -> Vec<u8> {
         read_blocking(q, off, len as u32).unwrap().as_slice()[..len].to_vec()
+    }
+
+    /// Submits two writes and a read to `q` and flushes without reaping them first: the flush waits
+    /// for them, and its completion is not among theirs; all three come back, intact, from the next
+    /// reap, and the written bytes read back.
+    fn flush_keeps_the_completions_it_waited_for<Q: NvmWriteQueue>(q: &mut Q) {
+        let (_, flushes) = q.command_counts();
+        for (tag, fill) in [(1u64, 0x11u8), (2, 0x22)] {
+            let mut buf = AlignedBuf::new(4096, 4096).unwrap();
+            buf.as_mut_slice().fill(fill);
+            q.submit_write(ReadReq { offset: ByteOffset(tag * 4096), len: 4096, buf, tag: Tag(tag) });
+        }
+        let buf = AlignedBuf::new(4096, 4096).unwrap();
+        q.submit(ReadReq { offset: ByteOffset(0), len: 4096, buf, tag: Tag(3) });
+        q.flush().unwrap();
+        assert_eq!(q.command_counts().1, flushes + 1, "one Flush counted");
+        assert_eq!(q.in_flight(), 3, "the three completions are held for the caller");
+        let mut out = Vec::new();
+        assert_eq!(q.reap(0, &mut out), 3);
+        let mut tags: Vec<u64> = out.iter().map(|c| c.tag.0).collect();
+        tags.sort_unstable();
+        assert_eq!(tags, [1, 2, 3], "the Flush's own completion (tag u64::MAX) is not returned");
+        assert!(out.iter().all(|c| c.result.as_ref().is_ok_and(|&n| n == 4096)), "{:?}", out[0].result);
+        assert_eq!(q.in_flight(), 0);
+        let back = read_blocking(q, 4096, 8192).unwrap();
+        assert_eq!(&back.as_slice()[..8192], &[[0x11u8; 4096], [0x22; 4096]].concat()[..]);
+    }
+
+    #[test]
+    fn flush_keeps_the_completions_it_waited_for_on_vfio_and_tcp_queues() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut q, _sim) = sim_queue(dir.path(), 1 << 20, 512);
+        flush_keeps_the_completions_it_waited_for(&mut q);
+        let m = crate::tcp::model::TargetModel::start(crate::tcp::model::ModelConfig::memory(vec![0; 1 << 20], 512))
+            .unwrap();
+        let mut q = crate::tcp::NvmeTcpQueue::connect(m.target(1), crate::tcp::TcpOptions::default()).unwrap();
+        flush_keeps_the_completions_it_waited_for(&mut q);
     }
 
     #[test]

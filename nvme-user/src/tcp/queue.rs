@@ -237,22 +237,7 @@ impl NvmeTcpQueue {
     /// # Errors
     /// The Flush's error status, or the connection's failure.
     pub fn flush(&mut self) -> io::Result<()> {
-        let mut held = std::mem::take(&mut self.ready);
-        while self.active > 0 {
-            self.reap(1, &mut held);
-        }
-        held.append(&mut self.ready);
-        self.stats.flushes += 1;
-        self.flush_done = None;
-        let buf = AlignedBuf::new(4096, 4096)
-            .map_err(|e| io::Error::new(io::ErrorKind::OutOfMemory, picchio_core::error::chain(&e).to_string()))?;
-        self.enqueue(Op::Flush, ReadReq { offset: picchio_core::ByteOffset(0), len: 0, buf, tag: Tag(u64::MAX) });
-        while self.flush_done.is_none() {
-            self.reap(1, &mut held);
-        }
-        held.append(&mut self.ready);
-        self.ready = held;
-        self.flush_done.take().expect("set above")
+        crate::sink::flush_after_in_flight(self)
     }
 
     fn validate(&self, req: &ReadReq, op: Op) -> Result<(), String> {
@@ -740,6 +725,21 @@ fn establish(target: &TcpTarget, opts: &TcpOptions) -> TcpResult<(Assoc, Control
         ios.push(IoConn { conn, cmds: (0..depth).map(|_| None).collect(), free: (0..depth).rev().collect() });
     }
     Ok((Assoc { admin: kept, ios }, info, ns, depth))
+}
+
+impl crate::sink::FlushSteps for NvmeTcpQueue {
+    fn queue_flush(&mut self, buf: AlignedBuf) {
+        self.stats.flushes += 1;
+        self.flush_done = None;
+        self.enqueue(Op::Flush, ReadReq { offset: picchio_core::ByteOffset(0), len: 0, buf, tag: Tag(u64::MAX) });
+    }
+    fn take_flush_outcome(&mut self) -> Option<io::Result<()>> {
+        self.flush_done.take()
+    }
+    fn hold_back(&mut self, mut held: Vec<Completion>) {
+        held.append(&mut self.ready);
+        self.ready = held;
+    }
 }
 
 impl IoQueue for NvmeTcpQueue {

@@ -798,21 +798,7 @@ mod tests {
     #[test]
     fn dimension_mismatches_name_every_differing_field_and_what_moe_inter_is() {
         let dims = StoreDims { hidden: 64, n_layers: 3, n_experts: 16, topk: 4, moe_inter: 256 };
-        let sb = Superblock {
-            version: 2,
-            block_size: 4096,
-            hidden: 64,
-            n_layers: 3,
-            n_experts: 16,
-            topk: 2,
-            moe_inter: 128,
-            n_entries: 48,
-            index_offset: 4096,
-            index_len: 48 * 24,
-            data_offset: 8192,
-            index_sha256: [0; 32],
-            model: None,
-        };
+        let sb = Superblock::layout(StoreDims { topk: 2, moe_inter: 128, ..dims }, 48, [0; 32], None);
         assert!(StoreDims { topk: 2, moe_inter: 128, ..dims }.mismatches(&sb, "img").is_empty());
         let m: Vec<String> = dims.mismatches(&sb, "img").iter().map(ToString::to_string).collect();
         assert_eq!(m.len(), 2, "{m:?}");

@@ -266,21 +266,8 @@ mod tests {
         let mut h = head();
         h[510..512].copy_from_slice(&[0x55, 0xAA]);
         assert!(scan_signatures(&h, 0).is_empty());
-        let sb = Superblock {
-            version: 2,
-            block_size: 4096,
-            hidden: 64,
-            n_layers: 3,
-            n_experts: 16,
-            topk: 4,
-            moe_inter: 128,
-            n_entries: 48,
-            index_offset: 4096,
-            index_len: 48 * 24,
-            data_offset: 8192,
-            index_sha256: [0; 32],
-            model: None,
-        };
+        let dims = picchio_core::loader::StoreDims { hidden: 64, n_layers: 3, n_experts: 16, topk: 4, moe_inter: 128 };
+        let sb = Superblock::layout(dims, 48, [0; 32], None);
         let mut h = head();
         h[..4096].copy_from_slice(&sb.encode());
         let s = scan_signatures(&h, 1 << 20);

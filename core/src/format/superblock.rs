@@ -1,7 +1,8 @@
 //! The superblock: the first `BLOCK_SIZE` bytes of an image (Python struct `<8sIIIIIIIIQQQ32s`).
 
-use super::{le_u32, le_u64, ModelRecord};
+use super::{le_u32, le_u64, ModelRecord, BLOCK_SIZE, EXPERT_LOC_SIZE};
 use crate::error::{Error, Result};
+use crate::loader::StoreDims;
 
 /// `"PCHIOFL1"`, the first eight bytes of every image.
 pub const MAGIC: [u8; 8] = *b"PCHIOFL1";
@@ -67,6 +68,35 @@ pub struct Superblock {
 }
 
 impl Superblock {
+    /// The superblock [`super::FlatWriter`] writes for an image of `n_entries` entries of a model of
+    /// `dims` (n_layers × n_experts entries, fewer for a prefix image): format version 2,
+    /// [`BLOCK_SIZE`]-byte blocks, the index at byte [`BLOCK_SIZE`] (`n_entries` × 24 bytes), the
+    /// payloads from [`super::data_offset`]`(n_entries)`. `index_sha256` is the SHA-256 of the index
+    /// bytes and `model` the model record, if any (docs/format.md).
+    pub fn layout(dims: StoreDims, n_entries: u32, index_sha256: [u8; 32], model: Option<ModelRecord>) -> Superblock {
+        Superblock {
+            version: VERSION,
+            block_size: BLOCK_SIZE,
+            hidden: dims.hidden,
+            n_layers: dims.n_layers,
+            n_experts: dims.n_experts,
+            topk: dims.topk,
+            moe_inter: dims.moe_inter,
+            n_entries,
+            index_offset: u64::from(BLOCK_SIZE),
+            index_len: u64::from(n_entries) * EXPERT_LOC_SIZE as u64,
+            data_offset: super::data_offset(n_entries),
+            index_sha256,
+            model,
+        }
+    }
+
+    /// Layers whose experts the image holds: `n_entries / n_experts` (`n_layers` for a whole model,
+    /// fewer for a prefix image; 0 when `n_experts` is 0).
+    pub fn image_layers(&self) -> u32 {
+        self.n_entries / self.n_experts.max(1)
+    }
+
     /// Encodes into a full block of `block_size` bytes: the fields, the model record when there is
     /// one (it must have passed [`ModelRecord::check`]), zeros elsewhere.
     pub fn encode(&self) -> Vec<u8> {
@@ -255,21 +285,14 @@ mod tests {
     }
 
     fn sample() -> Superblock {
-        Superblock {
-            version: 2,
-            block_size: 4096,
-            hidden: 64,
-            n_layers: 3,
-            n_experts: 16,
-            topk: 4,
-            moe_inter: 128,
-            n_entries: 48,
-            index_offset: 4096,
-            index_len: 48 * 24,
-            data_offset: 8192,
-            index_sha256: [7; 32],
-            model: None,
-        }
+        let dims = StoreDims { hidden: 64, n_layers: 3, n_experts: 16, topk: 4, moe_inter: 128 };
+        let sb = Superblock::layout(dims, 48, [7; 32], None);
+        assert_eq!(
+            (sb.version, sb.block_size, sb.index_offset, sb.index_len, sb.data_offset),
+            (2, 4096, 4096, 48 * 24, 8192)
+        );
+        assert_eq!(sb.image_layers(), 3);
+        sb
     }
 
     #[test]

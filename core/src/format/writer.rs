@@ -15,8 +15,7 @@ use std::path::{Path, PathBuf};
 use crate::stop_point::Counted;
 
 use super::{
-    encode_index, index_sha256, payload_hash, round_up, ExpertLoc, ModelRecord, Superblock, BLOCK_SIZE,
-    EXPERT_LOC_SIZE, VERSION,
+    encode_index, index_sha256, payload_hash, round_up, ExpertLoc, ModelRecord, Superblock, BLOCK_SIZE, EXPERT_LOC_SIZE,
 };
 use crate::error::{Error, Result};
 use crate::loader::StoreDims;
@@ -421,21 +420,11 @@ impl<S: ImageSink> FlatWriter<S> {
             });
         }
         let mut index = encode_index(&self.entries);
-        let sb = Superblock {
-            version: VERSION,
-            block_size: BLOCK_SIZE,
-            hidden: self.dims.hidden,
-            n_layers: self.dims.n_layers,
-            n_experts: self.dims.n_experts,
-            topk: self.dims.topk,
-            moe_inter: self.dims.moe_inter,
-            n_entries: self.n_entries,
-            index_offset: self.index_offset,
-            index_len: index.len() as u64,
-            data_offset: self.data_offset,
-            index_sha256: index_sha256(&index),
-            model: self.model.take(),
-        };
+        let sb = Superblock::layout(self.dims, self.n_entries, index_sha256(&index), self.model.take());
+        debug_assert_eq!(
+            (sb.index_offset, sb.index_len, sb.data_offset),
+            (self.index_offset, index.len() as u64, self.data_offset)
+        );
         // The index region is padded with zeros up to the data, so it is whole blocks.
         index.resize((self.data_offset - self.index_offset) as usize, 0);
         self.sink.end_run().map_err(self.werr("payload"))?;

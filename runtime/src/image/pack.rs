@@ -93,7 +93,7 @@ impl ReportHead for Packed {
         bytes: u64,
         elapsed: Duration,
     ) -> std::fmt::Result {
-        let layers = sb.n_entries / sb.n_experts.max(1);
+        let layers = sb.image_layers();
         writeln!(f, "packed {} -> {dest}", self.model_dir.display())?;
         write!(
             f,

@@ -149,7 +149,7 @@ impl ReportHead for Synthesized {
         bytes: u64,
         elapsed: Duration,
     ) -> std::fmt::Result {
-        let layers = sb.n_entries / sb.n_experts.max(1);
+        let layers = sb.image_layers();
         writeln!(f, "synthesized {dest}")?;
         writeln!(
             f,

@@ -9,7 +9,7 @@ use std::path::Path;
 use common::{buf_for, direct_scratch, random_file, read_one, scratch};
 use picchio_blockdev::{DioAlign, Error, PsyncOptions, PsyncQueue, MIN_REPORTED_BLOCK_SIZE};
 use picchio_core::{ByteOffset, IoQueue, ReadReq, Tag};
-use picchio_testkit::conformance::{self, Engine, Eof};
+use picchio_testkit::conformance::{self, Engine};
 
 /// Lends the suite a psync engine, buffered or direct, in its own scratch dir; queue depth `qd`
 /// maps to `min(qd, 4)` worker threads.
@@ -23,17 +23,7 @@ fn with_psync(direct: bool, f: impl FnOnce(&Engine)) {
         assert!(q.block_size() >= MIN_REPORTED_BLOCK_SIZE && q.block_size().is_multiple_of(q.alignment().mem));
         common::boxed(q)
     };
-    f(&Engine {
-        name: if direct { "psync(direct)" } else { "psync(buffered)" },
-        dir: dir.path(),
-        open: &open,
-        align: a.offset,
-        mem_align: a.mem,
-        eof: Eof::Short,
-        misaligned: &common::check_misaligned,
-        past_end: &common::check_past_end,
-        too_small: &common::check_too_small,
-    });
+    f(&common::file_engine(if direct { "psync(direct)" } else { "psync(buffered)" }, dir.path(), &open, a));
 }
 
 fn with_buffered(f: impl FnOnce(&Engine)) {

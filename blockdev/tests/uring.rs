@@ -19,7 +19,7 @@ use picchio_core::{
     AlignedBuf, ByteOffset, Completion, ExpertKey, ExpertLoader, FlatStore, FlatStoreOptions, FlatWriter, IoQueue,
     LoadError, ReadReq, Tag, BLOCK_SIZE,
 };
-use picchio_testkit::conformance::{self, Engine, Eof};
+use picchio_testkit::conformance::{self, Engine};
 use picchio_testkit::loopdev::{LoopDevice, LoopOptions};
 
 /// Panics, naming `test` and the reason, unless io_uring works here.
@@ -47,17 +47,7 @@ fn with_uring_opts(direct: bool, opts: impl Fn(u32) -> UringOptions + Sync, f: i
         common::boxed(q)
     };
     let name = UringQueue::open(&probe, opts(32)).unwrap().describe();
-    f(&Engine {
-        name: &name,
-        dir: dir.path(),
-        open: &open,
-        align: a.offset,
-        mem_align: a.mem,
-        eof: Eof::Short,
-        misaligned: &common::check_misaligned,
-        past_end: &common::check_past_end,
-        too_small: &common::check_too_small,
-    });
+    f(&common::file_engine(&name, dir.path(), &open, a));
 }
 
 fn with_buffered(f: impl FnOnce(&Engine)) {

@@ -6,9 +6,9 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
-use picchio_blockdev::{Error, PsyncOptions, PsyncQueue};
+use picchio_blockdev::{DioAlign, Error, PsyncOptions, PsyncQueue};
 use picchio_core::{AlignedBuf, ByteOffset, Completion, IoQueue, ReadReq, Tag};
-use picchio_testkit::conformance::Misalign;
+use picchio_testkit::conformance::{Engine, Eof, Misalign, OpenFn};
 
 #[allow(unused_imports)] // some test binaries draw no numbers of their own
 pub use picchio_core::rng::SplitMix64 as Rng;
@@ -113,4 +113,23 @@ pub fn check_too_small(e: &io::Error, buf_len: usize) {
 /// Boxes a queue for the suite's opener.
 pub fn boxed(q: impl IoQueue + 'static) -> Box<dyn IoQueue> {
     Box::new(q)
+}
+
+/// The conformance suite's description of one of this crate's file engines named `name`, whose
+/// queues `open` opens on files in `dir` and which needs the alignment `align` (its probe's
+/// [`DioAlign`]; `DioAlign::NONE` when buffered): a read across the end of a file is short (`pread`
+/// semantics), and refusals are this crate's typed errors ([`check_misaligned`], [`check_past_end`],
+/// [`check_too_small`]).
+pub fn file_engine<'a>(name: &'a str, dir: &'a Path, open: &'a OpenFn<'a>, align: DioAlign) -> Engine<'a> {
+    Engine {
+        name,
+        dir,
+        open,
+        align: align.offset,
+        mem_align: align.mem,
+        eof: Eof::Short,
+        misaligned: &check_misaligned,
+        past_end: &check_past_end,
+        too_small: &check_too_small,
+    }
 }

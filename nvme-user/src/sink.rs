@@ -315,43 +315,6 @@ mod tests {
         read_blocking(q, off, len as u32).unwrap().as_slice()[..len].to_vec()
     }
 
-    /// Submits two writes and a read to `q` and flushes without reaping them first: the flush waits
-    /// for them, and its completion is not among theirs; all three come back, intact, from the next
-    /// reap, and the written bytes read back.
-    fn flush_keeps_the_completions_it_waited_for<Q: NvmWriteQueue>(q: &mut Q) {
-        let (_, flushes) = q.command_counts();
-        for (tag, fill) in [(1u64, 0x11u8), (2, 0x22)] {
-            let mut buf = AlignedBuf::new(4096, 4096).unwrap();
-            buf.as_mut_slice().fill(fill);
-            q.submit_write(ReadReq { offset: ByteOffset(tag * 4096), len: 4096, buf, tag: Tag(tag) });
-        }
-        let buf = AlignedBuf::new(4096, 4096).unwrap();
-        q.submit(ReadReq { offset: ByteOffset(0), len: 4096, buf, tag: Tag(3) });
-        q.flush().unwrap();
-        assert_eq!(q.command_counts().1, flushes + 1, "one Flush counted");
-        assert_eq!(q.in_flight(), 3, "the three completions are held for the caller");
-        let mut out = Vec::new();
-        assert_eq!(q.reap(0, &mut out), 3);
-        let mut tags: Vec<u64> = out.iter().map(|c| c.tag.0).collect();
-        tags.sort_unstable();
-        assert_eq!(tags, [1, 2, 3], "the Flush's own completion (tag u64::MAX) is not returned");
-        assert!(out.iter().all(|c| c.result.as_ref().is_ok_and(|&n| n == 4096)), "{:?}", out[0].result);
-        assert_eq!(q.in_flight(), 0);
-        let back = read_blocking(q, 4096, 8192).unwrap();
-        assert_eq!(&back.as_slice()[..8192], &[[0x11u8; 4096], [0x22; 4096]].concat()[..]);
-    }
-
-    #[test]
-    fn flush_keeps_the_completions_it_waited_for_on_vfio_and_tcp_queues() {
-        let dir = tempfile::tempdir().unwrap();
-        let (mut q, _sim) = sim_queue(dir.path(), 1 << 20, 512);
-        flush_keeps_the_completions_it_waited_for(&mut q);
-        let m = crate::tcp::model::TargetModel::start(crate::tcp::model::ModelConfig::memory(vec![0; 1 << 20], 512))
-            .unwrap();
-        let mut q = crate::tcp::NvmeTcpQueue::connect(m.target(1), crate::tcp::TcpOptions::default()).unwrap();
-        flush_keeps_the_completions_it_waited_for(&mut q);
-    }
-
     #[test]
     fn open_zeroes_the_first_block_then_writes_gather_into_runs() {
         let dir = tempfile::tempdir().unwrap();

@@ -7,10 +7,12 @@ use std::time::Duration;
 
 use picchio_core::io::read_blocking;
 use picchio_core::{AlignedBuf, ByteOffset, Completion, IoQueue, ReadReq, Tag};
+use picchio_nvme::sim::SimConfig;
 use picchio_nvme::spec::{Status, StatusCodeType};
 use picchio_nvme::tcp::fabrics::connect_status;
 use picchio_nvme::tcp::model::{Fault, ModelConfig, TargetModel};
 use picchio_nvme::tcp::{discover, NvmeTcpQueue, TcpError, TcpOptions, TcpTarget};
+use picchio_nvme::{NvmWriteQueue, NvmeQueue, NvmeQueueOptions};
 
 /// 4 MiB of a position-dependent pattern.
 fn pattern(len: usize) -> Vec<u8> {
@@ -360,4 +362,47 @@ fn a_target_that_went_away_fails_reads_and_is_used_again_when_it_returns() {
     m.clear_faults();
     assert_eq!(read(&mut q, 0, 4096).unwrap(), data[..4096]);
     assert_eq!(q.stats().reconnects, 1);
+}
+
+/// Submits two writes and a read to `q` and flushes without reaping them first: the flush waits
+/// for them, and its completion is not among theirs; all three come back, intact, from the next
+/// reap, and the written bytes read back.
+fn flush_keeps_the_completions_it_waited_for<Q: NvmWriteQueue>(q: &mut Q) {
+    let (_, flushes) = q.command_counts();
+    for (tag, fill) in [(1u64, 0x11u8), (2, 0x22)] {
+        let mut buf = AlignedBuf::new(4096, 4096).unwrap();
+        buf.as_mut_slice().fill(fill);
+        q.submit_write(ReadReq { offset: ByteOffset(tag * 4096), len: 4096, buf, tag: Tag(tag) });
+    }
+    let buf = AlignedBuf::new(4096, 4096).unwrap();
+    q.submit(ReadReq { offset: ByteOffset(0), len: 4096, buf, tag: Tag(3) });
+    q.flush().unwrap();
+    assert_eq!(q.command_counts().1, flushes + 1, "one Flush counted");
+    assert_eq!(q.in_flight(), 3, "the three completions are held for the caller");
+    let mut out = Vec::new();
+    assert_eq!(q.reap(0, &mut out), 3);
+    let mut tags: Vec<u64> = out.iter().map(|c| c.tag.0).collect();
+    tags.sort_unstable();
+    assert_eq!(tags, [1, 2, 3], "the Flush's own completion (tag u64::MAX) is not returned");
+    assert!(out.iter().all(|c| c.result.as_ref().is_ok_and(|&n| n == 4096)), "{:?}", out[0].result);
+    assert_eq!(q.in_flight(), 0);
+    let back = read_blocking(q, 4096, 8192).unwrap();
+    assert_eq!(&back.as_slice()[..8192], &[[0x11u8; 4096], [0x22; 4096]].concat()[..]);
+}
+
+/// The one flush procedure both write queues share (`NvmeQueue` over the controller model, and
+/// `NvmeTcpQueue` over the target model): here because it needs loopback TCP, which the VM guests
+/// of tests/vm do not bring up.
+#[test]
+fn flush_keeps_the_completions_it_waited_for_on_vfio_and_tcp_queues() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ns1");
+    std::fs::write(&path, vec![0xEEu8; 1 << 20]).unwrap();
+    let mut cfg = SimConfig::single(&path, 512);
+    cfg.namespaces[0].writable = true;
+    let (mut q, _sim) = NvmeQueue::open_sim(cfg, &NvmeQueueOptions::default()).unwrap();
+    flush_keeps_the_completions_it_waited_for(&mut q);
+    let m = TargetModel::start(ModelConfig::memory(vec![0; 1 << 20], 512)).unwrap();
+    let mut q = NvmeTcpQueue::connect(m.target(1), opts()).unwrap();
+    flush_keeps_the_completions_it_waited_for(&mut q);
 }

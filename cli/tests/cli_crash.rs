@@ -18,10 +18,9 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
-use common::stop::{self, kill9, spawn_stopped};
-use common::{ok, private_model, scratch};
+use common::stop::{assert_leftover_removed, kill_writer_at, tmp_of};
+use common::{ok, private_model, scratch, strs, synth_custom};
 use picchio_core::rng::SplitMix64;
 
 /// Kill points per writer.
@@ -66,35 +65,22 @@ fn kill_at_seeded_points(w: &Writer<'_>, logs: &Path) {
         let salt = w.name.bytes().fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
         let at = SplitMix64::new(seed ^ salt).below(total);
         let log = logs.join(format!("{}-{seed}.log", w.name));
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_picchio"));
-        cmd.args(&w.args).env(picchio_core::stop_point::BYTES_ENV, at.to_string());
-        let child = spawn_stopped(&mut cmd, &log)
+        let killed = kill_writer_at(&w.args, at, &log)
             .unwrap_or_else(|e| panic!("{} seed {seed}: never wrote {at} of {total} bytes: {e}", w.name));
-        let pid = child.id();
-        let err = stop::read(&log);
-        kill9(child);
         eprintln!("{} seed {seed}: killed -9 after {at} of {total} bytes", w.name);
         assert!(contents(&w.out) == old, "{} seed {seed}: the killed write changed {}", w.name, w.out.display());
-        let tmp = (w.leftover)(pid);
+        let tmp = (w.leftover)(killed.pid);
         assert!(tmp.exists(), "{} seed {seed}: no temporary output {} after the kill", w.name, tmp.display());
         if let Some((prev, bytes)) = &previous {
-            assert!(!prev.exists(), "{} seed {seed}: {} left behind", w.name, prev.display());
-            assert!(
-                err.contains(&format!("removed {} ({bytes} bytes", prev.display()))
-                    && err.contains("no longer running"),
-                "{} seed {seed}: the previous leftover was not named:\n{err}",
-                w.name
-            );
+            assert_leftover_removed(&killed.stderr, prev, *bytes);
         }
         previous = Some((tmp.clone(), size(&tmp)));
     }
     // The next complete run removes the last leftover, says so, and replaces the output.
-    let o = common::picchio(&w.args.iter().map(String::as_str).collect::<Vec<_>>());
+    let o = common::picchio(&strs(&w.args));
     assert!(o.status.success(), "{}: the final run failed", w.name);
-    let err = String::from_utf8_lossy(&o.stderr);
     let (prev, bytes) = previous.unwrap();
-    assert!(err.contains(&format!("removed {} ({bytes} bytes", prev.display())), "{err}");
-    assert!(!prev.exists());
+    assert_leftover_removed(&String::from_utf8_lossy(&o.stderr), &prev, bytes);
     // Deterministic writers: the new output equals the old one byte for byte.
     assert!(contents(&w.out) == old, "{}: the complete run wrote other bytes", w.name);
     let dir = w.out.parent().unwrap();
@@ -111,12 +97,9 @@ fn s(p: &Path) -> String {
     p.display().to_string()
 }
 
+/// The leftover of a killed writer of the image file `out` ([`tmp_of`]).
 fn tmp_file(out: &Path) -> impl Fn(u32) -> PathBuf + '_ {
-    move |pid| {
-        let mut n = out.file_name().unwrap().to_os_string();
-        n.push(format!(".tmp-{pid}"));
-        out.with_file_name(n)
-    }
+    move |pid| tmp_of(out, pid)
 }
 
 fn tmp_dir<'a>(out: &'a Path, tag: &'a str) -> impl Fn(u32) -> PathBuf + 'a {
@@ -136,7 +119,7 @@ fn kill_9_of_pack_at_seeded_points_keeps_the_old_image_and_the_next_pack_removes
     };
     // The previous image is this pack's own (the fixture's copy has no model record: the bytes of a
     // complete pack of this directory differ from it there).
-    let o = common::picchio(&w.args.iter().map(String::as_str).collect::<Vec<_>>());
+    let o = common::picchio(&strs(&w.args));
     assert!(o.status.success(), "the first pack failed: {}", String::from_utf8_lossy(&o.stderr));
     kill_at_seeded_points(&w, dir.path());
 }
@@ -145,28 +128,9 @@ fn kill_9_of_pack_at_seeded_points_keeps_the_old_image_and_the_next_pack_removes
 fn kill_9_of_synth_at_seeded_points_keeps_the_old_image_and_the_next_synth_removes_the_leftover() {
     let dir = scratch();
     let out = dir.path().join("synth.picchioflat");
-    let args: Vec<String> = [
-        "synth",
-        "--arch",
-        "custom",
-        "--hidden",
-        "256",
-        "--moe-intermediate",
-        "256",
-        "--experts",
-        "8",
-        "--model-layers",
-        "4",
-        "--seed",
-        "7",
-        "--no-progress",
-        "--out",
-    ]
-    .iter()
-    .map(|a| a.to_string())
-    .chain([s(&out)])
-    .collect();
-    ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let mut args = synth_custom(256, 256, 8, 4);
+    args.extend(["--seed", "7", "--no-progress", "--out", &s(&out)].map(String::from));
+    ok(&strs(&args));
     let w = Writer { name: "synth", args, out: out.clone(), leftover: Box::new(tmp_file(&out)) };
     kill_at_seeded_points(&w, dir.path());
 }
@@ -197,7 +161,7 @@ fn kill_9_of_transcode_at_seeded_points_keeps_the_old_directory_and_the_next_tra
     let out = dir.path().join("q3");
     let args: Vec<String> =
         ["transcode", &s(&src), "--to", "q3", "--out", &s(&out), "--force", "--no-progress"].map(String::from).into();
-    ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    ok(&strs(&args));
     let w = Writer { name: "transcode", args, out: out.clone(), leftover: Box::new(tmp_dir(&out, "transcode")) };
     kill_at_seeded_points(&w, dir.path());
 }

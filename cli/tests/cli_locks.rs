@@ -16,46 +16,16 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 
-use common::stop::{self, kill9, resume, spawn_stopped, LIMIT};
-use common::{assert_packed_image, model, picchio, private_model, scratch};
+use common::stop::{self, assert_leftover_removed, kill9, kill_writer_at, resume, spawn_stopped, tmp_of, LIMIT};
+use common::{assert_packed_image, model, picchio, private_model, scratch, strs, synth_custom};
 use picchio_testkit::bin::stderr;
 
 /// `picchio synth` arguments for a custom image of 16 × 4 experts of 110,592 bytes (~7 MB): many
 /// payload writes, so a stop point a quarter or half through lands in the middle of the write.
 fn synth_args(out: &Path) -> Vec<String> {
-    [
-        "synth",
-        "--arch",
-        "custom",
-        "--hidden",
-        "256",
-        "--moe-intermediate",
-        "256",
-        "--experts",
-        "16",
-        "--model-layers",
-        "4",
-        "--no-progress",
-        "--out",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .chain([out.display().to_string()])
-    .collect()
-}
-
-/// `picchio ARGS` with `PICCHIO_STOP_AFTER_BYTES=at`, stopped once it has written `at` bytes of its
-/// output (stderr in `log`).
-fn writer_stopped_at(args: &[String], at: u64, log: &Path) -> Child {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_picchio"));
-    cmd.args(args).env(picchio_core::stop_point::BYTES_ENV, at.to_string());
-    spawn_stopped(&mut cmd, log).unwrap_or_else(|e| panic!("the writer never wrote {at} bytes: {e}"))
-}
-
-fn tmp_of(out: &Path, pid: u32) -> PathBuf {
-    let mut n = out.file_name().unwrap().to_os_string();
-    n.push(format!(".tmp-{pid}"));
-    out.with_file_name(n)
+    let mut args = synth_custom(256, 256, 16, 4);
+    args.extend(["--no-progress".into(), "--out".into(), out.display().to_string()]);
+    args
 }
 
 fn len(p: &Path) -> u64 {
@@ -69,7 +39,7 @@ fn kill_9_of_a_writer_keeps_the_old_image_and_the_next_writer_removes_its_leftov
     let args = synth_args(&out);
     // The complete output's size, from a complete synth elsewhere.
     let whole = dir.path().join("whole.picchioflat");
-    let o = picchio(&synth_args(&whole).iter().map(String::as_str).collect::<Vec<_>>());
+    let o = picchio(&strs(&synth_args(&whole)));
     assert!(o.status.success(), "{}", stderr(&o));
     let total = len(&whole);
     std::fs::copy(model().join("experts.picchioflat"), &out).unwrap();
@@ -77,50 +47,30 @@ fn kill_9_of_a_writer_keeps_the_old_image_and_the_next_writer_removes_its_leftov
     // A live process's temporary file (ours: this test is running) is another writer's, kept.
     let live = tmp_of(&out, std::process::id());
     std::fs::write(&live, b"a writer at work").unwrap();
-    let removed = |e: &str, (tmp, bytes): &(PathBuf, u64)| {
-        assert!(!tmp.exists(), "{} left behind", tmp.display());
-        assert!(
-            e.contains(&format!("removed {} ({bytes} bytes", tmp.display())) && e.contains("no longer running"),
-            "{e}"
-        );
-    };
     let mut leftover: Option<(PathBuf, u64)> = None;
     // Killed after its first write, a quarter through, half through; each writer removes the
     // previous one's leftover.
     for (i, at) in [1, total / 4, total / 2].into_iter().enumerate() {
         let log = dir.path().join(format!("synth-{i}.log"));
-        let child = writer_stopped_at(&args, at, &log);
-        let tmp = tmp_of(&out, child.id());
-        let e = stop::read(&log);
-        kill9(child);
+        let killed =
+            kill_writer_at(&args, at, &log).unwrap_or_else(|e| panic!("the writer never wrote {at} bytes: {e}"));
+        let tmp = tmp_of(&out, killed.pid);
         assert!(std::fs::read(&out).unwrap() == old, "the killed write changed the old image");
         assert!(tmp.exists(), "kill -9 leaves the temporary file (nothing can remove it)");
         assert!(len(&tmp) >= at, "{} has {} bytes, the writer had written {at}", tmp.display(), len(&tmp));
-        if let Some(prev) = &leftover {
-            removed(&e, prev);
+        if let Some((prev, bytes)) = &leftover {
+            assert_leftover_removed(&killed.stderr, prev, *bytes);
         }
         leftover = Some((tmp.clone(), len(&tmp)));
     }
     // The next writer removes each dead one and says so, with its size.
-    let o = picchio(&[
-        "synth",
-        "--arch",
-        "custom",
-        "--hidden",
-        "64",
-        "--moe-intermediate",
-        "64",
-        "--experts",
-        "4",
-        "--model-layers",
-        "2",
-        "--no-progress",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+    let mut small = synth_custom(64, 64, 4, 2);
+    small.extend(["--no-progress".into(), "--out".into(), out.display().to_string()]);
+    let o = picchio(&strs(&small));
     assert!(o.status.success(), "{}", stderr(&o));
     let e = stderr(&o);
-    removed(&e, leftover.as_ref().unwrap());
+    let (prev, bytes) = leftover.unwrap();
+    assert_leftover_removed(&e, &prev, bytes);
     assert!(std::fs::read(&out).unwrap() != old, "the small synth replaced the image");
     assert!(live.exists(), "the live process's temporary file was removed");
     assert!(!e.contains(&live.display().to_string()), "{e}");
@@ -224,7 +174,8 @@ fn two_writers_of_one_output_the_second_is_refused_while_the_first_writes() {
     let dir = scratch();
     let out = dir.path().join("e.picchioflat");
     // Stopped mid-write (after its first bytes), holding its claim, until the test kills it.
-    let first = writer_stopped_at(&synth_args(&out), 1, &dir.path().join("first.log"));
+    let first = stop::writer_stopped_at(&synth_args(&out), 1, &dir.path().join("first.log"))
+        .unwrap_or_else(|e| panic!("the first writer never wrote a byte: {e}"));
     let first_pid = first.id();
     let tmp = tmp_of(&out, first_pid);
     assert!(tmp.exists(), "the stopped synth has no temporary file {}", tmp.display());
@@ -284,13 +235,9 @@ fn pack_onto_a_loop_device_a_run_reads_refuses_and_force_writes_it() {
 /// `picchio synth` arguments for another image of the fixture's geometry (other payloads, index and
 /// superblock) at `out`.
 fn other_image_args(out: &str) -> Vec<String> {
-    let geometry = ["--hidden", "64", "--moe-intermediate", "64", "--experts", "16", "--model-layers", "3"];
-    ["synth", "--arch", "custom"]
-        .into_iter()
-        .chain(geometry)
-        .chain(["--seed", "9", "--no-progress", "--out", out])
-        .map(String::from)
-        .collect()
+    let mut args = synth_custom(64, 64, 16, 3);
+    args.extend(["--seed", "9", "--no-progress", "--out", out].map(String::from));
+    args
 }
 
 /// `picchio run --verify --json` of `model` on `store` with a cache of 4 experts (3 layers × top-4:
@@ -333,7 +280,7 @@ fn an_image_overwritten_in_place_under_a_verifying_run_gives_the_same_tokens() {
     let m = private_model(dir.path());
     let img = m.join("experts.picchioflat");
     let other = dir.path().join("other.picchioflat");
-    let o = picchio(&other_image_args(other.to_str().unwrap()).iter().map(String::as_str).collect::<Vec<_>>());
+    let o = picchio(&strs(&other_image_args(other.to_str().unwrap())));
     assert!(o.status.success(), "{}", stderr(&o));
     // Overwritten in place (same inode, as a program writing the file would); the run goes on
     // reading it.
@@ -363,7 +310,7 @@ fn force_onto_a_loop_device_under_a_verifying_run_gives_the_same_tokens() {
     // image under the run.
     same_tokens_when_changed_under_a_verifying_run(dir.path(), &m, &raw, || {
         let synth = other_image_args(&raw);
-        let synth: Vec<&str> = synth.iter().map(String::as_str).collect();
+        let synth = strs(&synth);
         assert_eq!(picchio(&synth).status.code(), Some(1));
         let forced: Vec<&str> = synth.into_iter().chain(["--force"]).collect();
         let o = picchio(&forced);

@@ -21,14 +21,11 @@ use std::fs::File;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::time::Duration;
 
-use common::stop::{resume, spawn_stopped};
-use common::{model, ok, scratch};
+use common::stop::{resume, writer_stopped_at, LIMIT};
+use common::{model, ok, scratch, synth_custom};
 use picchio_testkit::bin::{stderr, wait_bounded};
 use picchio_testkit::loopdev::{self, sparse_file, LoopDevice, LoopOptions, Mounted};
-
-const LIMIT: Duration = Duration::from_secs(300);
 
 fn s(p: &Path) -> String {
     p.display().to_string()
@@ -60,9 +57,7 @@ fn fill(dir: &Path) -> PathBuf {
 
 /// Runs `picchio ARGS`, stopped after its first written byte; fills `fs`; lets it go on.
 fn run_into_full_disk(args: &[String], fs: &Path, log: &Path) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_picchio"));
-    cmd.args(args).env(picchio_core::stop_point::BYTES_ENV, "1");
-    let child = spawn_stopped(&mut cmd, log).unwrap_or_else(|e| panic!("the writer never wrote a byte: {e}"));
+    let child = writer_stopped_at(args, 1, log).unwrap_or_else(|e| panic!("the writer never wrote a byte: {e}"));
     let filler = fill(fs);
     let mut o = resume(child);
     o.stderr = std::fs::read(log).unwrap();
@@ -101,12 +96,9 @@ fn enospc_in_the_middle_of_every_writer_is_a_clear_error_and_leaves_nothing_half
     std::fs::copy(model().join("experts.picchioflat"), &old_image).unwrap();
     let old = std::fs::read(&old_image).unwrap();
     let synth_args = |out: &Path| -> Vec<String> {
-        ["synth", "--arch", "custom", "--hidden", "256", "--moe-intermediate", "256", "--experts", "8"]
-            .iter()
-            .map(|a| a.to_string())
-            .chain(["--model-layers", "4", "--no-progress", "--out"].map(String::from))
-            .chain([s(out)])
-            .collect()
+        let mut args = synth_custom(256, 256, 8, 4);
+        args.extend(["--no-progress".into(), "--out".into(), s(out)]);
+        args
     };
     let cases: Vec<(&str, Vec<String>, PathBuf)> = vec![
         (

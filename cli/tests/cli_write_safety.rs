@@ -4,9 +4,13 @@
 //! a fresh user meets (`verify` of a cut-off or corrupted image).
 #![cfg(unix)]
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
+
+use common::{strs, synth_custom};
 
 fn picchio(dir: &Path, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_picchio"))
@@ -76,50 +80,18 @@ fn sigterm_during_synth_exits_143_and_leaves_no_temporary_file() {
 #[test]
 fn a_geometry_over_the_format_limits_is_refused_before_writing() {
     let dir = tempfile::tempdir().unwrap();
-    let o = picchio(
-        dir.path(),
-        &[
-            "synth",
-            "--arch",
-            "custom",
-            "--hidden",
-            "65536",
-            "--moe-intermediate",
-            "65536",
-            "--experts",
-            "100000",
-            "--model-layers",
-            "1000",
-            "--out",
-            "cx.pf",
-        ],
-    );
+    let mut huge = synth_custom(65536, 65536, 100_000, 1000);
+    huge.extend(["--out".into(), "cx.pf".into()]);
+    let o = picchio(dir.path(), &strs(&huge));
     assert_eq!(o.status.code(), Some(1));
     let e = stderr(&o);
     assert!(e.contains("cx.pf: entry 0 (layer 0, expert 0): the payload is 7247757312 bytes"), "{e}");
     assert!(e.contains("limit of 4294963200 bytes") && e.contains("padded_len"), "{e}");
     assert!(names(dir.path()).is_empty());
     // --expert-bytes one over the limit, within a u32: refused the same way.
-    let o = picchio(
-        dir.path(),
-        &[
-            "synth",
-            "--arch",
-            "custom",
-            "--hidden",
-            "64",
-            "--moe-intermediate",
-            "64",
-            "--experts",
-            "2",
-            "--model-layers",
-            "1",
-            "--expert-bytes",
-            "4294963201",
-            "--out",
-            "cx.pf",
-        ],
-    );
+    let mut over = synth_custom(64, 64, 2, 1);
+    over.extend(["--expert-bytes", "4294963201", "--out", "cx.pf"].map(String::from));
+    let o = picchio(dir.path(), &strs(&over));
     assert!(stderr(&o).contains("the payload is 4294963201 bytes"), "{}", stderr(&o));
     assert!(names(dir.path()).is_empty());
 }
@@ -127,11 +99,10 @@ fn a_geometry_over_the_format_limits_is_refused_before_writing() {
 #[test]
 fn out_schemes_are_written_or_refused_never_taken_for_file_names() {
     let dir = tempfile::tempdir().unwrap();
-    let small = ["synth", "--arch", "custom", "--hidden", "64", "--moe-intermediate", "64", "--experts", "2"];
     let synth = |out: &str| {
-        let mut args = small.to_vec();
-        args.extend(["--model-layers", "1", "--no-progress", "--out", out]);
-        picchio(dir.path(), &args)
+        let mut args = synth_custom(64, 64, 2, 1);
+        args.extend(["--no-progress", "--out", out].map(String::from));
+        picchio(dir.path(), &strs(&args))
     };
     // nvme: goes to the driver path (no such controller here), not to a file `nvme:0000:99:00.0`.
     let o = synth("nvme:0000:99:00.0");
@@ -169,27 +140,9 @@ fn run_help_lists_every_store_scheme() {
 
 /// A small valid image in `dir` (2 entries of 4096 bytes: 16384 bytes).
 fn small_image(dir: &Path) -> PathBuf {
-    let o = picchio(
-        dir,
-        &[
-            "synth",
-            "--arch",
-            "custom",
-            "--hidden",
-            "64",
-            "--moe-intermediate",
-            "64",
-            "--experts",
-            "2",
-            "--model-layers",
-            "1",
-            "--expert-bytes",
-            "4096",
-            "--no-progress",
-            "--out",
-            "img.pf",
-        ],
-    );
+    let mut args = synth_custom(64, 64, 2, 1);
+    args.extend(["--expert-bytes", "4096", "--no-progress", "--out", "img.pf"].map(String::from));
+    let o = picchio(dir, &strs(&args));
     assert!(o.status.success(), "{}", stderr(&o));
     dir.join("img.pf")
 }

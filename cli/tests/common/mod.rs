@@ -40,6 +40,22 @@ pub fn private_model(dir: &Path) -> PathBuf {
     dst
 }
 
+/// `picchio synth --arch custom` arguments for a custom geometry: `--hidden`, `--moe-intermediate`
+/// (the model's `moe_intermediate_size`), `--experts` (routed experts per layer) and
+/// `--model-layers`. The image holds `model_layers` × `experts` entries unless the caller adds
+/// `--layers`; callers append the rest (`--seed`, `--expert-bytes`, `--no-progress`, `--out`, ...).
+pub fn synth_custom(hidden: u64, moe_intermediate: u64, experts: u64, model_layers: u64) -> Vec<String> {
+    let flags = ["--hidden", "--moe-intermediate", "--experts", "--model-layers"];
+    let values = [hidden, moe_intermediate, experts, model_layers];
+    let geometry = flags.into_iter().zip(values).flat_map(|(f, v)| [f.to_string(), v.to_string()]);
+    ["synth", "--arch", "custom"].map(String::from).into_iter().chain(geometry).collect()
+}
+
+/// `args` as the `&str`s [`picchio`] takes.
+pub fn strs(args: &[String]) -> Vec<&str> {
+    args.iter().map(String::as_str).collect()
+}
+
 /// Runs `picchio ARGS`, echoing the command, its status and its output to the test log (the test
 /// kit's runner: stdin closed, a hang fails the test).
 pub fn picchio(args: &[&str]) -> Output {

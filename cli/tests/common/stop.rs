@@ -4,7 +4,7 @@
 //! to the end. Nothing here depends on the machine's speed or load: a count names the point.
 
 use std::fs::File;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
 
@@ -79,4 +79,57 @@ pub fn resume(child: Child) -> Output {
     // SAFETY: signals our own child, stopped and not yet reaped.
     assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGCONT) }, 0);
     wait_bounded(child, LIMIT).expect("the resumed process ends")
+}
+
+/// Starts `picchio ARGS` (a writer) with `PICCHIO_STOP_AFTER_BYTES=at` and returns it stopped once
+/// it has written `at` bytes of its output ([`spawn_stopped`]; stderr in `log`).
+///
+/// # Errors
+/// [`spawn_stopped`]'s: the writer ended before writing `at` bytes.
+pub fn writer_stopped_at(args: &[String], at: u64, log: &Path) -> Result<Child, String> {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_picchio"));
+    cmd.args(args).env(picchio_core::stop_point::BYTES_ENV, at.to_string());
+    spawn_stopped(&mut cmd, log)
+}
+
+/// A writer killed with `SIGKILL` part way through its write.
+pub struct Killed {
+    /// Its process id (names its temporary output, see [`tmp_of`]).
+    pub pid: u32,
+    /// What it had written to stderr when it was killed (e.g. the leftovers it removed).
+    pub stderr: String,
+}
+
+/// Runs `picchio ARGS` until it has written `at` bytes of its output ([`writer_stopped_at`]), then
+/// kills it with `SIGKILL` ([`kill9`]) — `kill -9` at a byte count, not at a time.
+///
+/// # Errors
+/// The writer ended before writing `at` bytes (its status and stderr).
+pub fn kill_writer_at(args: &[String], at: u64, log: &Path) -> Result<Killed, String> {
+    let child = writer_stopped_at(args, at, log)?;
+    let pid = child.id();
+    let stderr = read(log);
+    kill9(child);
+    Ok(Killed { pid, stderr })
+}
+
+/// The temporary file `<out>.tmp-<pid>` beside `out` that process `pid` writes an image file in
+/// before renaming it to `out`: what a writer killed mid-write leaves behind.
+pub fn tmp_of(out: &Path, pid: u32) -> PathBuf {
+    let mut n = out.file_name().expect("an output file name").to_os_string();
+    n.push(format!(".tmp-{pid}"));
+    out.with_file_name(n)
+}
+
+/// Asserts that `leftover`, a dead writer's temporary output of `bytes` bytes, is gone, and that the
+/// writer whose stderr is `stderr` removed it and said so: its path, its size and that its writer is
+/// no longer running.
+pub fn assert_leftover_removed(stderr: &str, leftover: &Path, bytes: u64) {
+    assert!(!leftover.exists(), "{} left behind", leftover.display());
+    assert!(
+        stderr.contains(&format!("removed {} ({bytes} bytes", leftover.display()))
+            && stderr.contains("no longer running"),
+        "the leftover {} ({bytes} bytes) was not named as removed:\n{stderr}",
+        leftover.display()
+    );
 }

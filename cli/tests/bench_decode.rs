@@ -7,6 +7,8 @@
 //! read. Structure and consistency only, never speeds.
 
 mod common;
+use std::path::Path;
+
 use common::{image, model, ok, picchio, scratch};
 
 use serde_json::Value;
@@ -180,30 +182,22 @@ fn usage_profile_counts_every_decision_and_warms_the_cache() {
     assert_eq!(u(&cs["cache_misses"]), used, "cold: each used expert read once at ecap 48");
     assert!(cs["warm"].is_null());
     // A profile of another shape, and a file that is not one, are refused by name.
+    let refused = |from: &Path, want: &str| {
+        let o = picchio(&[
+            "run",
+            "--model",
+            m.to_str().unwrap(),
+            "--prompt-ids",
+            "1",
+            "-n",
+            "1",
+            "--warm-from",
+            from.to_str().unwrap(),
+        ]);
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && e.contains(want), "--warm-from {}: want {want:?} in {e}", from.display());
+    };
     std::fs::write(&profile, "picchio-usage/1\nlayers 2\nexperts 16\n").unwrap();
-    let o = picchio(&[
-        "run",
-        "--model",
-        m.to_str().unwrap(),
-        "--prompt-ids",
-        "1",
-        "-n",
-        "1",
-        "--warm-from",
-        profile.to_str().unwrap(),
-    ]);
-    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("2 layers × 16 experts"));
-    let cfg = m.join("config.json");
-    let o = picchio(&[
-        "run",
-        "--model",
-        m.to_str().unwrap(),
-        "--prompt-ids",
-        "1",
-        "-n",
-        "1",
-        "--warm-from",
-        cfg.to_str().unwrap(),
-    ]);
-    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("expected `picchio-usage/1`"));
+    refused(&profile, "2 layers × 16 experts");
+    refused(&m.join("config.json"), "expected `picchio-usage/1`");
 }

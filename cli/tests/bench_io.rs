@@ -7,7 +7,7 @@
 #![cfg(target_os = "linux")]
 
 mod common;
-use common::{ok, picchio};
+use common::{ok, picchio, strs, synth_custom};
 use picchio_testkit::loopdev;
 
 use std::path::{Path, PathBuf};
@@ -41,32 +41,27 @@ impl AsRef<Path> for Store {
 fn store() -> Store {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let path = dir.path().join("synth.picchioflat");
-    let out = ok(&[
-        "synth",
-        "--arch",
-        "custom",
-        "--hidden",
-        "256",
-        "--moe-intermediate",
-        "128",
-        "--experts",
-        "8",
-        "--model-layers",
-        "4",
-        "--layers",
-        "2",
-        "--seed",
-        "7",
-        "--out",
-        path.to_str().unwrap(),
-        "--no-progress",
-    ]);
+    let mut args = synth_custom(256, 128, 8, 4);
+    args.extend(["--layers", "2", "--seed", "7", "--out", path.to_str().unwrap(), "--no-progress"].map(String::from));
+    let out = ok(&strs(&args));
     assert!(out.contains("16 entries (2 of 4 layers × 8 experts) of 55296 bytes"), "{out}");
     Store { _dir: dir, path }
 }
 
 fn report(path: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// Runs `picchio bench EXPERIMENT --store STORE ARGS --json <a temporary file>`, asserts it
+/// succeeded, and returns its JSON report and its stdout.
+fn bench(experiment: &str, store: &str, args: &[&str]) -> (Value, String) {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let json = dir.path().join(format!("{experiment}.json"));
+    let mut a = vec!["bench", experiment, "--store", store];
+    a.extend(args);
+    a.extend(["--json", json.to_str().unwrap()]);
+    let stdout = ok(&a);
+    (report(&json), stdout)
 }
 
 fn f(v: &Value, k: &str) -> f64 {
@@ -238,29 +233,12 @@ fn qd_sweep_report_is_consistent_and_fio_sits_beside_it() {
 #[test]
 fn qd_sweep_with_bs_reads_the_data_region_and_bad_options_are_refused() {
     let s = &store();
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let json = dir.path().join("bs.json");
     let store_arg = s.to_str().unwrap();
-    ok(&[
-        "bench",
+    let (r, _) = bench(
         "qd-sweep",
-        "--store",
         store_arg,
-        "--engines",
-        "psync-direct",
-        "--qd",
-        "2",
-        "--threads",
-        "1",
-        "--bs",
-        "16K",
-        "--bytes",
-        "512K",
-        "--no-fio",
-        "--json",
-        json.to_str().unwrap(),
-    ]);
-    let r = report(&json);
+        &["--engines", "psync-direct", "--qd", "2", "--threads", "1", "--bs", "16K", "--bytes", "512K", "--no-fio"],
+    );
     let res = &r["results"];
     assert_eq!(u(res, "bs"), 16_384);
     assert_eq!(res["region"]["pattern"], "bs-aligned offsets");
@@ -293,25 +271,11 @@ fn qd_sweep_with_bs_reads_the_data_region_and_bad_options_are_refused() {
 #[test]
 fn layout_reads_the_same_bytes_scattered_and_contiguous() {
     let s = &store();
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let json = dir.path().join("layout.json");
-    ok(&[
-        "bench",
+    let (r, _) = bench(
         "layout",
-        "--store",
         s.to_str().unwrap(),
-        "--engines",
-        "psync-direct,uring",
-        "--qd",
-        "1,4",
-        "--threads",
-        "1",
-        "--bytes",
-        "1M",
-        "--json",
-        json.to_str().unwrap(),
-    ]);
-    let r = report(&json);
+        &["--engines", "psync-direct,uring", "--qd", "1,4", "--threads", "1", "--bytes", "1M"],
+    );
     check_envelope(&r, "layout", s);
     let res = &r["results"];
     assert_eq!((u(res, "hidden"), u(res, "moe_intermediate")), (256, 128));
@@ -350,11 +314,7 @@ fn layout_reads_the_same_bytes_scattered_and_contiguous() {
 #[test]
 fn tiers_table_has_every_tier_of_a_file_store() {
     let s = &store();
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let json = dir.path().join("tiers.json");
-    let stdout =
-        ok(&["bench", "tiers", "--store", s.to_str().unwrap(), "--bytes", "1M", "--json", json.to_str().unwrap()]);
-    let r = report(&json);
+    let (r, stdout) = bench("tiers", s.to_str().unwrap(), &["--bytes", "1M"]);
     check_envelope(&r, "tiers", s);
     let res = &r["results"];
     let rows = res["rows"].as_array().unwrap();
@@ -378,11 +338,8 @@ fn tiers_on_a_loop_device_are_s4() {
     let test = "tiers_on_a_loop_device_are_s4";
     let s = &store();
     let lo = loopdev::LoopDevice::attach_for_test(test, s, loopdev::LoopOptions::default());
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let json = dir.path().join("raw.json");
     let uri = format!("raw:{}", lo.dev.display());
-    ok(&["bench", "tiers", "--store", &uri, "--bytes", "512K", "--qd", "2", "--json", json.to_str().unwrap()]);
-    let r = report(&json);
+    let (r, _) = bench("tiers", &uri, &["--bytes", "512K", "--qd", "2"]);
     let res = &r["results"];
     let rows = res["rows"].as_array().unwrap();
     assert!(rows.len() >= 2 && rows.iter().all(|r| r["tier"] == "S4"), "{res}");
@@ -402,8 +359,8 @@ fn tiers_on_a_loop_device_are_s4() {
     // Without direct I/O the environment warns that figures include the backing file's page cache.
     let opts = loopdev::LoopOptions { direct_io: false, ..loopdev::LoopOptions::default() };
     let lo = loopdev::LoopDevice::attach_for_test(test, s, opts);
-    ok(&["bench", "env", "--store", &format!("raw:{}", lo.dev.display()), "--json", json.to_str().unwrap()]);
-    let t = &report(&json)["environment"]["target"];
+    let (r, _) = bench("env", &format!("raw:{}", lo.dev.display()), &[]);
+    let t = &r["environment"]["target"];
     assert_eq!(t["device"]["loop_direct_io"].as_bool(), Some(false), "{t}");
     assert!(t["note"].as_str().is_some_and(|n| n.contains("page cache of its backing file")), "{t}");
 }
@@ -450,10 +407,7 @@ fn overhead_rows_add_up() {
 #[test]
 fn env_report_describes_the_store() {
     let s = &store();
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let json = dir.path().join("env.json");
-    let out = ok(&["bench", "env", "--store", s.to_str().unwrap(), "--json", json.to_str().unwrap()]);
-    let r = report(&json);
+    let (r, out) = bench("env", s.to_str().unwrap(), &[]);
     check_envelope(&r, "env", s);
     assert_eq!(u(&r["environment"]["target"], "size_bytes"), std::fs::metadata(s).unwrap().len());
     assert!(out.contains("cpu: ") && out.contains("file system: "), "{out}");
@@ -467,11 +421,9 @@ fn synth_writes_a_block_device_after_inspecting_it_and_refuses_a_file_system() {
     let file = loopdev::sparse_file(&dir.path().join("dev.img"), 4 << 20);
     let lo = loopdev::LoopDevice::attach_for_test(test, &file, loopdev::LoopOptions::default());
     let uri = format!("raw:{}@4096", lo.dev.display());
-    let geometry =
-        ["--arch", "custom", "--hidden", "256", "--moe-intermediate", "128", "--experts", "8", "--model-layers", "2"];
-    let mut args = vec!["synth"];
-    args.extend(geometry);
-    args.extend(["--seed", "7", "--out", &uri, "--no-progress"]);
+    let mut args = synth_custom(256, 128, 8, 2);
+    args.extend(["--seed", "7", "--out", &uri, "--no-progress"].map(String::from));
+    let args = strs(&args);
     let out = ok(&args);
     assert!(out.contains("index and 16 payload hashes OK"), "{out}");
     let out = ok(&["verify", &uri, "--no-progress"]);
@@ -625,22 +577,8 @@ fn plot_is_checked_first_and_offered_only_where_there_are_charts() {
 fn overhead_defaults_to_a_small_images_size_and_names_the_bad_option() {
     let s = &store();
     let store_arg = s.to_str().unwrap();
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let json = dir.path().join("overhead.json");
     // The store is under 1 MiB: the 64 MiB default range is clamped to it.
-    ok(&[
-        "bench",
-        "overhead",
-        "--store",
-        store_arg,
-        "--engines",
-        "null,psync",
-        "--reads",
-        "200",
-        "--json",
-        json.to_str().unwrap(),
-    ]);
-    let r = report(&json);
+    let (r, _) = bench("overhead", store_arg, &["--engines", "null,psync", "--reads", "200"]);
     let range = u(&r["results"], "range");
     let end = 8192 + 16 * 57_344;
     assert!(range > 0 && range <= end && range.is_multiple_of(4096) && range + 4096 > end, "{range}");

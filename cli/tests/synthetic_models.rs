@@ -210,9 +210,15 @@ fn synth_model_out_with_a_small_vocabulary_loads_and_runs_with_id_prompts() {
             );
         }
     }
-    let o = picchio(&["synth", "--arch", "qwen3-30b-a3b", "--out", "x.picchioflat", "--vocab", "8"]);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success() && err.contains("--model-out"), "--vocab needs --model-out: {err}");
+    // An image has no vocabulary (a tiny geometry, should the refusal ever be lost).
+    let image = dir.path().join("x.picchioflat");
+    let tiny = ["synth", "--arch", "custom", "--hidden", "64", "--moe-intermediate", "64", "--experts", "2"];
+    for flag in [&["--vocab", "8"][..], &["--no-tokenizer"][..]] {
+        let o = picchio(&[&tiny[..], &["--model-layers", "1", "--out", image.to_str().unwrap()], flag].concat());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(&format!("{} only applies to --model-out", flag[0])), "{err}");
+        assert!(!image.exists());
+    }
 
     for (arch, experts_key, experts, vocab) in
         [("qwen3-30b-a3b", "num_experts", 8u64, 512u64), ("gpt-oss-20b", "num_local_experts", 4, 1)]

@@ -467,7 +467,10 @@ mod tests {
              in /m/config.json)"
         );
         let e = Error::VocabBelowTokenizer { path: "/t/tokenizer.json".into(), ids: 300, vocab: 256 };
-        assert_eq!(e.to_string(), "/t/tokenizer.json: the tokenizer has 300 ids but the synthetic model's vocabulary is 256");
+        assert_eq!(
+            e.to_string(),
+            "/t/tokenizer.json: the tokenizer has 300 ids but the synthetic model's vocabulary is 256"
+        );
         let e = Error::OutOfVocabulary { what: "prompt id", id: 9, vocab: 8 };
         assert_eq!(e.to_string(), "prompt id 9 is outside the vocabulary (size 8)");
     }

@@ -48,12 +48,12 @@ pub struct Args {
     /// I8 embeddings and lm_head are V × hidden bytes each (622 MB together for Qwen3's real V), so a
     /// small V such as 1024 makes a small model. A V below the vendored tokenizer's ids (151,669
     /// for Qwen3, 200,019 for GPT-OSS) is refused unless --no-tokenizer is given.
-    #[arg(long, value_name = "V", requires = "model_out")]
+    #[arg(long, value_name = "V")]
     pub vocab: Option<u32>,
     /// With --model-out: write no tokenizer. The model's prompts are then token ids below the
     /// vocabulary (`picchio run --prompt-ids 1,2,3`); needed with a --vocab smaller than the
     /// tokenizer's ids.
-    #[arg(long, requires = "model_out")]
+    #[arg(long)]
     pub no_tokenizer: bool,
     /// Write only the first N layers' entries (the superblock still records the model's layers).
     /// With --model-out: the model's decoder layers [default: the real model's, 48 or 24].
@@ -135,6 +135,12 @@ fn geometry(a: &Args) -> anyhow::Result<Geometry> {
 pub fn exec(a: Args) -> anyhow::Result<()> {
     if let Some(dir) = &a.model_out {
         return synth_model(&a, dir);
+    }
+    // (clap's `requires` would not catch these: --out conflicts with --model-out.)
+    for (flag, given) in [("--vocab", a.vocab.is_some()), ("--no-tokenizer", a.no_tokenizer)] {
+        if given {
+            bail!("{flag} only applies to --model-out (an image of --out has no vocabulary or tokenizer)");
+        }
     }
     let opts = SynthOptions { geometry: geometry(&a)?, layers: a.layers, seed: a.seed, progress: !a.no_progress };
     let out = match write_target(a.out.as_deref().expect("clap requires --out or --model-out"))? {

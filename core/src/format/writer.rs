@@ -208,15 +208,12 @@ impl FileSink {
         let mut name = path.file_name().unwrap_or_default().to_os_string();
         name.push(format!(".tmp-{}", std::process::id()));
         let tmp_path = path.with_file_name(name);
-        let out = OutputFile::create(&tmp_path, 1 << 20)
-            .map_err(|cause| Error::Write { path: tmp_path.clone(), what: "temporary image", cause })?;
-        Ok(FileSink {
-            path: path.into(),
-            tmp_path,
-            out: Some(out),
-            pos: 0,
-            renamed: false,
-        })
+        let out = OutputFile::create(&tmp_path, 1 << 20).map_err(|cause| Error::Write {
+            path: tmp_path.clone(),
+            what: "temporary image",
+            cause,
+        })?;
+        Ok(FileSink { path: path.into(), tmp_path, out: Some(out), pos: 0, renamed: false })
     }
 }
 

@@ -27,6 +27,9 @@ fn runtime(e: &picchio_runtime::Error) -> Option<&'static str> {
         E::BadOption { option: "ecap", .. } => Some("pass --ecap 1 or more (or leave it out for the default)"),
         E::Exists { overwrite: Some("overwrite"), .. } => Some("pass --force to replace it"),
         E::ContextOverflow { .. } => Some("use a shorter prompt or a smaller -n"),
+        E::VocabBelowTokenizer { .. } => {
+            Some("give a --vocab of at least the tokenizer's ids, or --no-tokenizer (prompts are then token ids)")
+        }
         // Transparent variants: their inner error is not in the `source()` chain.
         E::Engine(b) => blockdev(b),
         E::Quant(q) => quant(q),
@@ -127,5 +130,8 @@ mod tests {
         let a = AdminError::Mounted { bdf: "0000:01:00.0".into(), uses: "nvme0n1p1 on /mnt".into() };
         assert!(hint_of(picchio_runtime::Error::admin("nvme:0000:01:00.0/1")(a)).unwrap().contains("--force"));
         assert_eq!(hint_of(picchio_runtime::Error::EmptyPrompt), None);
+        let e = picchio_runtime::Error::VocabBelowTokenizer { path: "/t/tokenizer.json".into(), ids: 300, vocab: 8 };
+        let h = hint_of(e).unwrap();
+        assert!(h.contains("--vocab") && h.contains("--no-tokenizer"), "{h}");
     }
 }

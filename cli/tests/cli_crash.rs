@@ -1,5 +1,5 @@
 //! `kill -9` of every writer at seeded points of its write, through the real binary: `pack`, `synth`
-//! (an image file), `convert` and `transcode` (model directories).
+//! (an image file), `convert`, `transcode` and `synth --model-out` (model directories).
 //!
 //! A kill point is a byte count, not a sleep: the writer runs with `PICCHIO_STOP_AFTER_BYTES=N`
 //! (`picchio_core::stop_point`) and stops itself (`SIGSTOP`) once it has written `N` bytes of its
@@ -132,6 +132,46 @@ fn kill_9_of_synth_at_seeded_points_keeps_the_old_image_and_the_next_synth_remov
     args.extend(["--seed", "7", "--no-progress", "--out", &s(&out)].map(String::from));
     ok(&strs(&args));
     let w = Writer { name: "synth", args, out: out.clone(), leftover: Box::new(tmp_file(&out)) };
+    kill_at_seeded_points(&w, dir.path());
+}
+
+#[test]
+fn kill_9_of_synth_model_out_at_seeded_points_keeps_the_old_directory_and_the_next_synth_removes_the_leftover() {
+    let dir = scratch();
+    let out = dir.path().join("synthetic");
+    // One layer of Qwen3-30B-A3B's geometry with its 8 experts per token as the only experts and a
+    // vocabulary of 1024 (so no tokenizer): about 120 MB, 75 MB of it the layer's F32 attention.
+    let args: Vec<String> = [
+        "synth",
+        "--arch",
+        "qwen3-30b-a3b",
+        "--layers",
+        "1",
+        "--experts",
+        "8",
+        "--vocab",
+        "1024",
+        "--no-tokenizer",
+        "--seed",
+        "7",
+        "--no-progress",
+        "--model-out",
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .chain([s(&out)])
+    .collect();
+    ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    // Every byte of the directory is counted: a stop point at its last byte is reached.
+    let total = size(&out);
+    let log = dir.path().join("synth-model-out-last.log");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_picchio"));
+    cmd.args(&args).env(picchio_core::stop_point::BYTES_ENV, (total - 1).to_string());
+    let child = spawn_stopped(&mut cmd, &log).unwrap_or_else(|e| panic!("the last of {total} bytes: {e}"));
+    let pid = child.id();
+    kill9(child);
+    assert!(tmp_dir(&out, "synthetic")(pid).exists(), "no temporary output after the kill at the last byte");
+    let w = Writer { name: "synth-model-out", args, out: out.clone(), leftover: Box::new(tmp_dir(&out, "synthetic")) };
     kill_at_seeded_points(&w, dir.path());
 }
 

@@ -5,7 +5,8 @@
 //! The models have the real vocabularies (151,936 and 201,088 ids), so even one layer is 1.4 GB
 //! (Qwen3) or 2.2 GB (GPT-OSS) on disk, most of it the I8 embeddings and lm_head. The tests take
 //! [`ONE_MODEL_AT_A_TIME`] so this binary holds at most one such model at once, and each removes its
-//! model when done.
+//! model when done. `--vocab`, `--experts` and `--no-tokenizer` make a small one (about 120 MB for
+//! Qwen3, most of it the layer's F32 attention), run here too.
 
 mod common;
 
@@ -175,5 +176,94 @@ fn synth_model_out_both_archs_then_run() {
         let prompt_csv = prompt.iter().map(u64::to_string).collect::<Vec<_>>().join(",");
         let tiers = same_tokens_on_every_tier(&model, &prompt_csv, "3");
         assert_eq!(tiers, tokens[..8], "{arch}: --prompt-ids of the tokenized prompt give --prompt's tokens");
+    }
+}
+
+/// `--vocab`, `--experts` and `--no-tokenizer` make a small model at the real layer geometry (tests,
+/// CI). Bad values are refused naming the flag before anything is written, a vocabulary below the
+/// vendored tokenizer's ids is refused unless `--no-tokenizer`, and the small model of each arch
+/// loads, verifies and runs with prompts as ids, the same tokens from every tier.
+#[test]
+fn synth_model_out_with_a_small_vocabulary_loads_and_runs_with_id_prompts() {
+    let dir = scratch();
+    let model = dir.path().join("m");
+    let m = model.to_str().unwrap();
+    for (args, want) in [
+        (&["--vocab", "0", "--no-tokenizer"][..], "--vocab must be at least 1"),
+        (&["--experts", "4"][..], "--experts 4 is fewer than the qwen3-30b-a3b model's 8 experts per token"),
+        (&["--hidden", "64"][..], "--hidden does not apply to --model-out"),
+        (&["--vocab", "1000"][..], "--vocab 1000: "),
+    ] {
+        let base = ["synth", "--arch", "qwen3-30b-a3b", "--layers", "1", "--no-progress", "--model-out", m];
+        let o = picchio(&[&base[..], args].concat());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(want), "{args:?}: {err}");
+        let written: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert!(written.is_empty(), "{args:?} wrote {written:?}");
+        if args == ["--vocab", "1000"] {
+            assert!(
+                err.contains("qwen3_moe_text/tokenizer.json: the tokenizer has")
+                    && err.contains("ids but the synthetic model's vocabulary is 1000")
+                    && err.contains("hint:")
+                    && err.contains("--no-tokenizer"),
+                "{err}"
+            );
+        }
+    }
+    // An image has no vocabulary (a tiny geometry, should the refusal ever be lost).
+    let image = dir.path().join("x.picchioflat");
+    let tiny = ["synth", "--arch", "custom", "--hidden", "64", "--moe-intermediate", "64", "--experts", "2"];
+    for flag in [&["--vocab", "8"][..], &["--no-tokenizer"][..]] {
+        let o = picchio(&[&tiny[..], &["--model-layers", "1", "--out", image.to_str().unwrap()], flag].concat());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(&format!("{} only applies to --model-out", flag[0])), "{err}");
+        assert!(!image.exists());
+    }
+
+    for (arch, experts_key, experts, vocab) in
+        [("qwen3-30b-a3b", "num_experts", 8u64, 512u64), ("gpt-oss-20b", "num_local_experts", 4, 1)]
+    {
+        let _one = ONE_MODEL_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        let (e, v) = (experts.to_string(), vocab.to_string());
+        let out = ok(&[
+            "synth",
+            "--arch",
+            arch,
+            "--layers",
+            "1",
+            "--experts",
+            &e,
+            "--vocab",
+            &v,
+            "--no-tokenizer",
+            "--seed",
+            "3",
+            "--no-progress",
+            "--model-out",
+            m,
+        ]);
+        assert!(
+            out.contains(&format!("1 layers, {experts} experts"))
+                && out.contains(&format!("vocabulary {vocab}, tokenizer none")),
+            "{out}"
+        );
+        assert!(!model.join("tokenizer.json").exists(), "{arch}: --no-tokenizer");
+        let cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+        assert_eq!((cfg["vocab_size"].as_u64(), cfg[experts_key].as_u64()), (Some(vocab), Some(experts)), "{arch}");
+        ok(&["verify", &format!("file:{m}/experts.picchioflat"), "--model", m]);
+
+        let tokens = same_tokens_on_every_tier(&model, "0,0,0", "2");
+        assert!(tokens.len() == 8 && tokens.iter().all(|&t| t < vocab), "{arch}: {tokens:?}");
+        let o = picchio(&["run", "--model", m, "--prompt", "hello", "-n", "2"]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains("has no tokenizer.json: give the prompt as token ids"), "{err}");
+        let o = picchio(&["run", "--model", m, "--prompt-ids", &v, "-n", "2"]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            !o.status.success() && err.contains(&format!("prompt id {vocab} is outside the vocabulary (size {vocab})")),
+            "{err}"
+        );
+        std::fs::remove_dir_all(&model).unwrap();
     }
 }

@@ -12,6 +12,7 @@ pub mod format;
 pub mod io;
 pub mod loader;
 pub mod offset;
+pub mod output;
 pub mod rng;
 pub mod stats;
 pub mod stop_point;

@@ -192,6 +192,18 @@ pub enum Error {
         /// The option field that would replace it, when there is one (`overwrite`).
         overwrite: Option<&'static str>,
     },
+    /// A synthetic model's vocabulary is smaller than the tokenizer it would be given
+    /// ([`crate::image::synthetic::write_synthetic`]): ids the tokenizer produces would have no
+    /// embedding row.
+    #[error("{}: the tokenizer has {ids} ids but the synthetic model's vocabulary is {vocab}", path.display())]
+    VocabBelowTokenizer {
+        /// The tokenizer.json.
+        path: PathBuf,
+        /// Ids the tokenizer has (its vocabulary with the added tokens).
+        ids: usize,
+        /// The model's vocabulary size.
+        vocab: usize,
+    },
     /// The prompt holds no token.
     #[error("the prompt is empty")]
     EmptyPrompt,
@@ -453,6 +465,11 @@ mod tests {
             e.to_string(),
             "prompt + generated tokens = 50 exceed the model's context of 40 positions (max_position_embeddings \
              in /m/config.json)"
+        );
+        let e = Error::VocabBelowTokenizer { path: "/t/tokenizer.json".into(), ids: 300, vocab: 256 };
+        assert_eq!(
+            e.to_string(),
+            "/t/tokenizer.json: the tokenizer has 300 ids but the synthetic model's vocabulary is 256"
         );
         let e = Error::OutOfVocabulary { what: "prompt id", id: 9, vocab: 8 };
         assert_eq!(e.to_string(), "prompt id 9 is outside the vocabulary (size 8)");

@@ -7,7 +7,7 @@ use anyhow::{bail, Context};
 use picchio_core::StoreUri;
 use picchio_runtime::expert::open::write_target;
 use picchio_runtime::image::synth::{synth, synth_to, Geometry, SynthOptions};
-use picchio_runtime::image::synthetic::{write_synthetic, SyntheticArch, SyntheticSpec};
+use picchio_runtime::image::synthetic::{write_synthetic, SyntheticArch, SyntheticSpec, WriteSyntheticOptions};
 use picchio_runtime::image::write::{WriteOptions, WriteTo};
 
 /// Options of `picchio synth`.
@@ -38,10 +38,23 @@ pub struct Args {
     /// geometry (qwen3-30b-a3b or gpt-oss-20b): config.json, the vendored tokenizer, resident tensors
     /// (I8 embeddings and lm_head with row scales, F32 attention, norms and router), Q4 expert shards
     /// and DIR/experts.picchioflat, initialised so a deep random stack routes and decodes like a real
-    /// one (docs/synthetic-models.md). Written beside DIR and renamed into place after a
-    /// free-space check; an existing DIR is replaced only if it is an earlier synthetic model.
+    /// one (docs/synthetic-models.md). Built in .DIR.picchio-synthetic-PID/ beside DIR and renamed
+    /// into place after a free-space check (a killed run's leftover is removed by the next one); an
+    /// existing DIR is replaced only if it is an earlier synthetic model. For a small model (tests,
+    /// CI) add --layers 1, --experts and --vocab.
     #[arg(long, value_name = "DIR")]
     pub model_out: Option<PathBuf>,
+    /// With --model-out: the vocabulary size V [default: the real model's, 151,936 or 201,088]. The
+    /// I8 embeddings and lm_head are V × hidden bytes each (622 MB together for Qwen3's real V), so a
+    /// small V such as 1024 makes a small model. A V below the vendored tokenizer's ids (151,669
+    /// for Qwen3, 200,019 for GPT-OSS) is refused unless --no-tokenizer is given.
+    #[arg(long, value_name = "V")]
+    pub vocab: Option<u32>,
+    /// With --model-out: write no tokenizer. The model's prompts are then token ids below the
+    /// vocabulary (`picchio run --prompt-ids 1,2,3`); needed with a --vocab smaller than the
+    /// tokenizer's ids.
+    #[arg(long)]
+    pub no_tokenizer: bool,
     /// Write only the first N layers' entries (the superblock still records the model's layers).
     /// With --model-out: the model's decoder layers [default: the real model's, 48 or 24].
     #[arg(long, value_name = "N")]
@@ -55,7 +68,8 @@ pub struct Args {
     /// custom: expert width I (moe_intermediate_size; the superblock stores 2 × I).
     #[arg(long, value_name = "I")]
     pub moe_intermediate: Option<u32>,
-    /// custom: routed experts per layer.
+    /// custom: routed experts per layer. With --model-out: routed experts per layer, at least the
+    /// model's top-k (8 or 4) [default: the real model's, 128 or 32].
     #[arg(long, value_name = "E")]
     pub experts: Option<u32>,
     /// custom: decoder layers of the model.
@@ -81,17 +95,24 @@ pub struct Args {
     pub no_progress: bool,
 }
 
-fn geometry(a: &Args) -> anyhow::Result<Geometry> {
-    let custom = [
+/// The first of the custom-geometry flags given, other than those in `allowed`.
+fn custom_flag(a: &Args, allowed: &[&str]) -> Option<&'static str> {
+    [
         ("--hidden", a.hidden.is_some()),
         ("--moe-intermediate", a.moe_intermediate.is_some()),
         ("--experts", a.experts.is_some()),
         ("--model-layers", a.model_layers.is_some()),
         ("--topk", a.topk.is_some()),
         ("--expert-bytes", a.expert_bytes.is_some()),
-    ];
+    ]
+    .into_iter()
+    .find(|(flag, given)| *given && !allowed.contains(flag))
+    .map(|(flag, _)| flag)
+}
+
+fn geometry(a: &Args) -> anyhow::Result<Geometry> {
     if a.arch != "custom" {
-        if let Some((flag, _)) = custom.iter().find(|(_, given)| *given) {
+        if let Some(flag) = custom_flag(a, &[]) {
             bail!("{flag} only applies to --arch custom (--arch {} has a fixed geometry)", a.arch);
         }
         return Ok(Geometry::named(&a.arch)?);
@@ -114,6 +135,12 @@ fn geometry(a: &Args) -> anyhow::Result<Geometry> {
 pub fn exec(a: Args) -> anyhow::Result<()> {
     if let Some(dir) = &a.model_out {
         return synth_model(&a, dir);
+    }
+    // (clap's `requires` would not catch these: --out conflicts with --model-out.)
+    for (flag, given) in [("--vocab", a.vocab.is_some()), ("--no-tokenizer", a.no_tokenizer)] {
+        if given {
+            bail!("{flag} only applies to --model-out (an image of --out has no vocabulary or tokenizer)");
+        }
     }
     let opts = SynthOptions { geometry: geometry(&a)?, layers: a.layers, seed: a.seed, progress: !a.no_progress };
     let out = match write_target(a.out.as_deref().expect("clap requires --out or --model-out"))? {
@@ -164,7 +191,9 @@ fn synth_device(a: &Args, uri: &StoreUri, opts: &SynthOptions) -> anyhow::Result
 /// `--model-out DIR`: the random-weight model directory of `--arch`.
 fn synth_model(a: &Args, dir: &Path) -> anyhow::Result<()> {
     let arch: SyntheticArch = a.arch.parse().with_context(|| format!("--arch {} with --model-out", a.arch))?;
-    geometry(a)?; // refuses the custom-geometry flags
+    if let Some(flag) = custom_flag(a, &["--experts"]) {
+        bail!("{flag} does not apply to --model-out (the model has --arch {arch}'s geometry; only --layers, --experts and --vocab change its size)");
+    }
     if a.force {
         bail!("--force only applies to --out raw:/dev/X or nvme:BDF (--model-out replaces only an earlier synthetic model)");
     }
@@ -173,7 +202,21 @@ fn synth_model(a: &Args, dir: &Path) -> anyhow::Result<()> {
         Some(n) => n as usize,
         None => arch.real_layers(),
     };
-    let spec = SyntheticSpec::real(arch, layers, a.seed);
+    let mut spec = SyntheticSpec::real(arch, layers, a.seed);
+    match a.experts {
+        Some(e) if (e as usize) < spec.topk => bail!(
+            "--experts {e} is fewer than the {arch} model's {} experts per token: give --experts {} or more",
+            spec.topk,
+            spec.topk
+        ),
+        Some(e) => spec.experts = e as usize,
+        None => {}
+    }
+    match a.vocab {
+        Some(0) => bail!("--vocab must be at least 1 (the model needs a token to embed)"),
+        Some(v) => spec.vocab = v as usize,
+        None => {}
+    }
     eprintln!(
         "writing a random-weight {arch} model: {layers} layers × {} experts × {} B = {:.2} GB of Q4 experts \
          (about {:.1} GB on disk with the resident tensors and the image) -> {}",
@@ -185,19 +228,33 @@ fn synth_model(a: &Args, dir: &Path) -> anyhow::Result<()> {
     );
     // SIGINT/SIGTERM stop the write between shards; the temporary directory is removed on the way out.
     picchio_runtime::interrupt::install().context("installing the SIGINT/SIGTERM handlers")?;
-    let opts = super::demo::synthetic_options(arch, !a.no_progress);
+    let opts = if a.no_tokenizer {
+        WriteSyntheticOptions { tokenizer: None, progress: !a.no_progress }
+    } else {
+        super::demo::synthetic_options(arch, !a.no_progress)
+    };
     let tokenizer = opts.tokenizer.clone();
-    write_synthetic(dir, &spec, &opts)?;
+    write_synthetic(dir, &spec, &opts).map_err(|e| match e {
+        // The one check of the tokenizer against the vocabulary is the writer's; here it gets the flag.
+        e @ picchio_runtime::Error::VocabBelowTokenizer { .. } => {
+            anyhow::Error::new(e).context(format!("--vocab {}", spec.vocab))
+        }
+        e => e.into(),
+    })?;
     println!(
         "{}: random-weight {arch} model (seed {}), {layers} layers, {} experts of {} B ({:.2} GB of Q4 experts), \
-         {:.2} GB resident, tokenizer {}; image {}",
+         {:.2} GB resident, vocabulary {}, tokenizer {}; image {}",
         dir.display(),
         spec.seed,
         spec.experts,
         spec.expert_layout().len(),
         spec.expert_bytes() as f64 / 1e9,
         spec.dense_bytes() as f64 / 1e9,
-        tokenizer.map_or_else(|| "none".to_string(), |t| format!("from {}", t.display())),
+        spec.vocab,
+        tokenizer.map_or_else(
+            || "none (prompts are token ids: --prompt-ids)".to_string(),
+            |t| format!("from {}", t.display())
+        ),
         dir.join(picchio_runtime::expert::store::DEFAULT_IMAGE).display()
     );
     Ok(())

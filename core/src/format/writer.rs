@@ -8,11 +8,10 @@
 //!   barrier has made the payloads and the index durable. An interrupted write therefore leaves a
 //!   device without a valid superblock, never a valid-looking image with stale or missing payloads.
 
-use std::fs::{File, OpenOptions};
-use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-use crate::stop_point::Counted;
+use crate::output::OutputFile;
 
 use super::{
     encode_index, index_sha256, payload_hash, round_up, ExpertLoc, ModelRecord, Superblock, BLOCK_SIZE, EXPERT_LOC_SIZE,
@@ -192,14 +191,15 @@ pub struct FileSink {
     path: PathBuf,
     tmp_path: PathBuf,
     /// The temporary file under its buffer, counted for the writers' stop point.
-    out: Option<BufWriter<Counted<File>>>,
+    out: Option<OutputFile>,
     /// Where the buffered writer's cursor is.
     pos: u64,
     renamed: bool,
 }
 
 impl FileSink {
-    /// Creates (truncating) the temporary file for an image at `path`.
+    /// Creates (truncating) the temporary file for an image at `path` ([`crate::output::create`]:
+    /// mode `0o666` under the umask).
     ///
     /// # Errors
     /// [`Error::Write`] if the temporary file cannot be created.
@@ -207,19 +207,12 @@ impl FileSink {
         let mut name = path.file_name().unwrap_or_default().to_os_string();
         name.push(format!(".tmp-{}", std::process::id()));
         let tmp_path = path.with_file_name(name);
-        let file = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&tmp_path)
-            .map_err(|cause| Error::Write { path: tmp_path.clone(), what: "temporary image", cause })?;
-        Ok(FileSink {
-            path: path.into(),
-            tmp_path,
-            out: Some(BufWriter::with_capacity(1 << 20, Counted(file))),
-            pos: 0,
-            renamed: false,
-        })
+        let out = OutputFile::create(&tmp_path, 1 << 20).map_err(|cause| Error::Write {
+            path: tmp_path.clone(),
+            what: "temporary image",
+            cause,
+        })?;
+        Ok(FileSink { path: path.into(), tmp_path, out: Some(out), pos: 0, renamed: false })
     }
 }
 
@@ -253,7 +246,7 @@ impl ImageSink for FileSink {
         let tmp = &self.tmp_path;
         let werr = |what: &'static str| move |cause| Error::Write { path: tmp.clone(), what, cause };
         let out = self.out.take().ok_or_else(|| werr("flush")(std::io::Error::other("image already committed")))?;
-        let file = out.into_inner().map_err(|e| werr("flush")(e.into_error()))?.into_inner();
+        let file = out.into_file().map_err(werr("flush"))?;
         // The file ends at the last padded payload (or at the data offset for an empty store).
         file.set_len(len).map_err(werr("set length"))?;
         file.sync_all().map_err(werr("sync"))?;

@@ -24,17 +24,18 @@
 //! biases), so routing is near-uniform and greedy output does not collapse to one token.
 
 use std::collections::BTreeMap;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use picchio_core::rng::{SplitMix64, GOLDEN_GAMMA};
 use rayon::prelude::*;
-use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 
 use crate::error::{Error, Result};
 use crate::expert::layout::{ExpertLayout, ExpertNaming};
 use crate::expert::store::DEFAULT_IMAGE;
-use crate::image::convert::TempDir;
+use crate::image::convert::shard::{header, OutTensor};
+use crate::image::convert::{write_file, TempDir};
 use crate::image::pack::{pack, PackOptions};
 use crate::model::config::Arch;
 use crate::quant::QuantKind;
@@ -136,7 +137,7 @@ pub struct SyntheticSpec {
 
 /// Version of the writer's bytes, recorded in config.json (`picchio_synthetic.writer`): a model
 /// written by another version is rewritten rather than reused.
-const WRITER_VERSION: u64 = 2;
+const WRITER_VERSION: u64 = 3;
 
 impl SyntheticSpec {
     /// The real geometry of `arch` with `layers` decoder layers.
@@ -218,12 +219,14 @@ impl SyntheticSpec {
         format!("synthetic-{}-{}l-seed{}", self.arch, self.layers, self.seed)
     }
 
-    /// What config.json records under `picchio_synthetic`: arch, layers, seed and writer version.
+    /// What config.json records under `picchio_synthetic`: arch, layers, experts, vocabulary, seed
+    /// and writer version.
     /// [`is_written`] compares it to decide whether a directory can be reused.
     pub fn stamp(&self) -> serde_json::Value {
         serde_json::json!({
             "arch": self.arch.name(),
             "layers": self.layers,
+            "experts": self.experts,
             "vocab": self.vocab,
             "seed": self.seed,
             "writer": WRITER_VERSION,
@@ -403,23 +406,35 @@ fn ones_f32(n: usize) -> Vec<u8> {
 /// One tensor to write: name, dtype, shape, little-endian bytes.
 type OwnedTensor = (String, Dtype, Vec<usize>, Vec<u8>);
 
+/// Writes one safetensors shard: the header `picchio convert` writes
+/// ([`crate::image::convert::shard::header`]), then the tensors' bytes in the order given (every
+/// tensor is a multiple of 4 bytes, so each starts aligned to its element size), through
+/// [`picchio_core::output::OutputFile`]: created with the umask's mode, every byte counted for the
+/// stop point as it reaches the kernel, synced at the end.
 fn write_shard(path: &Path, tensors: &[OwnedTensor]) -> Result<()> {
-    let views = tensors
+    let out = tensors
         .iter()
-        .map(|(n, d, s, b)| {
-            TensorView::new(*d, s.clone(), b).map(|v| (n.clone(), v)).map_err(|e| Error::Invalid(format!("{n}: {e}")))
+        .map(|(name, dtype, shape, bytes)| {
+            let want = shape.iter().product::<usize>() * dtype.bitsize() / 8;
+            if want != bytes.len() || bytes.len() % 4 != 0 {
+                return Err(Error::Invalid(format!(
+                    "{}: tensor `{name}` {dtype} {shape:?} needs {want} bytes (a multiple of 4), has {}",
+                    path.display(),
+                    bytes.len()
+                )));
+            }
+            Ok(OutTensor { name: name.clone(), dtype: *dtype, shape: shape.clone(), len: bytes.len() })
         })
         .collect::<Result<Vec<_>>>()?;
-    safetensors::serialize_to_file(views, None, path).map_err(|e| {
-        // Keep the OS error itself (a full disk is told apart by its kind), not only its text.
-        let cause = match e {
-            safetensors::SafeTensorError::IoError(io) => io,
-            other => std::io::Error::other(other.to_string()),
-        };
-        Error::io(path, "write synthetic shard")(cause)
-    })?;
-    picchio_core::stop_point::wrote(std::fs::metadata(path).map(|m| m.len()).unwrap_or(0));
-    Ok(())
+    let header = header(&out, path)?;
+    // The OS error itself is kept (a full disk is told apart by its kind).
+    let werr = |cause: std::io::Error| Error::io(path, "write synthetic shard")(cause);
+    let mut w = picchio_core::output::OutputFile::create(path, 8 << 20).map_err(werr)?;
+    w.write_all(&header).map_err(werr)?;
+    for t in tensors {
+        w.write_all(&t.3).map_err(werr)?;
+    }
+    w.finish().map_err(werr)
 }
 
 /// Writes the complete converted model directory of `spec` into `dir`: config.json (with
@@ -428,14 +443,18 @@ fn write_shard(path: &Path, tensors: &[OwnedTensor]) -> Result<()> {
 /// model.safetensors.index.json, and the packed `experts.picchioflat`.
 ///
 /// Nothing is written before the file system is checked to have room for [`SyntheticSpec::disk_bytes`]
-/// plus the tokenizer. The directory is built beside `dir` and renamed into place when complete; an
-/// existing `dir` is replaced only when it is an earlier synthetic model (its config.json has
-/// `picchio_synthetic`) or empty. SIGINT/SIGTERM (once [`crate::interrupt::install`]ed) stop between
-/// shards, removing the partial output.
+/// plus the tokenizer. The directory is built as `.<name>.picchio-synthetic-<pid>/` beside `dir` and
+/// renamed into place when complete, as `picchio convert` builds its output; an existing `dir` is
+/// replaced only when it is an earlier synthetic model (its config.json has `picchio_synthetic`) or
+/// empty. What a killed writer left beside `dir` is removed first, and named on stderr
+/// ([`crate::image::guard::sweep_leftovers`]). Every file is created with the umask's mode and
+/// every byte is counted for the stop point ([`picchio_core::output`]). SIGINT/SIGTERM (once
+/// [`crate::interrupt::install`]ed) stop between shards, removing the partial output.
 ///
 /// # Errors
-/// [`Error::Invalid`] when `dir` exists and is neither empty nor a synthetic model, without room,
-/// or when the tokenizer's vocabulary exceeds the model's; [`Error::Io`] on write failures;
+/// [`Error::Invalid`] when `dir` exists and is neither empty nor a synthetic model, or without room;
+/// [`Error::VocabBelowTokenizer`] when the tokenizer has more ids than `spec.vocab` (before anything
+/// is written); [`Error::Io`] on write failures;
 /// [`Error::Interrupted`]; the pack errors.
 pub fn write_synthetic(dir: &Path, spec: &SyntheticSpec, opts: &WriteSyntheticOptions) -> Result<()> {
     if std::fs::symlink_metadata(dir).is_ok() {
@@ -466,9 +485,9 @@ pub fn write_synthetic(dir: &Path, spec: &SyntheticSpec, opts: &WriteSyntheticOp
     let write_phase = || -> Result<()> {
         let tmp = TempDir::create(dir, "synthetic")?;
         for src in &tokenizer_files {
-            let to = tmp.path.join(src.file_name().expect("a file"));
-            let n = std::fs::copy(src, &to).map_err(Error::io(src, "copy the tokenizer into the synthetic model"))?;
-            picchio_core::stop_point::wrote(n);
+            // Read and written (not `fs::copy`, which would give the copy the source's mode).
+            let bytes = std::fs::read(src).map_err(Error::io(src, "read the tokenizer"))?;
+            write_file(&tmp.path.join(src.file_name().expect("a file")), &bytes)?;
         }
         write_shards(&tmp.path, spec, opts.progress)?;
         // The image records `dir`, where the temporary directory is renamed to.
@@ -484,12 +503,11 @@ fn tokenizer_files(dir: &Path, spec: &SyntheticSpec) -> Result<Vec<PathBuf>> {
     let t = crate::model::tokenizer::Tokenizer::from_dir(dir)?
         .ok_or_else(|| Error::Invalid(format!("{}: no tokenizer.json", dir.display())))?;
     if t.vocab_size() > spec.vocab {
-        return Err(Error::Invalid(format!(
-            "{}: the tokenizer has {} ids but the synthetic model's vocabulary is {}",
-            dir.join("tokenizer.json").display(),
-            t.vocab_size(),
-            spec.vocab
-        )));
+        return Err(Error::VocabBelowTokenizer {
+            path: dir.join("tokenizer.json"),
+            ids: t.vocab_size(),
+            vocab: spec.vocab,
+        });
     }
     Ok(["tokenizer.json", "tokenizer_config.json"].iter().map(|f| dir.join(f)).filter(|p| p.is_file()).collect())
 }
@@ -572,8 +590,7 @@ fn layer_experts(s: &SyntheticSpec, l: usize) -> Vec<OwnedTensor> {
 /// config.json, the shards and the index into `dir`.
 fn write_shards(dir: &Path, s: &SyntheticSpec, progress: bool) -> Result<()> {
     let cfg = serde_json::to_string_pretty(&s.config_json()).expect("json");
-    std::fs::write(dir.join("config.json"), &cfg).map_err(Error::io(dir.join("config.json"), "write"))?;
-    picchio_core::stop_point::wrote(cfg.len() as u64);
+    write_file(&dir.join("config.json"), cfg.as_bytes())?;
     let h = s.hidden;
     let total_shards = s.layers + 1;
     let bar = crate::progress::bar(total_shards as u64, "writing shards", !progress);
@@ -613,8 +630,7 @@ fn write_shards(dir: &Path, s: &SyntheticSpec, progress: bool) -> Result<()> {
     let index = serde_json::json!({"metadata": {"total_size": total_size}, "weight_map": weight_map});
     let p = dir.join("model.safetensors.index.json");
     let index = serde_json::to_string_pretty(&index).expect("json");
-    std::fs::write(&p, &index).map_err(Error::io(&p, "write"))?;
-    picchio_core::stop_point::wrote(index.len() as u64);
+    write_file(&p, index.as_bytes())?;
     Ok(())
 }
 
@@ -704,6 +720,39 @@ mod tests {
                 .collect();
             assert!(leftovers.is_empty(), "{leftovers:?}");
         }
+    }
+
+    /// The tokenizer is read and written, not `fs::copy`ed: the copy gets the umask's mode like every
+    /// other file of the model (the CLI test `cli_file_modes` checks the rest through the binary), not
+    /// the source's (here 0400).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_fitting_tokenizer_is_copied_and_every_file_gets_the_umask_mode() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let tok = dir.path().join("tok");
+        std::fs::create_dir(&tok).unwrap();
+        let json = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,
+            "pre_tokenizer":{"type":"Whitespace"},"post_processor":null,"decoder":null,
+            "model":{"type":"WordLevel","vocab":{"<unk>":0,"a":1,"b":2},"unk_token":"<unk>"}}"#;
+        std::fs::write(tok.join("tokenizer.json"), json).unwrap();
+        std::fs::set_permissions(tok.join("tokenizer.json"), std::fs::Permissions::from_mode(0o400)).unwrap();
+        let out = dir.path().join("m");
+        let opts = WriteSyntheticOptions { tokenizer: Some(tok), progress: false };
+        write_synthetic(&out, &small(SyntheticArch::Qwen3_30bA3b), &opts).unwrap();
+        assert_eq!(std::fs::read_to_string(out.join("tokenizer.json")).unwrap(), json);
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let umask = status.lines().find_map(|l| l.strip_prefix("Umask:")).expect("Linux 4.7+ reports Umask");
+        let umask = u32::from_str_radix(umask.trim(), 8).unwrap();
+        let mut files = 0;
+        for e in std::fs::read_dir(&out).unwrap() {
+            let e = e.unwrap();
+            let mode = e.metadata().unwrap().permissions().mode() & 0o7777;
+            assert_eq!(mode, 0o666 & !umask, "{}: {mode:04o} under umask {umask:03o}", e.path().display());
+            files += 1;
+        }
+        // config.json, tokenizer.json, 3 shards, the index, the image.
+        assert_eq!(files, 7);
     }
 
     #[test]

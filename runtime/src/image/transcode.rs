@@ -29,8 +29,7 @@
 //! only read.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -410,8 +409,7 @@ fn write_file_items(
     to: QuantKind,
     bar: &indicatif::ProgressBar,
 ) -> Result<()> {
-    let file = File::create(path).map_err(Error::io(path, "create"))?;
-    let mut w = BufWriter::with_capacity(8 << 20, picchio_core::stop_point::Counted(file));
+    let mut w = picchio_core::output::OutputFile::create(path, 8 << 20).map_err(Error::io(path, "create"))?;
     w.write_all(header).map_err(Error::io(path, "write"))?;
     let chunk = (4 * rayon::current_num_threads()).max(16);
     let mut written = 0u64;
@@ -435,8 +433,7 @@ fn write_file_items(
     if written != f.bytes {
         return Err(Error::Invalid(format!("{}: wrote {written} tensor bytes, planned {}", path.display(), f.bytes)));
     }
-    let file = w.into_inner().map_err(|e| Error::io(path, "write")(e.into_error()))?.into_inner();
-    file.sync_all().map_err(Error::io(path, "sync"))
+    w.finish().map_err(Error::io(path, "write"))
 }
 
 #[cfg(test)]

@@ -28,7 +28,7 @@ mod quantize;
 pub(crate) mod shard;
 
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::Write;
 use std::path::{Component, Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -286,8 +286,7 @@ fn write_shard(
     experts_per_layer: usize,
     bar: &indicatif::ProgressBar,
 ) -> Result<()> {
-    let file = File::create(path).map_err(Error::io(path, "create"))?;
-    let mut w = BufWriter::with_capacity(8 << 20, picchio_core::stop_point::Counted(file));
+    let mut w = picchio_core::output::OutputFile::create(path, 8 << 20).map_err(Error::io(path, "create"))?;
     let header = shard::header(&s.tensors, path)?;
     w.write_all(&header).map_err(Error::io(path, "write"))?;
     let per_expert = shard::expert_tensors(layout, 0, 0).len() as u64;
@@ -324,15 +323,13 @@ fn write_shard(
     if written != s.bytes {
         return Err(Error::Invalid(format!("{}: wrote {written} tensor bytes, planned {}", path.display(), s.bytes)));
     }
-    let file = w.into_inner().map_err(|e| Error::io(path, "write")(e.into_error()))?.into_inner();
-    file.sync_all().map_err(Error::io(path, "sync"))
+    w.finish().map_err(Error::io(path, "write"))
 }
 
+/// Writes the small output file `path` (config.json, an index, a copied tokenizer file) through
+/// [`picchio_core::output::write`]: the umask's mode, counted for the stop point, synced.
 pub(crate) fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
-    let mut f = File::create(path).map_err(Error::io(path, "create"))?;
-    f.write_all(bytes).map_err(Error::io(path, "write"))?;
-    picchio_core::stop_point::wrote(bytes.len() as u64);
-    f.sync_all().map_err(Error::io(path, "sync"))
+    picchio_core::output::write(path, bytes).map_err(Error::io(path, "write"))
 }
 
 /// `p` made absolute with symlinks resolved, also when its last components do not exist yet.

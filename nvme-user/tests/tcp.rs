@@ -361,3 +361,31 @@ fn a_target_that_went_away_fails_reads_and_is_used_again_when_it_returns() {
     assert_eq!(read(&mut q, 0, 4096).unwrap(), data[..4096]);
     assert_eq!(q.stats().reconnects, 1);
 }
+
+/// Found reading the code the `nvme_tcp` fuzz target drives: an LBA larger than MDTS rounded the
+/// per-command transfer down to 0 bytes, and the first read divided by it (a panic). Connect now
+/// refuses such a namespace with a clear error.
+#[test]
+fn an_lba_larger_than_mdts_is_refused_at_connect_not_a_division_by_zero() {
+    let cfg = ModelConfig { mdts: 1, ..ModelConfig::memory(pattern(1 << 20), 16384) };
+    let m = TargetModel::start(cfg).unwrap();
+    let e = NvmeTcpQueue::connect(m.target(1), opts()).unwrap_err();
+    assert!(matches!(e, TcpError::Unsupported { .. }), "{e}");
+    assert!(
+        e.to_string().ends_with("MDTS allows 8192 bytes per command, less than one 16384-byte LBA of namespace 1"),
+        "{e}"
+    );
+}
+
+/// CSTS is read without pausing when `csts_poll` is zero, and the default still enables and shuts
+/// down the controller.
+#[test]
+fn csts_poll_zero_and_default_both_enable_and_shut_down() {
+    for poll in [Duration::ZERO, TcpOptions::default().csts_poll] {
+        let (m, data) = model(512);
+        let mut q = NvmeTcpQueue::connect(m.target(1), TcpOptions { csts_poll: poll, ..opts() }).unwrap();
+        assert_eq!(read(&mut q, 0, 4096).unwrap(), data[..4096]);
+        drop(q);
+        assert_eq!(m.stats().shutdowns, 1);
+    }
+}

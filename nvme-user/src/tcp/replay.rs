@@ -398,12 +398,15 @@ impl Drop for ReplayTarget {
     }
 }
 
+/// One connection's target-to-host bytes, appended to as they pass the proxy.
+type Record = Arc<Mutex<Vec<u8>>>;
+
 /// A recording proxy: each connection accepted is forwarded to `upstream`, and the bytes
 /// `upstream` sends on it are kept ([`Recorder::finish`]).
 pub struct Recorder {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
-    records: Arc<Mutex<Vec<Arc<Mutex<Vec<u8>>>>>>,
+    records: Arc<Mutex<Vec<Record>>>,
     thread: Option<JoinHandle<Vec<JoinHandle<()>>>>,
 }
 
@@ -416,7 +419,7 @@ impl Recorder {
         let listener = TcpListener::bind("127.0.0.1:0")?;
         let addr = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
-        let records: Arc<Mutex<Vec<Arc<Mutex<Vec<u8>>>>>> = Arc::new(Mutex::new(Vec::new()));
+        let records: Arc<Mutex<Vec<Record>>> = Arc::new(Mutex::new(Vec::new()));
         let (up, recs) = (upstream.to_string(), records.clone());
         let thread = accept_loop(listener, stop.clone(), Arc::new(AtomicUsize::new(0)), move |_, host| {
             let rec = Arc::new(Mutex::new(Vec::new()));
@@ -451,7 +454,7 @@ impl Drop for Recorder {
 
 /// Copies `from` to `to` until `from` ends, keeping a copy in `rec`; then shuts both down, so the
 /// other direction of the pair ends too.
-fn forward(mut from: TcpStream, to: TcpStream, rec: Option<Arc<Mutex<Vec<u8>>>>) {
+fn forward(mut from: TcpStream, to: TcpStream, rec: Option<Record>) {
     let mut to = to;
     let mut b = vec![0u8; 64 << 10];
     loop {

@@ -15,12 +15,13 @@
 //! # Session format
 //! Byte 0 is the options: bit 0 HDGST and bit 1 DDGST (asked for in ICReq, so the recorded
 //! ICResp matches), bit 2 discovery ([`discover`] instead of [`io_scenario`]); bits 7:3 are
-//! ignored. One I/O queue: the streams are written before the host asks, so with two the host
-//! would read one connection's answers to commands it has not sent yet on it. Then, for each TCP connection in the order the host
-//! opens them (admin queue, I/O queues, then those of a reconnect), a 4-byte little-endian length
-//! N and the N bytes the target sends on it; a length past the end of the input takes the rest.
-//! Connections past the last stream are accepted and closed at once. An empty input is a session
-//! with no streams.
+//! ignored. Then, for each TCP connection in the order the host opens them (admin queue, the I/O
+//! queue, then those of a reconnect), a 4-byte little-endian length N and the N bytes the target
+//! sends on it; a length past the end of the input takes the rest. Connections past the last
+//! stream are accepted and closed at once. An empty input is a session with no streams.
+//!
+//! The scenario uses one I/O queue: the streams are written before the host asks, so with two the
+//! host would read one connection's answers to commands it has not yet sent on it.
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};

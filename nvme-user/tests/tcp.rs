@@ -389,3 +389,23 @@ fn csts_poll_zero_and_default_both_enable_and_shut_down() {
         assert_eq!(m.stats().shutdowns, 1);
     }
 }
+
+/// Found by the `nvme_tcp` fuzz target (fuzz/corpus/nvme_tcp/crash-nsze-times-lba-overflow): an
+/// Identify Namespace whose NSZE × LBA size passes 2^64 made `Namespace::bytes` overflow (a panic)
+/// at the first read's range check. A namespace of 2^64 bytes or more is now
+/// refused at connect (and skipped by the PCIe driver), and `bytes` saturates.
+#[test]
+fn a_namespace_of_2_64_bytes_or_more_is_refused_at_connect_not_an_overflow() {
+    let input =
+        std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/../fuzz/corpus/nvme_tcp/crash-nsze-times-lba-overflow"))
+            .unwrap();
+    let out = picchio_nvme::tcp::replay::run(&input);
+    let e = out.error().expect("an error");
+    assert!(e.message.contains("bytes is 2^64 bytes or more"), "{out:#?}");
+    assert!(e.message.contains("namespace 1: NSZE "), "{}", e.message);
+    let ns = picchio_nvme::Namespace { nsid: 1, blocks: u64::MAX / 256, lba_size: 512, metadata_size: 0 };
+    assert!(!ns.fits());
+    assert_eq!(ns.bytes(), u64::MAX);
+    let ns = picchio_nvme::Namespace { nsid: 1, blocks: u64::MAX / 512, lba_size: 512, metadata_size: 0 };
+    assert!(ns.fits());
+}

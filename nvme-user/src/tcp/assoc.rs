@@ -315,7 +315,11 @@ pub(crate) fn identify_namespace(a: &mut Admin, nsid: u32) -> TcpResult<Namespac
     if id.metadata_size() != 0 && id.flbas & 0x10 != 0 {
         return Err(err(format!("extended-metadata LBA format ({} B of metadata per LBA)", id.metadata_size())));
     }
-    Ok(Namespace { nsid, blocks: id.nsze, lba_size, metadata_size: id.metadata_size() })
+    let ns = Namespace { nsid, blocks: id.nsze, lba_size, metadata_size: id.metadata_size() };
+    if !ns.fits() {
+        return Err(err(format!("NSZE {} LBAs of {lba_size} bytes is 2^64 bytes or more", id.nsze)));
+    }
+    Ok(ns)
 }
 
 /// The admin queue, kept alive by a thread that sends Keep Alive every KATO / 2 (none when KATO

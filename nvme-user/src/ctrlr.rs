@@ -90,9 +90,15 @@ pub struct Namespace {
 }
 
 impl Namespace {
-    /// Size in bytes.
+    /// Size in bytes, NSZE × LBA size (saturating at `u64::MAX`; a namespace from Identify always
+    /// fits, [`Namespace::fits`] refuses the others).
     pub fn bytes(&self) -> u64 {
-        self.blocks * u64::from(self.lba_size)
+        self.blocks.saturating_mul(u64::from(self.lba_size))
+    }
+    /// Whether NSZE × LBA size fits 64 bits: a controller may report any NSZE (a 64-bit count of
+    /// LBAs), but no namespace holds 2^64 bytes or more.
+    pub fn fits(&self) -> bool {
+        self.blocks.checked_mul(u64::from(self.lba_size)).is_some()
     }
 }
 
@@ -380,12 +386,19 @@ impl Controller {
                     let page = self.identify_page(&format!("Identify Namespace {nsid}"), admin::CNS_NAMESPACE, nsid)?;
                     let ns = IdentifyNamespace::parse(&page);
                     match ns.lba_size() {
-                        Some(lba_size) if ns.nsze > 0 => self.namespaces.push(Namespace {
-                            nsid,
-                            blocks: ns.nsze,
-                            lba_size,
-                            metadata_size: ns.metadata_size(),
-                        }),
+                        Some(lba_size) if ns.nsze > 0 => {
+                            let n = Namespace { nsid, blocks: ns.nsze, lba_size, metadata_size: ns.metadata_size() };
+                            if n.fits() {
+                                self.namespaces.push(n);
+                            } else {
+                                tracing::warn!(
+                                    nsid,
+                                    nsze = ns.nsze,
+                                    lba_size,
+                                    "nvme namespace of NSZE × LBA size past 2^64 bytes; skipped"
+                                );
+                            }
+                        }
                         _ => tracing::warn!(
                             nsid,
                             flbas = ns.flbas,

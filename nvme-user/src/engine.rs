@@ -120,6 +120,24 @@ enum Op {
 /// Bytes per command through a bounce buffer.
 const BOUNCE_XFER: usize = 128 << 10;
 
+/// A command must carry at least one LBA (through the bounce buffer too): an LBA larger than
+/// `max_xfer` (MDTS) would round every command down to zero bytes.
+///
+/// # Errors
+/// [`Error::Unsupported`] naming the LBA size and the per-command limit.
+fn check_lba_fits_a_command(nsid: u32, lba_size: u32, max_xfer: usize, bounce: bool) -> Result<()> {
+    let per_cmd = if bounce { max_xfer.min(BOUNCE_XFER) } else { max_xfer };
+    if per_cmd < lba_size as usize {
+        return Err(Error::Unsupported {
+            what: format!(
+                "namespace {nsid} has {lba_size}-byte LBAs, but a command carries at most {per_cmd} bytes{}",
+                if bounce { " (MDTS, and the bounce buffer)" } else { " (MDTS)" }
+            ),
+        });
+    }
+    Ok(())
+}
+
 enum DataPath {
     Direct,
     Bounce(Vec<DmaBuf>),
@@ -211,6 +229,7 @@ impl NvmeQueue {
         let ns = ctrlr.namespace(nsid)?;
         let dma = ctrlr.dma().clone();
         let mut max_xfer = ctrlr.max_transfer();
+        check_lba_fits_a_command(nsid, ns.lba_size, max_xfer, bounce)?;
         let cap = ctrlr
             .io_queue()
             .ok_or_else(|| Error::Unsupported { what: "controller initialized without an I/O queue".into() })?
@@ -807,5 +826,23 @@ mod tests {
         assert!(q.warn_if_clamped(1000));
         assert!(!q.warn_if_clamped(15));
         assert!(q.describe().contains("qd 15"), "{}", q.describe());
+    }
+
+    /// Found reading the code the `nvme_tcp` fuzz target drives (the NVMe/TCP initiator had the
+    /// same division): an LBA larger than MDTS rounded the per-command transfer down to 0 bytes.
+    /// The simulator serves 512- and 4096-byte LBAs only and MDTS is at least a page, so the check
+    /// `build` runs is tested on its own.
+    #[test]
+    fn an_lba_larger_than_mdts_is_refused_at_open_not_split_into_empty_commands() {
+        let e = check_lba_fits_a_command(1, 16384, 8192, false).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "NVMe controller unsupported: namespace 1 has 16384-byte LBAs, but a command carries at most 8192 \
+             bytes (MDTS)"
+        );
+        let e = check_lba_fits_a_command(2, 256 << 10, 1 << 20, true).unwrap_err();
+        assert!(e.to_string().ends_with("at most 131072 bytes (MDTS, and the bounce buffer)"), "{e}");
+        check_lba_fits_a_command(1, 4096, 4096, true).unwrap();
+        check_lba_fits_a_command(1, 512, 128 << 10, false).unwrap();
     }
 }

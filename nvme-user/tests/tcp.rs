@@ -406,3 +406,51 @@ fn flush_keeps_the_completions_it_waited_for_on_vfio_and_tcp_queues() {
     let mut q = NvmeTcpQueue::connect(m.target(1), opts()).unwrap();
     flush_keeps_the_completions_it_waited_for(&mut q);
 }
+
+/// Found reading the code the `nvme_tcp` fuzz target drives: an LBA larger than MDTS rounded the
+/// per-command transfer down to 0 bytes, and the first read divided by it (a panic). Connect now
+/// refuses such a namespace with a clear error.
+#[test]
+fn an_lba_larger_than_mdts_is_refused_at_connect_not_a_division_by_zero() {
+    let cfg = ModelConfig { mdts: 1, ..ModelConfig::memory(pattern(1 << 20), 16384) };
+    let m = TargetModel::start(cfg).unwrap();
+    let e = NvmeTcpQueue::connect(m.target(1), opts()).unwrap_err();
+    assert!(matches!(e, TcpError::Unsupported { .. }), "{e}");
+    assert!(
+        e.to_string().ends_with("MDTS allows 8192 bytes per command, less than one 16384-byte LBA of namespace 1"),
+        "{e}"
+    );
+}
+
+/// CSTS is read without pausing when `csts_poll` is zero, and the default still enables and shuts
+/// down the controller.
+#[test]
+fn csts_poll_zero_and_default_both_enable_and_shut_down() {
+    for poll in [Duration::ZERO, TcpOptions::default().csts_poll] {
+        let (m, data) = model(512);
+        let mut q = NvmeTcpQueue::connect(m.target(1), TcpOptions { csts_poll: poll, ..opts() }).unwrap();
+        assert_eq!(read(&mut q, 0, 4096).unwrap(), data[..4096]);
+        drop(q);
+        assert_eq!(m.stats().shutdowns, 1);
+    }
+}
+
+/// Found by the `nvme_tcp` fuzz target (fuzz/corpus/nvme_tcp/crash-nsze-times-lba-overflow): an
+/// Identify Namespace whose NSZE × LBA size passes 2^64 made `Namespace::bytes` overflow (a panic)
+/// at the first read's range check. A namespace of 2^64 bytes or more is now
+/// refused at connect (and skipped by the PCIe driver), and `bytes` saturates.
+#[test]
+fn a_namespace_of_2_64_bytes_or_more_is_refused_at_connect_not_an_overflow() {
+    let input =
+        std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/../fuzz/corpus/nvme_tcp/crash-nsze-times-lba-overflow"))
+            .unwrap();
+    let out = picchio_nvme::tcp::replay::run(&input);
+    let e = out.error().expect("an error");
+    assert!(e.message.contains("bytes is 2^64 bytes or more"), "{out:#?}");
+    assert!(e.message.contains("namespace 1: NSZE "), "{}", e.message);
+    let ns = picchio_nvme::Namespace { nsid: 1, blocks: u64::MAX / 256, lba_size: 512, metadata_size: 0 };
+    assert!(!ns.fits());
+    assert_eq!(ns.bytes(), u64::MAX);
+    let ns = picchio_nvme::Namespace { nsid: 1, blocks: u64::MAX / 512, lba_size: 512, metadata_size: 0 };
+    assert!(ns.fits());
+}

@@ -40,6 +40,10 @@ pub struct TcpOptions {
     pub reconnect_delay: Duration,
     /// Times one read is resubmitted over a new connection before it fails.
     pub max_retries: u32,
+    /// Pause between reads of CSTS while waiting for CSTS.RDY = 1 after CC.EN = 1 and for
+    /// CSTS.SHST = 10b after CC.SHN = 01b (both bounded by CAP.TO). Default 5 ms; zero polls
+    /// without pausing (the `nvme_tcp` fuzz target, whose replayed target answers at once).
+    pub csts_poll: Duration,
 }
 
 impl Default for TcpOptions {
@@ -57,6 +61,7 @@ impl Default for TcpOptions {
             reconnect_attempts: 3,
             reconnect_delay: Duration::from_millis(500),
             max_retries: 2,
+            csts_poll: Duration::from_millis(5),
         }
     }
 }
@@ -119,6 +124,7 @@ pub(crate) struct Admin {
     pub vs: Vs,
     cid: u16,
     subnqn: String,
+    csts_poll: Duration,
 }
 
 /// What the controller said about itself at association.
@@ -210,7 +216,7 @@ impl Admin {
                     waited_ms: self.cap.timeout().as_millis() as u64,
                 });
             }
-            std::thread::sleep(Duration::from_millis(10));
+            std::thread::sleep(self.csts_poll);
         }
     }
 }
@@ -260,7 +266,8 @@ pub(crate) fn connect_queue(
 /// [`TcpError::ControllerFatal`], [`TcpError::Command`] and the connection's.
 pub(crate) fn associate(addr: &str, subnqn: &str, opts: &TcpOptions) -> TcpResult<(Admin, ControllerInfo)> {
     let (conn, cntlid) = connect_queue(addr, subnqn, 0, 32, CNTLID_DYNAMIC, opts)?;
-    let mut a = Admin { conn, cntlid, cap: Cap(0), vs: Vs(0), cid: 1, subnqn: subnqn.into() };
+    let mut a =
+        Admin { conn, cntlid, cap: Cap(0), vs: Vs(0), cid: 1, subnqn: subnqn.into(), csts_poll: opts.csts_poll };
     a.cap = Cap(a.get(prop::CAP, true, "CAP")?);
     a.vs = Vs(a.get(prop::VS, false, "VS")? as u32);
     let csts = Csts(a.get(prop::CSTS, false, "CSTS")? as u32);
@@ -283,7 +290,7 @@ pub(crate) fn associate(addr: &str, subnqn: &str, opts: &TcpOptions) -> TcpResul
         if t0.elapsed() >= limit {
             return Err(TcpError::NotReady { addr: addr.into(), csts: csts.0, waited_ms: limit.as_millis() as u64 });
         }
-        std::thread::sleep(Duration::from_millis(5));
+        std::thread::sleep(a.csts_poll);
     }
     let page = a.identify(spec::admin::CNS_CONTROLLER, 0, "Identify Controller")?;
     let info = ControllerInfo {
@@ -308,7 +315,11 @@ pub(crate) fn identify_namespace(a: &mut Admin, nsid: u32) -> TcpResult<Namespac
     if id.metadata_size() != 0 && id.flbas & 0x10 != 0 {
         return Err(err(format!("extended-metadata LBA format ({} B of metadata per LBA)", id.metadata_size())));
     }
-    Ok(Namespace { nsid, blocks: id.nsze, lba_size, metadata_size: id.metadata_size() })
+    let ns = Namespace { nsid, blocks: id.nsze, lba_size, metadata_size: id.metadata_size() };
+    if !ns.fits() {
+        return Err(err(format!("NSZE {} LBAs of {lba_size} bytes is 2^64 bytes or more", id.nsze)));
+    }
+    Ok(ns)
 }
 
 /// The admin queue, kept alive by a thread that sends Keep Alive every KATO / 2 (none when KATO

@@ -13,6 +13,8 @@
 //!   connection each), with timeouts, reconnect and resubmission of reads.
 //! - [`model`]: an in-process NVMe/TCP target model over a loopback socket, with fault injection,
 //!   for tests.
+//! - [`replay`]: a loopback target that plays recorded (or fuzzed) controller-to-host bytes back,
+//!   a recording proxy, and the fixed scenario the `nvme_tcp` fuzz target drives.
 //!
 //! # Example: the initiator against the model target
 //! ```
@@ -33,6 +35,7 @@ pub mod fabrics;
 pub mod model;
 pub mod pdu;
 mod queue;
+pub mod replay;
 
 pub use assoc::{default_host_identity, discover, ControllerInfo, TcpOptions};
 pub use error::{TcpError, TcpResult};

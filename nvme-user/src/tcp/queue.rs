@@ -163,6 +163,19 @@ impl NvmeTcpQueue {
         let nlb_max = 65536u64 * u64::from(ns.lba_size);
         let max_xfer = (mdts as u64).min(nlb_max).min(u64::from(DEFAULT_MAX_XFER)) as u32;
         let max_xfer = max_xfer / ns.lba_size * ns.lba_size;
+        if max_xfer == 0 {
+            // A command must carry at least one LBA: MDTS (or the 8 MiB cap) below the LBA size
+            // would make every request zero-sized chunks.
+            return Err(TcpError::Unsupported {
+                addr: target.addr,
+                what: format!(
+                    "MDTS allows {} bytes per command, less than one {}-byte LBA of namespace {}",
+                    (mdts as u64).min(u64::from(DEFAULT_MAX_XFER)),
+                    ns.lba_size,
+                    ns.nsid
+                ),
+            });
+        }
         let in_capsule = info.fabrics.in_capsule_bytes();
         Ok(NvmeTcpQueue {
             target,

@@ -133,6 +133,9 @@ pub struct Metrics {
     pub cached_tokens: AtomicU64,
     /// Generated tokens.
     pub completion_tokens: AtomicU64,
+    /// HTTP requests whose head was read and whose response has not started (reading their body,
+    /// waiting in the queue, generating a whole answer).
+    pub http_in_progress: AtomicUsize,
     /// Requests waiting.
     pub queue_depth: AtomicUsize,
     /// Requests being generated (0 or 1: one KV cache).
@@ -190,6 +193,12 @@ impl Metrics {
             g(&self.cached_tokens).to_string(),
         );
         put("completion_tokens_total", "counter", "Generated tokens.", g(&self.completion_tokens).to_string());
+        put(
+            "http_requests_in_progress",
+            "gauge",
+            "HTTP requests read whose response has not started (this one included).",
+            self.http_in_progress.load(Ordering::Relaxed).to_string(),
+        );
         put("queue_depth", "gauge", "Requests waiting.", self.queue_depth.load(Ordering::Relaxed).to_string());
         put("requests_running", "gauge", "Requests being generated.", self.running.load(Ordering::Relaxed).to_string());
         put("expert_cache_hits_total", "counter", "Expert-cache hits.", g(&self.expert_hits).to_string());

@@ -16,7 +16,7 @@
 
 use std::convert::Infallible;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use axum::body::Bytes;
@@ -150,6 +150,15 @@ impl Signals {
 /// Around every request: a body whose Content-Length exceeds `--max-body` is refused 413 from the
 /// header, before it is read; every response with an error status is counted by status.
 async fn http_layer(State(s): St, req: axum::extract::Request, next: Next) -> Response {
+    /// Counts the request in progress until its response starts (or the connection drops it).
+    struct InProgress<'a>(&'a AtomicUsize);
+    impl Drop for InProgress<'_> {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+    s.metrics.http_in_progress.fetch_add(1, Ordering::Relaxed);
+    let _in_progress = InProgress(&s.metrics.http_in_progress);
     let declared = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok());
     let response = match declared {
         Some(n) if n > s.limits.max_body as u64 => error(
@@ -361,8 +370,11 @@ fn parse(s: &Server, bytes: Result<Bytes, BytesRejection>, chat: bool) -> Result
             return error(StatusCode::REQUEST_TIMEOUT, "invalid_request_error", Some("request_timeout"), msg);
         }
         let status = r.status();
-        let kind = if status == StatusCode::PAYLOAD_TOO_LARGE { "request_too_large" } else { "invalid_request_error" };
-        error(status, kind, None, r.body_text())
+        if status == StatusCode::PAYLOAD_TOO_LARGE {
+            let msg = format!("the body is larger than {} bytes (--max-body)", s.limits.max_body);
+            return error(status, "invalid_request_error", Some("request_too_large"), msg);
+        }
+        error(status, "invalid_request_error", None, r.body_text())
     })?;
     let body: Body =
         serde_json::from_slice(&bytes).map_err(|e| bad_request(format!("the body is not a valid request: {e}")))?;

@@ -421,3 +421,39 @@ fn tools_and_tool_messages_are_rendered_as_transformers_does() {
     let want: Value = serde_json::from_str(&j("ids")).unwrap();
     assert_eq!(v["prompt_token_ids"], want, "{raw}");
 }
+
+/// GPT-OSS (harmony) end to end: a random-weight gpt-oss-20b (one layer) writes tokens outside
+/// every harmony channel (no `<|channel|>…<|message|>` header); the chat answer carries that text as
+/// its content instead of dropping it, exactly as the harmony parser splits the generated ids.
+#[test]
+fn gpt_oss_text_outside_every_channel_reaches_the_chat_answer() {
+    use picchio_runtime::chat::harmony::split_output;
+    let tmp = common::scratch();
+    let model = tmp.path().join("g");
+    let m = model.to_str().unwrap();
+    common::ok(&["synth", "--arch", "gpt-oss-20b", "--layers", "1", "--seed", "7", "--model-out", m, "--no-progress"]);
+    let s = Served::start(&model, &["--ctx", "256"]);
+    let body = json!({
+        "model": "g",
+        "messages": [{"role": "user", "content": "Hello"}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "return_token_ids": true,
+    });
+    let (st, v) = s.post("/v1/chat/completions", &body);
+    assert_eq!(st, 200, "{v}");
+    let ids: Vec<u32> =
+        v["choices"][0]["token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+    let tok = picchio_runtime::model::tokenizer::Tokenizer::from_dir(&model).unwrap().unwrap();
+    let msg = &v["choices"][0]["message"];
+    let content = msg["content"].as_str().unwrap_or("");
+    let reasoning = msg["reasoning_content"].as_str().unwrap_or("");
+    let (want_reasoning, want_content) = split_output(&tok.decode(&ids).unwrap(), true);
+    assert_eq!((reasoning, content), (want_reasoning.as_str(), want_content.as_str()), "{v}");
+    let plain = tok.decode_text(&ids).unwrap();
+    if !tok.decode(&ids).unwrap().contains("<|") {
+        // No harmony marker at all: every generated character is the answer.
+        assert_eq!(content, plain, "{v}");
+    }
+    assert!(!content.is_empty() || plain.is_empty(), "generated text vanished: {plain:?} in {v}");
+}

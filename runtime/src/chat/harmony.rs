@@ -464,15 +464,20 @@ mod tests {
         assert_eq!(split_output("<|channel|>notes<|message|>x<|end|>", true), both("", "x"));
         // A header cut off by the end of the turn (max_tokens) is formatting, not text.
         assert_eq!(split_output("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>fin", true), both("a", ""));
-        // The parts only grow, token by token, so a stream of differences loses nothing.
-        let full = "Plain start<|end|><|start|>assistant<|channel|>analysis<|message|>hm<|end|>tail";
-        let (mut r, mut a) = (String::new(), String::new());
-        for end in (0..=full.len()).filter(|&e| full.is_char_boundary(e)) {
-            let (r2, a2) = split_output(&full[..end], false);
-            assert!(r2.starts_with(&r) && a2.starts_with(&a), "at {end}: {r2:?} {a2:?} after {r:?} {a:?}");
+        // The parts only grow, token by token (a marker is one token), so a stream of differences
+        // loses nothing.
+        let tokens = [
+            "Plain", " start", "<|end|>", "<|start|>", "assistant", "<|channel|>", "analysis", "<|message|>", "h", "m",
+            "<|end|>", "ta", "il",
+        ];
+        let (mut full, mut r, mut a) = (String::new(), String::new(), String::new());
+        for t in tokens {
+            full.push_str(t);
+            let (r2, a2) = split_output(&full, false);
+            assert!(r2.starts_with(&r) && a2.starts_with(&a), "after {t:?}: {r2:?} {a2:?} after {r:?} {a:?}");
             (r, a) = (r2, a2);
         }
-        assert_eq!(split_output(full, true), both("hm", "Plain starttail"));
+        assert_eq!(split_output(&full, true), both("hm", "Plain starttail"));
     }
 
     #[test]

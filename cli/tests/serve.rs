@@ -208,7 +208,8 @@ fn oversized_stalled_and_idle_requests_are_answered_and_closed() {
     assert!(err(&v).0.contains("--max-body"), "{raw}");
     // Without a Content-Length (chunked), the body is cut at --max-body while it is read.
     let big = chat(&"x".repeat(5000), json!({})).to_string();
-    let head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n";
+    let head =
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n";
     let chunked = format!("{:x}\r\n{big}\r\n0\r\n\r\n", big.len());
     let (st, raw) = parse_response(&exchange(&s.addr, head, chunked.as_bytes()));
     let v: Value = serde_json::from_str(&raw).unwrap_or_else(|e| panic!("413 not JSON ({e}): {raw}"));

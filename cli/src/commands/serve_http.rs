@@ -127,7 +127,8 @@ impl Signals {
         #[cfg(unix)]
         {
             use tokio::signal::unix::{signal, SignalKind};
-            let int = signal(SignalKind::interrupt()).map_err(|e| anyhow::anyhow!("installing the SIGINT handler: {e}"))?;
+            let int =
+                signal(SignalKind::interrupt()).map_err(|e| anyhow::anyhow!("installing the SIGINT handler: {e}"))?;
             let term =
                 signal(SignalKind::terminate()).map_err(|e| anyhow::anyhow!("installing the SIGTERM handler: {e}"))?;
             Ok(Signals { int, term })
@@ -165,7 +166,10 @@ async fn http_layer(State(s): St, req: axum::extract::Request, next: Next) -> Re
             StatusCode::PAYLOAD_TOO_LARGE,
             "invalid_request_error",
             Some("request_too_large"),
-            format!("the body is {n} bytes (Content-Length); this server takes at most {} (--max-body)", s.limits.max_body),
+            format!(
+                "the body is {n} bytes (Content-Length); this server takes at most {} (--max-body)",
+                s.limits.max_body
+            ),
         ),
         _ => next.run(req).await,
     };

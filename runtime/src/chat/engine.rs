@@ -383,7 +383,8 @@ mod tests {
         let mut s = TextStream::new(Some(Reasoning::Harmony), vec![]);
         assert_eq!(feed(&mut s, &["Hi", " there"]), (String::new(), "Hi there".into(), false));
         let mut s = TextStream::new(Some(Reasoning::Harmony), vec![]);
-        let pieces = ["<|channel|>", "analysis", "<|message|>", "Hm.", "<|end|>", "Loose text", "<|start|>", "assistant"];
+        let pieces =
+            ["<|channel|>", "analysis", "<|message|>", "Hm.", "<|end|>", "Loose text", "<|start|>", "assistant"];
         assert_eq!(feed(&mut s, &pieces), ("Hm.".into(), "Loose text".into(), false));
     }
 

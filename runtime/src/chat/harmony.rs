@@ -442,7 +442,8 @@ mod tests {
         assert_eq!(split_output("<|channel|>analysis<|mess", false), both("", ""));
         assert_eq!(split_output("<|channel|>final<|message|>Hi<|return|>", true), both("", "Hi"));
         // A tool call is reasoning; a preamble (commentary to no one) is for the user.
-        let t = "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant to=functions.f<|channel|>commentary \
+        let t =
+            "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant to=functions.f<|channel|>commentary \
                  <|constrain|>json<|message|>{}<|call|>";
         assert_eq!(split_output(t, true), both("{}", "Checking."));
     }
@@ -463,12 +464,26 @@ mod tests {
         // An unknown channel is the answer.
         assert_eq!(split_output("<|channel|>notes<|message|>x<|end|>", true), both("", "x"));
         // A header cut off by the end of the turn (max_tokens) is formatting, not text.
-        assert_eq!(split_output("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>fin", true), both("a", ""));
+        assert_eq!(
+            split_output("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>fin", true),
+            both("a", "")
+        );
         // The parts only grow, token by token (a marker is one token), so a stream of differences
         // loses nothing.
         let tokens = [
-            "Plain", " start", "<|end|>", "<|start|>", "assistant", "<|channel|>", "analysis", "<|message|>", "h", "m",
-            "<|end|>", "ta", "il",
+            "Plain",
+            " start",
+            "<|end|>",
+            "<|start|>",
+            "assistant",
+            "<|channel|>",
+            "analysis",
+            "<|message|>",
+            "h",
+            "m",
+            "<|end|>",
+            "ta",
+            "il",
         ];
         let (mut full, mut r, mut a) = (String::new(), String::new(), String::new());
         for t in tokens {

@@ -4,7 +4,8 @@ by cli/tests/serve_openai.rs, which starts the server and passes, in $PICCHIO_EX
 conversation, its rendered prompt ids (tests/fixtures/chat/qwen3_rendering.json) and the tokens and
 text `picchio run --prompt-ids <those ids>` generated greedily. Checks:
 
-- models.list() names the model;
+- models.list() names the model; models.retrieve() returns it, and raises NotFoundError (404,
+  code model_not_found) for another id;
 - chat completions, whole and streamed: the greedy tokens and text equal `picchio run`'s, usage
   counts the prompt and the answer;
 - repeating a request reuses all of its prompt but the last token (cached_tokens), and a request
@@ -59,6 +60,13 @@ def check(what, got, want):
 
 models = client.models.list()
 check("models", [m.id for m in models.data], [MODEL])
+m = client.models.retrieve(MODEL)
+check("models.retrieve", (m.id, m.object, m.owned_by), (MODEL, "model", "picchio"))
+try:
+    client.models.retrieve("no-such-model")
+    raise AssertionError("models.retrieve of an unknown id did not fail")
+except openai.NotFoundError as e:
+    check("models.retrieve unknown: status and code", (e.status_code, e.code), (404, "model_not_found"))
 
 # Chat, whole: the tokens picchio run generated for the same rendered prompt.
 r = client.chat.completions.create(

@@ -2,12 +2,19 @@
 //! OpenAI's shapes, and every bad input of the issue gets OpenAI's JSON error with the right status
 //! and nothing generated: an unknown role, an empty message list, a body that is not UTF-8 or too
 //! large, a prompt longer than the context, `max_tokens` 0 or negative, an unknown model, a
-//! missing or wrong API key, a full queue. (The official `openai` client drives it in
-//! serve_openai.rs.)
+//! missing or wrong API key, a full queue, a body whose Content-Length is too large (refused from
+//! the header), a body that stalls and a connection that stays idle (closed after their timeouts);
+//! each such answer is counted by status in `/metrics`. Option values that cannot work are refused
+//! at start-up, a non-loopback address without a key is warned about, and SIGINT answers the queued
+//! requests 503, stops the running one and exits 0 (a second SIGINT at once). (The official `openai`
+//! client drives it in serve_openai.rs.)
 
 mod common;
 
-use common::serve::{packed_model, Served};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+
+use common::serve::{packed_model, parse_response, Served};
 use serde_json::{json, Value};
 
 fn chat(content: &str, extra: Value) -> Value {
@@ -64,7 +71,13 @@ fn endpoints_answer_and_bad_requests_get_openai_errors() {
             None,
         ),
         ("not JSON", b"{\"model\": ".to_vec(), 400, "not a valid request", None),
-        ("too large", chat(&"x".repeat(5000), json!({})).to_string().into_bytes(), 413, "length limit", None),
+        (
+            "too large",
+            chat(&"x".repeat(5000), json!({})).to_string().into_bytes(),
+            413,
+            "--max-body",
+            Some("request_too_large"),
+        ),
         (
             "longer than the context",
             chat(&"word ".repeat(80), json!({"max_tokens": 4})).to_string().into_bytes(),
@@ -143,6 +156,165 @@ fn endpoints_answer_and_bad_requests_get_openai_errors() {
     assert_eq!(st, 404);
     // None of the refused requests generated anything.
     assert_eq!(s.metric("picchio_completion_tokens_total"), generated + 6.0);
+
+    // Retrieving a model: the served one, and OpenAI's 404 for another.
+    let (st, raw) = s.get("/v1/models/m");
+    let v: Value = serde_json::from_str(&raw).unwrap();
+    assert_eq!((st, &v["id"], &v["object"], &v["owned_by"]), (200, &json!("m"), &json!("model"), &json!("picchio")));
+    let (st, raw) = s.get("/v1/models/gpt-9");
+    let v: Value = serde_json::from_str(&raw).unwrap();
+    assert_eq!((st, err(&v).1), (404, Some("model_not_found")), "{raw}");
+    // A wrong method gets OpenAI's error shape too.
+    let (st, raw) = s.get("/v1/chat/completions");
+    let v: Value = serde_json::from_str(&raw).unwrap_or_else(|e| panic!("405 not JSON ({e}): {raw}"));
+    assert_eq!((st, err(&v).1), (405, Some("method_not_allowed")), "{raw}");
+    // Every refusal above is counted by its status, whether the HTTP layer or the worker refused:
+    // 15 + 5 bad requests, a body too large, an unknown model, path and model id, a wrong method.
+    let failed = |status: u16| s.metric(&format!("picchio_requests_failed_total{{status=\"{status}\"}}"));
+    assert_eq!([failed(400), failed(404), failed(405), failed(413)], [20.0, 3.0, 1.0, 1.0]);
+}
+
+/// A raw HTTP/1.1 exchange: sends `head` then `body`, and reads until the server closes the
+/// connection (bounded by the hang limit: a server that never closes fails the read).
+fn exchange(addr: &str, head: &str, body: &[u8]) -> Vec<u8> {
+    let mut c = TcpStream::connect(addr).unwrap();
+    c.set_read_timeout(Some(picchio_testkit::bin::HANG_LIMIT)).unwrap();
+    c.write_all(head.as_bytes()).unwrap();
+    c.write_all(body).unwrap();
+    let mut raw = Vec::new();
+    c.read_to_end(&mut raw).unwrap_or_else(|e| panic!("the server did not close the connection: {e}"));
+    raw
+}
+
+/// A body whose Content-Length is beyond --max-body is refused 413 from the header, without a byte
+/// of it sent; a body that stops half-way gets 408 after --body-timeout and the connection closes;
+/// a connection that sends nothing, or nothing more after a keep-alive answer, is closed after
+/// --idle-timeout. (The timeouts are 1 s; what is checked is that each connection ends with that
+/// answer, not when.)
+#[test]
+fn oversized_stalled_and_idle_requests_are_answered_and_closed() {
+    let tmp = common::scratch();
+    let model = packed_model(tmp.path());
+    let s = Served::start(&model, &["--max-body", "4096", "--body-timeout", "1", "--idle-timeout", "1"]);
+    let post = |len: usize| {
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len}\r\n\r\n"
+        )
+    };
+    // 1 GB announced, nothing sent: 413 at once (a server reading first would time out: 408).
+    let (st, raw) = parse_response(&exchange(&s.addr, &post(1 << 30), b""));
+    let v: Value = serde_json::from_str(&raw).unwrap_or_else(|e| panic!("413 not JSON ({e}): {raw}"));
+    assert_eq!((st, err(&v).1), (413, Some("request_too_large")), "{raw}");
+    assert!(err(&v).0.contains("--max-body"), "{raw}");
+    // Without a Content-Length (chunked), the body is cut at --max-body while it is read.
+    let big = chat(&"x".repeat(5000), json!({})).to_string();
+    let head =
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n";
+    let chunked = format!("{:x}\r\n{big}\r\n0\r\n\r\n", big.len());
+    let (st, raw) = parse_response(&exchange(&s.addr, head, chunked.as_bytes()));
+    let v: Value = serde_json::from_str(&raw).unwrap_or_else(|e| panic!("413 not JSON ({e}): {raw}"));
+    assert_eq!((st, err(&v).1), (413, Some("request_too_large")), "{raw}");
+    assert!(err(&v).0.contains("--max-body"), "{raw}");
+    // Half a body, then silence: 408, then the connection is closed.
+    let body = chat("Hi", json!({"max_tokens": 2})).to_string();
+    let (st, raw) = parse_response(&exchange(&s.addr, &post(body.len()), &body.as_bytes()[..body.len() / 2]));
+    let v: Value = serde_json::from_str(&raw).unwrap_or_else(|e| panic!("408 not JSON ({e}): {raw}"));
+    assert_eq!((st, err(&v).1), (408, Some("request_timeout")), "{raw}");
+    assert!(err(&v).0.contains("--body-timeout"), "{raw}");
+    // A connection that never sends a request is closed (hyper may say 408 first).
+    let raw = exchange(&s.addr, "", b"");
+    assert!(raw.is_empty() || raw.starts_with(b"HTTP/1.1 408"), "{}", String::from_utf8_lossy(&raw));
+    // A keep-alive connection gets its answer, then is closed once idle.
+    let raw = exchange(&s.addr, "GET /health HTTP/1.1\r\nHost: x\r\n\r\n", b"");
+    assert_eq!(parse_response(&raw), (200, r#"{"status":"ok"}"#.into()));
+    // Nothing of this reached the worker; the refusals are counted by status.
+    assert_eq!(s.metric("picchio_requests_total"), 0.0);
+    let failed = |status: u16| s.metric(&format!("picchio_requests_failed_total{{status=\"{status}\"}}"));
+    assert_eq!([failed(408), failed(413)], [1.0, 2.0]);
+}
+
+/// Option values that cannot work are refused before the model is opened, naming the option.
+#[test]
+fn nonsensical_serve_options_are_refused_by_name() {
+    for (args, text) in [
+        (&["--max-body", "0"][..], "--max-body must be at least 1"),
+        (&["--body-timeout", "0"], "--body-timeout must be at least 1"),
+        (&["--idle-timeout", "0"], "--idle-timeout must be at least 1"),
+        (&["--queue", "0"], "--queue must be at least 1"),
+        (&["--api-key", " "], "--api-key (or $PICCHIO_API_KEY) is empty"),
+    ] {
+        let mut all = vec!["serve", "--model", "/nonexistent/model"];
+        all.extend_from_slice(args);
+        let o = common::picchio(&all);
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && e.contains(text), "{args:?}: {e}");
+        assert!(!e.contains("nonexistent"), "{args:?}: refused before opening the model: {e}");
+    }
+}
+
+/// Listening beyond loopback without an API key is warned about at start-up; with a key, or on
+/// loopback, it is not.
+#[test]
+fn a_non_loopback_address_without_a_key_is_warned_about() {
+    let tmp = common::scratch();
+    let model = packed_model(tmp.path());
+    let warned = |args: &[&str]| {
+        let s = Served::start(&model, args);
+        s.stderr_lines().iter().any(|l| l.contains("warning") && l.contains("without an API key"))
+    };
+    assert!(warned(&["--host", "0.0.0.0"]), "0.0.0.0 without a key");
+    assert!(!warned(&["--host", "0.0.0.0", "--api-key", "k"]), "0.0.0.0 with a key");
+    assert!(!warned(&[]), "loopback");
+}
+
+/// SIGINT: the listener closes, the running (streamed) request stops at its next token and ends
+/// with `finish_reason` "abort" and `[DONE]`, the queued one is answered 503
+/// `server_shutting_down` without running, and the process exits 0.
+#[test]
+fn sigint_stops_the_running_request_answers_the_queued_503_and_exits_0() {
+    let tmp = common::scratch();
+    let model = packed_model(tmp.path());
+    let s = Served::start(&model, &["--queue", "2", "--ctx", "512"]);
+    let long = chat("Hi there", json!({"max_tokens": 500, "stream": true, "ignore_eos": true})).to_string();
+    let mut a = s.send("POST", "/v1/chat/completions", &[], long.as_bytes());
+    let mut first = [0u8; 1];
+    a.read_exact(&mut first).unwrap();
+    let short = chat("Hi", json!({"max_tokens": 2})).to_string();
+    let b = s.send("POST", "/v1/chat/completions", &[], short.as_bytes());
+    common::serve::wait_for(|| s.metric("picchio_queue_depth") == 1.0 && s.metric("picchio_requests_running") == 1.0);
+    s.signal(libc::SIGINT);
+    s.wait_for_line("shutting down");
+    assert!(TcpStream::connect(&s.addr).is_err(), "no longer accepting");
+    let mut raw = Vec::new();
+    { b }.read_to_end(&mut raw).unwrap();
+    let (st, body) = parse_response(&raw);
+    let v: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("503 not JSON ({e}): {body}"));
+    assert_eq!((st, err(&v).1), (503, Some("server_shutting_down")), "{body}");
+    let mut rest = Vec::new();
+    a.read_to_end(&mut rest).unwrap();
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(rest.contains(r#""finish_reason":"abort""#) && rest.contains("data: [DONE]"), "{rest}");
+    assert_eq!(s.wait_exit().code(), Some(0));
+}
+
+/// A second SIGINT while the shutdown waits (here for a client stuck sending its body) exits at
+/// once, with status 130.
+#[test]
+fn a_second_sigint_exits_at_once() {
+    let tmp = common::scratch();
+    let model = packed_model(tmp.path());
+    let s = Served::start(&model, &["--body-timeout", "3600"]);
+    let mut stuck = TcpStream::connect(&s.addr).unwrap();
+    stuck.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{").unwrap();
+    // Its head has been read (it is in the handler, reading the body) when two requests are in
+    // progress: it and the /metrics request asking.
+    common::serve::wait_for(|| s.metric("picchio_http_requests_in_progress") == 2.0);
+    s.signal(libc::SIGINT);
+    s.wait_for_line("shutting down");
+    s.signal(libc::SIGINT);
+    s.wait_for_line("interrupted again");
+    assert_eq!(s.wait_exit().code(), Some(130));
+    drop(stuck);
 }
 
 #[test]
@@ -249,4 +421,40 @@ fn tools_and_tool_messages_are_rendered_as_transformers_does() {
     let v: Value = serde_json::from_str(&raw).unwrap();
     let want: Value = serde_json::from_str(&j("ids")).unwrap();
     assert_eq!(v["prompt_token_ids"], want, "{raw}");
+}
+
+/// GPT-OSS (harmony) end to end: a random-weight gpt-oss-20b (one layer) writes tokens outside
+/// every harmony channel (no `<|channel|>…<|message|>` header); the chat answer carries that text as
+/// its content instead of dropping it, exactly as the harmony parser splits the generated ids.
+#[test]
+fn gpt_oss_text_outside_every_channel_reaches_the_chat_answer() {
+    use picchio_runtime::chat::harmony::split_output;
+    let tmp = common::scratch();
+    let model = tmp.path().join("g");
+    let m = model.to_str().unwrap();
+    common::ok(&["synth", "--arch", "gpt-oss-20b", "--layers", "1", "--seed", "7", "--model-out", m, "--no-progress"]);
+    let s = Served::start(&model, &["--ctx", "256"]);
+    let body = json!({
+        "model": "g",
+        "messages": [{"role": "user", "content": "Hello"}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "return_token_ids": true,
+    });
+    let (st, v) = s.post("/v1/chat/completions", &body);
+    assert_eq!(st, 200, "{v}");
+    let ids: Vec<u32> =
+        v["choices"][0]["token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+    let tok = picchio_runtime::model::tokenizer::Tokenizer::from_dir(&model).unwrap().unwrap();
+    let msg = &v["choices"][0]["message"];
+    let content = msg["content"].as_str().unwrap_or("");
+    let reasoning = msg["reasoning_content"].as_str().unwrap_or("");
+    let (want_reasoning, want_content) = split_output(&tok.decode(&ids).unwrap(), true);
+    assert_eq!((reasoning, content), (want_reasoning.as_str(), want_content.as_str()), "{v}");
+    let plain = tok.decode_text(&ids).unwrap();
+    if !tok.decode(&ids).unwrap().contains("<|") {
+        // No harmony marker at all: every generated character is the answer.
+        assert_eq!(content, plain, "{v}");
+    }
+    assert!(!content.is_empty() || plain.is_empty(), "generated text vanished: {plain:?} in {v}");
 }

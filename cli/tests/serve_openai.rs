@@ -1,5 +1,6 @@
 //! `picchio serve` driven by the official `openai` Python client (cli/tests/openai_client.py) on
 //! the vendored real-tokenizer model, converted and packed: chat and completions, streamed and not,
+//! models listed and retrieved (404 for an unknown id),
 //! greedy tokens equal to `picchio run --prompt-ids <rendered ids>`, `cached_tokens` of a request
 //! that extends the previous one equal to the shared prefix, and a client that disconnects
 //! mid-stream freeing the queue. Needs a Python with `openai` installed, named by

@@ -4,10 +4,12 @@
 //! HTTP layer is [`super::serve_http`], the generation itself the runtime's
 //! [`picchio_runtime::chat::engine::Engine`].
 
+use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::ops::ControlFlow;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
 
 use anyhow::Context;
 use picchio_runtime::chat::engine::{is_bad_request, Delta, Engine, Outcome, Request};
@@ -17,7 +19,8 @@ use picchio_runtime::chat::engine::{is_bad_request, Delta, Engine, Outcome, Requ
 pub struct Args {
     #[command(flatten)]
     pub model: super::model_args::ModelArgs,
-    /// Address to listen on (loopback by default: give 0.0.0.0 to serve the network, with --api-key).
+    /// Address to listen on (loopback by default: give 0.0.0.0 to serve the network, with --api-key;
+    /// without a key, a non-loopback address gets a warning at start-up).
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1")]
     pub host: IpAddr,
     /// TCP port (0 picks a free one; the address is printed on stderr).
@@ -29,9 +32,56 @@ pub struct Args {
     /// Requests that may wait while one runs; more get 503.
     #[arg(long, value_name = "N", default_value_t = 8)]
     pub queue: usize,
-    /// Largest request body in bytes; larger ones get 413.
+    /// Largest request body in bytes; larger ones get 413 (from their Content-Length header, before
+    /// the body is read, when they send one).
     #[arg(long, value_name = "BYTES", default_value_t = 4 << 20)]
     pub max_body: usize,
+    /// Seconds a request body may stall: a client that stops sending its body for longer gets 408
+    /// and its connection is closed.
+    #[arg(long, value_name = "SECONDS", default_value_t = 30)]
+    pub body_timeout: u64,
+    /// Seconds a connection may wait for (the headers of) its next request, idle keep-alive
+    /// connections included, before it is closed.
+    #[arg(long, value_name = "SECONDS", default_value_t = 60)]
+    pub idle_timeout: u64,
+}
+
+impl Args {
+    /// Refuses option values that cannot work, naming the option.
+    ///
+    /// # Errors
+    /// `--queue 0`, `--max-body 0`, `--body-timeout 0`, `--idle-timeout 0`, an empty API key.
+    pub fn check(&self) -> anyhow::Result<()> {
+        if self.queue == 0 {
+            anyhow::bail!("--queue must be at least 1 (requests that may wait while one runs)");
+        }
+        if self.max_body == 0 {
+            anyhow::bail!("--max-body must be at least 1 byte (every request has a JSON body); the default is 4194304");
+        }
+        if self.body_timeout == 0 {
+            anyhow::bail!("--body-timeout must be at least 1 second; the default is 30");
+        }
+        if self.idle_timeout == 0 {
+            anyhow::bail!("--idle-timeout must be at least 1 second; the default is 60");
+        }
+        if self.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+            anyhow::bail!(
+                "--api-key (or $PICCHIO_API_KEY) is empty or blank: give a key, or leave both unset to serve without one"
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The HTTP layer's limits (from [`Args`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// `--max-body`, bytes.
+    pub max_body: usize,
+    /// `--body-timeout`.
+    pub body_timeout: Duration,
+    /// `--idle-timeout`.
+    pub idle_timeout: Duration,
 }
 
 /// What the worker tells a request's handler.
@@ -67,8 +117,10 @@ pub struct Job {
 pub struct Metrics {
     /// Requests that finished (any outcome).
     pub requests: AtomicU64,
-    /// Requests that failed (400 or 500).
-    pub failed: AtomicU64,
+    /// Requests answered with an error, by HTTP status: refused by the HTTP layer (a body that is
+    /// not a request, a missing key, an unknown path or model, a body too large or too slow, a full
+    /// queue, a shutdown) or failed in the worker (400, 500).
+    pub failed: Mutex<BTreeMap<u16, u64>>,
     /// Requests whose client went away before the end.
     pub cancelled: AtomicU64,
     /// Of those, the ones stopped while their prompt was being prefilled (no token generated).
@@ -81,6 +133,9 @@ pub struct Metrics {
     pub cached_tokens: AtomicU64,
     /// Generated tokens.
     pub completion_tokens: AtomicU64,
+    /// HTTP requests whose head was read and whose response has not started (reading their body,
+    /// waiting in the queue, generating a whole answer).
+    pub http_in_progress: AtomicUsize,
     /// Requests waiting.
     pub queue_depth: AtomicUsize,
     /// Requests being generated (0 or 1: one KV cache).
@@ -96,6 +151,11 @@ pub struct Metrics {
 }
 
 impl Metrics {
+    /// Counts one request answered with error `status`.
+    pub fn count_failure(&self, status: u16) {
+        *self.failed.lock().unwrap_or_else(|p| p.into_inner()).entry(status).or_insert(0) += 1;
+    }
+
     /// The Prometheus text exposition.
     pub fn render(&self) -> String {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -104,7 +164,19 @@ impl Metrics {
             out.push_str(&format!("# HELP picchio_{name} {help}\n# TYPE picchio_{name} {kind}\npicchio_{name} {v}\n"));
         };
         put("requests_total", "counter", "Requests that finished.", g(&self.requests).to_string());
-        put("requests_failed_total", "counter", "Requests that failed.", g(&self.failed).to_string());
+        {
+            let failed = self.failed.lock().unwrap_or_else(|p| p.into_inner());
+            out.push_str(
+                "# HELP picchio_requests_failed_total Requests answered with an error, by HTTP status (refused by \
+                 the HTTP layer or failed while generating).\n# TYPE picchio_requests_failed_total counter\n",
+            );
+            for (status, n) in failed.iter() {
+                out.push_str(&format!("picchio_requests_failed_total{{status=\"{status}\"}} {n}\n"));
+            }
+        }
+        let mut put = |name: &str, kind: &str, help: &str, v: String| {
+            out.push_str(&format!("# HELP picchio_{name} {help}\n# TYPE picchio_{name} {kind}\npicchio_{name} {v}\n"));
+        };
         put("requests_cancelled_total", "counter", "Requests whose client went away.", g(&self.cancelled).to_string());
         put(
             "requests_cancelled_in_prefill_total",
@@ -121,6 +193,12 @@ impl Metrics {
             g(&self.cached_tokens).to_string(),
         );
         put("completion_tokens_total", "counter", "Generated tokens.", g(&self.completion_tokens).to_string());
+        put(
+            "http_requests_in_progress",
+            "gauge",
+            "HTTP requests read whose response has not started (this one included).",
+            self.http_in_progress.load(Ordering::Relaxed).to_string(),
+        );
         put("queue_depth", "gauge", "Requests waiting.", self.queue_depth.load(Ordering::Relaxed).to_string());
         put("requests_running", "gauge", "Requests being generated.", self.running.load(Ordering::Relaxed).to_string());
         put("expert_cache_hits_total", "counter", "Expert-cache hits.", g(&self.expert_hits).to_string());
@@ -148,28 +226,54 @@ pub struct Server {
     pub queue: Mutex<mpsc::SyncSender<Job>>,
     /// Figures.
     pub metrics: Arc<Metrics>,
+    /// The HTTP limits.
+    pub limits: Limits,
+    /// Set by the first SIGINT/SIGTERM: no request starts any more, the running one stops at its
+    /// next token, the queued ones are answered 503.
+    pub shutting_down: Arc<AtomicBool>,
+}
+
+/// Why [`Server::submit`] refused a job.
+pub enum Refused {
+    /// The queue is full.
+    QueueFull,
+    /// The server is shutting down.
+    ShuttingDown,
 }
 
 impl Server {
-    /// Queues `job`; false when the queue is full.
-    pub fn submit(&self, job: Job) -> bool {
+    /// Queues `job`, unless the queue is full or the server is shutting down.
+    pub fn submit(&self, job: Job) -> Result<(), Refused> {
+        if self.shutting_down.load(Ordering::SeqCst) {
+            return Err(Refused::ShuttingDown);
+        }
         let q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
         self.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
         match q.try_send(job) {
-            Ok(()) => true,
+            Ok(()) => Ok(()),
             Err(_) => {
                 self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
                 self.metrics.rejected.fetch_add(1, Ordering::Relaxed);
-                false
+                Err(Refused::QueueFull)
             }
         }
     }
 }
 
-/// Runs queued jobs one at a time on `engine` until the queue's senders are gone.
-fn worker(mut engine: Engine, jobs: mpsc::Receiver<Job>, metrics: Arc<Metrics>) {
+/// Runs queued jobs one at a time on `engine` until the queue's senders are gone. Once
+/// `shutting_down` is set, the running job stops at its next token (or prefill chunk) and every job
+/// still queued is answered 503 without running.
+fn worker(mut engine: Engine, jobs: mpsc::Receiver<Job>, metrics: Arc<Metrics>, shutting_down: Arc<AtomicBool>) {
     while let Ok(job) = jobs.recv() {
         metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+        if shutting_down.load(Ordering::SeqCst) {
+            let _ = job.events.send(Event::Done(Err(Failure {
+                status: 503,
+                code: Some("server_shutting_down"),
+                message: "the server is shutting down; the request was not run".into(),
+            })));
+            continue;
+        }
         if job.events.send(Event::Started).is_err() {
             metrics.cancelled.fetch_add(1, Ordering::Relaxed);
             continue; // the client left while waiting
@@ -178,6 +282,7 @@ fn worker(mut engine: Engine, jobs: mpsc::Receiver<Job>, metrics: Arc<Metrics>) 
         // The client's receiver is dropped when it disconnects: asked before every prefill chunk
         // and every token, so a long prompt is not prefilled to the end for nobody.
         let left = || job.events.is_closed();
+        let stop = || left() || shutting_down.load(Ordering::SeqCst);
         metrics.running.store(1, Ordering::Relaxed);
         let result = engine.run(
             &job.request,
@@ -188,7 +293,7 @@ fn worker(mut engine: Engine, jobs: mpsc::Receiver<Job>, metrics: Arc<Metrics>) 
                 }
                 ControlFlow::Continue(())
             },
-            &left,
+            &stop,
         );
         metrics.running.store(0, Ordering::Relaxed);
         gone |= left();
@@ -212,7 +317,7 @@ fn worker(mut engine: Engine, jobs: mpsc::Receiver<Job>, metrics: Arc<Metrics>) 
                 Ok(Box::new(o))
             }
             Err(e) => {
-                metrics.failed.fetch_add(1, Ordering::Relaxed);
+                // Counted by status where the HTTP layer answers it.
                 let bad = is_bad_request(&e);
                 let code = match &e {
                     picchio_runtime::Error::ContextOverflow { .. } => Some("context_length_exceeded"),
@@ -233,25 +338,38 @@ fn worker(mut engine: Engine, jobs: mpsc::Receiver<Job>, metrics: Arc<Metrics>) 
 }
 
 pub fn exec(mut a: Args) -> anyhow::Result<()> {
-    if a.queue == 0 {
-        anyhow::bail!("--queue must be at least 1");
-    }
+    a.check()?;
     let engine = a.model.open()?;
     let (model, context) = (engine.name.clone(), engine.context());
     let (tx, rx) = mpsc::sync_channel(a.queue);
     let metrics = Arc::new(Metrics::default());
     let m = metrics.clone();
+    let shutting_down = Arc::new(AtomicBool::new(false));
+    let sd = shutting_down.clone();
     let worker = std::thread::Builder::new()
         .name("picchio-generate".into())
-        .spawn(move || worker(engine, rx, m))
+        .spawn(move || worker(engine, rx, m, sd))
         .context("starting the generation thread")?;
-    let server = Arc::new(Server { model, context, api_key: a.api_key.clone(), queue: Mutex::new(tx), metrics });
+    let limits = Limits {
+        max_body: a.max_body,
+        body_timeout: Duration::from_secs(a.body_timeout),
+        idle_timeout: Duration::from_secs(a.idle_timeout),
+    };
+    let server = Arc::new(Server {
+        model,
+        context,
+        api_key: a.api_key.clone(),
+        queue: Mutex::new(tx),
+        metrics,
+        limits,
+        shutting_down,
+    });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    let served = rt.block_on(super::serve_http::serve(server.clone(), a.host, a.port, a.max_body));
+    let served = rt.block_on(super::serve_http::serve(server.clone(), a.host, a.port));
     // Dropping the queue's last sender ends the worker, which drops the session (an nvme:
     // controller is shut down cleanly).
     drop(rt);

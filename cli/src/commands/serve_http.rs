@@ -1,19 +1,29 @@
-//! The HTTP layer of `picchio serve` (axum): OpenAI's `GET /v1/models`, `POST /v1/chat/completions`
-//! and `POST /v1/completions` (streamed as server-sent events ending in `data: [DONE]`, or whole),
-//! `GET /health` and `GET /metrics`; request parsing and OpenAI's JSON error shape
-//! (`{"error": {"message", "type", "param", "code"}}`) with the matching status. Generation happens
-//! on the worker of [`super::serve`]; a handler only queues a job and relays its events, and when
-//! the client goes away the event channel closes, which stops the generation.
+//! The HTTP layer of `picchio serve` (axum over hyper's HTTP/1 connections): OpenAI's
+//! `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/chat/completions` and `POST /v1/completions`
+//! (streamed as server-sent events ending in `data: [DONE]`, or whole), `GET /health` and
+//! `GET /metrics`; request parsing and OpenAI's JSON error shape
+//! (`{"error": {"message", "type", "param", "code"}}`) with the matching status, for every error
+//! (unknown path, wrong method, body too large by its Content-Length, body too slow) and counted
+//! by status in `/metrics`. Generation happens on the worker of [`super::serve`]; a handler only
+//! queues a job and relays its events, and when the client goes away the event channel closes,
+//! which stops the generation.
+//!
+//! Connections: hyper's HTTP/1 header-read timeout closes a connection that sends no (complete)
+//! request head within `--idle-timeout` (idle keep-alive connections included), tower-http's
+//! request-body timeout answers 408 when a body stalls for `--body-timeout`. The first SIGINT or
+//! SIGTERM stops accepting, stops the running generation at its next token, answers the queued
+//! requests 503 and lets the open connections finish their response; a second one exits at once.
 
 use std::convert::Infallible;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::Next;
 use axum::response::sse::{Event as Sse, Sse as SseBody};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -25,47 +35,149 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use super::serve::{Event, Failure, Job, Server};
+use super::serve::{Event, Failure, Job, Refused, Server};
 
 type St = State<Arc<Server>>;
 
-/// Listens on `host:port` and serves until SIGINT/SIGTERM.
+/// Listens on `host:port` and serves until SIGINT/SIGTERM (see the module doc for what a shutdown
+/// does; a second signal exits the process at once with status 130).
 ///
 /// # Errors
-/// Binding the address, serving.
-pub async fn serve(server: Arc<Server>, host: IpAddr, port: u16, max_body: usize) -> anyhow::Result<()> {
+/// Binding the address.
+pub async fn serve(server: Arc<Server>, host: IpAddr, port: u16) -> anyhow::Result<()> {
+    let limits = server.limits;
     let app = Router::new()
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
-        .layer(DefaultBodyLimit::max(max_body))
-        .with_state(server);
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(limits.max_body))
+        .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(limits.body_timeout))
+        .layer(axum::middleware::from_fn_with_state(server.clone(), http_layer))
+        .with_state(server.clone());
+    // Install the signal handlers before announcing the address, so a signal sent once the line
+    // is out is never the default action (death).
+    let mut signals = Signals::new()?;
     let listener =
         tokio::net::TcpListener::bind((host, port)).await.map_err(|e| anyhow::anyhow!("binding {host}:{port}: {e}"))?;
     let addr = listener.local_addr()?;
+    if !host.is_loopback() && server.api_key.is_none() {
+        eprintln!(
+            "picchio serve: warning: listening on {addr}, which is not a loopback address, without an API key: \
+             anyone who can reach it can use the model; set --api-key or $PICCHIO_API_KEY (or --host 127.0.0.1)"
+        );
+    }
     // Tests and scripts read this line to find a --port 0 server.
     eprintln!("picchio serve: listening on http://{addr} (OpenAI API under /v1)");
-    axum::serve(listener, app).with_graceful_shutdown(shutdown()).await?;
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(limits.idle_timeout);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let stream = match accepted {
+                    Ok((stream, _)) => stream,
+                    Err(e) => {
+                        // Out of file descriptors and the like: the listener stays, the next
+                        // accept may succeed.
+                        tracing::warn!("accepting a connection: {e}");
+                        continue;
+                    }
+                };
+                let service = hyper_util::service::TowerToHyperService::new(app.clone());
+                let conn = graceful.watch(http.serve_connection(hyper_util::rt::TokioIo::new(stream), service));
+                tokio::spawn(async move {
+                    if let Err(e) = conn.await {
+                        tracing::debug!("connection: {e}");
+                    }
+                });
+            }
+            () = signals.next() => break,
+        }
+    }
+    drop(listener);
+    server.shutting_down.store(true, Ordering::SeqCst);
+    eprintln!(
+        "picchio serve: shutting down: the running request stops at its next token, queued ones get 503 \
+         (interrupt again to exit at once)"
+    );
+    tokio::spawn(async move {
+        signals.next().await;
+        eprintln!("picchio serve: interrupted again: exiting now");
+        std::process::exit(130);
+    });
+    graceful.shutdown().await;
     Ok(())
 }
 
-async fn shutdown() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
+/// SIGINT (Ctrl-C) and SIGTERM.
+struct Signals {
     #[cfg(unix)]
-    let term = async {
-        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            s.recv().await;
+    int: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    term: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> anyhow::Result<Signals> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            let int =
+                signal(SignalKind::interrupt()).map_err(|e| anyhow::anyhow!("installing the SIGINT handler: {e}"))?;
+            let term =
+                signal(SignalKind::terminate()).map_err(|e| anyhow::anyhow!("installing the SIGTERM handler: {e}"))?;
+            Ok(Signals { int, term })
         }
+        #[cfg(not(unix))]
+        Ok(Signals {})
+    }
+
+    /// The next signal.
+    async fn next(&mut self) {
+        #[cfg(unix)]
+        tokio::select! { _ = self.int.recv() => {}, _ = self.term.recv() => {} }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
+/// Around every request: a body whose Content-Length exceeds `--max-body` is refused 413 from the
+/// header, before it is read; every response with an error status is counted by status.
+async fn http_layer(State(s): St, req: axum::extract::Request, next: Next) -> Response {
+    /// Counts the request in progress until its response starts (or the connection drops it).
+    struct InProgress<'a>(&'a AtomicUsize);
+    impl Drop for InProgress<'_> {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+    s.metrics.http_in_progress.fetch_add(1, Ordering::Relaxed);
+    let _in_progress = InProgress(&s.metrics.http_in_progress);
+    let declared = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok());
+    let response = match declared {
+        Some(n) if n > s.limits.max_body as u64 => error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            Some("request_too_large"),
+            format!(
+                "the body is {n} bytes (Content-Length); this server takes at most {} (--max-body)",
+                s.limits.max_body
+            ),
+        ),
+        _ => next.run(req).await,
     };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! { () = ctrl_c => {}, () = term => {} }
-    eprintln!("picchio serve: shutting down");
+    let status = response.status();
+    if status.is_client_error() || status.is_server_error() {
+        s.metrics.count_failure(status.as_u16());
+    }
+    response
 }
 
 /// An OpenAI-shaped error response.
@@ -80,6 +192,15 @@ fn bad_request(message: impl Into<String>) -> Response {
 
 async fn not_found() -> Response {
     error(StatusCode::NOT_FOUND, "invalid_request_error", Some("not_found"), "no such endpoint")
+}
+
+async fn method_not_allowed() -> Response {
+    error(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        Some("method_not_allowed"),
+        "this endpoint does not take that method",
+    )
 }
 
 async fn health() -> Response {
@@ -114,6 +235,19 @@ async fn models(State(s): St, headers: HeaderMap) -> Response {
         return r;
     }
     Json(json!({"object": "list", "data": [model_card(&s)]})).into_response()
+}
+
+/// OpenAI's "retrieve model": the model object of the served model, 404 `model_not_found` for any
+/// other id.
+async fn model(State(s): St, headers: HeaderMap, Path(id): Path<String>) -> Response {
+    if let Err(r) = authorize(&s, &headers) {
+        return r;
+    }
+    if id != s.model {
+        let msg = format!("the model `{id}` does not exist; this server has `{}`", s.model);
+        return error(StatusCode::NOT_FOUND, "invalid_request_error", Some("model_not_found"), msg);
+    }
+    Json(model_card(&s)).into_response()
 }
 
 fn model_card(s: &Server) -> Value {
@@ -232,9 +366,19 @@ fn content_text(i: usize, v: &Value) -> Result<String, String> {
 #[allow(clippy::result_large_err)]
 fn parse(s: &Server, bytes: Result<Bytes, BytesRejection>, chat: bool) -> Result<(Request, Body), Response> {
     let bytes = bytes.map_err(|r| {
+        if body_timed_out(&r) {
+            let msg = format!(
+                "the request body stalled for {} s (--body-timeout); send it without pauses",
+                s.limits.body_timeout.as_secs()
+            );
+            return error(StatusCode::REQUEST_TIMEOUT, "invalid_request_error", Some("request_timeout"), msg);
+        }
         let status = r.status();
-        let kind = if status == StatusCode::PAYLOAD_TOO_LARGE { "request_too_large" } else { "invalid_request_error" };
-        error(status, kind, None, r.body_text())
+        if status == StatusCode::PAYLOAD_TOO_LARGE {
+            let msg = format!("the body is larger than {} bytes (--max-body)", s.limits.max_body);
+            return error(status, "invalid_request_error", Some("request_too_large"), msg);
+        }
+        error(status, "invalid_request_error", None, r.body_text())
     })?;
     let body: Body =
         serde_json::from_slice(&bytes).map_err(|e| bad_request(format!("the body is not a valid request: {e}")))?;
@@ -320,6 +464,18 @@ fn parse(s: &Server, bytes: Result<Bytes, BytesRejection>, chat: bool) -> Result
     Ok((req, body))
 }
 
+/// Whether reading the body failed because it stalled (tower-http's body timeout).
+fn body_timed_out(r: &BytesRejection) -> bool {
+    let mut e: Option<&(dyn std::error::Error + 'static)> = Some(r);
+    while let Some(x) = e {
+        if x.is::<tower_http::timeout::TimeoutError>() {
+            return true;
+        }
+        e = x.source();
+    }
+    false
+}
+
 async fn chat_completions(State(s): St, headers: HeaderMap, bytes: Result<Bytes, BytesRejection>) -> Response {
     handle(s, headers, bytes, true).await
 }
@@ -343,13 +499,24 @@ async fn handle(s: Arc<Server>, headers: HeaderMap, bytes: Result<Bytes, BytesRe
         Err(r) => return r,
     };
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    if !s.submit(Job { request, events: tx }) {
-        return error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "server_error",
-            Some("queue_full"),
-            "the request queue is full; retry later",
-        );
+    match s.submit(Job { request, events: tx }) {
+        Ok(()) => {}
+        Err(Refused::QueueFull) => {
+            return error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                Some("queue_full"),
+                "the request queue is full; retry later",
+            )
+        }
+        Err(Refused::ShuttingDown) => {
+            return error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                Some("server_shutting_down"),
+                "the server is shutting down; the request was not run",
+            )
+        }
     }
     let id = format!("{}-{}", if chat { "chatcmpl" } else { "cmpl" }, NEXT_ID.fetch_add(1, Ordering::Relaxed));
     let meta = Meta {
@@ -377,7 +544,7 @@ async fn handle(s: Arc<Server>, headers: HeaderMap, bytes: Result<Bytes, BytesRe
         }
     }
     if body.stream {
-        stream(meta, first, rx).into_response()
+        stream(meta, first, rx, s.metrics.clone()).into_response()
     } else {
         whole(meta, first, rx).await
     }
@@ -398,10 +565,13 @@ struct Meta {
     token_ids: bool,
 }
 
+/// OpenAI's `finish_reason`; a generation the server stopped (a shutdown; a client that left never
+/// reads it) is vLLM's `abort`.
 fn finish_reason(o: &Outcome) -> &'static str {
     match o.finish {
         FinishReason::Length => "length",
-        _ => "stop",
+        FinishReason::Stop => "stop",
+        FinishReason::Cancelled => "abort",
     }
 }
 
@@ -464,7 +634,12 @@ async fn whole(meta: Meta, first: Vec<Event>, mut rx: UnboundedReceiver<Event>) 
 /// A streamed answer: one SSE chunk per delta, then the finish chunk, the usage chunk when asked
 /// for, and `data: [DONE]`. The relay task ends when the client goes away (its send fails), which
 /// drops the worker's receiver and so stops the generation.
-fn stream(meta: Meta, first: Vec<Event>, mut rx: UnboundedReceiver<Event>) -> impl IntoResponse {
+fn stream(
+    meta: Meta,
+    first: Vec<Event>,
+    mut rx: UnboundedReceiver<Event>,
+    metrics: Arc<super::serve::Metrics>,
+) -> impl IntoResponse {
     let (tx, out) = tokio::sync::mpsc::channel::<Result<Sse, Infallible>>(16);
     tokio::spawn(async move {
         let chunk = |choice: Value, usage: Option<Value>| {
@@ -513,6 +688,8 @@ fn stream(meta: Meta, first: Vec<Event>, mut rx: UnboundedReceiver<Event>) -> im
                     }
                 }
                 Event::Done(Err(f)) => {
+                    // The status line (200) is out: counted here.
+                    metrics.count_failure(f.status);
                     let v =
                         json!({"error": {"message": f.message, "type": "server_error", "param": null, "code": f.code}});
                     let _ = tx.send(Ok(Sse::default().data(v.to_string()))).await;

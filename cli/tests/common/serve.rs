@@ -7,7 +7,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc, Mutex};
 
 /// The vendored fixture with the real Qwen3 tokenizer and chat template.
 pub fn text_fixture() -> PathBuf {
@@ -28,6 +28,8 @@ pub struct Served {
     child: Child,
     /// `127.0.0.1:PORT`.
     pub addr: String,
+    /// Its stderr lines so far.
+    lines: Arc<Mutex<Vec<String>>>,
 }
 
 impl Served {
@@ -43,17 +45,50 @@ impl Served {
             .expect("start picchio serve");
         let stderr = child.stderr.take().unwrap();
         let (tx, rx) = mpsc::channel();
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let seen = lines.clone();
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
                 eprintln!("[serve] {line}");
+                seen.lock().unwrap().push(line.clone());
                 if let Some(rest) = line.split("listening on http://").nth(1) {
                     let _ = tx.send(rest.split_whitespace().next().unwrap_or("").to_string());
                 }
             }
         });
         let addr = rx.recv_timeout(picchio_testkit::bin::HANG_LIMIT).expect("picchio serve did not start listening");
-        Served { child, addr }
+        Served { child, addr, lines }
+    }
+
+    /// Its stderr lines so far.
+    pub fn stderr_lines(&self) -> Vec<String> {
+        self.lines.lock().unwrap().clone()
+    }
+
+    /// Waits (bounded by the hang limit) until a stderr line contains `text`.
+    pub fn wait_for_line(&self, text: &str) {
+        let found = picchio_testkit::wait_until(picchio_testkit::bin::HANG_LIMIT, || {
+            self.lines.lock().unwrap().iter().any(|l| l.contains(text))
+        });
+        assert!(found, "no stderr line with {text:?} in {:?}", self.stderr_lines());
+    }
+
+    /// Sends `signal` (`libc::SIGINT`, ...) to the server.
+    pub fn signal(&self, signal: libc::c_int) {
+        // SAFETY: signals our own child, which is not reaped before `self` is dropped or waited.
+        assert_eq!(unsafe { libc::kill(self.child.id() as libc::pid_t, signal) }, 0);
+    }
+
+    /// Waits (bounded by the hang limit; killed past it) for the server to exit; its status.
+    pub fn wait_exit(mut self) -> std::process::ExitStatus {
+        let mut status = None;
+        let ended = picchio_testkit::wait_until(picchio_testkit::bin::HANG_LIMIT, || {
+            status = self.child.try_wait().unwrap();
+            status.is_some()
+        });
+        assert!(ended, "picchio serve did not exit; its stderr: {:?}", self.stderr_lines());
+        status.unwrap()
     }
 
     /// `http://127.0.0.1:PORT`.

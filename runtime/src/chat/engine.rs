@@ -290,7 +290,7 @@ impl TextStream {
         let mut delta = Delta::default();
         match &mut self.split {
             Some(s) => {
-                let (r, a) = s.push(decoded);
+                let (r, a) = if last { s.push_last(decoded) } else { s.push(decoded) };
                 self.reasoning.push_str(&r);
                 delta.reasoning = r;
                 self.answer.push_str(&a);
@@ -375,6 +375,17 @@ mod tests {
         let mut s = TextStream::new(Some(Reasoning::Think), vec!["END".into()]);
         let got = feed(&mut s, &["<think>", "\nEND is", " fine here\n", "</think>", "\n\nAnswer", " END tail"]);
         assert_eq!(got, ("END is fine here".into(), "Answer ".into(), true));
+    }
+
+    #[test]
+    fn harmony_text_outside_every_channel_is_the_answer() {
+        // Held while it may be a header, released as answer once it cannot be or the turn ends.
+        let mut s = TextStream::new(Some(Reasoning::Harmony), vec![]);
+        assert_eq!(feed(&mut s, &["Hi", " there"]), (String::new(), "Hi there".into(), false));
+        let mut s = TextStream::new(Some(Reasoning::Harmony), vec![]);
+        let pieces =
+            ["<|channel|>", "analysis", "<|message|>", "Hm.", "<|end|>", "Loose text", "<|start|>", "assistant"];
+        assert_eq!(feed(&mut s, &pieces), ("Hm.".into(), "Loose text".into(), false));
     }
 
     #[test]

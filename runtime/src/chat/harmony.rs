@@ -344,23 +344,84 @@ pub fn schema_type(schema: &Value, indent: &str) -> std::result::Result<String, 
     })
 }
 
+/// The markers that end a message: `<|end|>`, and the ends of the turn ([`STOP_TOKENS`]).
+const MESSAGE_ENDS: [&str; 3] = ["<|end|>", "<|return|>", "<|call|>"];
+
+/// Whether `header` (text between `<|start|>` and `<|message|>`) has a harmony header's shape: one
+/// line of at most four words once the `<|channel|>`/`<|constrain|>` markers count as spaces (an
+/// author, ` to=RECIPIENT`, the channel, a content type).
+fn header_shaped(header: &str) -> bool {
+    let words = header.replace("<|channel|>", " ").replace("<|constrain|>", " ");
+    !header.contains('\n') && words.split_whitespace().count() <= 4
+}
+
+/// Whether `header` is a harmony header: header-shaped, and naming a channel, a recipient, or only
+/// the assistant (what follows a `<|start|>` the model wrote itself).
+fn is_header(header: &str) -> bool {
+    header_shaped(header)
+        && (header.contains("<|channel|>")
+            || header.split_whitespace().any(|w| w.starts_with("to="))
+            || matches!(header.trim(), "" | "assistant"))
+}
+
+/// Appends text written outside any message to `answer`, without the end markers in it.
+fn push_stray(answer: &mut String, text: &str) {
+    let mut t = text.to_string();
+    for m in MESSAGE_ENDS {
+        t = t.replace(m, "");
+    }
+    answer.push_str(&t);
+}
+
 /// Splits the text of an assistant turn the model generated after `<|start|>assistant` (decoded with
-/// its special tokens) into (reasoning, answer): the `analysis` channel's messages are reasoning,
-/// the `final` (or channel-less) messages the answer; headers and `<|end|>`/`<|start|>` markers are
-/// dropped. An unfinished header yields nothing yet.
-pub fn split_output(text: &str) -> (String, String) {
+/// its special tokens) into (reasoning, answer), by harmony's channels (OpenAI's "harmony response
+/// format": analysis is the chain of thought, not shown to users; final is the answer; commentary
+/// carries tool calls, and preambles addressed to the user):
+/// - `analysis` messages and `commentary` messages to a recipient (tool calls) are reasoning;
+/// - `final` messages, `commentary` messages to no one (preambles) and messages of another or no
+///   channel are the answer;
+/// - headers and the `<|start|>`, `<|message|>`, `<|end|>`, `<|return|>`, `<|call|>` markers are
+///   dropped.
+///
+/// Text the model writes outside any message — with no header closed by `<|message|>`, or after a
+/// message's end and before the next `<|start|>` — has no channel (openai-harmony's parser rejects
+/// it). It is never dropped: it is answer text, in order. While the turn runs (`done` false), a
+/// last header not yet closed by `<|message|>` yields nothing as long as it may still become one
+/// (it has a header's shape); once `done`, such a cut-off header (a channel or recipient, nothing
+/// else) is dropped, and any other unclosed text is answer.
+///
+/// The parts only grow as `text` grows (a streaming caller can emit differences).
+pub fn split_output(text: &str, done: bool) -> (String, String) {
     let (mut reasoning, mut answer) = (String::new(), String::new());
-    for msg in text.split("<|start|>") {
-        let Some((header, body)) = msg.split_once("<|message|>") else { continue };
-        let body = body.split("<|end|>").next().unwrap_or("");
-        let body = body.trim_end_matches(STOP_TOKENS[0]).trim_end_matches(STOP_TOKENS[1]);
-        let channel = header.split_once("<|channel|>").map(|(_, c)| c.split_whitespace().next().unwrap_or(""));
+    let segments: Vec<&str> = text.split("<|start|>").collect();
+    for (i, seg) in segments.iter().enumerate() {
+        let last = i + 1 == segments.len();
+        let Some((header, rest)) = seg.split_once("<|message|>") else {
+            let pending = last && header_shaped(seg) && (!done || is_header(seg));
+            if !pending {
+                push_stray(&mut answer, seg);
+            }
+            continue;
+        };
+        if !is_header(header) {
+            answer.push_str(header);
+        }
+        let end = MESSAGE_ENDS.iter().filter_map(|m| rest.find(m).map(|at| (at, m.len()))).min();
+        let (body, after) = match end {
+            Some((at, len)) => (&rest[..at], &rest[at + len..]),
+            None => (rest, ""),
+        };
+        let channel = header
+            .split_once("<|channel|>")
+            .map(|(_, c)| c.split(|ch: char| ch.is_whitespace() || ch == '<').next().unwrap_or(""));
+        let to_someone = header.split_whitespace().any(|w| w.starts_with("to="));
         let dst = match channel {
             Some("analysis") => &mut reasoning,
-            Some("commentary") => &mut reasoning,
+            Some("commentary") if to_someone => &mut reasoning,
             _ => &mut answer,
         };
         dst.push_str(body);
+        push_stray(&mut answer, after);
     }
     (reasoning, answer)
 }
@@ -369,12 +430,69 @@ pub fn split_output(text: &str) -> (String, String) {
 mod tests {
     use super::*;
 
+    fn both(r: &str, a: &str) -> (String, String) {
+        (r.into(), a.into())
+    }
+
     #[test]
     fn splits_analysis_from_the_final_answer() {
         let t = "<|channel|>analysis<|message|>User says hi.<|end|><|start|>assistant<|channel|>final<|message|>Hello!";
-        assert_eq!(split_output(t), ("User says hi.".into(), "Hello!".into()));
-        assert_eq!(split_output("<|channel|>analysis<|mess"), (String::new(), String::new()));
-        assert_eq!(split_output("<|channel|>final<|message|>Hi<|return|>"), (String::new(), "Hi".into()));
+        assert_eq!(split_output(t, false), both("User says hi.", "Hello!"));
+        assert_eq!(split_output(t, true), both("User says hi.", "Hello!"));
+        assert_eq!(split_output("<|channel|>analysis<|mess", false), both("", ""));
+        assert_eq!(split_output("<|channel|>final<|message|>Hi<|return|>", true), both("", "Hi"));
+        // A tool call is reasoning; a preamble (commentary to no one) is for the user.
+        let t =
+            "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant to=functions.f<|channel|>commentary \
+                 <|constrain|>json<|message|>{}<|call|>";
+        assert_eq!(split_output(t, true), both("{}", "Checking."));
+    }
+
+    #[test]
+    fn text_outside_every_channel_reaches_the_answer() {
+        // No header at all (the model skipped `<|channel|>`): the answer, once it cannot be a header.
+        let t = "Hello there, this has no channel.<|return|>";
+        assert_eq!(split_output(t, false), both("", "Hello there, this has no channel."));
+        assert_eq!(split_output("Hello", false), both("", ""), "may still be a header while running");
+        assert_eq!(split_output("Hello", true), both("", "Hello"), "not a header at the end");
+        // Between a message's end and the next <|start|>.
+        let t = "<|channel|>analysis<|message|>Think.<|end|>Stray words<|start|>assistant<|channel|>final<|message|>Hi";
+        assert_eq!(split_output(t, true), both("Think.", "Stray wordsHi"));
+        // A "header" that is a sentence: its text is the answer, the body by its (missing) channel too.
+        let t = "I will now answer the question directly<|message|>42";
+        assert_eq!(split_output(t, true), both("", "I will now answer the question directly42"));
+        // An unknown channel is the answer.
+        assert_eq!(split_output("<|channel|>notes<|message|>x<|end|>", true), both("", "x"));
+        // A header cut off by the end of the turn (max_tokens) is formatting, not text.
+        assert_eq!(
+            split_output("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>fin", true),
+            both("a", "")
+        );
+        // The parts only grow, token by token (a marker is one token), so a stream of differences
+        // loses nothing.
+        let tokens = [
+            "Plain",
+            " start",
+            "<|end|>",
+            "<|start|>",
+            "assistant",
+            "<|channel|>",
+            "analysis",
+            "<|message|>",
+            "h",
+            "m",
+            "<|end|>",
+            "ta",
+            "il",
+        ];
+        let (mut full, mut r, mut a) = (String::new(), String::new(), String::new());
+        for t in tokens {
+            full.push_str(t);
+            let (r2, a2) = split_output(&full, false);
+            assert!(r2.starts_with(&r) && a2.starts_with(&a), "after {t:?}: {r2:?} {a2:?} after {r:?} {a:?}");
+            (r, a) = (r2, a2);
+        }
+        assert_eq!(split_output(&full, true), both("hm", "Plain starttail"));
     }
 
     #[test]

@@ -113,12 +113,14 @@ pub enum Reasoning {
 
 impl Reasoning {
     /// Splits the assistant text generated so far (decoded with special tokens) into (reasoning,
-    /// answer). For `Think`: the text before `</think>` (without `<think>` and the newlines around)
+    /// answer); `done` when the turn has ended (what was held back as a possible marker is final).
+    /// For `Think`: the text before `</think>` (without `<think>` and the newlines around)
     /// is reasoning, the text after it (leading newlines dropped) the answer; an open `<think>`
-    /// without its end is all reasoning; no tag at all is all answer, unchanged.
-    pub fn split(self, text: &str) -> (String, String) {
+    /// without its end is all reasoning; no tag at all is all answer, unchanged. For `Harmony`:
+    /// [`harmony::split_output`] (text outside every channel is answer).
+    pub fn split(self, text: &str, done: bool) -> (String, String) {
         match self {
-            Reasoning::Harmony => harmony::split_output(text),
+            Reasoning::Harmony => harmony::split_output(text, done),
             Reasoning::Think => {
                 let t = text.trim_start_matches('\n');
                 if let Some((r, a)) = t.split_once("</think>") {
@@ -126,7 +128,7 @@ impl Reasoning {
                     (r.trim_matches('\n').to_string(), a.trim_start_matches('\n').to_string())
                 } else if let Some(r) = t.strip_prefix("<think>") {
                     (r.trim_matches('\n').to_string(), String::new())
-                } else if "<think>".starts_with(t) && !t.is_empty() {
+                } else if "<think>".starts_with(t) && !t.is_empty() && !done {
                     (String::new(), String::new()) // a tag still being written
                 } else {
                     (String::new(), text.to_string())
@@ -154,7 +156,17 @@ impl ReasoningStream {
     /// rewritten rather than extended (a trailing newline that turned out to be the end of the
     /// reasoning) yields nothing new.
     pub fn push(&mut self, text: &str) -> (String, String) {
-        let (r, a) = self.kind.split(text);
+        self.push_part(text, false)
+    }
+
+    /// As [`ReasoningStream::push`] for the turn's whole text, once it has ended: releases what was
+    /// held back as a possible marker.
+    pub fn push_last(&mut self, text: &str) -> (String, String) {
+        self.push_part(text, true)
+    }
+
+    fn push_part(&mut self, text: &str, done: bool) -> (String, String) {
+        let (r, a) = self.kind.split(text, done);
         let dr = delta(&mut self.reasoning, r);
         let da = delta(&mut self.answer, a);
         (dr, da)
@@ -183,11 +195,12 @@ mod tests {
     #[test]
     fn think_tags_split_reasoning_from_the_answer() {
         let k = Reasoning::Think;
-        assert_eq!(k.split("<think>\nhmm\n</think>\n\nYes."), ("hmm".into(), "Yes.".into()));
-        assert_eq!(k.split("<think>\nhm"), ("hm".into(), String::new()));
-        assert_eq!(k.split("Plain."), (String::new(), "Plain.".into()));
-        assert_eq!(k.split("\nPlain."), (String::new(), "\nPlain.".into()));
-        assert_eq!(k.split("<thi"), (String::new(), String::new()));
+        assert_eq!(k.split("<think>\nhmm\n</think>\n\nYes.", false), ("hmm".into(), "Yes.".into()));
+        assert_eq!(k.split("<think>\nhm", false), ("hm".into(), String::new()));
+        assert_eq!(k.split("Plain.", false), (String::new(), "Plain.".into()));
+        assert_eq!(k.split("\nPlain.", false), (String::new(), "\nPlain.".into()));
+        assert_eq!(k.split("<thi", false), (String::new(), String::new()));
+        assert_eq!(k.split("<thi", true), (String::new(), "<thi".into()), "not a tag once the turn ended");
         let mut s = ReasoningStream::new(k);
         let mut text = String::new();
         let (mut r, mut a) = (String::new(), String::new());

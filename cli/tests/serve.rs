@@ -17,6 +17,9 @@ use std::net::TcpStream;
 use common::serve::{packed_model, parse_response, Served};
 use serde_json::{json, Value};
 
+/// The server's hold point (`picchio serve`'s `PICCHIO_SERVE_HOLD_AFTER_DELTAS`).
+const HOLD: &str = "PICCHIO_SERVE_HOLD_AFTER_DELTAS";
+
 fn chat(content: &str, extra: Value) -> Value {
     let mut v = json!({"model": "m", "messages": [{"role": "user", "content": content}], "temperature": 0});
     for (k, x) in extra.as_object().unwrap() {
@@ -274,11 +277,14 @@ fn a_non_loopback_address_without_a_key_is_warned_about() {
 fn sigint_stops_the_running_request_answers_the_queued_503_and_exits_0() {
     let tmp = common::scratch();
     let model = packed_model(tmp.path());
-    let s = Served::start(&model, &["--queue", "2", "--ctx", "512"]);
+    // The long answer holds after its first delta until the shutdown stops it: it is running when
+    // the signal comes, however fast or slow the machine.
+    let s = Served::start_env(&model, &["--queue", "2", "--ctx", "512"], &[(HOLD, "1")]);
     let long = chat("Hi there", json!({"max_tokens": 500, "stream": true, "ignore_eos": true})).to_string();
     let mut a = s.send("POST", "/v1/chat/completions", &[], long.as_bytes());
     let mut first = [0u8; 1];
     a.read_exact(&mut first).unwrap();
+    s.wait_for_line("holding the request");
     let short = chat("Hi", json!({"max_tokens": 2})).to_string();
     let b = s.send("POST", "/v1/chat/completions", &[], short.as_bytes());
     common::serve::wait_for(|| s.metric("picchio_queue_depth") == 1.0 && s.metric("picchio_requests_running") == 1.0);
@@ -341,12 +347,13 @@ fn an_api_key_is_required_when_set() {
 fn requests_beyond_the_queue_bound_get_503() {
     let tmp = common::scratch();
     let model = packed_model(tmp.path());
-    let s = Served::start(&model, &["--queue", "1", "--ctx", "512"]);
-    // A long streamed answer keeps the worker busy; read its first event so it is surely running.
-    let long = chat("Hi there", json!({"max_tokens": 500, "stream": true, "ignore_eos": true})).to_string();
-    let mut a = s.send("POST", "/v1/chat/completions", &[], long.as_bytes());
-    let mut first = [0u8; 1];
-    std::io::Read::read_exact(&mut a, &mut first).unwrap();
+    // A long answer keeps the worker busy: it holds after its first delta until its client leaves,
+    // so it is running for as long as the test needs on any machine. (Not streamed: a client that
+    // leaves a waiting handler is noticed at once.)
+    let s = Served::start_env(&model, &["--queue", "1", "--ctx", "512"], &[(HOLD, "1")]);
+    let long = chat("Hi there", json!({"max_tokens": 500, "ignore_eos": true})).to_string();
+    let a = s.send("POST", "/v1/chat/completions", &[], long.as_bytes());
+    s.wait_for_line("holding the request");
     // One request may wait...
     let short = chat("Hi", json!({"max_tokens": 2})).to_string();
     let b = s.send("POST", "/v1/chat/completions", &[], short.as_bytes());
@@ -356,14 +363,13 @@ fn requests_beyond_the_queue_bound_get_503() {
     assert_eq!(st, 503, "{raw}");
     assert!(raw.contains("queue_full"), "{raw}");
     assert_eq!(s.metric("picchio_requests_rejected_total"), 1.0);
-    // The waiting one is answered once the long one ends.
+    // The waiting one is answered once the long one ends (its client leaves).
+    drop(a);
     let mut raw = Vec::new();
     std::io::Read::read_to_end(&mut { b }, &mut raw).unwrap();
     let (st, body) = common::serve::parse_response(&raw);
     assert_eq!(st, 200, "{body}");
-    let mut rest = Vec::new();
-    std::io::Read::read_to_end(&mut a, &mut rest).unwrap();
-    assert!(String::from_utf8_lossy(&rest).contains("data: [DONE]"));
+    assert_eq!(s.metric("picchio_requests_cancelled_total"), 1.0, "the long one counted as cancelled");
 }
 
 /// A client that goes away while its long prompt is being prefilled (token by token here) is

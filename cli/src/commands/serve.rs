@@ -260,6 +260,29 @@ impl Server {
     }
 }
 
+/// The test hook `PICCHIO_SERVE_HOLD_AFTER_DELTAS=N`: the worker, having sent a request's `N`th
+/// delta, holds that request there until it is told to stop (its client leaves, or the server shuts
+/// down), as a stop point of `picchio_core::stop_point` holds a writer. A test then knows a request
+/// is running, and stays running, for as long as it needs (queue bounds, shutdown) on any machine,
+/// instead of hoping a long answer outlasts it. Without the variable (every real run) this is one
+/// load of a cached `u64::MAX` and a compare.
+fn hold_point(deltas: u64, stop: &dyn Fn() -> bool) {
+    static LIMIT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let limit = *LIMIT.get_or_init(|| {
+        std::env::var(HOLD_ENV).ok().and_then(|v| v.trim().parse().ok()).unwrap_or(u64::MAX)
+    });
+    if deltas != limit {
+        return;
+    }
+    eprintln!("picchio serve: {HOLD_ENV}={limit}: holding the request until it is stopped");
+    while !stop() {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The variable of [`hold_point`].
+pub const HOLD_ENV: &str = "PICCHIO_SERVE_HOLD_AFTER_DELTAS";
+
 /// Runs queued jobs one at a time on `engine` until the queue's senders are gone. Once
 /// `shutting_down` is set, the running job stops at its next token (or prefill chunk) and every job
 /// still queued is answered 503 without running.
@@ -284,6 +307,7 @@ fn worker(mut engine: Engine, jobs: mpsc::Receiver<Job>, metrics: Arc<Metrics>, 
         let left = || job.events.is_closed();
         let stop = || left() || shutting_down.load(Ordering::SeqCst);
         metrics.running.store(1, Ordering::Relaxed);
+        let mut deltas = 0u64;
         let result = engine.run(
             &job.request,
             &mut |d| {
@@ -291,6 +315,8 @@ fn worker(mut engine: Engine, jobs: mpsc::Receiver<Job>, metrics: Arc<Metrics>, 
                     gone = true;
                     return ControlFlow::Break(());
                 }
+                deltas += 1;
+                hold_point(deltas, &stop);
                 ControlFlow::Continue(())
             },
             &stop,

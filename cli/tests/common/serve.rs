@@ -35,9 +35,16 @@ pub struct Served {
 impl Served {
     /// Starts `picchio serve --model MODEL --port 0 ARGS` and waits for its "listening on" line.
     pub fn start(model: &Path, args: &[&str]) -> Served {
+        Served::start_env(model, args, &[])
+    }
+
+    /// [`Served::start`] with extra environment variables (the server's test hooks, such as
+    /// `PICCHIO_SERVE_HOLD_AFTER_DELTAS`).
+    pub fn start_env(model: &Path, args: &[&str], envs: &[(&str, &str)]) -> Served {
         let mut child = Command::new(env!("CARGO_BIN_EXE_picchio"))
             .args(["serve", "--model", model.to_str().unwrap(), "--port", "0", "--ecap", "4"])
             .args(args)
+            .envs(envs.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())

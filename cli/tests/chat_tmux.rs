@@ -238,3 +238,52 @@ fn ctrl_c_twice_ends_the_chat_and_shuts_the_nvme_controller_down() {
     assert!(shut < model_saw && model_saw < bye && freed < bye, "{log}");
     assert!(log.contains("enabled at the end: false"), "{log}");
 }
+
+#[test]
+#[ignore = "needs tmux"]
+fn the_prompt_edits_lines_and_recalls_them_with_up() {
+    picchio_testkit::loopdev::require_tool("the_prompt_edits_lines_and_recalls_them_with_up", "tmux", &["-V"]);
+    let tmp = common::scratch();
+    let model = packed_model(tmp.path());
+    let (m, exe) = (model.to_str().unwrap(), env!("CARGO_BIN_EXE_picchio"));
+    let log = tmp.path().join("chat.log");
+    let cmd = format!("exec {exe} chat --model {m} --ecap 4 --ctx 256 -n 4 2>{}", log.display());
+    let t = Tmux::start("edit", &cmd);
+    wait("the banner", &t, || std::fs::read_to_string(&log).unwrap_or_default().contains("picchio chat:"));
+    // Typed with a mistake, corrected with Backspace and a cursor move: "/stats" runs.
+    t.keys(&["-l", "/staXs"]);
+    t.keys(&["Left", "BSpace", "End"]);
+    t.keys(&["Enter"]);
+    wait("/stats after editing", &t, || t.screen().contains("(0 turns, 0 messages"));
+    t.line("Hi there");
+    wait("turn 1", &t, || stats(&log).len() == 1);
+    // Up recalls the previous line ("Hi there"): a second turn with the same message.
+    t.keys(&["Up"]);
+    wait("the recalled line", &t, || t.screen().lines().last_non_empty().is_some_and(|l| l.ends_with("> Hi there")));
+    t.keys(&["Enter"]);
+    wait("turn 2", &t, || stats(&log).len() == 2);
+    // Up twice reaches "/stats", one line further back.
+    t.keys(&["Up", "Up", "Enter"]);
+    wait("/stats recalled", &t, || t.screen().contains("(2 turns, 4 messages"));
+    // Ctrl-C on a typed line clears it and the chat goes on; Ctrl-D on an empty line ends it.
+    t.keys(&["-l", "not sent"]);
+    t.keys(&["C-c"]);
+    t.line("/stats");
+    wait("/stats after Ctrl-C", &t, || t.screen().matches("(2 turns, 4 messages").count() == 2);
+    assert!(!t.dead(), "Ctrl-C on a typed line does not end the chat");
+    assert_eq!(stats(&log).len(), 2, "the cleared line was not sent");
+    t.keys(&["C-d"]);
+    wait("exit on Ctrl-D", &t, || t.dead());
+    assert_eq!(t.exit_status(), "0");
+}
+
+/// The last line with text of a screen.
+trait LastNonEmpty<'a> {
+    fn last_non_empty(self) -> Option<&'a str>;
+}
+
+impl<'a, I: DoubleEndedIterator<Item = &'a str>> LastNonEmpty<'a> for I {
+    fn last_non_empty(mut self) -> Option<&'a str> {
+        self.rfind(|l| !l.trim().is_empty()).map(str::trim_end)
+    }
+}

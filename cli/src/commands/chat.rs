@@ -2,9 +2,11 @@
 //! terminal. Answers stream as they are generated; the conversation is re-rendered with the
 //! model's chat template each turn and only what is new is prefilled (the KV cache of the earlier
 //! turns is reused, [`picchio_runtime::chat::turn`]); reasoning is shown dimmed or hidden; each
-//! turn ends with its tok/s and cache hit rates. Ctrl-C stops the answer (also while the prompt
-//! is still being prefilled); a second Ctrl-C before it stopped, a Ctrl-C at the prompt, SIGTERM,
-//! `/exit` or the end of input end the program cleanly: the session is dropped, which shuts an
+//! turn ends with its tok/s and cache hit rates. At a terminal the prompt is a line editor
+//! (rustyline: editing keys, history with Up/Down; Ctrl-C clears a typed line); from a pipe, lines
+//! are read as they come. Ctrl-C stops the answer (also while the prompt
+//! is still being prefilled); a second Ctrl-C before it stopped, a Ctrl-C at an empty prompt, SIGTERM,
+//! `/exit` or the end of input (Ctrl-D) end the program cleanly: the session is dropped, which shuts an
 //! `nvme:` controller down (CC.SHN) and frees its DMA memory before the process exits.
 
 use std::io::{BufRead, Write};
@@ -57,7 +59,8 @@ pub struct Args {
     pub sampling: super::run::SamplingArgs,
 }
 
-const HELP: &str = "commands: /reset (new conversation), /stats, /save FILE, /load FILE, /exit; Ctrl-C stops an answer";
+const HELP: &str = "commands: /reset (new conversation), /stats, /save FILE (a new file; /save! FILE replaces one), \
+                    /load FILE, /exit; Ctrl-C stops an answer";
 
 /// Totals over the session, for `/stats`.
 #[derive(Default)]
@@ -161,23 +164,26 @@ fn talk(
         engine.session.info.store,
         engine.context()
     );
-    let lines = stdin_lines();
+    let prompt = Prompt::start()?;
     let mut messages = initial(a);
     let mut totals = Totals::default();
     let out = std::io::stdout();
     loop {
-        print!("> ");
-        out.lock().flush()?;
-        // Wait for a line; Ctrl-C here ends the program.
+        prompt.ask()?;
+        // Wait for a line; Ctrl-C here (on an empty line at a terminal) ends the program.
         let line = loop {
             if signals.quitting() {
                 println!();
                 return Ok(());
             }
-            match lines.recv_timeout(Duration::from_millis(100)) {
-                Ok(l) => break Some(l),
+            match prompt.lines.recv_timeout(Duration::from_millis(100)) {
+                Ok(Input::Line(l)) => break Some(l),
+                Ok(Input::Interrupted) => {
+                    signals.quit.store(true, Ordering::SeqCst);
+                    return Ok(());
+                }
+                Ok(Input::End) | Err(mpsc::RecvTimeoutError::Disconnected) => break None,
                 Err(mpsc::RecvTimeoutError::Timeout) => continue,
-                Err(mpsc::RecvTimeoutError::Disconnected) => break None,
             }
         };
         let Some(line) = line else {
@@ -198,7 +204,7 @@ fn talk(
                     println!("(new conversation)");
                 }
                 "stats" => print_stats(&engine, &totals, &messages),
-                "save" if !arg.is_empty() => match save(Path::new(arg), &messages) {
+                "save" | "save!" if !arg.is_empty() => match save(Path::new(arg), &messages, name == "save!") {
                     Ok(()) => println!("(saved {} messages to {arg})", messages.len()),
                     Err(e) => println!("(could not save: {e:#})"),
                 },
@@ -308,19 +314,138 @@ fn initial(a: &Args) -> Vec<Message> {
     a.system.iter().map(|s| Message::new("system", s)).collect()
 }
 
-/// Lines of stdin, read on a thread so the prompt can notice Ctrl-C.
-fn stdin_lines() -> mpsc::Receiver<String> {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let stdin = std::io::stdin();
-        for line in stdin.lock().lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
+/// What the user gave at the prompt.
+enum Input {
+    /// A line (without its end).
+    Line(String),
+    /// The end of input (Ctrl-D on an empty line at a terminal).
+    End,
+    /// Ctrl-C on an empty line at a terminal.
+    Interrupted,
+}
+
+/// The prompt's reader, on a thread so the conversation loop can notice a signal while it waits.
+/// At a terminal it is a line editor ([`rustyline`]: cursor keys, Backspace, Ctrl-A/E/W/U, history
+/// in memory with Up/Down; Ctrl-C clears a typed line and ends the chat on an empty one, Ctrl-D
+/// on an empty line ends it), which prints `> ` and reads one line each time it is asked.
+/// Otherwise (a pipe, a file) stdin is read line by line, unedited, and `> ` is printed here.
+struct Prompt {
+    /// At a terminal: asks the editor thread for the next line.
+    ask: Option<mpsc::Sender<()>>,
+    /// The lines.
+    lines: mpsc::Receiver<Input>,
+    /// The terminal's mode before the editor ran, restored if the program ends while the editor
+    /// waits for a line (a signal at the prompt), so the shell does not get a raw terminal back.
+    #[cfg(unix)]
+    termios: Option<nix::sys::termios::Termios>,
+}
+
+impl Prompt {
+    fn start() -> anyhow::Result<Prompt> {
+        let (tx, lines) = mpsc::channel();
+        if !std::io::IsTerminal::is_terminal(&std::io::stdin()) || !std::io::IsTerminal::is_terminal(&std::io::stdout())
+        {
+            std::thread::spawn(move || {
+                for line in std::io::stdin().lock().lines() {
+                    let Ok(line) = line else { break };
+                    if tx.send(Input::Line(line)).is_err() {
+                        return;
+                    }
+                }
+                let _ = tx.send(Input::End);
+            });
+            return Ok(Prompt {
+                ask: None,
+                lines,
+                #[cfg(unix)]
+                termios: None,
+            });
+        }
+        #[cfg(unix)]
+        let termios = nix::sys::termios::tcgetattr(std::io::stdin()).ok();
+        let (ask, asked) = mpsc::channel::<()>();
+        std::thread::Builder::new()
+            .name("picchio-prompt".into())
+            .spawn(move || {
+                let mut editor = match rustyline::DefaultEditor::new() {
+                    Ok(e) => e,
+                    Err(e) => {
+                        eprintln!("(the line editor could not start: {e})");
+                        let _ = tx.send(Input::End);
+                        return;
+                    }
+                };
+                editor.bind_sequence(
+                    rustyline::KeyEvent::ctrl('C'),
+                    rustyline::EventHandler::Conditional(Box::new(CtrlC)),
+                );
+                while asked.recv().is_ok() {
+                    let input = match editor.readline("> ") {
+                        Ok(line) => {
+                            if !line.trim().is_empty() {
+                                let _ = editor.add_history_entry(line.as_str());
+                            }
+                            Input::Line(line)
+                        }
+                        Err(rustyline::error::ReadlineError::Interrupted) => Input::Interrupted,
+                        Err(rustyline::error::ReadlineError::Eof) => Input::End,
+                        Err(e) => {
+                            eprintln!("(the line editor failed: {e})");
+                            Input::End
+                        }
+                    };
+                    if tx.send(input).is_err() {
+                        return;
+                    }
+                }
+            })
+            .context("starting the prompt thread")?;
+        Ok(Prompt {
+            ask: Some(ask),
+            lines,
+            #[cfg(unix)]
+            termios,
+        })
+    }
+
+    /// Shows the prompt for the next line.
+    fn ask(&self) -> anyhow::Result<()> {
+        match &self.ask {
+            Some(ask) => ask.send(()).context("the prompt thread ended"),
+            None => {
+                print!("> ");
+                std::io::stdout().flush().context("writing the prompt")
             }
         }
-    });
-    rx
+    }
+}
+
+impl Drop for Prompt {
+    fn drop(&mut self) {
+        #[cfg(unix)]
+        if let Some(t) = &self.termios {
+            let _ = nix::sys::termios::tcsetattr(std::io::stdin(), nix::sys::termios::SetArg::TCSADRAIN, t);
+        }
+    }
+}
+
+/// Ctrl-C in the line editor: clears a typed line (as shells do); on an empty line it is
+/// rustyline's interrupt, which ends the chat.
+struct CtrlC;
+
+impl rustyline::ConditionalEventHandler for CtrlC {
+    fn handle(
+        &self,
+        _: &rustyline::Event,
+        _: rustyline::RepeatCount,
+        _: bool,
+        ctx: &rustyline::EventContext,
+    ) -> Option<rustyline::Cmd> {
+        match ctx.line().is_empty() {
+            true => None,
+            false => Some(rustyline::Cmd::Kill(rustyline::Movement::WholeBuffer)),
+        }
+    }
 }
 
 fn print_stats(engine: &Engine, t: &Totals, messages: &[Message]) {
@@ -342,9 +467,35 @@ fn print_stats(engine: &Engine, t: &Totals, messages: &[Message]) {
     );
 }
 
-fn save(path: &Path, messages: &[Message]) -> anyhow::Result<()> {
-    let text = serde_json::to_string_pretty(&serde_json::json!({ "messages": messages }))?;
-    std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))
+/// `/save FILE` writes a new file and refuses an existing one (naming it); `/save! FILE`
+/// (`replace`) replaces it, through a temporary file beside it renamed over it, so a failed write
+/// leaves the old file whole.
+fn save(path: &Path, messages: &[Message], replace: bool) -> anyhow::Result<()> {
+    let text = serde_json::to_string_pretty(&serde_json::json!({ "messages": messages }))? + "\n";
+    if !replace {
+        let mut f = match std::fs::OpenOptions::new().write(true).create_new(true).open(path) {
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => anyhow::bail!(
+                "{} already exists: /save! {} replaces it, or choose another name",
+                path.display(),
+                path.display()
+            ),
+            r => r.with_context(|| format!("creating {}", path.display()))?,
+        };
+        return f.write_all(text.as_bytes()).with_context(|| format!("writing {}", path.display()));
+    }
+    if path.is_dir() {
+        anyhow::bail!("{} is a directory", path.display());
+    }
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".tmp-{}", std::process::id()));
+    let tmp = path.with_file_name(name);
+    let written = std::fs::write(&tmp, text)
+        .and_then(|()| std::fs::rename(&tmp, path))
+        .with_context(|| format!("writing {}", path.display()));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }
 
 fn load(path: &Path) -> anyhow::Result<Vec<Message>> {

@@ -40,7 +40,6 @@ fn blockdev(e: &picchio_blockdev::Error) -> Option<&'static str> {
     }
 }
 
-
 fn quant(e: &QuantError) -> Option<&'static str> {
     match e {
         QuantError::ColsNotMultipleOfGroup { .. } => Some("pass --quant none for this model"),
@@ -106,14 +105,18 @@ mod tests {
         let e = picchio_runtime::Error::BadOption { option: "--ecap", value: "0".into(), expected: "≥ 1".into() };
         assert!(hint_of(e).unwrap().contains("--ecap"));
         // The message names --force itself: no hint repeats it.
-        let e = picchio_runtime::Error::Exists { path: "/o".into(), what: "destination", replace_with: Some("--force") };
+        let e =
+            picchio_runtime::Error::Exists { path: "/o".into(), what: "destination", replace_with: Some("--force") };
         assert!(e.to_string().contains("pass --force to replace it"), "{e}");
         assert_eq!(hint_of(e), None);
         let direct = picchio_blockdev::Error::DirectUnsupported { path: "/f".into(), reason: "r".into(), cause: None };
         assert!(hint_of(picchio_runtime::Error::Engine(direct)).unwrap().contains("--buffered"));
         let q = QuantError::ColsNotMultipleOfGroup { kind: picchio_runtime::quant::QuantKind::Q4, rows: 1, cols: 3 };
         assert!(hint_of(picchio_runtime::Error::Quant(q)).unwrap().contains("--quant none"));
-        let a = picchio_runtime::nvme_admin::AdminError::Mounted { bdf: "0000:01:00.0".into(), uses: "nvme0n1p1 on /mnt".into() };
+        let a = picchio_runtime::nvme_admin::AdminError::Mounted {
+            bdf: "0000:01:00.0".into(),
+            uses: "nvme0n1p1 on /mnt".into(),
+        };
         let e = picchio_runtime::Error::admin("nvme:0000:01:00.0/1")(a);
         assert!(picchio_core::error::chain(&e).to_string().contains("pass --force to detach it anyway"));
         assert_eq!(hint_of(e), None);

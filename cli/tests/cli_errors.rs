@@ -295,10 +295,26 @@ fn config_values_out_of_range_or_of_the_wrong_type_name_the_file_key_and_value()
     let cfg = m.join("config.json");
     let original: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
     for (key, value, want) in [
-        ("rope_theta", serde_json::json!(-1.0), "config key `rope_theta`: -1 is out of range: expected a finite number > 0"),
-        ("rms_norm_eps", serde_json::json!(0.0), "config key `rms_norm_eps`: 0 is out of range: expected a finite number > 0"),
-        ("num_experts_per_tok", serde_json::json!(17), "config key `num_experts_per_tok`: 17 is out of range: expected 1..=16"),
-        ("hidden_size", serde_json::json!("64"), "config key `hidden_size`: invalid type: string \"64\", expected usize"),
+        (
+            "rope_theta",
+            serde_json::json!(-1.0),
+            "config key `rope_theta`: -1 is out of range: expected a finite number > 0",
+        ),
+        (
+            "rms_norm_eps",
+            serde_json::json!(0.0),
+            "config key `rms_norm_eps`: 0 is out of range: expected a finite number > 0",
+        ),
+        (
+            "num_experts_per_tok",
+            serde_json::json!(17),
+            "config key `num_experts_per_tok`: 17 is out of range: expected 1..=16",
+        ),
+        (
+            "hidden_size",
+            serde_json::json!("64"),
+            "config key `hidden_size`: invalid type: string \"64\", expected usize",
+        ),
     ] {
         let mut v = original.clone();
         v[key] = value;

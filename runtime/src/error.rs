@@ -452,7 +452,10 @@ mod tests {
         let e = Error::BadOption { option: "--ecap", value: "0".into(), expected: "must be at least 1".into() };
         assert_eq!(e.to_string(), "--ecap 0: must be at least 1");
         let e = Error::Exists { path: "/o".into(), what: "destination", replace_with: Some("--force") };
-        assert_eq!(e.to_string(), "/o: destination already exists: choose another destination, or pass --force to replace it");
+        assert_eq!(
+            e.to_string(),
+            "/o: destination already exists: choose another destination, or pass --force to replace it"
+        );
         let e = Error::Exists { path: "/o".into(), what: "directory", replace_with: None };
         assert_eq!(e.to_string(), "/o: directory already exists: choose another directory");
         let e = Error::ContextOverflow { needed: 50, context: 40, config: Some("/m/config.json".into()) };

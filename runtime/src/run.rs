@@ -433,7 +433,9 @@ impl Session {
     pub fn generate(&mut self, prompt_ids: &[u32], opts: &GenerateOptions) -> Result<Generation> {
         let g = self.generate_until_interrupted(prompt_ids, opts)?;
         match g.stats.interrupted {
-            Some(signal) => Err(Error::Interrupted { signal, done: g.tokens.len(), wanted: opts.max_new, unit: "tokens" }),
+            Some(signal) => {
+                Err(Error::Interrupted { signal, done: g.tokens.len(), wanted: opts.max_new, unit: "tokens" })
+            }
             None => Ok(g),
         }
     }

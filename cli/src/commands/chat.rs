@@ -2,11 +2,9 @@
 //! terminal. Answers stream as they are generated; the conversation is re-rendered with the
 //! model's chat template each turn and only what is new is prefilled (the KV cache of the earlier
 //! turns is reused, [`picchio_runtime::chat::turn`]); reasoning is shown dimmed or hidden; each
-//! turn ends with its tok/s and cache hit rates. At a terminal the prompt is a line editor
-//! (rustyline: editing keys, history with Up/Down; Ctrl-C clears a typed line); from a pipe, lines
-//! are read as they come. Ctrl-C stops the answer (also while the prompt
-//! is still being prefilled); a second Ctrl-C before it stopped, a Ctrl-C at an empty prompt, SIGTERM,
-//! `/exit` or the end of input (Ctrl-D) end the program cleanly: the session is dropped, which shuts an
+//! turn ends with its tok/s and cache hit rates. Ctrl-C stops the answer (also while the prompt
+//! is still being prefilled); a second Ctrl-C before it stopped, a Ctrl-C at the prompt, SIGTERM,
+//! `/exit` or the end of input end the program cleanly: the session is dropped, which shuts an
 //! `nvme:` controller down (CC.SHN) and frees its DMA memory before the process exits.
 
 use std::io::{BufRead, Write};
@@ -170,7 +168,7 @@ fn talk(
     let out = std::io::stdout();
     loop {
         prompt.ask()?;
-        // Wait for a line; Ctrl-C here (on an empty line at a terminal) ends the program.
+        // Wait for a line; Ctrl-C here ends the program.
         let line = loop {
             if signals.quitting() {
                 println!();
@@ -178,10 +176,6 @@ fn talk(
             }
             match prompt.lines.recv_timeout(Duration::from_millis(100)) {
                 Ok(Input::Line(l)) => break Some(l),
-                Ok(Input::Interrupted) => {
-                    signals.quit.store(true, Ordering::SeqCst);
-                    return Ok(());
-                }
                 Ok(Input::End) | Err(mpsc::RecvTimeoutError::Disconnected) => break None,
                 Err(mpsc::RecvTimeoutError::Timeout) => continue,
             }
@@ -318,133 +312,36 @@ fn initial(a: &Args) -> Vec<Message> {
 enum Input {
     /// A line (without its end).
     Line(String),
-    /// The end of input (Ctrl-D on an empty line at a terminal).
+    /// The end of input.
     End,
-    /// Ctrl-C on an empty line at a terminal.
-    Interrupted,
 }
 
-/// The prompt's reader, on a thread so the conversation loop can notice a signal while it waits.
-/// At a terminal it is a line editor ([`rustyline`]: cursor keys, Backspace, Ctrl-A/E/W/U, history
-/// in memory with Up/Down; Ctrl-C clears a typed line and ends the chat on an empty one, Ctrl-D
-/// on an empty line ends it), which prints `> ` and reads one line each time it is asked.
-/// Otherwise (a pipe, a file) stdin is read line by line, unedited, and `> ` is printed here.
+/// The prompt's reader, on a thread so the conversation loop can notice a signal while it waits:
+/// stdin line by line; `> ` is printed here.
 struct Prompt {
-    /// At a terminal: asks the editor thread for the next line.
-    ask: Option<mpsc::Sender<()>>,
     /// The lines.
     lines: mpsc::Receiver<Input>,
-    /// The terminal's mode before the editor ran, restored if the program ends while the editor
-    /// waits for a line (a signal at the prompt), so the shell does not get a raw terminal back.
-    #[cfg(unix)]
-    termios: Option<nix::sys::termios::Termios>,
 }
 
 impl Prompt {
     fn start() -> anyhow::Result<Prompt> {
         let (tx, lines) = mpsc::channel();
-        if !std::io::IsTerminal::is_terminal(&std::io::stdin()) || !std::io::IsTerminal::is_terminal(&std::io::stdout())
-        {
-            std::thread::spawn(move || {
-                for line in std::io::stdin().lock().lines() {
-                    let Ok(line) = line else { break };
-                    if tx.send(Input::Line(line)).is_err() {
-                        return;
-                    }
+        std::thread::spawn(move || {
+            for line in std::io::stdin().lock().lines() {
+                let Ok(line) = line else { break };
+                if tx.send(Input::Line(line)).is_err() {
+                    return;
                 }
-                let _ = tx.send(Input::End);
-            });
-            return Ok(Prompt {
-                ask: None,
-                lines,
-                #[cfg(unix)]
-                termios: None,
-            });
-        }
-        #[cfg(unix)]
-        let termios = nix::sys::termios::tcgetattr(std::io::stdin()).ok();
-        let (ask, asked) = mpsc::channel::<()>();
-        std::thread::Builder::new()
-            .name("picchio-prompt".into())
-            .spawn(move || {
-                let mut editor = match rustyline::DefaultEditor::new() {
-                    Ok(e) => e,
-                    Err(e) => {
-                        eprintln!("(the line editor could not start: {e})");
-                        let _ = tx.send(Input::End);
-                        return;
-                    }
-                };
-                editor.bind_sequence(
-                    rustyline::KeyEvent::ctrl('C'),
-                    rustyline::EventHandler::Conditional(Box::new(CtrlC)),
-                );
-                while asked.recv().is_ok() {
-                    let input = match editor.readline("> ") {
-                        Ok(line) => {
-                            if !line.trim().is_empty() {
-                                let _ = editor.add_history_entry(line.as_str());
-                            }
-                            Input::Line(line)
-                        }
-                        Err(rustyline::error::ReadlineError::Interrupted) => Input::Interrupted,
-                        Err(rustyline::error::ReadlineError::Eof) => Input::End,
-                        Err(e) => {
-                            eprintln!("(the line editor failed: {e})");
-                            Input::End
-                        }
-                    };
-                    if tx.send(input).is_err() {
-                        return;
-                    }
-                }
-            })
-            .context("starting the prompt thread")?;
-        Ok(Prompt {
-            ask: Some(ask),
-            lines,
-            #[cfg(unix)]
-            termios,
-        })
+            }
+            let _ = tx.send(Input::End);
+        });
+        Ok(Prompt { lines })
     }
 
     /// Shows the prompt for the next line.
     fn ask(&self) -> anyhow::Result<()> {
-        match &self.ask {
-            Some(ask) => ask.send(()).context("the prompt thread ended"),
-            None => {
-                print!("> ");
-                std::io::stdout().flush().context("writing the prompt")
-            }
-        }
-    }
-}
-
-impl Drop for Prompt {
-    fn drop(&mut self) {
-        #[cfg(unix)]
-        if let Some(t) = &self.termios {
-            let _ = nix::sys::termios::tcsetattr(std::io::stdin(), nix::sys::termios::SetArg::TCSADRAIN, t);
-        }
-    }
-}
-
-/// Ctrl-C in the line editor: clears a typed line (as shells do); on an empty line it is
-/// rustyline's interrupt, which ends the chat.
-struct CtrlC;
-
-impl rustyline::ConditionalEventHandler for CtrlC {
-    fn handle(
-        &self,
-        _: &rustyline::Event,
-        _: rustyline::RepeatCount,
-        _: bool,
-        ctx: &rustyline::EventContext,
-    ) -> Option<rustyline::Cmd> {
-        match ctx.line().is_empty() {
-            true => None,
-            false => Some(rustyline::Cmd::Kill(rustyline::Movement::WholeBuffer)),
-        }
+        print!("> ");
+        std::io::stdout().flush().context("writing the prompt")
     }
 }
 

@@ -394,7 +394,8 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
     match g.stats.interrupted {
         // The output above holds what was generated; the status tells the run did not finish.
         Some(signal) => {
-            Err(picchio_runtime::Error::Interrupted { signal, done: g.tokens.len(), wanted: a.n, unit: "tokens" }.into())
+            Err(picchio_runtime::Error::Interrupted { signal, done: g.tokens.len(), wanted: a.n, unit: "tokens" }
+                .into())
         }
         None => Ok(()),
     }

@@ -365,8 +365,13 @@ impl Config {
         if let Some(t) = self.rope_theta {
             positive("rope_theta", t, "the RoPE base θ, e.g. 1000000")?;
         }
-        if let Some(t) = self.rope_parameters.as_ref().and_then(|p| p.rope_theta).filter(|t| !(t.is_finite() && *t > 0.0)) {
-            return Err(bad("rope_parameters", format!("rope_theta {t} is out of range: expected a finite number > 0 (the RoPE base θ)")));
+        if let Some(t) =
+            self.rope_parameters.as_ref().and_then(|p| p.rope_theta).filter(|t| !(t.is_finite() && *t > 0.0))
+        {
+            return Err(bad(
+                "rope_parameters",
+                format!("rope_theta {t} is out of range: expected a finite number > 0 (the RoPE base θ)"),
+            ));
         }
         for (key, p) in [("rope_scaling", &self.rope_scaling), ("rope_parameters", &self.rope_parameters)] {
             let Some(p) = p else { continue };
@@ -393,11 +398,17 @@ impl Config {
         if self.num_experts_per_tok > self.num_experts {
             return Err(bad(
                 "num_experts_per_tok",
-                format!("{} is out of range: expected 1..={} (num_experts)", self.num_experts_per_tok, self.num_experts),
+                format!(
+                    "{} is out of range: expected 1..={} (num_experts)",
+                    self.num_experts_per_tok, self.num_experts
+                ),
             ));
         }
         if !self.head_dim().is_multiple_of(2) {
-            return Err(bad("head_dim", format!("{} is out of range: expected an even integer > 0 (RoPE rotates pairs)", self.head_dim())));
+            return Err(bad(
+                "head_dim",
+                format!("{} is out of range: expected an even integer > 0 (RoPE rotates pairs)", self.head_dim()),
+            ));
         }
         for (key, p) in [("rope_scaling", &self.rope_scaling), ("rope_parameters", &self.rope_parameters)] {
             let Some(p) = p else { continue };
@@ -811,7 +822,13 @@ mod tests {
     #[test]
     fn zero_counts_and_inconsistent_heads_and_experts_are_refused() {
         let positive = "expected an integer > 0";
-        for key in ["num_attention_heads", "num_key_value_heads", "num_experts", "num_experts_per_tok", "max_position_embeddings"] {
+        for key in [
+            "num_attention_heads",
+            "num_key_value_heads",
+            "num_experts",
+            "num_experts_per_tok",
+            "max_position_embeddings",
+        ] {
             assert_named(&|v| v[key] = 0.into(), key, ": 0 is out of range", positive);
         }
         assert_named(&|v| v["num_experts_per_tok"] = 17.into(), "num_experts_per_tok", "17 is out of range", "1..=16");
@@ -854,14 +871,24 @@ mod tests {
 
     #[test]
     fn a_value_of_the_wrong_json_type_names_its_key() {
-        assert_named(&|v| v["hidden_size"] = "64".into(), "hidden_size", "invalid type: string \"64\"", "expected usize");
+        assert_named(
+            &|v| v["hidden_size"] = "64".into(),
+            "hidden_size",
+            "invalid type: string \"64\"",
+            "expected usize",
+        );
         assert_named(
             &|v| v["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": "4"}),
             "rope_scaling.factor",
             "invalid type: string \"4\"",
             "expected f64",
         );
-        assert_named(&|v| v["mlp_only_layers"] = serde_json::json!([0, "x"]), "mlp_only_layers[1]", "\"x\"", "expected usize");
+        assert_named(
+            &|v| v["mlp_only_layers"] = serde_json::json!([0, "x"]),
+            "mlp_only_layers[1]",
+            "\"x\"",
+            "expected usize",
+        );
         assert_named(&|v| v["model_type"] = 3.into(), "model_type", "3", "expected a string");
         // A missing key is named by serde itself.
         let (_, e) = qwen3_err(&|v| {

@@ -312,6 +312,10 @@ fn open_target(engine: &str, store: &StoreUri, range: u64) -> Result<std::result
                     (_, Ok(p)) => p,
                     (_, Err(e)) => return Ok(Err(e)),
                 };
+                // A reader's shared lock on the file, as every reader of an image holds (a writer of
+                // it waits or is refused); held by the completion wait below, as long as the queue.
+                let name = format!("nvme-sim:{}", p.display());
+                let lock = picchio_runtime::image::guard::ReadLock::acquire(&p, &name, false)?;
                 let len = std::fs::metadata(&p).map_err(Error::io(&p, "stat"))?.len();
                 let lba = if len.is_multiple_of(4096) { 4096 } else { 512 };
                 let qopts = NvmeQueueOptions { qd: 1, ..NvmeQueueOptions::default() };
@@ -320,6 +324,7 @@ fn open_target(engine: &str, store: &StoreUri, range: u64) -> Result<std::result
                 let resident_before = warm(&p)?;
                 let mut seen = sim.stats().completions;
                 let wait = move || {
+                    let _held = &lock;
                     while sim.stats().completions == seen {
                         std::hint::spin_loop();
                     }

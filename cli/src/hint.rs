@@ -1,9 +1,8 @@
-//! The next step after a failed command, in this binary's flags. The libraries name their option
-//! fields (`ecap`, `overwrite`, `direct`, `force`); this maps their typed errors to the flag that
-//! changes the outcome, printed as a `hint:` line after the error (hyperfine's `src/error.rs` puts
-//! the advice beside the error the same way).
+//! The next step after a failed command, in this binary's flags: maps the libraries' typed errors
+//! to the flag that changes the outcome, printed as a `hint:` line after the error (hyperfine's
+//! `src/error.rs` puts the advice beside the error the same way). An error whose own message already
+//! names the flag (`--force` of `Error::Exists` and of a mounted controller) gets no hint repeating it.
 
-use picchio_runtime::nvme_admin::AdminError;
 use picchio_runtime::quant::QuantError;
 
 /// The hint for the first error in `e`'s chain that has one.
@@ -13,8 +12,6 @@ pub(crate) fn hint(e: &anyhow::Error) -> Option<&'static str> {
             runtime(r)
         } else if let Some(b) = c.downcast_ref::<picchio_blockdev::Error>() {
             blockdev(b)
-        } else if let Some(a) = c.downcast_ref::<AdminError>() {
-            admin(a)
         } else {
             c.downcast_ref::<QuantError>().and_then(quant)
         }
@@ -24,8 +21,7 @@ pub(crate) fn hint(e: &anyhow::Error) -> Option<&'static str> {
 fn runtime(e: &picchio_runtime::Error) -> Option<&'static str> {
     use picchio_runtime::Error as E;
     match e {
-        E::BadOption { option: "ecap", .. } => Some("pass --ecap 1 or more (or leave it out for the default)"),
-        E::Exists { overwrite: Some("overwrite"), .. } => Some("pass --force to replace it"),
+        E::BadOption { option: "--ecap", .. } => Some("pass --ecap 1 or more (or leave it out for the default)"),
         E::ContextOverflow { .. } => Some("use a shorter prompt or a smaller -n"),
         E::VocabBelowTokenizer { .. } => {
             Some("give a --vocab of at least the tokenizer's ids, or --no-tokenizer (prompts are then token ids)")
@@ -33,7 +29,6 @@ fn runtime(e: &picchio_runtime::Error) -> Option<&'static str> {
         // Transparent variants: their inner error is not in the `source()` chain.
         E::Engine(b) => blockdev(b),
         E::Quant(q) => quant(q),
-        E::Admin { cause, .. } => admin(cause),
         _ => None,
     }
 }
@@ -44,13 +39,6 @@ fn blockdev(e: &picchio_blockdev::Error) -> Option<&'static str> {
         E::DirectUnsupported { .. } => Some("pass --buffered to read through the page cache"),
         E::UringUnavailable { .. } => Some("use --io psync"),
         E::Refused { hint, .. } if !hint.contains("never") => Some("pass --force to write it anyway"),
-        _ => None,
-    }
-}
-
-fn admin(e: &AdminError) -> Option<&'static str> {
-    match e {
-        AdminError::Mounted { .. } => Some("pass --force to detach it anyway"),
         _ => None,
     }
 }
@@ -117,18 +105,24 @@ mod tests {
 
     #[test]
     fn typed_errors_get_the_flag_that_changes_them() {
-        let e = picchio_runtime::Error::BadOption { option: "ecap", value: "0".into(), expected: "≥ 1".into() };
+        let e = picchio_runtime::Error::BadOption { option: "--ecap", value: "0".into(), expected: "≥ 1".into() };
         assert!(hint_of(e).unwrap().contains("--ecap"));
-        let e = picchio_runtime::Error::Exists { path: "/o".into(), what: "destination", overwrite: Some("overwrite") };
-        assert_eq!(hint_of(e), Some("pass --force to replace it"));
-        let e = picchio_runtime::Error::Exists { path: "/o".into(), what: "directory", overwrite: None };
+        // The message names --force itself: no hint repeats it.
+        let e =
+            picchio_runtime::Error::Exists { path: "/o".into(), what: "destination", replace_with: Some("--force") };
+        assert!(e.to_string().contains("pass --force to replace it"), "{e}");
         assert_eq!(hint_of(e), None);
         let direct = picchio_blockdev::Error::DirectUnsupported { path: "/f".into(), reason: "r".into(), cause: None };
         assert!(hint_of(picchio_runtime::Error::Engine(direct)).unwrap().contains("--buffered"));
         let q = QuantError::ColsNotMultipleOfGroup { kind: picchio_runtime::quant::QuantKind::Q4, rows: 1, cols: 3 };
         assert!(hint_of(picchio_runtime::Error::Quant(q)).unwrap().contains("--quant none"));
-        let a = AdminError::Mounted { bdf: "0000:01:00.0".into(), uses: "nvme0n1p1 on /mnt".into() };
-        assert!(hint_of(picchio_runtime::Error::admin("nvme:0000:01:00.0/1")(a)).unwrap().contains("--force"));
+        let a = picchio_runtime::nvme_admin::AdminError::Mounted {
+            bdf: "0000:01:00.0".into(),
+            uses: "nvme0n1p1 on /mnt".into(),
+        };
+        let e = picchio_runtime::Error::admin("nvme:0000:01:00.0/1")(a);
+        assert!(picchio_core::error::chain(&e).to_string().contains("pass --force to detach it anyway"));
+        assert_eq!(hint_of(e), None);
         assert_eq!(hint_of(picchio_runtime::Error::EmptyPrompt), None);
         let e = picchio_runtime::Error::VocabBelowTokenizer { path: "/t/tokenizer.json".into(), ids: 300, vocab: 8 };
         let h = hint_of(e).unwrap();

@@ -625,3 +625,28 @@ fn a_cache_drop_that_cannot_take_on_tmpfs_is_labelled_so() {
     assert_eq!(p["page_cache"]["action"], "drop-ineffective", "{p}");
     assert!(out.contains("drop-ineffective"), "{out}");
 }
+
+#[test]
+#[ignore = "needs root: losetup (CI runs ignored tests as root)"]
+fn a_block_device_given_as_a_path_is_read_as_raw_like_run_and_verify_read_it() {
+    let test = "a_block_device_given_as_a_path_is_read_as_raw_like_run_and_verify_read_it";
+    loopdev::require_root(test);
+    let s = &store();
+    let lo = loopdev::LoopDevice::attach_for_test(test, s, loopdev::LoopOptions::default());
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dev = lo.dev.to_str().unwrap();
+    // verify accepts the plain path, and so does bench: as the block device it is (the S4 tier).
+    ok(&["verify", dev, "--no-progress"]);
+    for (name, store) in [("plain", dev.to_string()), ("raw", format!("raw:{dev}"))] {
+        let json = dir.path().join(format!("{name}.json"));
+        ok(&["bench", "env", "--store", &store, "--json", json.to_str().unwrap()]);
+        let t = &report(&json)["environment"]["target"];
+        assert_eq!(t["kind"], "block device", "{name}: {t}");
+        assert_eq!(t["device"]["name"].as_str(), Some(lo.name().as_str()), "{name}: {t}");
+        assert_eq!(u(t, "size_bytes"), std::fs::metadata(s).unwrap().len(), "{name}: {t}");
+    }
+    let json = dir.path().join("tiers.json");
+    ok(&["bench", "tiers", "--store", dev, "--bytes", "512K", "--qd", "2", "--json", json.to_str().unwrap()]);
+    let rows = report(&json)["results"]["rows"].as_array().unwrap().clone();
+    assert!(!rows.is_empty() && rows.iter().all(|r| r["tier"] == "S4"), "{rows:?}");
+}

@@ -257,3 +257,33 @@ fn bad_traces_and_paths_are_refused_with_the_file_and_line() {
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("not a picchio-trace/1 trace"));
     assert_eq!(std::fs::read_to_string(&cfg).unwrap(), "{}");
 }
+
+#[test]
+fn recording_over_an_existing_trace_is_refused_unless_forced() {
+    let dir = scratch();
+    let trace = dir.path().join("t.jsonl");
+    let m = model();
+    let (ms, ts, store) = (m.to_str().unwrap(), trace.to_str().unwrap(), image());
+    let record = |extra: &[&str]| {
+        let mut args = vec!["bench", "trace", "--model", ms, "--store", &store, "--prompt-ids", PROMPT];
+        args.extend_from_slice(&["--trace", ts]);
+        args.extend_from_slice(extra);
+        picchio(&args)
+    };
+    let o = record(&["-n", "4"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let first = std::fs::read(&trace).unwrap();
+    // Again without --force: refused before the model runs, naming the flag and the file; kept.
+    let o = record(&["-n", "2"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains(&format!("--trace {ts}: the file exists")) && err.contains("pass --force"), "{err}");
+    assert!(!err.contains("prompt + "), "the model ran: {err}");
+    assert_eq!(std::fs::read(&trace).unwrap(), first, "the recorded trace was changed");
+    // Analysing it (no --model) reads it as before; with --force it is recorded anew.
+    ok(&["bench", "trace", "--trace", ts]);
+    let o = record(&["-n", "2", "--force"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let t = RoutingTrace::read(&trace).unwrap();
+    assert_eq!(t.records.len(), 3 * (5 + 2 - 1), "the new trace: 3 MoE layers x 6 forward passes");
+}

@@ -159,3 +159,30 @@ fn a_raw_device_names_its_model() {
     assert!(e.contains(&raw) && e.contains("it does not exist") && e.contains("--model DIR"), "{e}");
     talks_with(&raw, &moved, &["--model", moved.to_str().unwrap()]);
 }
+
+#[test]
+fn save_refuses_an_existing_file_and_save_bang_replaces_it() {
+    let tmp = common::scratch();
+    let model = packed_model(tmp.path());
+    let file = tmp.path().join("conv.json");
+    std::fs::write(&file, "my earlier conversation\n").unwrap();
+    let f = file.display();
+    let fresh = tmp.path().join("new.json");
+    let input = format!("/help\n/save {f}\n/save {}\n/save! {f}\n", fresh.display());
+    let o = chat(&["--model", model.to_str().unwrap(), "--system", "Be brief.", "--ecap", "4", "--ctx", "64"], &input);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    // /help says how to replace a file.
+    assert!(out.contains("/save FILE (a new file; /save! FILE replaces one)"), "{out}");
+    // /save onto an existing file: refused, naming it and the way to replace it; the file is kept.
+    assert!(out.contains(&format!("(could not save: {f} already exists: /save! {f} replaces it")), "{out}");
+    // /save to a new name writes it; /save! replaces the existing file.
+    assert!(out.contains(&format!("(saved 1 messages to {})", fresh.display())), "{out}");
+    assert!(out.contains(&format!("(saved 1 messages to {f})")), "{out}");
+    for p in [&file, &fresh] {
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
+        assert_eq!(v["messages"][0]["content"], "Be brief.", "{}", p.display());
+    }
+    let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(left.iter().all(|n| !n.to_string_lossy().contains(".tmp-")), "{left:?}");
+}

@@ -247,3 +247,102 @@ fn verify_reads_every_store_scheme_and_names_an_unknown_one() {
         assert!(stderr(&o).contains(&format!("{store}: names no image to verify")), "{}", stderr(&o));
     }
 }
+
+#[test]
+fn usage_out_is_claimed_before_the_model_loads_and_names_the_flag_and_path() {
+    let tmp = scratch();
+    let m = model_copy(tmp.path());
+    let run = |store: &str, usage: &Path| {
+        picchio(&["run", "--model", s(&m), "--store", store, "--prompt-ids", "1,2", "-n", "2", "--usage-out", s(usage)])
+    };
+    // A directory that does not exist: refused before the store is opened (a store that cannot open
+    // would otherwise be the error) and before any output.
+    let missing_store = format!("file:{}", tmp.path().join("no-image.picchioflat").display());
+    let nowhere = tmp.path().join("no-such-dir").join("usage.txt");
+    let o = run(&missing_store, &nowhere);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(e.contains(&format!("--usage-out {}: cannot save the usage profile there", nowhere.display())), "{e}");
+    assert!(!e.contains("no-image.picchioflat"), "the model was opened before --usage-out was checked: {e}");
+    assert!(stdout(&o).is_empty(), "{}", stdout(&o));
+    // A file that is not a usage profile: refused before the run, and left as it was.
+    let other = tmp.path().join("notes.txt");
+    std::fs::write(&other, "my notes\n").unwrap();
+    let o = run(&missing_store, &other);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(e.contains("--usage-out") && e.contains(s(&other)) && e.contains("will not replace it"), "{e}");
+    assert_eq!(std::fs::read_to_string(&other).unwrap(), "my notes\n");
+    // A good path: the run prints its tokens and saves the profile; nothing else is left beside it.
+    let good = tmp.path().join("usage.txt");
+    let o = run(&common_image(&m), &good);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(std::fs::read_to_string(&good).unwrap().starts_with("picchio-usage/1\n"));
+    let names: Vec<String> =
+        std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert!(names.iter().all(|n| !n.contains(".tmp-")), "a temporary file was left: {names:?}");
+}
+
+/// The image of the model directory `m` as a `file:` store.
+fn common_image(m: &Path) -> String {
+    format!("file:{}", m.join("experts.picchioflat").display())
+}
+
+#[test]
+fn config_values_out_of_range_or_of_the_wrong_type_name_the_file_key_and_value() {
+    let tmp = scratch();
+    let m = model_copy(tmp.path());
+    let cfg = m.join("config.json");
+    let original: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    for (key, value, want) in [
+        (
+            "rope_theta",
+            serde_json::json!(-1.0),
+            "config key `rope_theta`: -1 is out of range: expected a finite number > 0",
+        ),
+        (
+            "rms_norm_eps",
+            serde_json::json!(0.0),
+            "config key `rms_norm_eps`: 0 is out of range: expected a finite number > 0",
+        ),
+        (
+            "num_experts_per_tok",
+            serde_json::json!(17),
+            "config key `num_experts_per_tok`: 17 is out of range: expected 1..=16",
+        ),
+        (
+            "hidden_size",
+            serde_json::json!("64"),
+            "config key `hidden_size`: invalid type: string \"64\", expected usize",
+        ),
+    ] {
+        let mut v = original.clone();
+        v[key] = value;
+        std::fs::write(&cfg, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
+        let o = picchio(&["run", "--model", s(&m), "--prompt-ids", "1,2", "-n", "2"]);
+        assert_eq!(o.status.code(), Some(1), "{key}: {}", stderr(&o));
+        let e = stderr(&o);
+        assert!(e.contains(&format!("{}: {want}", cfg.display())), "{key}: {e}");
+        assert!(!e.contains("panicked"), "{e}");
+    }
+}
+
+#[test]
+fn errors_name_the_flag_the_user_typed_not_a_library_field() {
+    let tmp = scratch();
+    let m = model_copy(tmp.path());
+    // --ecap 0: the flag, not the options struct's `ecap`.
+    let o = picchio(&["run", "--model", s(&m), "--store", &common_image(&m), "--prompt-ids", "1,2", "--ecap", "0"]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(e.contains("--ecap") && e.contains("at least 1") && !e.contains("`ecap`"), "{e}");
+    // An existing destination: --force, not the options struct's `overwrite`.
+    let out = tmp.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    let o = picchio(&["convert", s(&fixture("qwen3_moe")), s(&out), "--no-progress"]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(e.contains("already exists") && e.contains("pass --force to replace it"), "{e}");
+    assert!(!e.contains("`overwrite`") && !e.contains("`force`"), "{e}");
+    assert_eq!(e.matches("--force").count(), 1, "said once, not again as a hint: {e}");
+}

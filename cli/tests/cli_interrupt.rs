@@ -1,12 +1,12 @@
-//! `picchio run` stopped by SIGINT / SIGTERM: the run unwinds (closing its store; an `nvme:`
-//! controller is shut down, which tests/vm checks in the guest) and exits with 128 + signal.
+//! `picchio run` stopped by SIGINT / SIGTERM: the run prints what it generated until then and its
+//! stats, marked interrupted, unwinds (closing its store; an `nvme:` controller is shut down, which
+//! tests/vm checks in the guest) and exits with 128 + signal.
 #![cfg(unix)]
 
-use std::io::{BufRead, BufReader};
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::sync::mpsc;
-use std::time::Duration;
+use std::process::Command;
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(name)
@@ -41,66 +41,73 @@ fn long_context_model(dir: &Path) -> PathBuf {
     dir.to_path_buf()
 }
 
-/// Starts `picchio -vv run` on a copy of the Picchio (C) fixture for [`TOKENS`] tokens, waits until
-/// its handlers are installed (the debug line), sends `signals` (in order, each once the previous
-/// one's handler has run), and returns the exit code and stderr.
-fn run_and_signal(signals: &[i32]) -> (Option<i32>, String) {
+/// Load batches after which the run stops itself (`PICCHIO_STOP_AFTER_LOADS`): the prompt's chunk
+/// reads once per MoE layer (3), so this is inside the decode, a few tokens in (with `--ecap 4`
+/// every token misses in every layer).
+const STOP_AFTER_LOADS: &str = "9";
+
+/// Starts `picchio run` on a copy of the Picchio (C) fixture for [`TOKENS`] tokens (`json`: with
+/// `--json`), lets it stop itself inside the decode at [`STOP_AFTER_LOADS`], sends `signal` to the
+/// stopped process and lets it go on (`SIGCONT`): the signal is pending when it resumes, whatever the
+/// machine's speed. Returns the exit code, stdout and stderr.
+fn run_and_signal(signal: i32, json: bool) -> (Option<i32>, String, String) {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let model = long_context_model(dir.path());
     let n = TOKENS.to_string();
     let store = format!("file:{}", model.join("experts.picchioflat").display());
-    let mut child = Command::new(env!("CARGO_BIN_EXE_picchio"))
-        .args(["-vv", "run", "--model"])
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_picchio"));
+    cmd.args(["run", "--model"])
         .arg(&model)
-        .args(["--store", &store, "--prompt-ids", &prompt_ids(), "-n", &n, "--json"])
-        .env_remove("RUST_LOG") // -vv must decide the level: the test waits for a debug line
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run picchio");
-    let (tx, rx) = mpsc::channel();
-    let stderr = child.stderr.take().unwrap();
-    let reader = std::thread::spawn(move || {
-        let mut all = String::new();
-        for line in BufReader::new(stderr).lines() {
-            let line = line.unwrap();
-            if line.contains("SIGINT/SIGTERM handlers installed") {
-                let _ = tx.send(());
-            }
-            all.push_str(&line);
-            all.push('\n');
-        }
-        all
-    });
-    rx.recv_timeout(Duration::from_secs(60)).expect("picchio never reported its handlers installed");
-    let pid = child.id() as libc::pid_t;
-    for &sig in signals {
-        // SAFETY: `kill` only sends a signal to our own child, which is still running (not reaped).
-        assert_eq!(unsafe { libc::kill(pid, sig) }, 0);
-        std::thread::sleep(Duration::from_millis(100));
+        .args(["--store", &store, "--ecap", "4", "--prompt-ids", &prompt_ids(), "-n", &n])
+        .env(picchio_core::stop_point::LOADS_ENV, STOP_AFTER_LOADS);
+    if json {
+        cmd.arg("--json");
     }
-    let mut stdout = String::new();
-    std::io::Read::read_to_string(child.stdout.as_mut().unwrap(), &mut stdout).unwrap();
-    let status = child.wait().unwrap();
-    let err = reader.join().unwrap();
-    eprintln!("[{status}]\n{err}");
-    assert!(stdout.is_empty(), "no result after an interrupt: {stdout}");
-    (status.code(), err)
+    let log = dir.path().join("stderr.log");
+    let child = common::stop::spawn_stopped(&mut cmd, &log).unwrap_or_else(|e| panic!("{e}"));
+    // SAFETY: `kill` only sends a signal to our own child, stopped and not yet reaped.
+    assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, signal) }, 0);
+    let out = common::stop::resume(child);
+    let (stdout, err) = (String::from_utf8_lossy(&out.stdout).into_owned(), common::stop::read(&log));
+    eprintln!("[{}]\n{stdout}\n{err}", out.status);
+    (out.status.code(), stdout, err)
 }
 
 #[test]
-fn sigint_stops_generation_and_exits_130() {
-    let (code, err) = run_and_signal(&[libc::SIGINT]);
+fn sigint_prints_what_was_generated_with_its_stats_and_exits_130() {
+    let (code, stdout, err) = run_and_signal(libc::SIGINT, true);
     assert_eq!(code, Some(130));
+    // The result of the tokens generated until the signal, as a whole run prints it.
+    let out: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON object on stdout");
+    let tokens: Vec<u64> = out["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
+    assert!(!tokens.is_empty() && tokens.len() < TOKENS, "{} tokens", tokens.len());
+    assert_eq!(out["stats"]["generated_tokens"].as_u64(), Some(tokens.len() as u64));
+    assert_eq!(out["stats"]["interrupted"], "SIGINT");
+    // The same tokens as a run asked for that many (as far as the fixture's context allows).
+    let k = tokens.len().min(400);
+    let o = Command::new(env!("CARGO_BIN_EXE_picchio"))
+        .args(["run", "--model"])
+        .arg(fixture("picchio_c/qwen3_moe"))
+        .args(["--prompt-ids", &prompt_ids(), "-n", &k.to_string(), "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let whole: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let want: Vec<u64> = whole["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
+    assert_eq!(tokens[..k], want[..]);
     let last = err.lines().last().unwrap_or_default();
-    assert!(last.starts_with("Error: interrupted by SIGINT after "), "{last}");
-    assert!(last.ends_with(&format!(" of {TOKENS} tokens")), "{last}");
+    assert_eq!(last, format!("Error: interrupted by SIGINT after {} of {TOKENS} tokens", tokens.len()));
 }
 
 #[test]
-fn sigterm_exits_143() {
-    let (code, err) = run_and_signal(&[libc::SIGTERM]);
+fn sigterm_prints_the_tokens_and_the_stats_marked_interrupted_and_exits_143() {
+    let (code, stdout, err) = run_and_signal(libc::SIGTERM, false);
     assert_eq!(code, Some(143));
-    assert!(err.contains("Error: interrupted by SIGTERM after "), "{err}");
+    // No tokenizer in the fixture: the ids, space-separated, on one line.
+    let ids: Vec<&str> = stdout.split_whitespace().collect();
+    assert!(!ids.is_empty() && ids.iter().all(|t| t.parse::<u32>().is_ok()), "{stdout}");
+    let k = ids.len();
+    let stats = format!("{k} tokens (interrupted by SIGTERM after {k} of {TOKENS} tokens), ");
+    assert!(err.lines().any(|l| l.starts_with(&stats)), "no line starting {stats:?} in:\n{err}");
+    assert!(err.contains(&format!("Error: interrupted by SIGTERM after {k} of {TOKENS} tokens")), "{err}");
 }

@@ -39,8 +39,18 @@ pub enum Error {
         /// What was expected.
         message: String,
     },
+    /// A config.json key holds a value of the wrong JSON type (a string where a number is expected).
+    #[error("{path}: config key `{key}`: {message}")]
+    ConfigKey {
+        /// The config file.
+        path: PathBuf,
+        /// The key's path in config.json (`hidden_size`, `rope_scaling.factor`, `layer_types[2]`).
+        key: String,
+        /// What was found and expected (serde's words: `invalid type: string "64", expected usize`).
+        message: String,
+    },
     /// `model_type` is not one this runtime implements.
-    #[error("{path}: unsupported model_type {model_type:?} (supported: qwen3_moe)")]
+    #[error("{path}: unsupported model_type {model_type:?} (supported: qwen3_moe, gpt_oss)")]
     UnsupportedModel {
         /// The config file.
         path: PathBuf,
@@ -166,12 +176,12 @@ pub enum Error {
         /// minijinja's message.
         message: String,
     },
-    /// An option has a value the operation does not accept. `option` is the field of the options
-    /// struct (`ecap` of [`crate::run::SessionOptions`], `max_seq`), not a command-line flag: the
-    /// binary maps it to its flag.
-    #[error("option `{option}` = {value}: {expected}")]
+    /// An option has a value the operation does not accept. `option` is the command-line flag that
+    /// sets it (`--ecap` for [`crate::run::SessionOptions::ecap`], `--prefill-chunk`), as the user
+    /// typed it, never the options struct's field name.
+    #[error("{option} {value}: {expected}")]
     BadOption {
-        /// The option field.
+        /// The flag (`--ecap`).
         option: &'static str,
         /// The value given.
         value: String,
@@ -182,15 +192,15 @@ pub enum Error {
     #[error(
         "{}: {what} already exists: choose another {what}{}",
         path.display(),
-        overwrite.map(|o| format!(", or set `{o}` to replace it")).unwrap_or_default()
+        replace_with.map(|o| format!(", or pass {o} to replace it")).unwrap_or_default()
     )]
     Exists {
         /// The file or directory.
         path: PathBuf,
         /// What it is to this operation (`destination`, `directory`).
         what: &'static str,
-        /// The option field that would replace it, when there is one (`overwrite`).
-        overwrite: Option<&'static str>,
+        /// The command-line flag that replaces it, when there is one (`--force`).
+        replace_with: Option<&'static str>,
     },
     /// A synthetic model's vocabulary is smaller than the tokenizer it would be given
     /// ([`crate::image::synthetic::write_synthetic`]): ids the tokenizer produces would have no
@@ -451,14 +461,14 @@ mod tests {
 
     #[test]
     fn typed_request_errors_name_the_option_and_the_limit() {
-        let e = Error::BadOption { option: "ecap", value: "0".into(), expected: "must be at least 1".into() };
-        assert_eq!(e.to_string(), "option `ecap` = 0: must be at least 1");
-        let e = Error::Exists { path: "/o".into(), what: "destination", overwrite: Some("overwrite") };
+        let e = Error::BadOption { option: "--ecap", value: "0".into(), expected: "must be at least 1".into() };
+        assert_eq!(e.to_string(), "--ecap 0: must be at least 1");
+        let e = Error::Exists { path: "/o".into(), what: "destination", replace_with: Some("--force") };
         assert_eq!(
             e.to_string(),
-            "/o: destination already exists: choose another destination, or set `overwrite` to replace it"
+            "/o: destination already exists: choose another destination, or pass --force to replace it"
         );
-        let e = Error::Exists { path: "/o".into(), what: "directory", overwrite: None };
+        let e = Error::Exists { path: "/o".into(), what: "directory", replace_with: None };
         assert_eq!(e.to_string(), "/o: directory already exists: choose another directory");
         let e = Error::ContextOverflow { needed: 50, context: 40, config: Some("/m/config.json".into()) };
         assert_eq!(

@@ -52,7 +52,7 @@ pub enum AdminError {
         cause: std::io::Error,
     },
     /// A namespace or partition of the controller is mounted.
-    #[error("{bdf} is in use: {uses}; unmount it first, or bind with `force` to detach it anyway")]
+    #[error("{bdf} is in use: {uses}; unmount it first, or pass --force to detach it anyway")]
     Mounted {
         /// The address.
         bdf: String,
@@ -60,7 +60,7 @@ pub enum AdminError {
         uses: String,
     },
     /// The controller holds the root file system.
-    #[error("{bdf} backs the root file system ({uses}); refusing even with `force`")]
+    #[error("{bdf} backs the root file system ({uses}); refusing even with --force")]
     BacksRoot {
         /// The address.
         bdf: String,
@@ -555,7 +555,7 @@ mod tests {
         let b = Bdf::parse(B).unwrap();
         let e = bind_vfio(s, MOUNT_P1, &b, false, Duration::ZERO).unwrap_err();
         assert!(matches!(e, AdminError::Mounted { .. }), "{e}");
-        assert!(e.to_string().contains("`force`"), "{e}");
+        assert!(e.to_string().contains("--force"), "{e}");
         let e = bind_vfio(s, MOUNT_ROOT, &b, true, Duration::ZERO).unwrap_err();
         assert!(matches!(e, AdminError::BacksRoot { .. }), "{e}");
         // Nothing was written.

@@ -145,6 +145,11 @@ pub struct RunStats {
     pub prefetch_wasted_bytes: u64,
     /// Where one decode step's time went, milliseconds per step (mean over the decode steps).
     pub decode_split: DecodeSplit,
+    /// The signal (`SIGINT`, `SIGTERM`) that stopped the generation before `max_new` tokens, when
+    /// one did ([`Session::generate_until_interrupted`]): the figures are those of the tokens
+    /// generated until then. Absent from the JSON of a generation that ran to its end.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub interrupted: Option<String>,
 }
 
 /// One decode step's time, milliseconds (mean over the decode steps; [`StepTimers`]). `io_wait_ms`
@@ -280,7 +285,7 @@ impl Session {
         let ecap = match opts.ecap {
             Some(0) => {
                 let expected = "must be at least 1".into();
-                return Err(Error::BadOption { option: "ecap", value: "0".into(), expected });
+                return Err(Error::BadOption { option: "--ecap", value: "0".into(), expected });
             }
             // As `bench cache` does: a capacity above the expert count is refused, not clamped silently.
             Some(n) if n > total => {
@@ -421,10 +426,28 @@ impl Session {
     /// Before every forward pass it checks [`crate::interrupt::requested`].
     ///
     /// # Errors
-    /// [`Error::Interrupted`] after SIGINT/SIGTERM (see [`crate::interrupt`]);
+    /// [`Error::Interrupted`] after SIGINT/SIGTERM (see [`crate::interrupt`]; the tokens generated
+    /// until then are lost: [`Session::generate_until_interrupted`] keeps them);
     /// [`Error::Invalid`] for an empty prompt, an id outside the vocabulary or a sequence longer than
     /// the KV cache; forward-pass errors.
     pub fn generate(&mut self, prompt_ids: &[u32], opts: &GenerateOptions) -> Result<Generation> {
+        let g = self.generate_until_interrupted(prompt_ids, opts)?;
+        match g.stats.interrupted {
+            Some(signal) => {
+                Err(Error::Interrupted { signal, done: g.tokens.len(), wanted: opts.max_new, unit: "tokens" })
+            }
+            None => Ok(g),
+        }
+    }
+
+    /// [`Session::generate`], except that a stop request (SIGINT/SIGTERM, [`crate::interrupt`])
+    /// ends the generation with what it has: the tokens generated so far (none when the stop came
+    /// during the prompt), their logits when kept, and the figures until the stop, with
+    /// [`RunStats::interrupted`] naming the signal. `picchio run` prints them, then exits 128 + signal.
+    ///
+    /// # Errors
+    /// As [`Session::generate`], [`Error::Interrupted`] excepted.
+    pub fn generate_until_interrupted(&mut self, prompt_ids: &[u32], opts: &GenerateOptions) -> Result<Generation> {
         let vocab = self.model.config().vocab_size;
         if prompt_ids.is_empty() {
             return Err(Error::EmptyPrompt);
@@ -444,18 +467,13 @@ impl Session {
         let mut sampler = Sampler::new(opts.sampler);
         let mut tokens = Vec::with_capacity(opts.max_new);
         let mut kept = Vec::new();
+        let mut interrupted = None;
 
         let t0 = Instant::now();
         let mut pos = 0;
-        let interrupted = |done| Error::Interrupted {
-            signal: crate::interrupt::signal_name(),
-            done,
-            wanted: opts.max_new,
-            unit: "tokens",
-        };
         // The prompt in chunks (`Model::prefill`, which checks for an interrupt before each chunk).
         match self.prefill(prompt_ids, pos) {
-            Err(Error::Interrupted { .. }) => return Err(interrupted(0)),
+            Err(Error::Interrupted { signal, .. }) => interrupted = Some(signal),
             r => r?,
         };
         pos += prompt_ids.len();
@@ -464,7 +482,7 @@ impl Session {
         let (timers0, dwait0) = (self.model.timers(), self.cache.io_wait_ns());
         let t1 = Instant::now();
         let mut decode_steps = 0usize;
-        while tokens.len() < opts.max_new {
+        while interrupted.is_none() && tokens.len() < opts.max_new {
             let logits = self.model.logits();
             let next = if opts.sampler.penalizes() {
                 sampler.sample_after(logits, &[prompt_ids, &tokens[..]].concat(), &tokens)
@@ -479,7 +497,8 @@ impl Session {
                 break;
             }
             if crate::interrupt::requested() {
-                return Err(interrupted(tokens.len()));
+                interrupted = Some(crate::interrupt::signal_name());
+                break;
             }
             self.model.forward(next, pos, &mut self.cache, &mut *self.loader)?;
             self.kv.push(next);
@@ -492,6 +511,7 @@ impl Session {
         let since = SinceStart { prefetch: pf0, io_wait_ns: wait0, decode_timers: timers0, decode_io_wait_ns: dwait0 };
         debug_assert_eq!(since.decode_timers.steps + decode_steps as u64, self.model.timers().steps);
         self.add_decode_figures(&mut stats, since);
+        stats.interrupted = interrupted;
         Ok(Generation { prompt_ids: prompt_ids.to_vec(), tokens, logits: kept, stats })
     }
 
@@ -550,6 +570,7 @@ impl Session {
             prefetch_wasted_bytes: 0,
             decode_split: DecodeSplit::default(),
             warm: self.warm.clone(),
+            interrupted: None,
         }
     }
 

@@ -63,6 +63,10 @@ pub struct TraceArgs {
     /// With --model: tokens to generate.
     #[arg(short = 'n', long = "max-new-tokens", value_name = "N", default_value_t = 64, requires = "model")]
     pub n: usize,
+    /// With --model: replace the file --trace names when it exists (a trace recorded earlier is
+    /// otherwise kept, and the command refuses to start).
+    #[arg(long, requires = "model")]
+    pub force: bool,
     /// Cache capacities (experts) to simulate, comma-separated [default: k, 2k, and 5-100% of all
     /// routed experts].
     #[arg(long, value_name = "N,...", value_delimiter = ',')]
@@ -185,6 +189,18 @@ fn default_prompt(vocab: usize) -> Vec<u32> {
 /// `picchio bench trace`.
 pub fn trace(a: TraceArgs) -> anyhow::Result<()> {
     a.out.check("trace", None)?;
+    if a.model.is_some() && !a.force {
+        // Before the model loads: recording over a trace recorded earlier would lose it.
+        match std::fs::symlink_metadata(&a.trace) {
+            Ok(_) => bail!(
+                "--trace {}: the file exists (a trace recorded earlier?); recording with --model would replace it: \
+                 pass --force to replace it, choose another --trace path, or leave out --model to analyse it",
+                a.trace.display()
+            ),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e).with_context(|| format!("--trace {}", a.trace.display())),
+        }
+    }
     let run = bench::Run::start("trace", &a, None)?;
     if let Some(model) = &a.model {
         record_trace(&a, model)?;

@@ -57,7 +57,8 @@ pub struct Args {
     pub sampling: super::run::SamplingArgs,
 }
 
-const HELP: &str = "commands: /reset (new conversation), /stats, /save FILE, /load FILE, /exit; Ctrl-C stops an answer";
+const HELP: &str = "commands: /reset (new conversation), /stats, /save FILE (a new file; /save! FILE replaces one), \
+                    /load FILE, /exit; Ctrl-C stops an answer";
 
 /// Totals over the session, for `/stats`.
 #[derive(Default)]
@@ -161,23 +162,22 @@ fn talk(
         engine.session.info.store,
         engine.context()
     );
-    let lines = stdin_lines();
+    let prompt = Prompt::start()?;
     let mut messages = initial(a);
     let mut totals = Totals::default();
     let out = std::io::stdout();
     loop {
-        print!("> ");
-        out.lock().flush()?;
+        prompt.ask()?;
         // Wait for a line; Ctrl-C here ends the program.
         let line = loop {
             if signals.quitting() {
                 println!();
                 return Ok(());
             }
-            match lines.recv_timeout(Duration::from_millis(100)) {
-                Ok(l) => break Some(l),
+            match prompt.lines.recv_timeout(Duration::from_millis(100)) {
+                Ok(Input::Line(l)) => break Some(l),
+                Ok(Input::End) | Err(mpsc::RecvTimeoutError::Disconnected) => break None,
                 Err(mpsc::RecvTimeoutError::Timeout) => continue,
-                Err(mpsc::RecvTimeoutError::Disconnected) => break None,
             }
         };
         let Some(line) = line else {
@@ -198,7 +198,7 @@ fn talk(
                     println!("(new conversation)");
                 }
                 "stats" => print_stats(&engine, &totals, &messages),
-                "save" if !arg.is_empty() => match save(Path::new(arg), &messages) {
+                "save" | "save!" if !arg.is_empty() => match save(Path::new(arg), &messages, name == "save!") {
                     Ok(()) => println!("(saved {} messages to {arg})", messages.len()),
                     Err(e) => println!("(could not save: {e:#})"),
                 },
@@ -308,19 +308,41 @@ fn initial(a: &Args) -> Vec<Message> {
     a.system.iter().map(|s| Message::new("system", s)).collect()
 }
 
-/// Lines of stdin, read on a thread so the prompt can notice Ctrl-C.
-fn stdin_lines() -> mpsc::Receiver<String> {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let stdin = std::io::stdin();
-        for line in stdin.lock().lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
+/// What the user gave at the prompt.
+enum Input {
+    /// A line (without its end).
+    Line(String),
+    /// The end of input.
+    End,
+}
+
+/// The prompt's reader, on a thread so the conversation loop can notice a signal while it waits:
+/// stdin line by line; `> ` is printed here.
+struct Prompt {
+    /// The lines.
+    lines: mpsc::Receiver<Input>,
+}
+
+impl Prompt {
+    fn start() -> anyhow::Result<Prompt> {
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::stdin().lock().lines() {
+                let Ok(line) = line else { break };
+                if tx.send(Input::Line(line)).is_err() {
+                    return;
+                }
             }
-        }
-    });
-    rx
+            let _ = tx.send(Input::End);
+        });
+        Ok(Prompt { lines })
+    }
+
+    /// Shows the prompt for the next line.
+    fn ask(&self) -> anyhow::Result<()> {
+        print!("> ");
+        std::io::stdout().flush().context("writing the prompt")
+    }
 }
 
 fn print_stats(engine: &Engine, t: &Totals, messages: &[Message]) {
@@ -342,9 +364,35 @@ fn print_stats(engine: &Engine, t: &Totals, messages: &[Message]) {
     );
 }
 
-fn save(path: &Path, messages: &[Message]) -> anyhow::Result<()> {
-    let text = serde_json::to_string_pretty(&serde_json::json!({ "messages": messages }))?;
-    std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))
+/// `/save FILE` writes a new file and refuses an existing one (naming it); `/save! FILE`
+/// (`replace`) replaces it, through a temporary file beside it renamed over it, so a failed write
+/// leaves the old file whole.
+fn save(path: &Path, messages: &[Message], replace: bool) -> anyhow::Result<()> {
+    let text = serde_json::to_string_pretty(&serde_json::json!({ "messages": messages }))? + "\n";
+    if !replace {
+        let mut f = match std::fs::OpenOptions::new().write(true).create_new(true).open(path) {
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => anyhow::bail!(
+                "{} already exists: /save! {} replaces it, or choose another name",
+                path.display(),
+                path.display()
+            ),
+            r => r.with_context(|| format!("creating {}", path.display()))?,
+        };
+        return f.write_all(text.as_bytes()).with_context(|| format!("writing {}", path.display()));
+    }
+    if path.is_dir() {
+        anyhow::bail!("{} is a directory", path.display());
+    }
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".tmp-{}", std::process::id()));
+    let tmp = path.with_file_name(name);
+    let written = std::fs::write(&tmp, text)
+        .and_then(|()| std::fs::rename(&tmp, path))
+        .with_context(|| format!("writing {}", path.display()));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }
 
 fn load(path: &Path) -> anyhow::Result<Vec<Message>> {

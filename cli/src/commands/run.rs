@@ -6,6 +6,7 @@ use anyhow::{bail, Context};
 use picchio_bench::trace::{TraceHeader, TraceWriter};
 use picchio_core::StoreUri;
 use picchio_runtime::expert::store::{IoEngine, IoOptions};
+use picchio_runtime::expert::usage::UsageOut;
 use picchio_runtime::model::prefill::DEFAULT_PREFILL_CHUNK;
 use picchio_runtime::model::sampler::SamplerOptions;
 use picchio_runtime::model::tokenizer::Tokenizer;
@@ -261,6 +262,17 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
         bail!("--temperature must be a finite number >= 0 (0 is greedy), got {}", a.temperature);
     }
     let sampler = a.sampling.options(a.temperature, a.top_p, a.seed)?;
+    // Claimed before anything loads: a path that cannot take the profile is refused now, not after
+    // the run's output.
+    let usage_out = match &a.usage_out {
+        Some(p) => {
+            let cfg = picchio_runtime::Config::from_dir(&a.model)?;
+            let out = UsageOut::create(p, cfg.num_hidden_layers, cfg.num_experts)
+                .with_context(|| format!("--usage-out {}: cannot save the usage profile there", p.display()))?;
+            Some(out)
+        }
+        None => None,
+    };
     let tokenizer = Tokenizer::from_dir(&a.model)?;
     let prompt_ids = match (&a.prompt, &a.prompt_ids, &tokenizer) {
         (_, Some(ids), _) => ids.clone(),
@@ -319,9 +331,14 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
     if let Some(p) = &a.warm_from {
         s.warm_from(p).with_context(|| format!("warm start from {}", p.display()))?;
     }
-    let g = s.generate(&prompt_ids, &gen)?;
+    // Ctrl-C / SIGTERM end the generation with what it has: printed below like a whole run's, with
+    // the stats marked interrupted, then the exit status says so (128 + signal).
+    let g = s.generate_until_interrupted(&prompt_ids, &gen)?;
     // Saved now, told after the output: a profile that cannot be written does not lose the tokens.
-    let usage_saved = a.usage_out.as_ref().map(|p| s.usage_profile().save_adding(p).map(|merged| (p, merged)));
+    let usage_saved = usage_out.map(|u| {
+        let p = u.path().to_path_buf();
+        u.save(&s.usage_profile()).map(|merged| (p, merged))
+    });
     if let Some(p) = &a.trace {
         s.model.take_routing_observer().with_context(|| format!("writing the trace {}", p.display()))?;
     }
@@ -343,8 +360,12 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
             None => println!("{}", g.tokens.iter().map(u32::to_string).collect::<Vec<_>>().join(" ")),
         }
         let st = &g.stats;
+        let stopped = match &st.interrupted {
+            Some(signal) => format!(" (interrupted by {signal} after {} of {} tokens)", st.generated_tokens, a.n),
+            None => String::new(),
+        };
         eprintln!(
-            "{} tokens, {:.2} tok/s decode (prefill {:.0} ms); cache {} hits / {} misses (capacity {}); \
+            "{} tokens{stopped}, {:.2} tok/s decode (prefill {:.0} ms); cache {} hits / {} misses (capacity {}); \
              {:.1} MB read ({:.0} MB/s while in flight, {:.0} ms of exposed I/O wait) from {} via {}{}; \
              {} fallbacks; peak RSS {:.0} MB",
             st.generated_tokens,
@@ -370,5 +391,12 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
         Some(Err(e)) => return Err(e).context("saving the usage profile (--usage-out); the output above is complete"),
         None => {}
     }
-    Ok(())
+    match g.stats.interrupted {
+        // The output above holds what was generated; the status tells the run did not finish.
+        Some(signal) => {
+            Err(picchio_runtime::Error::Interrupted { signal, done: g.tokens.len(), wanted: a.n, unit: "tokens" }
+                .into())
+        }
+        None => Ok(()),
+    }
 }

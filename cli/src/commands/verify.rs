@@ -33,7 +33,8 @@ pub struct Args {
 
 pub fn exec(a: Args) -> anyhow::Result<()> {
     let opts = VerifyOptions { io_threads: a.io_threads, direct: !a.buffered, progress: !a.no_progress };
-    let uri: StoreUri = a.store.parse()?;
+    // A block device given as a path is verified as `raw:PATH` (the one resolution run and bench use).
+    let uri = picchio_runtime::expert::open::resolve_device(a.store.parse()?);
     let (name, report) = match &uri {
         StoreUri::File(path) => (path.display().to_string(), verify(path, a.model.as_deref(), &opts)?),
         StoreUri::Raw { device, offset } => (a.store.clone(), verify_raw(device, *offset, &a, &opts)?),

@@ -153,7 +153,7 @@ impl ExpertCache {
     pub fn new(capacity: usize, payload_len: usize) -> Result<Self> {
         if capacity == 0 {
             let expected = "the expert cache needs room for at least 1 expert".into();
-            return Err(Error::BadOption { option: "ecap", value: "0".into(), expected });
+            return Err(Error::BadOption { option: "--ecap", value: "0".into(), expected });
         }
         if payload_len == 0 {
             return Err(Error::Invalid("expert cache: the expert payload length is 0".into()));
@@ -1329,7 +1329,7 @@ mod tests {
 
     #[test]
     fn contract_violations_are_errors() {
-        assert!(ExpertCache::new(0, 5000).unwrap_err().to_string().contains("option `ecap` = 0"));
+        assert!(ExpertCache::new(0, 5000).unwrap_err().to_string().contains("--ecap 0: "));
         let mut c = ExpertCache::new(2, 5000).unwrap();
         let mut l = FakeLoader::new();
         let e = fetch(&mut c, &mut l, 0, &[1, 1]).unwrap_err().to_string();

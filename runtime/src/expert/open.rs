@@ -58,6 +58,7 @@ impl Opened {
 /// DMA, controller-model or controller-initialisation failures (and for `nvme:`/`nvme-sim:` off
 /// Linux).
 pub fn open_engine(uri: &StoreUri, io: IoOptions) -> Result<Opened> {
+    let uri = &resolve_device(uri.clone());
     match uri {
         StoreUri::Auto | StoreUri::Safetensors => Err(Error::StoreNotAccepted {
             option: "--store",
@@ -77,6 +78,22 @@ pub fn open_engine(uri: &StoreUri, io: IoOptions) -> Result<Opened> {
         StoreUri::NvmeSim(path) => open_nvme_sim(path, io.qd),
         StoreUri::NvmeTcp { addr, subnqn, nsid } => open_nvme_tcp(addr, subnqn, *nsid, io),
     }
+}
+
+/// The store a plain path or `file:PATH` names when the path is a block device: `raw:PATH`, the image
+/// from byte 0 (where `pack --out raw:PATH` writes it). `run`, `verify` and `bench` all read a store
+/// through this, so a device named either way is read alike: checked as a block device (size, LBA
+/// size), locked as one ([`crate::image::guard::ReadLock`]), measured as the S4 tier. Any other URI,
+/// and a path that cannot be stat'ed (its opening names the error), is returned unchanged.
+pub fn resolve_device(uri: StoreUri) -> StoreUri {
+    #[cfg(unix)]
+    if let StoreUri::File(p) = &uri {
+        let block = std::fs::metadata(p).is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_block_device(&m.file_type()));
+        if block {
+            return StoreUri::Raw { device: p.clone(), offset: 0 };
+        }
+    }
+    uri
 }
 
 /// The NVMe/TCP initiator options of a store opened with `io`: `io.threads` I/O queues (one TCP
@@ -216,11 +233,14 @@ fn open_nvme(name: &str, _bdf: &str, _nsid: u32, _qd: u32) -> Result<Opened> {
 /// `nvme-sim:`: our driver against the controller model serving `path` as namespace 1 (4096-byte
 /// LBAs when the file is a whole number of them, else 512), `qd` commands in flight. The queue owns
 /// the model: its controller holds the model's register window, which keeps the model thread
-/// running until the driver has shut the controller down.
+/// running until the driver has shut the controller down. Like a `file:` reader it holds a shared
+/// lock on the file ([`crate::image::guard::ReadLock`]) while it lives, so a writer of the file
+/// (`pack`, `synth`) waits for it or is refused, as docs/guarantees.md says of every reader.
 #[cfg(target_os = "linux")]
 fn open_nvme_sim(path: &Path, qd: u32) -> Result<Opened> {
     use picchio_nvme::{sim::SimConfig, NvmeQueue, NvmeQueueOptions};
     let name = StoreUri::NvmeSim(path.into()).to_string();
+    let lock = crate::image::guard::ReadLock::acquire(path, &name, false)?;
     let len = std::fs::metadata(path).map_err(Error::io(path, "stat the controller model's backing file"))?.len();
     let lba = if len.is_multiple_of(4096) { 4096 } else { 512 };
     let opts = NvmeQueueOptions { qd: u16::try_from(qd).unwrap_or(u16::MAX), ..NvmeQueueOptions::default() };
@@ -228,7 +248,8 @@ fn open_nvme_sim(path: &Path, qd: u32) -> Result<Opened> {
     let (queue, _sim) = NvmeQueue::open_sim(SimConfig::single(path, lba), &opts)
         .map_err(|cause| Error::Nvme { target: name.clone(), cause })?;
     let image_len = queue.namespace().bytes();
-    Ok(Opened { queue: Box::new(queue), base: 0, image_len, name })
+    // The lock is released after the queue (and the controller model) is dropped.
+    Ok(Opened { queue: Locked::wrap(Box::new(queue), lock), base: 0, image_len, name })
 }
 
 /// The controller model is part of picchio-nvme, which is Linux-only: always an error here.
@@ -261,7 +282,8 @@ pub fn bench_store(s: &str) -> Result<StoreUri> {
         Ok(uri @ (StoreUri::Auto | StoreUri::Safetensors)) => {
             Err(refuse(uri.to_string(), format!("bench reads a .picchioflat image: {BENCH_FORMS}")))
         }
-        Ok(uri) => Ok(uri),
+        // A block device given as a path is read as `raw:` (as run and verify read it).
+        Ok(uri) => Ok(resolve_device(uri)),
     }
 }
 

@@ -20,7 +20,7 @@
 //! Experts never routed to are left out. Written sorted by (layer, expert).
 
 use std::fmt::Write as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use picchio_core::ExpertKey;
 
@@ -138,39 +138,13 @@ impl UsageProfile {
     }
 
     /// Writes the profile to `path` atomically (a temporary sibling renamed over it), adding the
-    /// counts already in `path` when it holds a profile of the same shape (`merged` = true).
+    /// counts already in `path` when it holds a profile of the same shape (`merged` = true): a
+    /// [`UsageOut`] claimed and saved at once.
     ///
     /// # Errors
-    /// [`Error::Invalid`] when `path` exists and is not a usage profile of this shape (it is not
-    /// replaced); [`Error::Io`] naming the path.
+    /// As [`UsageOut::create`] and [`UsageOut::save`].
     pub fn save_adding(&self, path: &Path) -> Result<bool> {
-        let name = path.display().to_string();
-        let mut out = self.clone();
-        let merged = match std::fs::metadata(path) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
-            Err(e) => return Err(Error::io(path, "stat the usage profile")(e)),
-            Ok(_) => {
-                let old = Self::read(path).map_err(|e| {
-                    Error::Invalid(format!("{e}: --usage-out will not replace it: remove it or choose another path"))
-                })?;
-                old.check_shape(self.layers, self.experts, &name)?;
-                for (o, c) in out.counts.iter_mut().zip(&old.counts) {
-                    *o = o.saturating_add(*c);
-                }
-                true
-            }
-        };
-        crate::image::guard::sweep_leftovers(path, "run --usage-out")?;
-        let mut file = path.file_name().unwrap_or_default().to_os_string();
-        file.push(format!(".tmp-{}", std::process::id()));
-        let tmp = path.with_file_name(file);
-        let written = std::fs::write(&tmp, out.to_text())
-            .map_err(Error::io(path, "write the usage profile (to a temporary file beside it)"))
-            .and_then(|()| std::fs::rename(&tmp, path).map_err(Error::io(path, "rename the usage profile into place")));
-        if written.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        written.map(|()| merged)
+        UsageOut::create(path, self.layers, self.experts)?.save(self)
     }
 
     /// The `n` most used experts (count > 0), most used first; ties by (layer, expert).
@@ -181,6 +155,98 @@ impl UsageProfile {
         used.truncate(n);
         let e = self.experts;
         used.into_iter().map(|(_, i)| ExpertKey { layer: (i / e) as u32, expert: (i % e) as u32 }).collect()
+    }
+}
+
+/// A `--usage-out` destination claimed before the run it records: [`UsageOut::create`] checks
+/// what `path` holds and creates the temporary file the profile is written to beside it, so a path
+/// that cannot take a profile (a missing or read-only directory, a file that is not a profile of this
+/// model's shape) is refused before a model loads, not after its output. [`UsageOut::save`] writes
+/// the temporary file and renames it over `path`; dropped unsaved, it removes the temporary file.
+#[derive(Debug)]
+pub struct UsageOut {
+    path: PathBuf,
+    tmp: PathBuf,
+    file: Option<std::fs::File>,
+    layers: usize,
+    experts: usize,
+}
+
+impl UsageOut {
+    /// Claims `path` for a profile of `layers × experts`: an existing `path` must hold a profile of
+    /// that shape (its counts are added on [`UsageOut::save`]); leftovers of earlier writers that
+    /// are gone are removed; `path.tmp-PID` is created (exclusively) beside it.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when `path` exists and is not a usage profile of this shape (it will not
+    /// be replaced); [`Error::Io`] naming the path when it cannot be read or the temporary file
+    /// cannot be created.
+    pub fn create(path: &Path, layers: usize, experts: usize) -> Result<UsageOut> {
+        Self::check_existing(path, layers, experts)?;
+        crate::image::guard::sweep_leftovers(path, "run --usage-out")?;
+        let mut name = path.file_name().unwrap_or_default().to_os_string();
+        name.push(format!(".tmp-{}", std::process::id()));
+        let tmp = path.with_file_name(name);
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .map_err(Error::io(path, "create the usage profile (a temporary file beside it)"))?;
+        Ok(UsageOut { path: path.to_path_buf(), tmp, file: Some(file), layers, experts })
+    }
+
+    /// The profile in `path`, when there is one, checked to be of shape `layers × experts`.
+    fn check_existing(path: &Path, layers: usize, experts: usize) -> Result<Option<UsageProfile>> {
+        match std::fs::metadata(path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(Error::io(path, "stat the usage profile")(e)),
+            Ok(_) => {
+                let old = UsageProfile::read(path).map_err(|e| {
+                    Error::Invalid(format!("{e}: --usage-out will not replace it: remove it or choose another path"))
+                })?;
+                old.check_shape(layers, experts, &path.display().to_string())?;
+                Ok(Some(old))
+            }
+        }
+    }
+
+    /// The destination.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Writes `profile`, plus the counts `path` holds now when it holds a profile, into the
+    /// temporary file, syncs it and renames it over `path`. Returns whether counts were added.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when `profile` is not of the claimed shape, or `path` was replaced
+    /// meanwhile by something that is not such a profile; [`Error::Io`] naming the path.
+    pub fn save(mut self, profile: &UsageProfile) -> Result<bool> {
+        profile.check_shape(self.layers, self.experts, &self.path.display().to_string())?;
+        let mut out = profile.clone();
+        let old = Self::check_existing(&self.path, self.layers, self.experts)?;
+        if let Some(old) = &old {
+            for (o, c) in out.counts.iter_mut().zip(&old.counts) {
+                *o = o.saturating_add(*c);
+            }
+        }
+        let mut file = self.file.take().expect("a UsageOut is saved once");
+        std::io::Write::write_all(&mut file, out.to_text().as_bytes())
+            .and_then(|()| file.sync_all())
+            .map_err(Error::io(&self.path, "write the usage profile (to a temporary file beside it)"))?;
+        drop(file);
+        std::fs::rename(&self.tmp, &self.path).map_err(Error::io(&self.path, "rename the usage profile into place"))?;
+        self.tmp = PathBuf::new();
+        Ok(old.is_some())
+    }
+}
+
+impl Drop for UsageOut {
+    fn drop(&mut self) {
+        // Unsaved (or a failed save): the temporary file goes; `path` is as it was.
+        if !self.tmp.as_os_str().is_empty() {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
     }
 }
 
@@ -229,5 +295,29 @@ mod tests {
         assert_eq!(std::fs::read_to_string(&other).unwrap(), "{}");
         let e = UsageProfile::new(2, 2, vec![0; 4]).save_adding(&path).unwrap_err().to_string();
         assert!(e.contains("1 layers × 2 experts"), "{e}");
+    }
+
+    #[test]
+    fn usage_out_is_claimed_before_the_run_and_leaves_nothing_when_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        // A directory that does not exist: refused at create, naming the path.
+        let missing = dir.path().join("no-such-dir").join("u.txt");
+        let e = UsageOut::create(&missing, 1, 2).unwrap_err().to_string();
+        assert!(e.contains(&missing.display().to_string()), "{e}");
+        // Another shape, or not a profile: refused at create; the file is unchanged.
+        let path = dir.path().join("u.txt");
+        UsageProfile::new(1, 2, vec![1, 2]).save_adding(&path).unwrap();
+        let e = UsageOut::create(&path, 3, 2).unwrap_err().to_string();
+        assert!(e.contains("1 layers × 2 experts; this model has 3 × 2"), "{e}");
+        // Claimed, then dropped unsaved (a run that failed): no temporary file is left.
+        let out = UsageOut::create(&path, 1, 2).unwrap();
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2, "the temporary file beside it");
+        drop(out);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+        // Claimed, saved: the counts are added.
+        let out = UsageOut::create(&path, 1, 2).unwrap();
+        assert!(out.save(&UsageProfile::new(1, 2, vec![1, 1])).unwrap());
+        assert_eq!(UsageProfile::read(&path).unwrap().counts, [2, 3]);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
     }
 }

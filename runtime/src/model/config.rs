@@ -215,15 +215,24 @@ impl Config {
         let text = std::fs::read_to_string(path).map_err(Error::io(path, "read config"))?;
         let raw: serde_json::Value =
             serde_json::from_str(&text).map_err(|cause| Error::Config { path: path.into(), cause })?;
-        let model_type = raw.get("model_type").and_then(|v| v.as_str()).unwrap_or("").to_string();
+        let model_type = match raw.get("model_type") {
+            None => String::new(),
+            Some(serde_json::Value::String(t)) => t.clone(),
+            Some(other) => {
+                return Err(Error::ConfigKey {
+                    path: path.into(),
+                    key: "model_type".into(),
+                    message: format!("{other}: expected a string, \"qwen3_moe\" or \"gpt_oss\""),
+                })
+            }
+        };
         let arch = match model_type.as_str() {
             "qwen3_moe" => Arch::Qwen3Moe,
             "gpt_oss" => Arch::GptOss,
             _ => return Err(Error::UnsupportedModel { path: path.into(), model_type }),
         };
         let raw = normalize(raw, arch, path)?;
-        let mut cfg: Config =
-            serde_json::from_value(raw).map_err(|cause| Error::Config { path: path.into(), cause })?;
+        let mut cfg = Self::deserialize_named(raw, path)?;
         // Before anything is sized by it (the default layer_types below, per-layer vectors later).
         cfg.check_sizes(path)?;
         if arch == Arch::GptOss && cfg.layer_types.is_empty() {
@@ -234,6 +243,22 @@ impl Config {
         }
         cfg.check(path)?;
         Ok(cfg)
+    }
+
+    /// `raw` as a [`Config`]; a value of the wrong JSON type (a string where a number is expected,
+    /// a number where a list is) is named by its key path in config.json (`hidden_size`,
+    /// `rope_scaling.factor`, `layer_types[2]`), not only by serde's line and column.
+    fn deserialize_named(raw: serde_json::Value, path: &Path) -> Result<Self> {
+        serde_path_to_error::deserialize(raw).map_err(|e| {
+            let key = e.path().to_string();
+            let cause = e.into_inner();
+            if key == "." {
+                // A whole-object error (a missing key, an object that is not one): serde names it.
+                Error::Config { path: path.into(), cause }
+            } else {
+                Error::ConfigKey { path: path.into(), key, message: cause.to_string() }
+            }
+        })
     }
 
     /// The architecture (`model_type`, checked when the config was read).
@@ -280,8 +305,19 @@ impl Config {
         Ok(())
     }
 
+    /// Refuses values no model can run with, naming the key, the value and the accepted range:
+    /// zero sizes and counts, a top-k above the experts, heads that do not divide, a head width that
+    /// is zero, odd or (when `head_dim` is not given) not `hidden_size / num_attention_heads`
+    /// exactly, RoPE θ, RMSNorm ε and the YaRN parameters that are not finite and positive, an
+    /// unknown RoPE type, and the per-layer keys that do not match `num_hidden_layers`.
     fn check(&self, path: &Path) -> Result<()> {
         let bad = |key: &'static str, message: String| Error::ConfigValue { path: PathBuf::from(path), key, message };
+        let positive = |key: &'static str, v: f64, what: &str| -> Result<()> {
+            match v.is_finite() && v > 0.0 {
+                true => Ok(()),
+                false => Err(bad(key, format!("{v} is out of range: expected a finite number > 0 ({what})"))),
+            }
+        };
         for (key, v) in [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
@@ -292,16 +328,69 @@ impl Config {
             ("num_experts", self.num_experts),
             ("num_experts_per_tok", self.num_experts_per_tok),
             ("decoder_sparse_step", self.decoder_sparse_step),
+            ("max_position_embeddings", self.max_position_embeddings),
         ] {
             if v == 0 {
-                return Err(bad(key, "must be > 0".into()));
+                return Err(bad(key, "0 is out of range: expected an integer > 0".into()));
+            }
+        }
+        // The first layer with a dense MLP (Qwen3-MoE: mlp_only_layers, or layer 0 when only every
+        // decoder_sparse_step-th layer is MoE), whose width is intermediate_size.
+        let dense = match self.arch() {
+            Arch::GptOss => None,
+            Arch::Qwen3Moe if self.decoder_sparse_step > 1 => Some(0),
+            Arch::Qwen3Moe => self.mlp_only_layers.iter().copied().filter(|&l| l < self.num_hidden_layers).min(),
+        };
+        if let (0, Some(l)) = (self.intermediate_size, dense) {
+            return Err(bad(
+                "intermediate_size",
+                format!("0 is out of range: expected an integer > 0 (layer {l} has a dense MLP of that width)"),
+            ));
+        }
+        match self.head_dim {
+            Some(0) => return Err(bad("head_dim", "0 is out of range: expected an even integer > 0".into())),
+            Some(_) => {}
+            None if !self.hidden_size.is_multiple_of(self.num_attention_heads) => {
+                return Err(bad(
+                    "head_dim",
+                    format!(
+                        "not given, and hidden_size {} is not a multiple of num_attention_heads {}: give head_dim",
+                        self.hidden_size, self.num_attention_heads
+                    ),
+                ))
+            }
+            None => {}
+        }
+        positive("rms_norm_eps", self.rms_norm_eps, "the RMSNorm epsilon, e.g. 1e-6")?;
+        if let Some(t) = self.rope_theta {
+            positive("rope_theta", t, "the RoPE base θ, e.g. 1000000")?;
+        }
+        if let Some(t) =
+            self.rope_parameters.as_ref().and_then(|p| p.rope_theta).filter(|t| !(t.is_finite() && *t > 0.0))
+        {
+            return Err(bad(
+                "rope_parameters",
+                format!("rope_theta {t} is out of range: expected a finite number > 0 (the RoPE base θ)"),
+            ));
+        }
+        for (key, p) in [("rope_scaling", &self.rope_scaling), ("rope_parameters", &self.rope_parameters)] {
+            let Some(p) = p else { continue };
+            for (name, v) in [
+                ("beta_fast", p.beta_fast),
+                ("beta_slow", p.beta_slow),
+                ("original_max_position_embeddings", p.original_max_position_embeddings),
+                ("attention_factor", p.attention_factor),
+            ] {
+                if let Some(v) = v.filter(|v| !(v.is_finite() && *v > 0.0)) {
+                    return Err(bad(key, format!("{name} {v} is out of range: expected a finite number > 0")));
+                }
             }
         }
         if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             return Err(bad(
                 "num_key_value_heads",
                 format!(
-                    "{} does not divide num_attention_heads {}",
+                    "{} is out of range: expected a divisor of num_attention_heads {}",
                     self.num_key_value_heads, self.num_attention_heads
                 ),
             ));
@@ -309,11 +398,17 @@ impl Config {
         if self.num_experts_per_tok > self.num_experts {
             return Err(bad(
                 "num_experts_per_tok",
-                format!("{} exceeds num_experts {}", self.num_experts_per_tok, self.num_experts),
+                format!(
+                    "{} is out of range: expected 1..={} (num_experts)",
+                    self.num_experts_per_tok, self.num_experts
+                ),
             ));
         }
         if !self.head_dim().is_multiple_of(2) {
-            return Err(bad("head_dim", format!("{} must be even for RoPE", self.head_dim())));
+            return Err(bad(
+                "head_dim",
+                format!("{} is out of range: expected an even integer > 0 (RoPE rotates pairs)", self.head_dim()),
+            ));
         }
         for (key, p) in [("rope_scaling", &self.rope_scaling), ("rope_parameters", &self.rope_parameters)] {
             let Some(p) = p else { continue };
@@ -347,7 +442,7 @@ impl Config {
             }
         }
         if let Some(v) = self.swiglu_limit.filter(|v| !(v.is_finite() && *v > 0.0)) {
-            return Err(bad("swiglu_limit", format!("{v} must be a positive number")));
+            return Err(bad("swiglu_limit", format!("{v} is out of range: expected a finite number > 0")));
         }
         if let Some(&l) = self.mlp_only_layers.iter().find(|&&l| l >= self.num_hidden_layers) {
             return Err(bad("mlp_only_layers", format!("layer {l} >= num_hidden_layers {}", self.num_hidden_layers)));
@@ -673,5 +768,132 @@ mod tests {
         v["rope_scaling"] = serde_json::json!({"type": "dynamic", "factor": 2.0});
         let e = Config::from_file(&write(dir.path(), &v)).unwrap_err().to_string();
         assert!(e.contains("\"dynamic\" is not supported"), "{e}");
+    }
+
+    /// `config.json` = the qwen3_moe fixture's with `f` applied, read: the whole error chain.
+    fn qwen3_err(f: &dyn Fn(&mut serde_json::Value)) -> (PathBuf, String) {
+        let dir = tempfile::tempdir().unwrap();
+        let mut v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(fixture("qwen3_moe/config.json")).unwrap()).unwrap();
+        f(&mut v);
+        let p = write(dir.path(), &v);
+        let e = picchio_core::error::chain(&Config::from_file(&p).unwrap_err()).to_string();
+        (p, e)
+    }
+
+    /// Asserts the error names the file, the key, the value and the expected range.
+    fn assert_named(f: &dyn Fn(&mut serde_json::Value), key: &str, value: &str, expected: &str) {
+        let (p, e) = qwen3_err(f);
+        for want in [&p.display().to_string(), &format!("config key `{key}`"), value, expected] {
+            assert!(e.contains(want), "no {want:?} in: {e}");
+        }
+    }
+
+    #[test]
+    fn float_values_out_of_range_are_refused_naming_key_value_and_range() {
+        let finite = "expected a finite number > 0";
+        assert_named(&|v| v["rope_theta"] = 0.0.into(), "rope_theta", ": 0 is out of range", finite);
+        assert_named(&|v| v["rope_theta"] = (-1e4).into(), "rope_theta", "-10000 is out of range", finite);
+        assert_named(&|v| v["rms_norm_eps"] = 0.0.into(), "rms_norm_eps", ": 0 is out of range", finite);
+        assert_named(&|v| v["rms_norm_eps"] = (-1e-6).into(), "rms_norm_eps", "-0.000001 is out of range", finite);
+        assert_named(
+            &|v| v["rope_parameters"] = serde_json::json!({"rope_theta": -5.0}),
+            "rope_parameters",
+            "rope_theta -5 is out of range",
+            finite,
+        );
+        assert_named(
+            &|v| v["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0, "beta_fast": -32.0}),
+            "rope_scaling",
+            "beta_fast -32 is out of range",
+            finite,
+        );
+        // NaN and infinity cannot be written in JSON; the check refuses them all the same.
+        let mut c = Config::from_dir(&fixture("qwen3_moe")).unwrap();
+        c.rms_norm_eps = f64::NAN;
+        let e = c.check(Path::new("c.json")).unwrap_err().to_string();
+        assert!(e.contains("`rms_norm_eps`: NaN is out of range"), "{e}");
+        c.rms_norm_eps = 1e-6;
+        c.rope_theta = Some(f64::INFINITY);
+        let e = c.check(Path::new("c.json")).unwrap_err().to_string();
+        assert!(e.contains("`rope_theta`: inf is out of range"), "{e}");
+    }
+
+    #[test]
+    fn zero_counts_and_inconsistent_heads_and_experts_are_refused() {
+        let positive = "expected an integer > 0";
+        for key in [
+            "num_attention_heads",
+            "num_key_value_heads",
+            "num_experts",
+            "num_experts_per_tok",
+            "max_position_embeddings",
+        ] {
+            assert_named(&|v| v[key] = 0.into(), key, ": 0 is out of range", positive);
+        }
+        assert_named(&|v| v["num_experts_per_tok"] = 17.into(), "num_experts_per_tok", "17 is out of range", "1..=16");
+        assert_named(
+            &|v| v["num_key_value_heads"] = 3.into(),
+            "num_key_value_heads",
+            "3 is out of range",
+            "a divisor of num_attention_heads 4",
+        );
+        assert_named(&|v| v["head_dim"] = 0.into(), "head_dim", ": 0 is out of range", "an even integer > 0");
+        assert_named(&|v| v["head_dim"] = 15.into(), "head_dim", "15 is out of range", "an even integer > 0");
+        assert_named(
+            &|v| {
+                v.as_object_mut().unwrap().remove("head_dim");
+                v["num_attention_heads"] = 3.into();
+                v["num_key_value_heads"] = 1.into();
+            },
+            "head_dim",
+            "hidden_size 64 is not a multiple of num_attention_heads 3",
+            "give head_dim",
+        );
+        assert_named(
+            &|v| {
+                v["intermediate_size"] = 0.into();
+                v["mlp_only_layers"] = serde_json::json!([1]);
+            },
+            "intermediate_size",
+            ": 0 is out of range",
+            "layer 1 has a dense MLP",
+        );
+        // Without a dense layer the width is not used: 0 is accepted.
+        let dir = tempfile::tempdir().unwrap();
+        let mut v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(fixture("qwen3_moe/config.json")).unwrap()).unwrap();
+        v["intermediate_size"] = 0.into();
+        v["mlp_only_layers"] = serde_json::json!([]);
+        v["decoder_sparse_step"] = 1.into();
+        assert!(Config::from_file(&write(dir.path(), &v)).is_ok());
+    }
+
+    #[test]
+    fn a_value_of_the_wrong_json_type_names_its_key() {
+        assert_named(
+            &|v| v["hidden_size"] = "64".into(),
+            "hidden_size",
+            "invalid type: string \"64\"",
+            "expected usize",
+        );
+        assert_named(
+            &|v| v["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": "4"}),
+            "rope_scaling.factor",
+            "invalid type: string \"4\"",
+            "expected f64",
+        );
+        assert_named(
+            &|v| v["mlp_only_layers"] = serde_json::json!([0, "x"]),
+            "mlp_only_layers[1]",
+            "\"x\"",
+            "expected usize",
+        );
+        assert_named(&|v| v["model_type"] = 3.into(), "model_type", "3", "expected a string");
+        // A missing key is named by serde itself.
+        let (_, e) = qwen3_err(&|v| {
+            v.as_object_mut().unwrap().remove("vocab_size");
+        });
+        assert!(e.contains("missing field `vocab_size`"), "{e}");
     }
 }

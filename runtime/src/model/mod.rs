@@ -414,7 +414,7 @@ impl Model {
     pub fn set_prefill_chunk(&mut self, n: usize) -> Result<()> {
         if n == 0 {
             let expected = "at least 1 token per chunk (1 = token by token)".into();
-            return Err(Error::BadOption { option: "prefill-chunk", value: "0".into(), expected });
+            return Err(Error::BadOption { option: "--prefill-chunk", value: "0".into(), expected });
         }
         self.prefill_chunk = n;
         Ok(())

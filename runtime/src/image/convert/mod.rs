@@ -389,7 +389,7 @@ pub(crate) fn check_paths(src: &Path, dst: &Path, overwrite: bool) -> Result<()>
             return Err(Error::Invalid(format!("destination {} exists and is not a directory", dst.display())));
         }
         if !overwrite {
-            return Err(Error::Exists { path: dst.into(), what: "destination", overwrite: Some("overwrite") });
+            return Err(Error::Exists { path: dst.into(), what: "destination", replace_with: Some("--force") });
         }
     }
     Ok(())
@@ -475,7 +475,7 @@ mod tests {
         assert!(e.contains("contains the source directory"), "{e}");
         std::fs::create_dir(dir.path().join("o")).unwrap();
         let e = check_paths(&src, &dir.path().join("o"), false).unwrap_err().to_string();
-        assert!(e.contains("already exists") && e.contains("`overwrite`"), "{e}");
+        assert!(e.contains("already exists") && e.contains("pass --force to replace it"), "{e}");
         assert!(check_paths(&src, &dir.path().join("o"), true).is_ok());
         let e = check_paths(&dir.path().join("nope"), &dir.path().join("o2"), false).unwrap_err().to_string();
         assert!(e.contains("nope: open model directory"), "{e}");

@@ -165,11 +165,7 @@ fn kill_9_of_synth_model_out_at_seeded_points_keeps_the_old_directory_and_the_ne
     // Every byte of the directory is counted: a stop point at its last byte is reached.
     let total = size(&out);
     let log = dir.path().join("synth-model-out-last.log");
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_picchio"));
-    cmd.args(&args).env(picchio_core::stop_point::BYTES_ENV, (total - 1).to_string());
-    let child = spawn_stopped(&mut cmd, &log).unwrap_or_else(|e| panic!("the last of {total} bytes: {e}"));
-    let pid = child.id();
-    kill9(child);
+    let pid = kill_writer_at(&args, total - 1, &log).unwrap_or_else(|e| panic!("the last of {total} bytes: {e}")).pid;
     assert!(tmp_dir(&out, "synthetic")(pid).exists(), "no temporary output after the kill at the last byte");
     let w = Writer { name: "synth-model-out", args, out: out.clone(), leftover: Box::new(tmp_dir(&out, "synthetic")) };
     kill_at_seeded_points(&w, dir.path());

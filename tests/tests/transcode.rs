@@ -244,7 +244,7 @@ fn refusals_write_nothing_and_the_source_is_never_written() {
 
     // An existing destination: refused without overwrite (untouched), replaced with it.
     let e = transcode(&q4, &q3, &to(QuantKind::Q3)).unwrap_err();
-    assert!(matches!(e, Error::Exists { overwrite: Some("overwrite"), .. }), "{e}");
+    assert!(matches!(e, Error::Exists { replace_with: Some("--force"), .. }), "{e}");
     assert_eq!(hashes(&q3), q3_hashes);
     std::fs::write(q3.join("stale.txt"), b"old").unwrap();
     transcode(&q4, &q3, &TranscodeOptions { overwrite: true, ..to(QuantKind::Q3) }).unwrap();

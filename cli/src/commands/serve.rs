@@ -268,9 +268,8 @@ impl Server {
 /// load of a cached `u64::MAX` and a compare.
 fn hold_point(deltas: u64, stop: &dyn Fn() -> bool) {
     static LIMIT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    let limit = *LIMIT.get_or_init(|| {
-        std::env::var(HOLD_ENV).ok().and_then(|v| v.trim().parse().ok()).unwrap_or(u64::MAX)
-    });
+    let limit =
+        *LIMIT.get_or_init(|| std::env::var(HOLD_ENV).ok().and_then(|v| v.trim().parse().ok()).unwrap_or(u64::MAX));
     if deltas != limit {
         return;
     }

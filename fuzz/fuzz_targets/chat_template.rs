@@ -65,7 +65,9 @@ fuzz_target!(|input: &[u8]| {
     for (add_generation_prompt, enable_thinking) in [(true, None), (false, Some(false))] {
         let opts = RenderOptions { add_generation_prompt, enable_thinking, tools: &tools };
         if let Ok(text) = format.render(&messages, opts) {
-            let _ = format.reasoning().split(&text);
+            // Part way through a turn (a marker may be held back) and at its end.
+            let _ = format.reasoning().split(&text, false);
+            let _ = format.reasoning().split(&text, true);
         }
     }
 });

@@ -48,7 +48,10 @@ fn transcode_writes_model_q3_beside_the_source_and_says_to_pack_again() {
     let o = picchio(&["transcode", &src.to_string_lossy(), "--to", "q3", "--no-progress"]);
     assert_eq!(o.status.code(), Some(1));
     let e = stderr(&o);
-    assert!(e.contains("qwen3_moe-q3: destination already exists") && e.contains("hint: pass --force"), "{e}");
+    assert!(
+        e.contains("qwen3_moe-q3: destination already exists") && e.contains("or pass --force to replace it"),
+        "{e}"
+    );
     let o = picchio(&["transcode", &src.to_string_lossy(), "--to", "q3", "--no-progress", "--force"]);
     assert!(o.status.success(), "{}", stderr(&o));
 }

@@ -260,17 +260,20 @@ impl Server {
     }
 }
 
-/// The test hook `PICCHIO_SERVE_HOLD_AFTER_DELTAS=N`: the worker, having sent a request's `N`th
-/// delta, holds that request there until it is told to stop (its client leaves, or the server shuts
-/// down), as a stop point of `picchio_core::stop_point` holds a writer. A test then knows a request
-/// is running, and stays running, for as long as it needs (queue bounds, shutdown) on any machine,
-/// instead of hoping a long answer outlasts it. Without the variable (every real run) this is one
-/// load of a cached `u64::MAX` and a compare.
+/// The test hook `PICCHIO_SERVE_HOLD_AFTER_DELTAS=N`: the worker, having sent the first request's
+/// `N`th delta (once per process, as a stop point stops once), holds that request there until it is
+/// told to stop (its client leaves, or the server shuts down), as a stop point of
+/// `picchio_core::stop_point` holds a writer. A test then knows a request is running, and stays
+/// running, for as long as it needs (queue bounds, shutdown) on any machine, instead of hoping a
+/// long answer outlasts it. Without the variable (every real run) this is one load of a cached
+/// `u64::MAX` and a compare.
 fn hold_point(deltas: u64, stop: &dyn Fn() -> bool) {
     static LIMIT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     let limit =
         *LIMIT.get_or_init(|| std::env::var(HOLD_ENV).ok().and_then(|v| v.trim().parse().ok()).unwrap_or(u64::MAX));
-    if deltas != limit {
+    // Once: the first request to reach the count is held; later ones run through.
+    static HELD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if deltas != limit || HELD.swap(true, Ordering::Relaxed) {
         return;
     }
     eprintln!("picchio serve: {HOLD_ENV}={limit}: holding the request until it is stopped");

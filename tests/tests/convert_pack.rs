@@ -757,7 +757,7 @@ fn refuses_destination_in_source_or_existing_and_never_touches_the_source() {
     let dst = tmp.path().join("dst");
     convert(&src, &dst, &opts()).unwrap();
     let e = convert(&src, &dst, &opts()).unwrap_err().to_string();
-    assert!(e.contains("already exists") && e.contains("`overwrite`"), "{e}");
+    assert!(e.contains("already exists") && e.contains("pass --force"), "{e}");
     std::fs::write(dst.join("stale"), b"x").unwrap();
     convert(&src, &dst, &ConvertOptions { overwrite: true, ..opts() }).unwrap();
     assert!(!dst.join("stale").exists());

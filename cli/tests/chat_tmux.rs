@@ -19,20 +19,28 @@ const TEST: &str = "chat_in_tmux";
 
 struct Tmux {
     name: String,
+    /// Where the shell that runs the command writes its exit status.
+    status: std::path::PathBuf,
 }
 
 impl Tmux {
     /// A detached tmux session running `cmd` (kept open after it exits so its screen can be read).
+    /// `cmd` runs under a shell that writes its exit status to a file when it ends (see
+    /// [`Tmux::exit_status`]); the shell's `trap : INT` keeps it alive through the Ctrl-Cs sent to
+    /// the program (a caught signal, unlike an ignored one, is not inherited by the program).
     fn start(name: &str, cmd: &str) -> Tmux {
         let name = format!("picchio-{name}-{}", std::process::id());
+        let status = std::env::temp_dir().join(format!("{name}.status"));
+        let _ = std::fs::remove_file(&status);
+        let wrapped = format!("trap : INT; {cmd}; echo $? > {}", status.display());
         let ok = Command::new("tmux")
-            .args(["new-session", "-d", "-s", &name, "-x", "200", "-y", "60", cmd])
+            .args(["new-session", "-d", "-s", &name, "-x", "200", "-y", "60", &wrapped])
             .status()
             .unwrap()
             .success();
         assert!(ok, "tmux new-session failed");
         let _ = Command::new("tmux").args(["set-option", "-t", &name, "remain-on-exit", "on"]).status();
-        Tmux { name }
+        Tmux { name, status }
     }
 
     fn keys(&self, keys: &[&str]) {
@@ -52,14 +60,14 @@ impl Tmux {
     }
 
     /// The exit status of the pane's process once it is dead.
+    /// The program's exit status as its shell wrote it (`"0"`, …; `128 + N` for signal `N`), once the
+    /// pane is dead. (Read from the shell, not from tmux's `#{pane_dead_status}`: tmux 3.3a left a
+    /// dead pane's process unreaped at times, and its status empty.)
     fn exit_status(&self) -> String {
-        let o = Command::new("tmux")
-            .args(["display-message", "-p", "-t", &self.name, "#{pane_dead_status}"])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&o.stdout).trim().to_string()
+        std::fs::read_to_string(&self.status).unwrap_or_default().trim().to_string()
     }
 
+    /// The pane's shell has ended (after writing the program's exit status).
     fn dead(&self) -> bool {
         let o =
             Command::new("tmux").args(["display-message", "-p", "-t", &self.name, "#{pane_dead}"]).output().unwrap();
@@ -71,6 +79,7 @@ impl Drop for Tmux {
     fn drop(&mut self) {
         eprintln!("--- tmux screen of {}:\n{}", self.name, self.screen());
         let _ = Command::new("tmux").args(["kill-session", "-t", &self.name]).status();
+        let _ = std::fs::remove_file(&self.status);
     }
 }
 
@@ -108,7 +117,7 @@ fn chat_in_tmux() {
     let saved = tmp.path().join("conv.json");
 
     // Two turns, /save, /reset, a third turn, /exit. The bare form `picchio --model DIR` is chat.
-    let cmd = format!("exec {exe} --model {m} --ecap 4 --ctx 256 -n 8 2>{}", log.display());
+    let cmd = format!("{exe} --model {m} --ecap 4 --ctx 256 -n 8 2>{}", log.display());
     let t = Tmux::start("turns", &cmd);
     wait("the banner", &t, || std::fs::read_to_string(&log).unwrap_or_default().contains("picchio chat:"));
     t.line("Hi there");
@@ -166,7 +175,7 @@ fn chat_in_tmux() {
 
     // Ctrl-C during a long answer stops it; the program goes on; Ctrl-C at the prompt ends it.
     let log2 = tmp.path().join("chat2.log");
-    let cmd = format!("exec {exe} chat --model {m} --ecap 4 --ctx 512 -n 480 --ignore-eos 2>{}", log2.display());
+    let cmd = format!("{exe} chat --model {m} --ecap 4 --ctx 512 -n 480 --ignore-eos 2>{}", log2.display());
     let t2 = Tmux::start("ctrlc", &cmd);
     wait("the banner", &t2, || std::fs::read_to_string(&log2).unwrap_or_default().contains("picchio chat:"));
     t2.line("Hi there");
@@ -205,7 +214,7 @@ fn ctrl_c_twice_ends_the_chat_and_shuts_the_nvme_controller_down() {
     // driver's shutdown and what the model saw. No --model: the image records it.
     let store = format!("nvme-sim:{}", model.join("experts.picchioflat").display());
     let cmd = format!(
-        "exec env -u PICCHIO_MODEL {exe} -v --store {store} --ecap 4 --ctx 512 -n 480 --ignore-eos 2>{}",
+        "env -u PICCHIO_MODEL {exe} -v --store {store} --ecap 4 --ctx 512 -n 480 --ignore-eos 2>{}",
         log.display()
     );
     let t = Tmux::start("nvme", &cmd);

@@ -145,7 +145,14 @@ fn endpoints_answer_and_bad_requests_get_openai_errors() {
     assert!(err(&v).0.contains("outside the vocabulary"), "{v}");
     let (st, v) = s.post("/v1/completions", &json!({"prompt": {"a": 1}}));
     assert_eq!(st, 400, "{v}");
-    for (field, value) in [("echo", json!(true)), ("logprobs", json!(2)), ("best_of", json!(3))] {
+    for (field, value) in [
+        ("echo", json!(true)),
+        ("logprobs", json!(2)),
+        ("best_of", json!(3)),
+        ("logit_bias", json!({"15": 100})),
+        ("suffix", json!(" end")),
+        ("tool_choice", json!("required")),
+    ] {
         let mut body = json!({"prompt": "Hi", "max_tokens": 2});
         body[field] = value;
         let (st, v) = s.post("/v1/completions", &body);
@@ -153,7 +160,8 @@ fn endpoints_answer_and_bad_requests_get_openai_errors() {
         assert!(err(&v).0.contains(&format!("{field} is not supported")), "{v}");
     }
     // Their "off" values are accepted (clients send them by default).
-    let off = json!({"prompt": "Hi", "max_tokens": 1, "temperature": 0, "logprobs": null, "echo": false, "best_of": 1});
+    let off = json!({"prompt": "Hi", "max_tokens": 1, "temperature": 0, "logprobs": null, "echo": false, "best_of": 1,
+                     "logit_bias": {}, "suffix": null, "tool_choice": "auto"});
     assert_eq!(s.post("/v1/completions", &off).0, 200);
     let (st, _) = s.get("/v1/nothing");
     assert_eq!(st, 404);
@@ -174,7 +182,7 @@ fn endpoints_answer_and_bad_requests_get_openai_errors() {
     // Every refusal above is counted by its status, whether the HTTP layer or the worker refused:
     // 15 + 5 bad requests, a body too large, an unknown model, path and model id, a wrong method.
     let failed = |status: u16| s.metric(&format!("picchio_requests_failed_total{{status=\"{status}\"}}"));
-    assert_eq!([failed(400), failed(404), failed(405), failed(413)], [20.0, 3.0, 1.0, 1.0]);
+    assert_eq!([failed(400), failed(404), failed(405), failed(413)], [23.0, 3.0, 1.0, 1.0]);
 }
 
 /// A raw HTTP/1.1 exchange: sends `head` then `body`, and reads until the server closes the
@@ -241,8 +249,12 @@ fn oversized_stalled_and_idle_requests_are_answered_and_closed() {
 fn nonsensical_serve_options_are_refused_by_name() {
     for (args, text) in [
         (&["--max-body", "0"][..], "--max-body must be at least 1"),
-        (&["--body-timeout", "0"], "--body-timeout must be at least 1"),
-        (&["--idle-timeout", "0"], "--idle-timeout must be at least 1"),
+        (&["--body-timeout", "0"], "'--body-timeout <SECONDS>': 0 is not in 1..=86400"),
+        (&["--idle-timeout", "0"], "'--idle-timeout <SECONDS>': 0 is not in 1..=86400"),
+        // Far past a day, a deadline overflowed the clock's arithmetic (a panic on every connection).
+        (&["--idle-timeout", "18446744073709551615"], "is not in 1..=86400"),
+        (&["--body-timeout", "86401"], "is not in 1..=86400"),
+        (&["--host", "example"], "expected an IP address to listen on"),
         (&["--queue", "0"], "--queue must be at least 1"),
         (&["--api-key", " "], "--api-key (or $PICCHIO_API_KEY) is empty"),
     ] {
@@ -338,6 +350,9 @@ fn an_api_key_is_required_when_set() {
     let (st, _) = s.request("POST", "/v1/chat/completions", &[], body.as_bytes());
     assert_eq!(st, 401);
     let (st, raw) = s.request("POST", "/v1/chat/completions", &[("Authorization", "Bearer sekrit")], body.as_bytes());
+    assert_eq!(st, 200, "{raw}");
+    // The scheme is case-insensitive (RFC 9110 §11.1).
+    let (st, raw) = s.request("POST", "/v1/chat/completions", &[("Authorization", "bearer sekrit")], body.as_bytes());
     assert_eq!(st, 200, "{raw}");
     // /health stays open (for load balancers).
     assert_eq!(s.get("/health").0, 200);

@@ -71,7 +71,7 @@ fn demo_synthetic_gpt_oss_streams_and_every_tier_agrees() {
     let o = picchio(&args);
     let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
     assert!(o.status.success(), "{err}");
-    assert!(err.contains("writing a random-weight gpt-oss-20b model: 1 layers × 32 experts × 13996800 B"), "{err}");
+    assert!(err.contains("writing a random-weight gpt-oss-20b model: 1 layer × 32 experts × 13996800 B"), "{err}");
     assert!(err.contains("expert cache: 3 of 32 experts"), "{err}");
     let line = out.lines().find(|l| l.starts_with("prompt ids -> ")).unwrap_or_else(|| panic!("{out}"));
     let demo_tokens: Vec<u64> = line["prompt ids -> ".len()..].split(' ').map(|t| t.parse().unwrap()).collect();
@@ -140,7 +140,7 @@ fn synth_model_out_both_archs_then_run() {
         let model = dir.path().join(arch);
         let m = model.to_str().unwrap();
         let out = ok(&["synth", "--arch", arch, "--layers", "1", "--seed", "7", "--model-out", m, "--no-progress"]);
-        assert!(out.contains(&format!("random-weight {arch} model (seed 7), 1 layers, {experts} experts")), "{out}");
+        assert!(out.contains(&format!("random-weight {arch} model (seed 7), 1 layer, {experts} experts")), "{out}");
         let leftovers: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(leftovers, [std::ffi::OsString::from(arch)], "only the model directory remains");
         let tok = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(tok_dir).join("tokenizer.json");
@@ -243,7 +243,7 @@ fn synth_model_out_with_a_small_vocabulary_loads_and_runs_with_id_prompts() {
             m,
         ]);
         assert!(
-            out.contains(&format!("1 layers, {experts} experts"))
+            out.contains(&format!("1 layer, {experts} experts"))
                 && out.contains(&format!("vocabulary {vocab}, tokenizer none")),
             "{out}"
         );

@@ -21,7 +21,7 @@ pub struct Args {
     pub model: super::model_args::ModelArgs,
     /// Address to listen on (loopback by default: give 0.0.0.0 to serve the network, with --api-key;
     /// without a key, a non-loopback address gets a warning at start-up).
-    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1")]
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1", value_parser = parse_host)]
     pub host: IpAddr,
     /// TCP port (0 picks a free one; the address is printed on stderr).
     #[arg(long, value_name = "PORT", default_value_t = 8080)]
@@ -38,31 +38,43 @@ pub struct Args {
     pub max_body: usize,
     /// Seconds a request body may stall: a client that stops sending its body for longer gets 408
     /// and its connection is closed.
-    #[arg(long, value_name = "SECONDS", default_value_t = 30)]
+    #[arg(long, value_name = "SECONDS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=MAX_TIMEOUT_S))]
     pub body_timeout: u64,
     /// Seconds a connection may wait for (the headers of) its next request, idle keep-alive
     /// connections included, before it is closed.
-    #[arg(long, value_name = "SECONDS", default_value_t = 60)]
+    #[arg(long, value_name = "SECONDS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=MAX_TIMEOUT_S))]
     pub idle_timeout: u64,
+}
+
+/// The longest --body-timeout and --idle-timeout: one day, in seconds. (A deadline far past it
+/// overflows the clock's instant arithmetic inside the HTTP server: 2^64 − 1 seconds panicked on
+/// every connection.)
+pub const MAX_TIMEOUT_S: u64 = 86_400;
+
+/// `--host`: an IP address (`127.0.0.1`, `0.0.0.0`, `::1`, `[::1]`) or `localhost` (127.0.0.1).
+fn parse_host(s: &str) -> Result<IpAddr, String> {
+    let t = s.trim();
+    if t.eq_ignore_ascii_case("localhost") {
+        return Ok(IpAddr::from([127, 0, 0, 1]));
+    }
+    let t = t.strip_prefix('[').and_then(|r| r.strip_suffix(']')).unwrap_or(t);
+    t.parse().map_err(|_| {
+        format!("expected an IP address to listen on, such as 127.0.0.1 (loopback), 0.0.0.0 (every interface) or ::1, or localhost; got {s:?}")
+    })
 }
 
 impl Args {
     /// Refuses option values that cannot work, naming the option.
     ///
     /// # Errors
-    /// `--queue 0`, `--max-body 0`, `--body-timeout 0`, `--idle-timeout 0`, an empty API key.
+    /// `--queue 0`, `--max-body 0`, an empty API key. (The timeouts' range, 1 to [`MAX_TIMEOUT_S`]
+    /// seconds, is checked as they are parsed.)
     pub fn check(&self) -> anyhow::Result<()> {
         if self.queue == 0 {
             anyhow::bail!("--queue must be at least 1 (requests that may wait while one runs)");
         }
         if self.max_body == 0 {
             anyhow::bail!("--max-body must be at least 1 byte (every request has a JSON body); the default is 4194304");
-        }
-        if self.body_timeout == 0 {
-            anyhow::bail!("--body-timeout must be at least 1 second; the default is 30");
-        }
-        if self.idle_timeout == 0 {
-            anyhow::bail!("--idle-timeout must be at least 1 second; the default is 60");
         }
         if self.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
             anyhow::bail!(

@@ -215,7 +215,13 @@ async fn metrics(State(s): St) -> Response {
 #[allow(clippy::result_large_err)]
 fn authorize(s: &Server, headers: &HeaderMap) -> Result<(), Response> {
     let Some(key) = &s.api_key else { return Ok(()) };
-    let given = headers.get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    // The scheme is case-insensitive (RFC 9110 §11.1): `bearer KEY` is the same as `Bearer KEY`.
+    let given = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, k)| k.trim());
     match given {
         Some(g) if g == key => Ok(()),
         Some(_) => {
@@ -293,12 +299,16 @@ struct Body {
     echo: bool,
     best_of: Option<i64>,
     response_format: Option<Value>,
+    logit_bias: Option<Value>,
+    suffix: Option<Value>,
+    tool_choice: Option<Value>,
 }
 
 impl Body {
     /// The first field asked for that this server does not do (`None`: none), so the request is
-    /// refused instead of answered without it: logprobs, top_logprobs, echo, best_of > 1, and a
-    /// response_format other than text.
+    /// refused instead of answered without it: logprobs, top_logprobs, echo, best_of > 1, a
+    /// response_format other than text, a non-empty logit_bias or suffix, and a tool_choice that
+    /// forces a call ("required" or a named function).
     fn unsupported(&self) -> Option<&'static str> {
         let asked = |v: &Option<Value>| match v {
             None | Some(Value::Null) | Some(Value::Bool(false)) => false,
@@ -315,6 +325,20 @@ impl Body {
             Some("best_of")
         } else if self.response_format.as_ref().is_some_and(|f| f.get("type").and_then(Value::as_str) != Some("text")) {
             Some("response_format (only {\"type\": \"text\"})")
+        } else if self
+            .logit_bias
+            .as_ref()
+            .is_some_and(|b| !(b.is_null() || b.as_object().is_some_and(|m| m.is_empty())))
+        {
+            Some("logit_bias")
+        } else if self.suffix.as_ref().is_some_and(|x| !(x.is_null() || x.as_str() == Some(""))) {
+            Some("suffix")
+        } else if self
+            .tool_choice
+            .as_ref()
+            .is_some_and(|c| !(c.is_null() || matches!(c.as_str(), Some("auto" | "none"))))
+        {
+            Some("tool_choice (only \"auto\" or \"none\": the model decides whether to call a tool)")
         } else {
             None
         }

@@ -217,8 +217,9 @@ fn synth_model(a: &Args, dir: &Path) -> anyhow::Result<()> {
         Some(v) => spec.vocab = v as usize,
         None => {}
     }
+    let layers_n = if layers == 1 { "1 layer".to_string() } else { format!("{layers} layers") };
     eprintln!(
-        "writing a random-weight {arch} model: {layers} layers × {} experts × {} B = {:.2} GB of Q4 experts \
+        "writing a random-weight {arch} model: {layers_n} × {} experts × {} B = {:.2} GB of Q4 experts \
          (about {:.1} GB on disk with the resident tensors and the image) -> {}",
         spec.experts,
         spec.expert_layout().len(),
@@ -242,7 +243,7 @@ fn synth_model(a: &Args, dir: &Path) -> anyhow::Result<()> {
         e => e.into(),
     })?;
     println!(
-        "{}: random-weight {arch} model (seed {}), {layers} layers, {} experts of {} B ({:.2} GB of Q4 experts), \
+        "{}: random-weight {arch} model (seed {}), {layers_n}, {} experts of {} B ({:.2} GB of Q4 experts), \
          {:.2} GB resident, vocabulary {}, tokenizer {}; image {}",
         dir.display(),
         spec.seed,

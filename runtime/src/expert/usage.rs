@@ -200,6 +200,11 @@ impl UsageOut {
         match std::fs::metadata(path) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(Error::io(path, "stat the usage profile")(e)),
+            Ok(m) if m.is_dir() => Err(Error::Invalid(format!(
+                "{}: is a directory: --usage-out takes a file path (e.g. {}/usage.json)",
+                path.display(),
+                path.display()
+            ))),
             Ok(_) => {
                 let old = UsageProfile::read(path).map_err(|e| {
                     Error::Invalid(format!("{e}: --usage-out will not replace it: remove it or choose another path"))
@@ -304,6 +309,9 @@ mod tests {
         let missing = dir.path().join("no-such-dir").join("u.txt");
         let e = UsageOut::create(&missing, 1, 2).unwrap_err().to_string();
         assert!(e.contains(&missing.display().to_string()), "{e}");
+        // A directory: named as one (not "read the usage profile").
+        let e = UsageOut::create(dir.path(), 1, 2).unwrap_err().to_string();
+        assert!(e.contains("is a directory: --usage-out takes a file path"), "{e}");
         // Another shape, or not a profile: refused at create; the file is unchanged.
         let path = dir.path().join("u.txt");
         UsageProfile::new(1, 2, vec![1, 2]).save_adding(&path).unwrap();

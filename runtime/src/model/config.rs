@@ -416,7 +416,13 @@ impl Config {
                 None | Some("default") => {}
                 Some("yarn") => {
                     if !p.factor.is_some_and(|f| f.is_finite() && f >= 1.0) {
-                        return Err(bad(key, format!("yarn needs a `factor` >= 1, got {:?}", p.factor)));
+                        return Err(bad(
+                            key,
+                            match p.factor {
+                                Some(f) => format!("yarn needs a finite `factor` >= 1, got {f}"),
+                                None => "yarn needs a `factor` (>= 1), and none is given".to_string(),
+                            },
+                        ));
                     }
                 }
                 Some(t) => {
@@ -808,6 +814,11 @@ mod tests {
             "beta_fast -32 is out of range",
             finite,
         );
+        // YaRN's factor: the value as written (not Rust's `Some(0.0)`), or that none is given.
+        let (_, e) = qwen3_err(&|v| v["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 0}));
+        assert!(e.contains("yarn needs a finite `factor` >= 1, got 0") && !e.contains("Some("), "{e}");
+        let (_, e) = qwen3_err(&|v| v["rope_scaling"] = serde_json::json!({"rope_type": "yarn"}));
+        assert!(e.contains("yarn needs a `factor` (>= 1), and none is given"), "{e}");
         // NaN and infinity cannot be written in JSON; the check refuses them all the same.
         let mut c = Config::from_dir(&fixture("qwen3_moe")).unwrap();
         c.rms_norm_eps = f64::NAN;

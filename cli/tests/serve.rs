@@ -157,7 +157,7 @@ fn endpoints_answer_and_bad_requests_get_openai_errors() {
         body[field] = value;
         let (st, v) = s.post("/v1/completions", &body);
         assert_eq!(st, 400, "{field}: {v}");
-        assert!(err(&v).0.contains(&format!("{field} is not supported")), "{v}");
+        assert!(err(&v).0.starts_with(field) && err(&v).0.contains("is not supported"), "{v}");
     }
     // Their "off" values are accepted (clients send them by default).
     let off = json!({"prompt": "Hi", "max_tokens": 1, "temperature": 0, "logprobs": null, "echo": false, "best_of": 1,

@@ -383,9 +383,9 @@ pub(super) fn synthetic_model(
         );
     } else {
         eprintln!(
-            "writing a random-weight {arch} model: {} layers × {} experts × {} B = {:.2} GB of Q4 experts \
+            "writing a random-weight {arch} model: {} × {} experts × {} B = {:.2} GB of Q4 experts \
              (about {:.1} GB on disk with the resident tensors and the image) -> {}",
-            spec.layers,
+            super::synth::layers_phrase(spec.layers as u64),
             spec.experts,
             spec.expert_layout().len(),
             spec.expert_bytes() as f64 / 1e9,

@@ -217,7 +217,7 @@ fn synth_model(a: &Args, dir: &Path) -> anyhow::Result<()> {
         Some(v) => spec.vocab = v as usize,
         None => {}
     }
-    let layers_n = if layers == 1 { "1 layer".to_string() } else { format!("{layers} layers") };
+    let layers_n = layers_phrase(layers as u64);
     eprintln!(
         "writing a random-weight {arch} model: {layers_n} × {} experts × {} B = {:.2} GB of Q4 experts \
          (about {:.1} GB on disk with the resident tensors and the image) -> {}",
@@ -259,4 +259,13 @@ fn synth_model(a: &Args, dir: &Path) -> anyhow::Result<()> {
         dir.join(picchio_runtime::expert::store::DEFAULT_IMAGE).display()
     );
     Ok(())
+}
+
+/// `"1 layer"`, `"N layers"`: the count of decoder layers as the writers' messages say it.
+pub(crate) fn layers_phrase(n: u64) -> String {
+    if n == 1 {
+        "1 layer".to_string()
+    } else {
+        format!("{n} layers")
+    }
 }

@@ -442,9 +442,8 @@ fn csts_poll_zero_and_default_both_enable_and_shut_down() {
 #[test]
 fn a_namespace_of_2_64_bytes_or_more_is_refused_at_connect_not_an_overflow() {
     let input =
-        std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/../fuzz/corpus/nvme_tcp/crash-nsze-times-lba-overflow"))
-            .unwrap();
-    let out = picchio_nvme::tcp::replay::run(&input);
+        include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/../fuzz/corpus/nvme_tcp/crash-nsze-times-lba-overflow"));
+    let out = picchio_nvme::tcp::replay::run(input);
     let e = out.error().expect("an error");
     assert!(e.message.contains("bytes is 2^64 bytes or more"), "{out:#?}");
     assert!(e.message.contains("namespace 1: NSZE "), "{}", e.message);

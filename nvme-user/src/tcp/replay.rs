@@ -505,7 +505,6 @@ pub fn seed_sessions() -> Vec<(&'static str, u8, ModelConfig)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::path::Path;
 
     /// Every step of the scenario of `opts` ran and succeeded.
     fn assert_deep(name: &str, opts: u8, out: &Outcome) {
@@ -532,16 +531,30 @@ mod tests {
 
     #[test]
     fn the_checked_in_seeds_replay_to_a_successful_read() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/nvme_tcp");
-        for (name, opts, _) in seed_sessions() {
-            let bytes = std::fs::read(dir.join(name)).unwrap_or_else(|e| {
-                panic!(
-                    "{name}: {e}; regenerate with `cargo run -p picchio-nvme --example nvme_tcp_seeds -- \
-                     fuzz/corpus/nvme_tcp`"
-                )
-            });
+        // Compiled in, so the test binary runs away from its source tree too (the tests/vm guests).
+        // Regenerate them with `cargo run -p picchio-nvme --example nvme_tcp_seeds -- fuzz/corpus/nvme_tcp`.
+        macro_rules! seed {
+            ($name:literal) => {
+                ($name, &include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/../fuzz/corpus/nvme_tcp/", $name))[..])
+            };
+        }
+        let checked_in: [(&str, &[u8]); 6] = [
+            seed!("io_512"),
+            seed!("io_512_digests"),
+            seed!("io_4k_split_success_r2t"),
+            seed!("io_512_hdgst_cpda1"),
+            seed!("discovery"),
+            seed!("discovery_digests"),
+        ];
+        let sessions = seed_sessions();
+        assert_eq!(
+            sessions.iter().map(|s| s.0).collect::<Vec<_>>(),
+            checked_in.iter().map(|s| s.0).collect::<Vec<_>>(),
+            "every recorded session is checked in"
+        );
+        for ((name, opts, _), (_, bytes)) in sessions.into_iter().zip(checked_in) {
             assert_eq!(bytes[0], opts, "{name}: options byte");
-            assert_deep(name, opts, &run(&bytes));
+            assert_deep(name, opts, &run(bytes));
         }
     }
 

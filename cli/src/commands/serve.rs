@@ -294,6 +294,10 @@ fn hold_point(deltas: u64, stop: &dyn Fn() -> bool) {
     }
 }
 
+/// The 503 message of a request refused or dropped from the queue because the server is shutting
+/// down (at submit, or when the worker reaches it).
+pub const SHUTTING_DOWN: &str = "the server is shutting down; the request was not run";
+
 /// The variable of [`hold_point`].
 pub const HOLD_ENV: &str = "PICCHIO_SERVE_HOLD_AFTER_DELTAS";
 
@@ -307,7 +311,7 @@ fn worker(mut engine: Engine, jobs: mpsc::Receiver<Job>, metrics: Arc<Metrics>, 
             let _ = job.events.send(Event::Done(Err(Failure {
                 status: 503,
                 code: Some("server_shutting_down"),
-                message: "the server is shutting down; the request was not run".into(),
+                message: SHUTTING_DOWN.into(),
             })));
             continue;
         }

@@ -538,7 +538,7 @@ async fn handle(s: Arc<Server>, headers: HeaderMap, bytes: Result<Bytes, BytesRe
                 StatusCode::SERVICE_UNAVAILABLE,
                 "server_error",
                 Some("server_shutting_down"),
-                "the server is shutting down; the request was not run",
+                super::serve::SHUTTING_DOWN,
             )
         }
     }

@@ -285,6 +285,7 @@ fn a_non_loopback_address_without_a_key_is_warned_about() {
 /// SIGINT: the listener closes, the running (streamed) request stops at its next token and ends
 /// with `finish_reason` "abort" and `[DONE]`, the queued one is answered 503
 /// `server_shutting_down` without running, and the process exits 0.
+#[cfg(unix)]
 #[test]
 fn sigint_stops_the_running_request_answers_the_queued_503_and_exits_0() {
     let tmp = common::scratch();
@@ -317,6 +318,7 @@ fn sigint_stops_the_running_request_answers_the_queued_503_and_exits_0() {
 
 /// A second SIGINT while the shutdown waits (here for a client stuck sending its body) exits at
 /// once, with status 130.
+#[cfg(unix)]
 #[test]
 fn a_second_sigint_exits_at_once() {
     let tmp = common::scratch();

@@ -95,11 +95,10 @@ pub fn write(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     f.into_inner().sync_all()
 }
 
-#[cfg(test)]
+#[cfg(all(test, target_os = "linux"))]
 mod tests {
     use super::*;
 
-    #[cfg(target_os = "linux")]
     #[test]
     fn outputs_get_the_umask_mode_and_every_byte_arrives() {
         use std::os::unix::fs::PermissionsExt;

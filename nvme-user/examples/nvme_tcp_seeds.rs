@@ -8,11 +8,21 @@
 //! The recordings are the same on every run except the discovery log entry's TRSVCID, the model's
 //! port number as text.
 
+#[cfg(target_os = "linux")]
 use std::error::Error;
+#[cfg(target_os = "linux")]
 use std::path::PathBuf;
 
+#[cfg(target_os = "linux")]
 use picchio_nvme::tcp::replay;
 
+#[cfg(not(target_os = "linux"))]
+fn main() {
+    eprintln!("nvme_tcp_seeds: the NVMe/TCP initiator is Linux-only");
+    std::process::exit(2);
+}
+
+#[cfg(target_os = "linux")]
 fn main() -> Result<(), Box<dyn Error>> {
     let dir = PathBuf::from(std::env::args().nth(1).ok_or("usage: nvme_tcp_seeds DIR (fuzz/corpus/nvme_tcp)")?);
     std::fs::create_dir_all(&dir)?;

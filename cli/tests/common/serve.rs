@@ -82,6 +82,7 @@ impl Served {
     }
 
     /// Sends `signal` (`libc::SIGINT`, ...) to the server.
+    #[cfg(unix)]
     pub fn signal(&self, signal: libc::c_int) {
         // SAFETY: signals our own child, which is not reaped before `self` is dropped or waited.
         assert_eq!(unsafe { libc::kill(self.child.id() as libc::pid_t, signal) }, 0);

@@ -27,7 +27,6 @@ mod plan;
 mod quantize;
 pub(crate) mod shard;
 
-use std::fs::File;
 use std::io::Write;
 use std::path::{Component, Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -436,7 +435,7 @@ impl TempDir {
         #[cfg(unix)]
         if let Some(parent) = dst.parent().filter(|p| !p.as_os_str().is_empty()) {
             // Make the rename durable (best effort: some file systems refuse to sync a directory).
-            let _ = File::open(parent).and_then(|d| d.sync_all());
+            let _ = std::fs::File::open(parent).and_then(|d| d.sync_all());
         }
         Ok(())
     }

@@ -272,34 +272,56 @@ impl Server {
     }
 }
 
-/// The test hook `PICCHIO_SERVE_HOLD_AFTER_DELTAS=N`: the worker, having sent the first request's
-/// `N`th delta (once per process, as a stop point stops once), holds that request there until it is
-/// told to stop (its client leaves, or the server shuts down), as a stop point of
-/// `picchio_core::stop_point` holds a writer. A test then knows a request is running, and stays
-/// running, for as long as it needs (queue bounds, shutdown) on any machine, instead of hoping a
-/// long answer outlasts it. Without the variable (every real run) this is one load of a cached
+/// A test hook's hold point: the worker, reaching the `N`th event of its kind in the first request
+/// that gets that far (once per process, as a stop point of `picchio_core::stop_point` stops once),
+/// holds that request there until it is told to stop (its client leaves, or the server shuts down).
+/// A test then knows where a request is, and that it stays there for as long as the test needs
+/// (queue bounds, shutdown, a client leaving mid-prefill), on any machine, instead of hoping a long
+/// prompt or answer outlasts it. Without the variable (every real run) this is one load of a cached
 /// `u64::MAX` and a compare.
-fn hold_point(deltas: u64, stop: &dyn Fn() -> bool) {
-    static LIMIT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    let limit =
-        *LIMIT.get_or_init(|| std::env::var(HOLD_ENV).ok().and_then(|v| v.trim().parse().ok()).unwrap_or(u64::MAX));
-    // Once: the first request to reach the count is held; later ones run through.
-    static HELD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-    if deltas != limit || HELD.swap(true, Ordering::Relaxed) {
-        return;
+struct HoldPoint {
+    /// The variable that sets `N`.
+    env: &'static str,
+    /// Where the request is held, for the line printed when it is.
+    place: &'static str,
+    limit: std::sync::OnceLock<u64>,
+    held: AtomicBool,
+}
+
+impl HoldPoint {
+    const fn new(env: &'static str, place: &'static str) -> Self {
+        Self { env, place, limit: std::sync::OnceLock::new(), held: AtomicBool::new(false) }
     }
-    eprintln!("picchio serve: {HOLD_ENV}={limit}: holding the request until it is stopped");
-    while !stop() {
-        std::thread::sleep(Duration::from_millis(5));
+
+    /// Holds (polling `stop` every 5 ms) if `count` is the hook's `N` and no request was held here yet.
+    fn at(&self, count: u64, stop: &dyn Fn() -> bool) {
+        let limit = *self
+            .limit
+            .get_or_init(|| std::env::var(self.env).ok().and_then(|v| v.trim().parse().ok()).unwrap_or(u64::MAX));
+        if count != limit || self.held.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        eprintln!("picchio serve: {}={limit}: holding the request {} until it is stopped", self.env, self.place);
+        while !stop() {
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 }
+
+/// `PICCHIO_SERVE_HOLD_AFTER_DELTAS=N`: held after sending its `N`th delta.
+static HOLD_AFTER_DELTAS: HoldPoint = HoldPoint::new(HOLD_ENV, "after a delta");
+/// `PICCHIO_SERVE_HOLD_IN_PREFILL=N`: held before its `N`th prefill chunk (`N - 1` chunks done).
+static HOLD_IN_PREFILL: HoldPoint = HoldPoint::new(HOLD_PREFILL_ENV, "in its prefill");
 
 /// The 503 message of a request refused or dropped from the queue because the server is shutting
 /// down (at submit, or when the worker reaches it).
 pub const SHUTTING_DOWN: &str = "the server is shutting down; the request was not run";
 
-/// The variable of [`hold_point`].
+/// The variable of the hold point after the `N`th delta ([`HoldPoint`]).
 pub const HOLD_ENV: &str = "PICCHIO_SERVE_HOLD_AFTER_DELTAS";
+
+/// The variable of the hold point before the `N`th prefill chunk ([`HoldPoint`]).
+pub const HOLD_PREFILL_ENV: &str = "PICCHIO_SERVE_HOLD_IN_PREFILL";
 
 /// Runs queued jobs one at a time on `engine` until the queue's senders are gone. Once
 /// `shutting_down` is set, the running job stops at its next token (or prefill chunk) and every job
@@ -325,7 +347,9 @@ fn worker(mut engine: Engine, jobs: mpsc::Receiver<Job>, metrics: Arc<Metrics>, 
         let left = || job.events.is_closed();
         let stop = || left() || shutting_down.load(Ordering::SeqCst);
         metrics.running.store(1, Ordering::Relaxed);
-        let mut deltas = 0u64;
+        let deltas = std::cell::Cell::new(0u64);
+        // The checks before the first delta are the prefill's, one before each chunk.
+        let prefill_checks = std::cell::Cell::new(0u64);
         let result = engine.run(
             &job.request,
             &mut |d| {
@@ -333,11 +357,17 @@ fn worker(mut engine: Engine, jobs: mpsc::Receiver<Job>, metrics: Arc<Metrics>, 
                     gone = true;
                     return ControlFlow::Break(());
                 }
-                deltas += 1;
-                hold_point(deltas, &stop);
+                deltas.set(deltas.get() + 1);
+                HOLD_AFTER_DELTAS.at(deltas.get(), &stop);
                 ControlFlow::Continue(())
             },
-            &stop,
+            &|| {
+                if deltas.get() == 0 {
+                    prefill_checks.set(prefill_checks.get() + 1);
+                    HOLD_IN_PREFILL.at(prefill_checks.get(), &stop);
+                }
+                stop()
+            },
         );
         metrics.running.store(0, Ordering::Relaxed);
         gone |= left();

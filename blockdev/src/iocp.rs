@@ -374,31 +374,13 @@ fn nanos_since(t: Instant) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use picchio_core::ByteOffset;
+    use crate::test_file::{file_with, read};
 
     fn assert_send<T: Send>() {}
 
     #[test]
     fn queue_is_send() {
         assert_send::<IocpQueue>();
-    }
-
-    fn file_with(len: usize) -> (tempfile::TempDir, PathBuf, Vec<u8>) {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("data");
-        let bytes: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
-        std::fs::write(&path, &bytes).unwrap();
-        (dir, path, bytes)
-    }
-
-    fn read(q: &mut IocpQueue, offset: u64, len: u32) -> Completion {
-        let buf = AlignedBuf::new(len.max(1) as usize, 4096).unwrap();
-        q.submit(ReadReq { offset: ByteOffset(offset), len, buf, tag: Tag(offset) });
-        let mut out = Vec::new();
-        while out.is_empty() {
-            q.reap(1, &mut out);
-        }
-        out.pop().unwrap()
     }
 
     #[test]

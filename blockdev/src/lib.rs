@@ -34,6 +34,8 @@ mod psync;
 pub mod raw;
 mod store;
 mod sys;
+#[cfg(test)]
+mod test_file;
 #[cfg(target_os = "linux")]
 mod uring;
 

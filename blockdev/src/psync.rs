@@ -372,6 +372,7 @@ fn read_full(shared: &Shared, offset: u64, len: u32, buf: &mut AlignedBuf) -> st
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_file::{file_with, read};
     use picchio_core::{ByteOffset, Tag};
 
     fn assert_send<T: Send>() {}
@@ -379,22 +380,6 @@ mod tests {
     #[test]
     fn queue_is_send() {
         assert_send::<PsyncQueue>();
-    }
-
-    fn file_with(len: usize) -> (tempfile::TempDir, PathBuf, Vec<u8>) {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("data");
-        let bytes: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
-        std::fs::write(&path, &bytes).unwrap();
-        (dir, path, bytes)
-    }
-
-    fn read(q: &mut PsyncQueue, offset: u64, len: u32) -> Completion {
-        let buf = AlignedBuf::new(len.max(1) as usize, 4096).unwrap();
-        q.submit(ReadReq { offset: ByteOffset(offset), len, buf, tag: Tag(offset) });
-        let mut out = Vec::new();
-        assert_eq!(q.reap(1, &mut out), 1);
-        out.pop().unwrap()
     }
 
     #[test]

@@ -7,10 +7,10 @@ mod common;
 
 use std::path::Path;
 
-use common::{buf_for, random_file, read_one, scratch, Rng};
+use common::{buf_for, check_every_expert, random_file, read_one, scratch, write_image, Rng};
 use picchio_blockdev::{open_store, Error, PsyncOptions, PsyncQueue};
 use picchio_core::loader::StoreDims;
-use picchio_core::{AlignedBuf, ByteOffset, ExpertLoader, FlatWriter, IoQueue, ReadReq, Tag};
+use picchio_core::{ByteOffset, IoQueue, ReadReq, Tag};
 use picchio_testkit::loopdev::{LoopDevice, LoopOptions};
 
 /// A read-only loop device with `sector_size`-byte logical blocks over `file` (the loop driver
@@ -67,27 +67,11 @@ fn flat_store_on_a_loop_device() {
     let dir = scratch();
     let path = dir.path().join("experts.picchioflat");
     let dims = StoreDims { hidden: 64, n_layers: 2, n_experts: 3, topk: 1, moe_inter: 128 };
-    let mut rng = Rng::new(9);
-    let payloads: Vec<Vec<u8>> = (0..6).map(|i| rng.bytes(3000 + i * 2500)).collect();
-    let mut w = FlatWriter::create(&path, dims, 6).unwrap();
-    for p in &payloads {
-        w.push(p).unwrap();
-    }
-    w.finish().unwrap();
+    let payloads = write_image(&path, dims, 9, |i| 3000 + i * 2500);
     let lo = attach("flat_store_on_a_loop_device", &path, 512);
 
     for opts in [PsyncOptions::direct(2), PsyncOptions::buffered(2)] {
         let mut store = open_store(&lo.dev, opts, true, None).unwrap();
-        for layer in 0..2u32 {
-            let reqs = (0..3).map(|e| (e, AlignedBuf::new(16384, 4096).unwrap())).collect();
-            let mut n = 0;
-            store.load(layer, reqs, &mut |l| {
-                n += 1;
-                l.result.unwrap_or_else(|e| panic!("{e}"));
-                let p = &payloads[(l.key.layer * 3 + l.key.expert) as usize];
-                assert!(l.buf.as_slice()[..p.len()] == p[..], "{}", l.key);
-            });
-            assert_eq!(n, 3);
-        }
+        check_every_expert(&mut store, dims, &payloads, 16384);
     }
 }

@@ -8,12 +8,12 @@ mod common;
 
 use std::path::Path;
 
-use common::{random_file, scratch, Rng};
+use common::{check_every_expert, random_file, scratch, write_image};
 use picchio_blockdev::{Error, IocpOptions, IocpQueue, MIN_REPORTED_BLOCK_SIZE};
 use picchio_core::format::round_up;
 use picchio_core::loader::StoreDims;
 use picchio_core::{
-    AlignedBuf, ByteOffset, Completion, ExpertLoader, FlatStore, FlatStoreOptions, FlatWriter, IoQueue, ReadReq, Tag,
+    AlignedBuf, ByteOffset, Completion, ExpertLoader, FlatStore, FlatStoreOptions, IoQueue, ReadReq, Tag,
 };
 use picchio_testkit::conformance::{Engine, Eof};
 
@@ -105,30 +105,13 @@ fn flat_store_loads_every_expert_through_iocp() {
     let dir = scratch();
     let path = dir.path().join("experts.picchioflat");
     let dims = StoreDims { hidden: 64, n_layers: 2, n_experts: 3, topk: 1, moe_inter: 128 };
-    let mut rng = Rng::new(9);
-    let payloads: Vec<Vec<u8>> = (0..6).map(|i| rng.bytes(3000 + i * 2500)).collect();
-    let mut w = FlatWriter::create(&path, dims, 6).unwrap();
-    for p in &payloads {
-        w.push(p).unwrap();
-    }
-    w.finish().unwrap();
+    let payloads = write_image(&path, dims, 9, |i| 3000 + i * 2500);
 
     let q = IocpQueue::open(&path, IocpOptions::default()).unwrap();
     let opts = FlatStoreOptions { base_offset: 0, image_len: q.len(), verify: true, expect: None, recheck_every: 0 };
     let mut store = FlatStore::open(q, path.display().to_string(), opts).unwrap_or_else(|e| panic!("{e}"));
     assert!(store.describe().contains("iocp(direct, qd 32)"), "{}", store.describe());
-    let slot = round_up(16384, 4096) as usize;
-    for layer in 0..2u32 {
-        let reqs = (0..3).map(|e| (e, AlignedBuf::new(slot, 4096).unwrap())).collect();
-        let mut n = 0;
-        store.load(layer, reqs, &mut |l| {
-            n += 1;
-            l.result.unwrap_or_else(|e| panic!("{e}"));
-            let p = &payloads[(l.key.layer * 3 + l.key.expert) as usize];
-            assert!(l.buf.as_slice()[..p.len()] == p[..], "{}", l.key);
-        });
-        assert_eq!(n, 3);
-    }
+    check_every_expert(&mut store, dims, &payloads, round_up(16384, 4096) as usize);
 }
 
 #[test]

@@ -8,7 +8,7 @@ use std::fs::OpenOptions;
 use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-use common::{direct_scratch, scratch, Rng};
+use common::{direct_scratch, scratch, write_image};
 use picchio_blockdev::{open_store, Error, PsyncOptions, PsyncQueue};
 use picchio_core::format::{decode_index, index_sha256, round_up, EXPERT_LOC_SIZE};
 use picchio_core::loader::StoreDims;
@@ -27,14 +27,7 @@ struct Image {
 impl Image {
     fn write(dir: &Path, payload_len: impl Fn(usize) -> usize) -> Image {
         let path = dir.join("experts.picchioflat");
-        let n = (DIMS.n_layers * DIMS.n_experts) as usize;
-        let mut rng = Rng::new(42);
-        let payloads: Vec<Vec<u8>> = (0..n).map(|i| rng.bytes(payload_len(i))).collect();
-        let mut w = FlatWriter::create(&path, DIMS, n as u32).unwrap();
-        for p in &payloads {
-            w.push(p).unwrap();
-        }
-        w.finish().unwrap();
+        let payloads = write_image(&path, DIMS, 42, payload_len);
         Image { path, payloads }
     }
 

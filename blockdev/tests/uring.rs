@@ -11,13 +11,13 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use common::{direct_scratch, random_file, scratch, Rng};
+use common::{direct_scratch, random_file, scratch, write_image};
 use picchio_blockdev::{Error, PsyncOptions, PsyncQueue, UringOptions, UringQueue, MIN_REPORTED_BLOCK_SIZE};
 use picchio_core::format::round_up;
 use picchio_core::loader::StoreDims;
 use picchio_core::{
-    AlignedBuf, ByteOffset, Completion, ExpertKey, ExpertLoader, FlatStore, FlatStoreOptions, FlatWriter, IoQueue,
-    LoadError, ReadReq, Tag, BLOCK_SIZE,
+    AlignedBuf, ByteOffset, Completion, ExpertKey, ExpertLoader, FlatStore, FlatStoreOptions, IoQueue, LoadError,
+    ReadReq, Tag, BLOCK_SIZE,
 };
 use picchio_testkit::conformance::{self, Engine};
 use picchio_testkit::loopdev::{LoopDevice, LoopOptions};
@@ -200,14 +200,7 @@ const DIMS: StoreDims = StoreDims { hidden: 64, n_layers: 3, n_experts: 6, topk:
 /// An image of 3 layers × 6 experts with payloads of assorted (mostly unaligned) sizes.
 fn image(dir: &Path) -> (PathBuf, Vec<Vec<u8>>) {
     let path = dir.join("experts.picchioflat");
-    let n = (DIMS.n_layers * DIMS.n_experts) as usize;
-    let mut rng = Rng::new(42);
-    let payloads: Vec<Vec<u8>> = (0..n).map(|i| rng.bytes(1 + (i * 7919 + 3000) % 20_000)).collect();
-    let mut w = FlatWriter::create(&path, DIMS, n as u32).unwrap();
-    for p in &payloads {
-        w.push(p).unwrap();
-    }
-    w.finish().unwrap();
+    let payloads = write_image(&path, DIMS, 42, |i| 1 + (i * 7919 + 3000) % 20_000);
     (path, payloads)
 }
 

@@ -68,13 +68,13 @@ fn parse_bs(s: &str) -> Result<u64, String> {
 }
 
 /// `--qd` (reads in flight per queue): 1 to [`bench::measure::MAX_QD`], as `picchio run --qd`.
-fn qd_parser() -> clap::builder::RangedI64ValueParser<u32> {
-    clap::value_parser!(u32).range(1..=i64::from(bench::measure::MAX_QD))
+fn qd_parser() -> impl Fn(&str) -> Result<u32, String> + Clone + Send + Sync + 'static {
+    super::int_in(1, Some(i128::from(bench::measure::MAX_QD)))
 }
 
 /// `--threads`: 1 to [`bench::measure::MAX_THREADS`], as `picchio run --io-threads`.
-fn threads_parser() -> clap::builder::RangedI64ValueParser<u32> {
-    clap::value_parser!(u32).range(1..=i64::from(bench::measure::MAX_THREADS))
+fn threads_parser() -> impl Fn(&str) -> Result<u32, String> + Clone + Send + Sync + 'static {
+    super::int_in(1, Some(i128::from(bench::measure::MAX_THREADS)))
 }
 
 /// Options of `picchio bench qd-sweep`.
@@ -325,7 +325,7 @@ pub struct OverheadArgs {
           value_parser = ["null", "psync", "uring", "nvme-sim"])]
     pub engines: Vec<String>,
     /// Timed reads per engine (plus a tenth as untimed warm-up).
-    #[arg(long, value_name = "N", default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, value_name = "N", default_value_t = 100_000, value_parser = super::int_in::<u64>(1, None))]
     pub reads: u64,
     /// Read size in bytes (a multiple of 4096).
     #[arg(long, value_name = "BYTES", default_value = "4096", value_parser = parse_bs)]

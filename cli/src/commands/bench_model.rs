@@ -107,7 +107,7 @@ pub struct CacheArgs {
     #[arg(long)]
     pub buffered: bool,
     /// Reader threads of the psync engine.
-    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=256))]
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = super::int_in::<u16>(1, Some(256)))]
     pub io_threads: u16,
     #[command(flatten)]
     pub engine: EngineArgs,
@@ -151,7 +151,7 @@ pub struct DecodeArgs {
     #[arg(long)]
     pub buffered: bool,
     /// Reader threads of the psync engine.
-    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=256))]
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = super::int_in::<u16>(1, Some(256)))]
     pub io_threads: u16,
     #[command(flatten)]
     pub engine: EngineArgs,

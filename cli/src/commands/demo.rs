@@ -46,7 +46,7 @@ pub struct Args {
     #[arg(short = 'n', long, value_name = "N")]
     pub n: Option<usize>,
     /// Reader threads.
-    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=256))]
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = super::int_in::<u16>(1, Some(256)))]
     pub io_threads: u16,
     /// Read through the page cache instead of O_DIRECT.
     #[arg(long)]

@@ -88,6 +88,35 @@ pub fn parse() -> Cli {
     Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
 }
 
+/// The value parser of an integer option that takes `lo..=hi` (`hi` `None`: no upper bound but the
+/// type's): any integer outside, negative or past the type, is refused as "V is not in LO..=HI" (or
+/// "V is less than LO"), which clap prints after the option's name. clap's own ranged parsers say
+/// "must be an integer >= 0" for `-1` of an unsigned type, and "number too large to fit in target
+/// type" past it, neither of which gives the range.
+pub(crate) fn int_in<T>(
+    lo: i128,
+    hi: Option<i128>,
+) -> impl Fn(&str) -> Result<T, String> + Clone + Send + Sync + 'static
+where
+    T: TryFrom<i128> + Clone + Send + Sync + 'static,
+{
+    move |s: &str| {
+        let range = match hi {
+            Some(hi) => format!("in {lo}..={hi}"),
+            None => format!("at least {lo}"),
+        };
+        let v: i128 = s.trim().parse().map_err(|_| format!("{s:?} is not an integer {range}"))?;
+        let outside = || match hi {
+            Some(hi) => format!("{v} is not in {lo}..={hi}"),
+            None => format!("{v} is less than {lo}"),
+        };
+        if v < lo || hi.is_some_and(|hi| v > hi) {
+            return Err(outside());
+        }
+        T::try_from(v).map_err(|_| format!("{v} is too large"))
+    }
+}
+
 /// Whether `$PICCHIO_MODEL` names a model (set and not empty).
 fn model_in_env() -> bool {
     std::env::var_os("PICCHIO_MODEL").is_some_and(|m| !m.is_empty())

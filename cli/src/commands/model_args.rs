@@ -29,7 +29,7 @@ pub struct ModelArgs {
     #[arg(long)]
     pub buffered: bool,
     /// Reader threads of the psync engine; for an nvme-tcp:// store, the I/O queues (TCP connections).
-    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=256))]
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = super::int_in::<u16>(1, Some(256)))]
     pub io_threads: u16,
     #[command(flatten)]
     pub engine: super::run::EngineArgs,
@@ -40,7 +40,7 @@ pub struct ModelArgs {
     pub ecap: Option<usize>,
     /// Context: positions of the KV cache (prompt + answer of a request, the whole conversation of a
     /// chat) [default: 4096, or the model's max_position_embeddings when smaller].
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, value_name = "N", value_parser = super::int_in::<u64>(1, None))]
     pub ctx: Option<u64>,
 }
 

@@ -35,7 +35,7 @@ pub struct Args {
     #[arg(long)]
     pub buffered: bool,
     /// Reader threads of the psync engine.
-    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=256))]
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = super::int_in::<u16>(1, Some(256)))]
     pub io_threads: u16,
     #[command(flatten)]
     pub engine: EngineArgs,
@@ -148,7 +148,7 @@ pub struct EngineArgs {
     pub io: IoEngine,
     /// uring: reads in flight at once (1-256); nvme-tcp://: commands in flight per I/O queue. 1 is
     /// one read at a time; deeper queues let the device work on several experts together.
-    #[arg(long, value_name = "N", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=256))]
+    #[arg(long, value_name = "N", default_value_t = 32, value_parser = super::int_in::<u32>(1, Some(256)))]
     pub qd: u32,
     /// uring: a kernel thread polls for new reads, so none needs a syscall (costs a busy CPU; may need
     /// root on kernels before 5.11).
@@ -176,7 +176,7 @@ pub struct EngineArgs {
     /// 1 runs the prompt token by token; tokens are identical at any size. [default: 256 (measured
     /// fastest on the real-geometry model: docs/experiments.md); 1 with --trace, whose file is in
     /// token-by-token order]
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, value_name = "N", value_parser = super::int_in::<u32>(1, None))]
     pub prefill_chunk: Option<u32>,
     /// Decode without the I/O thread: each layer computes its cached experts first and only then
     /// reads its misses (for measurement: tokens are identical either way). By default a decode

@@ -38,11 +38,11 @@ pub struct Args {
     pub max_body: usize,
     /// Seconds a request body may stall: a client that stops sending its body for longer gets 408
     /// and its connection is closed.
-    #[arg(long, value_name = "SECONDS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=MAX_TIMEOUT_S))]
+    #[arg(long, value_name = "SECONDS", default_value_t = 30, value_parser = super::int_in::<u64>(1, Some(i128::from(MAX_TIMEOUT_S))))]
     pub body_timeout: u64,
     /// Seconds a connection may wait for (the headers of) its next request, idle keep-alive
     /// connections included, before it is closed.
-    #[arg(long, value_name = "SECONDS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=MAX_TIMEOUT_S))]
+    #[arg(long, value_name = "SECONDS", default_value_t = 60, value_parser = super::int_in::<u64>(1, Some(i128::from(MAX_TIMEOUT_S))))]
     pub idle_timeout: u64,
 }
 

@@ -24,7 +24,7 @@ pub struct Args {
     #[arg(long)]
     pub buffered: bool,
     /// Reader threads.
-    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=256))]
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = super::int_in::<usize>(1, Some(256)))]
     pub io_threads: usize,
     /// Hide the progress bar.
     #[arg(long)]

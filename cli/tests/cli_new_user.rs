@@ -46,6 +46,7 @@ fn negative_numbers_are_range_errors_naming_the_flag() {
     let cases: Vec<(Vec<String>, &str, &str, i32)> = vec![
         (run(&["--temperature", "-1"]), "--temperature", ">= 0", 1),
         (run(&["--top-p", "-0.5"]), "--top-p", "(0, 1]", 1),
+        (run(&["--temperature", "1e300"]), "--temperature", "1e300 is beyond the largest magnitude accepted", 2),
         (run(&["--seed", "-1"]), "--seed", ">= 0", 2),
         (run(&["-n", "-3"]), "--max-new-tokens", ">= 0", 2),
         (run(&["--ecap", "-1"]), "--ecap", ">= 0", 2),
@@ -53,8 +54,18 @@ fn negative_numbers_are_range_errors_naming_the_flag() {
         (run(&["--io-threads", "-2"]), "--io-threads", "1..=256", 2),
         (run(&["--prefill-chunk", "-1"]), "--prefill-chunk", "-1 is less than 1", 2),
         (vec!["serve".into(), "--body-timeout".into(), "-1".into()], "--body-timeout", "-1 is not in 1..=86400", 2),
-        (vec!["serve".into(), "--idle-timeout".into(), "1e3".into()], "--idle-timeout", "is not an integer in 1..=86400", 2),
-        (vec!["verify".into(), mm.clone(), "--io-threads".into(), "-2".into()], "--io-threads", "-2 is not in 1..=256", 2),
+        (
+            vec!["serve".into(), "--idle-timeout".into(), "1e3".into()],
+            "--idle-timeout",
+            "is not an integer in 1..=86400",
+            2,
+        ),
+        (
+            vec!["verify".into(), mm.clone(), "--io-threads".into(), "-2".into()],
+            "--io-threads",
+            "-2 is not in 1..=256",
+            2,
+        ),
         (vec!["bench".into(), "qd-sweep".into(), "--qd".into(), "-1".into()], "--qd", "-1 is not in 1..=", 2),
         (vec!["pack".into(), mm.clone(), "--layers".into(), "-1".into()], "--layers", ">= 0", 2),
         (vec!["synth".into(), "--out".into(), "x".into(), "--seed".into(), "-7".into()], "--seed", ">= 0", 2),

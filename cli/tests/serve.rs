@@ -115,6 +115,28 @@ fn endpoints_answer_and_bad_requests_get_openai_errors() {
         ),
         ("bad temperature", chat("Hi", json!({"temperature": -1})).to_string().into_bytes(), 400, "temperature", None),
         ("bad top_p", chat("Hi", json!({"top_p": 0})).to_string().into_bytes(), 400, "top_p", None),
+        (
+            "lone surrogate",
+            br#"{"model": "m", "messages": [{"role": "user", "content": "a\ud800b"}]}"#.to_vec(),
+            400,
+            "messages[0].content: a \\u escape of a UTF-16 surrogate (D800-DFFF) must be one of a high-low pair",
+            None,
+        ),
+        // Past f32's range: refused as the client wrote it, not reported as `inf`.
+        (
+            "temperature 1e300",
+            chat("Hi", json!({"temperature": 1e300})).to_string().into_bytes(),
+            400,
+            "temperature must be a number of magnitude at most 3.4028235e38, got 1e300",
+            None,
+        ),
+        (
+            "presence_penalty -1e39",
+            chat("Hi", json!({"presence_penalty": -1e39})).to_string().into_bytes(),
+            400,
+            "presence_penalty must be a number of magnitude at most 3.4028235e38, got -1e39",
+            None,
+        ),
         // Asked-for fields the server does not do are refused, not dropped from the answer.
         ("logprobs", chat("Hi", json!({"logprobs": true})).to_string().into_bytes(), 400, "logprobs is not", None),
         ("top_logprobs", chat("Hi", json!({"top_logprobs": 3})).to_string().into_bytes(), 400, "top_logprobs", None),
@@ -182,9 +204,9 @@ fn endpoints_answer_and_bad_requests_get_openai_errors() {
     let v: Value = serde_json::from_str(&raw).unwrap_or_else(|e| panic!("405 not JSON ({e}): {raw}"));
     assert_eq!((st, err(&v).1), (405, Some("method_not_allowed")), "{raw}");
     // Every refusal above is counted by its status, whether the HTTP layer or the worker refused:
-    // 15 + 5 bad requests, a body too large, an unknown model, path and model id, a wrong method.
+    // 15 + 8 bad requests, a body too large, an unknown model, path and model id, a wrong method.
     let failed = |status: u16| s.metric(&format!("picchio_requests_failed_total{{status=\"{status}\"}}"));
-    assert_eq!([failed(400), failed(404), failed(405), failed(413)], [23.0, 3.0, 1.0, 1.0]);
+    assert_eq!([failed(400), failed(404), failed(405), failed(413)], [26.0, 3.0, 1.0, 1.0]);
 }
 
 /// A raw HTTP/1.1 exchange: sends `head` then `body`, and reads until the server closes the

@@ -45,10 +45,10 @@ pub struct Args {
     #[arg(long)]
     pub ignore_eos: bool,
     /// Sampling temperature; 0 (the default) is greedy.
-    #[arg(long, value_name = "T", default_value_t = 0.0)]
+    #[arg(long, value_name = "T", default_value_t = 0.0, value_parser = super::f32_in_range)]
     pub temperature: f32,
     /// Nucleus sampling mass in (0, 1].
-    #[arg(long, value_name = "P", default_value_t = 1.0)]
+    #[arg(long, value_name = "P", default_value_t = 1.0, value_parser = super::f32_in_range)]
     pub top_p: f32,
     /// Sampling seed.
     #[arg(long, value_name = "S", default_value_t = 0)]

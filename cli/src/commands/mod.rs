@@ -117,6 +117,17 @@ where
     }
 }
 
+/// The value parser of a 32-bit float option (the sampling options): a number past `f32`'s range
+/// (`--temperature 1e300`) is refused as typed, where `f32`'s own parsing turns it into `inf` and
+/// the option's range check then reports `inf`. Each option's own range is checked after parsing.
+pub(crate) fn f32_in_range(s: &str) -> Result<f32, String> {
+    let x: f64 = s.trim().parse().map_err(|_| format!("{s:?} is not a number"))?;
+    if x.is_finite() && x.abs() > f64::from(f32::MAX) {
+        return Err(format!("{s} is beyond the largest magnitude accepted, {:e}", f32::MAX));
+    }
+    Ok(x as f32)
+}
+
 /// Whether `$PICCHIO_MODEL` names a model (set and not empty).
 fn model_in_env() -> bool {
     std::env::var_os("PICCHIO_MODEL").is_some_and(|m| !m.is_empty())

@@ -80,10 +80,10 @@ pub struct Args {
     #[arg(short = 'n', long = "max-new-tokens", value_name = "N", default_value_t = 32)]
     pub n: usize,
     /// Sampling temperature; 0 is greedy.
-    #[arg(long, value_name = "T", default_value_t = 0.0)]
+    #[arg(long, value_name = "T", default_value_t = 0.0, value_parser = super::f32_in_range)]
     pub temperature: f32,
     /// Nucleus sampling mass in (0, 1].
-    #[arg(long, value_name = "P", default_value_t = 1.0)]
+    #[arg(long, value_name = "P", default_value_t = 1.0, value_parser = super::f32_in_range)]
     pub top_p: f32,
     #[command(flatten)]
     pub sampling: SamplingArgs,
@@ -114,10 +114,10 @@ pub struct SamplingArgs {
     #[arg(long, value_name = "K", default_value_t = 0)]
     pub top_k: usize,
     /// Keep only tokens at least P times as probable as the most probable one; 0 disables.
-    #[arg(long, value_name = "P", default_value_t = 0.0)]
+    #[arg(long, value_name = "P", default_value_t = 0.0, value_parser = super::f32_in_range)]
     pub min_p: f32,
     /// Repetition penalty over the sequence's ids (transformers' `repetition_penalty`; 1 is none).
-    #[arg(long, value_name = "R", default_value_t = 1.0)]
+    #[arg(long, value_name = "R", default_value_t = 1.0, value_parser = super::f32_in_range)]
     pub repetition_penalty: f32,
 }
 

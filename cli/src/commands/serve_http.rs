@@ -269,15 +269,15 @@ struct Body {
     prompt: Option<Value>,
     max_tokens: Option<i64>,
     max_completion_tokens: Option<i64>,
-    temperature: Option<f32>,
-    top_p: Option<f32>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
     top_k: Option<i64>,
-    min_p: Option<f32>,
+    min_p: Option<f64>,
     seed: Option<i64>,
     stop: Option<Value>,
-    presence_penalty: Option<f32>,
-    frequency_penalty: Option<f32>,
-    repetition_penalty: Option<f32>,
+    presence_penalty: Option<f64>,
+    frequency_penalty: Option<f64>,
+    repetition_penalty: Option<f64>,
     #[serde(default)]
     stream: bool,
     stream_options: Option<StreamOptions>,
@@ -404,8 +404,7 @@ fn parse(s: &Server, bytes: Result<Bytes, BytesRejection>, chat: bool) -> Result
         }
         error(status, "invalid_request_error", None, r.body_text())
     })?;
-    let body: Body =
-        serde_json::from_slice(&bytes).map_err(|e| bad_request(format!("the body is not a valid request: {e}")))?;
+    let body: Body = parse_body(&bytes).map_err(bad_request)?;
     if let Some(m) = &body.model {
         if *m != s.model {
             let msg = format!("the model `{m}` does not exist; this server has `{}`", s.model);
@@ -471,14 +470,14 @@ fn parse(s: &Server, bytes: Result<Bytes, BytesRejection>, chat: bool) -> Result
     let d = SamplerOptions::default();
     let sampler = SamplerOptions {
         // OpenAI's default temperature is 1.
-        temperature: body.temperature.unwrap_or(1.0),
-        top_p: body.top_p.unwrap_or(1.0),
+        temperature: narrow("temperature", body.temperature)?.unwrap_or(1.0),
+        top_p: narrow("top_p", body.top_p)?.unwrap_or(1.0),
         seed: body.seed.map_or(0, |s| s as u64),
         top_k,
-        min_p: body.min_p.unwrap_or(0.0),
-        repetition_penalty: body.repetition_penalty.unwrap_or(1.0),
-        presence_penalty: body.presence_penalty.unwrap_or(d.presence_penalty),
-        frequency_penalty: body.frequency_penalty.unwrap_or(d.frequency_penalty),
+        min_p: narrow("min_p", body.min_p)?.unwrap_or(0.0),
+        repetition_penalty: narrow("repetition_penalty", body.repetition_penalty)?.unwrap_or(1.0),
+        presence_penalty: narrow("presence_penalty", body.presence_penalty)?.unwrap_or(d.presence_penalty),
+        frequency_penalty: narrow("frequency_penalty", body.frequency_penalty)?.unwrap_or(d.frequency_penalty),
     };
     sampler.check().map_err(bad_request)?;
     let enable_thinking =
@@ -486,6 +485,48 @@ fn parse(s: &Server, bytes: Result<Bytes, BytesRejection>, chat: bool) -> Result
     let tools = body.tools.clone().unwrap_or_default();
     let req = Request { prompt, max_tokens, sampler, stop, ignore_eos: body.ignore_eos, enable_thinking, tools };
     Ok((req, body))
+}
+
+/// The request body as [`Body`].
+///
+/// # Errors
+/// What is wrong, where: the field's path when the JSON got that far (`messages[0].content: invalid
+/// type: ...`), serde's line and column, and for a `\uD800`-`\uDFFF` escape not in a UTF-16
+/// surrogate pair (serde says "lone leading surrogate" or "unexpected end of hex escape") what JSON
+/// text requires.
+fn parse_body(bytes: &[u8]) -> Result<Body, String> {
+    let de = &mut serde_json::Deserializer::from_slice(bytes);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.inner();
+        let at = if path == "." { String::new() } else { format!("{path}: ") };
+        let text = inner.to_string();
+        if inner.is_syntax() && (text.contains("surrogate") || text.contains("hex escape")) {
+            return format!(
+                "the body is not valid JSON: {at}a \\u escape of a UTF-16 surrogate (D800-DFFF) must be one of a \
+                 high-low pair; a lone surrogate is not a character (line {}, column {})",
+                inner.line(),
+                inner.column()
+            );
+        }
+        format!("the body is not a valid request: {at}{text}")
+    })
+}
+
+/// A sampling parameter as the sampler takes it (`f32`), read from the request as `f64` so that a
+/// value past `f32`'s range is refused as the client wrote it (`temperature: 1e300`), not reported
+/// as `inf` after the narrowing.
+///
+/// # Errors
+/// 400 naming `field` and the value.
+fn narrow(field: &str, v: Option<f64>) -> Result<Option<f32>, Response> {
+    match v {
+        Some(x) if x.abs() > f64::from(f32::MAX) => {
+            Err(bad_request(format!("{field} must be a number of magnitude at most {:e}, got {x:e}", f32::MAX)))
+        }
+        Some(x) => Ok(Some(x as f32)),
+        None => Ok(None),
+    }
 }
 
 /// Whether reading the body failed because it stalled (tower-http's body timeout).

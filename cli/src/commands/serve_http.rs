@@ -470,14 +470,18 @@ fn parse(s: &Server, bytes: Result<Bytes, BytesRejection>, chat: bool) -> Result
     let d = SamplerOptions::default();
     let sampler = SamplerOptions {
         // OpenAI's default temperature is 1.
-        temperature: narrow("temperature", body.temperature)?.unwrap_or(1.0),
-        top_p: narrow("top_p", body.top_p)?.unwrap_or(1.0),
+        temperature: narrow("temperature", body.temperature).map_err(bad_request)?.unwrap_or(1.0),
+        top_p: narrow("top_p", body.top_p).map_err(bad_request)?.unwrap_or(1.0),
         seed: body.seed.map_or(0, |s| s as u64),
         top_k,
-        min_p: narrow("min_p", body.min_p)?.unwrap_or(0.0),
-        repetition_penalty: narrow("repetition_penalty", body.repetition_penalty)?.unwrap_or(1.0),
-        presence_penalty: narrow("presence_penalty", body.presence_penalty)?.unwrap_or(d.presence_penalty),
-        frequency_penalty: narrow("frequency_penalty", body.frequency_penalty)?.unwrap_or(d.frequency_penalty),
+        min_p: narrow("min_p", body.min_p).map_err(bad_request)?.unwrap_or(0.0),
+        repetition_penalty: narrow("repetition_penalty", body.repetition_penalty).map_err(bad_request)?.unwrap_or(1.0),
+        presence_penalty: narrow("presence_penalty", body.presence_penalty)
+            .map_err(bad_request)?
+            .unwrap_or(d.presence_penalty),
+        frequency_penalty: narrow("frequency_penalty", body.frequency_penalty)
+            .map_err(bad_request)?
+            .unwrap_or(d.frequency_penalty),
     };
     sampler.check().map_err(bad_request)?;
     let enable_thinking =
@@ -518,11 +522,11 @@ fn parse_body(bytes: &[u8]) -> Result<Body, String> {
 /// as `inf` after the narrowing.
 ///
 /// # Errors
-/// 400 naming `field` and the value.
-fn narrow(field: &str, v: Option<f64>) -> Result<Option<f32>, Response> {
+/// The message (answered 400) naming `field` and the value.
+fn narrow(field: &str, v: Option<f64>) -> Result<Option<f32>, String> {
     match v {
         Some(x) if x.abs() > f64::from(f32::MAX) => {
-            Err(bad_request(format!("{field} must be a number of magnitude at most {:e}, got {x:e}", f32::MAX)))
+            Err(format!("{field} must be a number of magnitude at most {:e}, got {x:e}", f32::MAX))
         }
         Some(x) => Ok(Some(x as f32)),
         None => Ok(None),

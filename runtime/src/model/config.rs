@@ -214,7 +214,19 @@ impl Config {
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(Error::io(path, "read config"))?;
         let raw: serde_json::Value =
-            serde_json::from_str(&text).map_err(|cause| Error::Config { path: path.into(), cause })?;
+            serde_json::from_str(&text).map_err(|cause| match non_json_number(&text, &cause) {
+                Some((literal, key)) => Error::ConfigKey {
+                    path: path.into(),
+                    key,
+                    message: format!(
+                        "{literal} at line {}, column {} is not JSON (Python's json module writes it for a float that \
+                     is not finite); write a finite number",
+                        cause.line(),
+                        cause.column()
+                    ),
+                },
+                None => Error::Config { path: path.into(), cause },
+            })?;
         let model_type = match raw.get("model_type") {
             None => String::new(),
             Some(serde_json::Value::String(t)) => t.clone(),
@@ -232,7 +244,7 @@ impl Config {
             _ => return Err(Error::UnsupportedModel { path: path.into(), model_type }),
         };
         let raw = normalize(raw, arch, path)?;
-        let mut cfg = Self::deserialize_named(raw, path)?;
+        let mut cfg = Self::deserialize_named(raw, path).map_err(with_expected)?;
         // Before anything is sized by it (the default layer_types below, per-layer vectors later).
         cfg.check_sizes(path)?;
         if arch == Arch::GptOss && cfg.layer_types.is_empty() {
@@ -573,7 +585,155 @@ fn normalize(mut raw: serde_json::Value, arch: Arch, path: &Path) -> Result<serd
         }
         o.entry("attention_bias").or_insert(serde_json::Value::Bool(true));
     }
+    // transformers' defaults for the keys a config.json may leave out that change the model's
+    // numbers (Qwen3MoeConfig, and GptOssConfig with its `default_theta`): filled in here, per
+    // architecture, and said once per file, so a hand-written config that lacks one does not run
+    // with another model's value in silence.
+    let (class, defaults): (&str, [(&str, serde_json::Value); 3]) = match arch {
+        Arch::Qwen3Moe => (
+            "Qwen3MoeConfig",
+            [
+                ("rope_theta", 10_000.0.into()),
+                ("rms_norm_eps", 1e-6.into()),
+                ("max_position_embeddings", 32_768.into()),
+            ],
+        ),
+        Arch::GptOss => (
+            "GptOssConfig",
+            [
+                ("rope_theta", 150_000.0.into()),
+                ("rms_norm_eps", 1e-5.into()),
+                ("max_position_embeddings", 131_072.into()),
+            ],
+        ),
+    };
+    let theta_in_parameters = o.get("rope_parameters").and_then(|p| p.get("rope_theta")).is_some_and(|t| !t.is_null());
+    let mut filled = Vec::new();
+    for (key, value) in defaults {
+        if (key == "rope_theta" && theta_in_parameters) || o.get(key).is_some_and(|v| !v.is_null()) {
+            continue;
+        }
+        filled.push((key, value.to_string()));
+        o.insert(key.into(), value);
+    }
+    let no_rope = |k: &str| o.get(k).is_none_or(|v| v.is_null());
+    if arch == Arch::GptOss && no_rope("rope_scaling") && no_rope("rope_parameters") {
+        // GptOssConfig's default rope_parameters: YaRN, the released models' values.
+        filled.push(("rope_scaling", "YaRN factor 32, beta_fast 32, beta_slow 1, original 4096, no truncation".into()));
+        o.insert(
+            "rope_scaling".into(),
+            serde_json::json!({"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": false, "original_max_position_embeddings": 4096}),
+        );
+    }
+    if !filled.is_empty() {
+        let keys: Vec<&str> = filled.iter().map(|(k, _)| *k).collect();
+        let values: Vec<String> = filled.iter().map(|(k, v)| format!("{k} {v}")).collect();
+        say_once(
+            path,
+            &format!(
+                "{}: no {}; using transformers' {class} defaults ({})",
+                path.display(),
+                keys.join(", "),
+                values.join("; ")
+            ),
+        );
+    }
     Ok(raw)
+}
+
+/// Logs `message` (a warning) the first time it is given for `path` in this process: a config is
+/// read by every command that opens the model, several times in some.
+fn say_once(path: &Path, message: &str) {
+    static SAID: std::sync::Mutex<Vec<(PathBuf, String)>> = std::sync::Mutex::new(Vec::new());
+    let mut said = SAID.lock().unwrap_or_else(|p| p.into_inner());
+    let entry = (path.to_path_buf(), message.to_string());
+    if !said.contains(&entry) {
+        tracing::warn!("{message}");
+        said.push(entry);
+    }
+}
+
+/// A `NaN`, `Infinity` or `-Infinity` where serde_json stopped reading `text` (Python's json
+/// module writes them for floats that are not finite; JSON has no such literal): the literal and
+/// the key it is the value of, when the text before it on its line names one (`"rope_theta": NaN`),
+/// else the line.
+fn non_json_number(text: &str, e: &serde_json::Error) -> Option<(&'static str, String)> {
+    if !e.is_syntax() {
+        return None;
+    }
+    let line = text.lines().nth(e.line().checked_sub(1)?)?;
+    // serde_json's column is 1-based and points at (or just past) the first byte it could not take.
+    let start = e.column().saturating_sub(1).min(line.len());
+    let from = [start, start.saturating_sub(1)].into_iter().find(|&i| {
+        line.get(i..).is_some_and(|rest| ["NaN", "Infinity", "-Infinity"].iter().any(|l| rest.starts_with(l)))
+    })?;
+    // serde_json stops at the `I` of `-Infinity`, past the sign.
+    let from = if line[..from].ends_with('-') { from - 1 } else { from };
+    let rest = &line[from..];
+    let literal = ["-Infinity", "Infinity", "NaN"].into_iter().find(|l| rest.starts_with(l))?;
+    let key = line[..from]
+        .trim_end()
+        .strip_suffix(':')
+        .and_then(|b| b.trim_end().strip_suffix('"'))
+        .and_then(|b| b.rsplit('"').next())
+        .filter(|k| !k.is_empty())
+        .map_or_else(|| format!("line {}", e.line()), str::to_string);
+    Some((literal, key))
+}
+
+/// What a key takes, for the wrong-type error of a key that has a range check (the check's words):
+/// serde says `expected usize`, which does not say that 0 is refused too.
+fn expected_of(key: &str) -> Option<&'static str> {
+    Some(match key {
+        "vocab_size"
+        | "hidden_size"
+        | "moe_intermediate_size"
+        | "num_hidden_layers"
+        | "num_attention_heads"
+        | "num_key_value_heads"
+        | "num_experts"
+        | "num_local_experts"
+        | "num_experts_per_tok"
+        | "experts_per_token"
+        | "decoder_sparse_step"
+        | "max_position_embeddings" => "an integer > 0",
+        "intermediate_size" => "an integer >= 0 (> 0 when a layer has a dense MLP)",
+        "head_dim" => "an even integer > 0",
+        "sliding_window" => "an integer > 0",
+        "rope_theta" => "a finite number > 0 (the RoPE base θ, e.g. 1000000)",
+        "rms_norm_eps" => "a finite number > 0 (the RMSNorm epsilon, e.g. 1e-6)",
+        "swiglu_limit" => "a finite number > 0 (GPT-OSS: 7)",
+        "rope_scaling.factor" | "rope_parameters.factor" => "a finite number >= 1",
+        "rope_scaling.beta_fast"
+        | "rope_parameters.beta_fast"
+        | "rope_scaling.beta_slow"
+        | "rope_parameters.beta_slow"
+        | "rope_scaling.original_max_position_embeddings"
+        | "rope_parameters.original_max_position_embeddings"
+        | "rope_scaling.attention_factor"
+        | "rope_parameters.attention_factor"
+        | "rope_parameters.rope_theta" => "a finite number > 0",
+        "mlp_only_layers" => "a list of layer indices",
+        "layer_types" => "a list of \"full_attention\" / \"sliding_attention\", one per layer",
+        "tie_word_embeddings" | "attention_bias" | "norm_topk_prob" => "true or false",
+        _ => return None,
+    })
+}
+
+/// A wrong-type error with what its key takes ([`expected_of`]) added.
+fn with_expected(e: Error) -> Error {
+    match e {
+        Error::ConfigKey { path, key, message } => {
+            let bare = key.split('[').next().unwrap_or(&key);
+            let message = match expected_of(bare) {
+                Some(what) => format!("{message}; `{bare}` takes {what}"),
+                None => message,
+            };
+            Error::ConfigKey { path, key, message }
+        }
+        e => e,
+    }
 }
 
 #[cfg(test)]
@@ -886,19 +1046,27 @@ mod tests {
             &|v| v["hidden_size"] = "64".into(),
             "hidden_size",
             "invalid type: string \"64\"",
-            "expected usize",
+            "expected usize; `hidden_size` takes an integer > 0",
+        );
+        assert_named(&|v| v["head_dim"] = 1.5.into(), "head_dim", "1.5", "`head_dim` takes an even integer > 0");
+        assert_named(&|v| v["num_experts"] = (-3).into(), "num_experts", "-3", "`num_experts` takes an integer > 0");
+        assert_named(
+            &|v| v["rope_theta"] = "abc".into(),
+            "rope_theta",
+            "\"abc\"",
+            "`rope_theta` takes a finite number > 0 (the RoPE base θ",
         );
         assert_named(
             &|v| v["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": "4"}),
             "rope_scaling.factor",
             "invalid type: string \"4\"",
-            "expected f64",
+            "expected f64; `rope_scaling.factor` takes a finite number >= 1",
         );
         assert_named(
             &|v| v["mlp_only_layers"] = serde_json::json!([0, "x"]),
             "mlp_only_layers[1]",
             "\"x\"",
-            "expected usize",
+            "`mlp_only_layers` takes a list of layer indices",
         );
         assert_named(&|v| v["model_type"] = 3.into(), "model_type", "3", "expected a string");
         // A missing key is named by serde itself.
@@ -906,5 +1074,64 @@ mod tests {
             v.as_object_mut().unwrap().remove("vocab_size");
         });
         assert!(e.contains("missing field `vocab_size`"), "{e}");
+    }
+
+    /// Python's json module writes `NaN`, `Infinity` and `-Infinity` for floats that are not
+    /// finite; JSON has none of them. The error names the key, the literal, its line and column.
+    #[test]
+    fn a_nan_or_infinity_literal_is_named_with_its_key() {
+        let text = std::fs::read_to_string(fixture("qwen3_moe/config.json")).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        for (literal, key) in [("NaN", "rope_theta"), ("Infinity", "rms_norm_eps"), ("-Infinity", "rope_theta")] {
+            let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+            let pretty = serde_json::to_string_pretty(&v).unwrap();
+            let old = format!("\"{key}\": {}", v[key]);
+            assert!(pretty.contains(&old), "{old} in {pretty}");
+            let p = dir.path().join("config.json");
+            std::fs::write(&p, pretty.replace(&old, &format!("\"{key}\": {literal}"))).unwrap();
+            let e = picchio_core::error::chain(&Config::from_file(&p).unwrap_err()).to_string();
+            for want in
+                [p.display().to_string(), format!("config key `{key}`: {literal} at line "), "is not JSON".into()]
+            {
+                assert!(e.contains(&want), "{literal}: no {want:?} in: {e}");
+            }
+        }
+        // Elsewhere than a key's value, the line and column.
+        let p = dir.path().join("config.json");
+        std::fs::write(&p, "{\"layer_types\": [NaN]}").unwrap();
+        let e = picchio_core::error::chain(&Config::from_file(&p).unwrap_err()).to_string();
+        assert!(e.contains("config key `line 1`: NaN at line 1, column"), "{e}");
+    }
+
+    /// A key a config.json may leave out gets transformers' default for its architecture (they
+    /// differ: Qwen3MoeConfig's RoPE θ is 10000, GptOssConfig's 150000), never the other model's.
+    #[test]
+    fn missing_keys_get_the_architectures_transformers_defaults() {
+        let dir = tempfile::tempdir().unwrap();
+        let read = |name: &str, drop: &[&str]| {
+            let mut v: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(fixture(&format!("{name}/config.json"))).unwrap())
+                    .unwrap();
+            for k in drop {
+                v.as_object_mut().unwrap().remove(*k);
+            }
+            Config::from_file(&write(dir.path(), &v)).unwrap()
+        };
+        let keys = ["rope_theta", "rms_norm_eps", "max_position_embeddings", "rope_scaling", "rope_parameters"];
+        let q = read("qwen3_moe", &keys);
+        assert_eq!((q.rope_theta(), q.rms_norm_eps, q.max_position_embeddings), (10_000.0, 1e-6, 32_768));
+        assert!(matches!(q.rope().scaling, RopeScaling::Default));
+        let g = read("gpt_oss_bf16", &keys);
+        assert_eq!((g.rope_theta(), g.rms_norm_eps, g.max_position_embeddings), (150_000.0, 1e-5, 131_072));
+        let RopeScaling::Yarn { factor, beta_fast, original_max_position_embeddings, truncate, .. } = g.rope().scaling
+        else {
+            panic!("GPT-OSS defaults to YaRN: {:?}", g.rope())
+        };
+        assert_eq!((factor, beta_fast, original_max_position_embeddings, truncate), (32.0, 32.0, 4096.0, false));
+        // A given value is kept.
+        let full = read("gpt_oss_bf16", &[]);
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(fixture("gpt_oss_bf16/config.json")).unwrap()).unwrap();
+        assert_eq!(full.rope_theta(), v["rope_theta"].as_f64().unwrap());
     }
 }

@@ -207,6 +207,28 @@ fn endpoints_answer_and_bad_requests_get_openai_errors() {
     // 15 + 8 bad requests, a body too large, an unknown model, path and model id, a wrong method.
     let failed = |status: u16| s.metric(&format!("picchio_requests_failed_total{{status=\"{status}\"}}"));
     assert_eq!([failed(400), failed(404), failed(405), failed(413)], [26.0, 3.0, 1.0, 1.0]);
+    // Requests too malformed for picchio's handlers to see are answered by the HTTP/1 parser
+    // (hyper) and counted all the same: a garbled request line (400), a URI past hyper's limit
+    // (414), a head past its buffer (431).
+    let raw = |bytes: &[u8]| {
+        let mut c = TcpStream::connect(&s.addr).unwrap();
+        // The server may answer and close before the client has written everything.
+        let _ = c.write_all(bytes);
+        let mut answer = Vec::new();
+        let _ = c.read_to_end(&mut answer);
+        String::from_utf8_lossy(&answer).into_owned()
+    };
+    let answer = raw(b"NOT A REQUEST LINE AT ALL\r\n\r\n");
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    common::serve::wait_for(|| failed(400) == 27.0);
+    let long_uri = format!("GET /{} HTTP/1.1\r\nHost: x\r\n\r\n", "a".repeat(70_000));
+    let answer = raw(long_uri.as_bytes());
+    assert!(answer.is_empty() || answer.starts_with("HTTP/1.1 414"), "{answer}");
+    common::serve::wait_for(|| failed(414) == 1.0);
+    let big_head = format!("GET /health HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\n\r\n", "b".repeat(600_000));
+    let answer = raw(big_head.as_bytes());
+    assert!(answer.is_empty() || answer.starts_with("HTTP/1.1 431"), "{answer}");
+    common::serve::wait_for(|| failed(431) == 1.0);
 }
 
 /// A raw HTTP/1.1 exchange: sends `head` then `body`, and reads until the server closes the

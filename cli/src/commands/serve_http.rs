@@ -90,9 +90,14 @@ pub async fn serve(server: Arc<Server>, host: IpAddr, port: u16) -> anyhow::Resu
                 };
                 let service = hyper_util::service::TowerToHyperService::new(app.clone());
                 let conn = graceful.watch(http.serve_connection(hyper_util::rt::TokioIo::new(stream), service));
+                let metrics = server.metrics.clone();
                 tokio::spawn(async move {
                     if let Err(e) = conn.await {
                         tracing::debug!("connection: {e}");
+                        // A request hyper refused before picchio saw it, with an answer of its own.
+                        if let Some(status) = parse_error_status(&e) {
+                            metrics.count_failure(status);
+                        }
                     }
                 });
             }
@@ -112,6 +117,21 @@ pub async fn serve(server: Arc<Server>, host: IpAddr, port: u16) -> anyhow::Resu
     });
     graceful.shutdown().await;
     Ok(())
+}
+
+/// The status hyper's HTTP/1 server answered a request it could not parse with (hyper
+/// `proto::h1::role::Server::on_error`): 431 for a head over its buffer, 414 for a URI too long, 400
+/// for a bad method, URI, version or header; `None` for the errors it sends nothing for (an HTTP/2
+/// preface, an internal error) and every error that is not a parse error.
+fn parse_error_status(e: &hyper::Error) -> Option<u16> {
+    if !e.is_parse() || e.is_parse_status() || e.is_parse_version_h2() {
+        return None;
+    }
+    let text = e.to_string();
+    if e.is_parse_too_large() {
+        return Some(if text.contains("URI") { 414 } else { 431 });
+    }
+    (!text.contains("internal error")).then_some(400)
 }
 
 /// SIGINT (Ctrl-C) and SIGTERM.

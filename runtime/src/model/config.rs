@@ -642,14 +642,20 @@ fn normalize(mut raw: serde_json::Value, arch: Arch, path: &Path) -> Result<serd
     Ok(raw)
 }
 
-/// Logs `message` (a warning) the first time it is given for `path` in this process: a config is
-/// read by every command that opens the model, several times in some.
+/// Logs `message` (a warning) the first time it is given for `path` in this process (among the
+/// last 64 remembered): a config is read by every command that opens the model, several times in
+/// some.
 fn say_once(path: &Path, message: &str) {
     static SAID: std::sync::Mutex<Vec<(PathBuf, String)>> = std::sync::Mutex::new(Vec::new());
     let mut said = SAID.lock().unwrap_or_else(|p| p.into_inner());
     let entry = (path.to_path_buf(), message.to_string());
     if !said.contains(&entry) {
         tracing::warn!("{message}");
+        // Bounded: a process reading many configs (the `config` fuzz target, a new temporary
+        // file per input) does not grow this without end; past the bound a message may repeat.
+        if said.len() >= 64 {
+            said.clear();
+        }
         said.push(entry);
     }
 }

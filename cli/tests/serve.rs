@@ -531,3 +531,69 @@ fn gpt_oss_text_outside_every_channel_reaches_the_chat_answer() {
     }
     assert!(!content.is_empty() || plain.is_empty(), "generated text vanished: {plain:?} in {v}");
 }
+
+/// A tool call in the model's answer comes back as OpenAI `tool_calls` (Qwen3's Hermes
+/// `<tool_call>` block), not as text: whole and streamed, with `finish_reason` "tool_calls", the
+/// text before it as `content`, and an id a follow-up request answers with a `tool` message. The
+/// random-weight fixture never writes a call itself, so the test mock
+/// `PICCHIO_SERVE_TEST_MOCK_SAMPLED_IDS` makes it generate the call's tokens (then `<|im_end|>`);
+/// detokenizing, parsing, the HTTP answer and the end-of-turn check run for real.
+#[test]
+fn a_tool_call_in_the_answer_is_returned_as_tool_calls() {
+    let tmp = common::scratch();
+    let model = packed_model(tmp.path());
+    let tok = picchio_runtime::model::tokenizer::Tokenizer::from_dir(&model).unwrap().unwrap();
+    let text =
+        "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+    let mut ids = tok.encode(text).unwrap();
+    ids.push(tok.token_to_id("<|im_end|>").unwrap());
+    let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
+    let s = Served::start_env(&model, &["--ctx", "512"], &[("PICCHIO_SERVE_TEST_MOCK_SAMPLED_IDS", &ids.join(","))]);
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
+    let ask = |stream: bool| {
+        json!({"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools,
+            "max_tokens": 64, "temperature": 0, "stream": stream, "chat_template_kwargs": {"enable_thinking": false}})
+    };
+    let (st, v) = s.post("/v1/chat/completions", &ask(false));
+    assert_eq!(st, 200, "{v}");
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    assert_eq!(choice["message"]["content"], "Let me look.", "{v}");
+    let calls = choice["message"]["tool_calls"].as_array().unwrap_or_else(|| panic!("no tool_calls: {v}"));
+    assert_eq!(calls.len(), 1, "{v}");
+    assert_eq!((&calls[0]["type"], &calls[0]["function"]["name"]), (&json!("function"), &json!("get_weather")));
+    assert_eq!(calls[0]["function"]["arguments"], "{\"city\": \"Paris\"}");
+    let id = calls[0]["id"].as_str().unwrap().to_string();
+    assert!(id.starts_with("call_"), "{id}");
+
+    // Streamed: the text as content deltas, the call once in a delta with its index, then the
+    // finish chunk; the call's text never appears as content.
+    let (st, raw) = s.request("POST", "/v1/chat/completions", &[], ask(true).to_string().as_bytes());
+    assert_eq!(st, 200, "{raw}");
+    let chunks: Vec<Value> = raw
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let content: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(content.trim(), "Let me look.", "{raw}");
+    let streamed: Vec<&Value> =
+        chunks.iter().filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array()).flatten().collect();
+    assert_eq!(streamed.len(), 1, "{raw}");
+    assert_eq!((&streamed[0]["index"], &streamed[0]["function"]["name"]), (&json!(0), &json!("get_weather")));
+    assert_eq!(streamed[0]["function"]["arguments"], "{\"city\": \"Paris\"}");
+    assert_ne!(streamed[0]["id"].as_str().unwrap(), id, "ids are unique across responses");
+    let last = chunks.iter().rev().find(|c| !c["choices"][0]["finish_reason"].is_null()).unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "tool_calls", "{raw}");
+
+    // The follow-up: the assistant's call and the tool's answer (by the call's id) render and run.
+    let follow = json!({"model": "m", "max_tokens": 2, "temperature": 0, "tools": tools, "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": id, "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": id, "content": "18 C, sunny"}]});
+    let (st, v) = s.post("/v1/chat/completions", &follow);
+    assert_eq!(st, 200, "{v}");
+}

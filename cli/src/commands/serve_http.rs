@@ -507,8 +507,35 @@ fn parse(s: &Server, bytes: Result<Bytes, BytesRejection>, chat: bool) -> Result
     let enable_thinking =
         body.chat_template_kwargs.as_ref().and_then(|k| k.get("enable_thinking")).and_then(Value::as_bool);
     let tools = body.tools.clone().unwrap_or_default();
-    let req = Request { prompt, max_tokens, sampler, stop, ignore_eos: body.ignore_eos, enable_thinking, tools };
+    let req = Request {
+        prompt,
+        max_tokens,
+        sampler,
+        stop,
+        ignore_eos: body.ignore_eos,
+        enable_thinking,
+        tools,
+        mock_sampled: mock_sampled_ids(),
+    };
     Ok((req, body))
+}
+
+/// **A mock, for tests only:** `PICCHIO_SERVE_TEST_MOCK_SAMPLED_IDS=ID,ID,...` makes every
+/// request generate those ids instead of sampling them ([`Request::mock_sampled`]); detokenizing,
+/// tool-call parsing, the HTTP answer and the client all run for real. A test uses it to have a
+/// random-weight fixture model answer with, e.g., a tool call. Unset (every real run), `None`.
+fn mock_sampled_ids() -> Option<Vec<u32>> {
+    static IDS: std::sync::OnceLock<Option<Vec<u32>>> = std::sync::OnceLock::new();
+    IDS.get_or_init(|| {
+        let v = std::env::var("PICCHIO_SERVE_TEST_MOCK_SAMPLED_IDS").ok()?;
+        let ids: Vec<u32> = v.split(',').filter_map(|t| t.trim().parse().ok()).collect();
+        eprintln!(
+            "picchio serve: PICCHIO_SERVE_TEST_MOCK_SAMPLED_IDS: a test mock: {} ids replace sampling",
+            ids.len()
+        );
+        Some(ids)
+    })
+    .clone()
 }
 
 /// The request body as [`Body`].
@@ -661,7 +688,28 @@ fn finish_reason(o: &Outcome) -> &'static str {
         FinishReason::Length => "length",
         FinishReason::Stop => "stop",
         FinishReason::Cancelled => "abort",
+        FinishReason::ToolCalls => "tool_calls",
     }
+}
+
+/// OpenAI's `tool_calls` entries for `calls`; streamed ones carry their `index`.
+fn tool_calls_json(calls: &[picchio_runtime::chat::engine::ToolCall], streamed: bool) -> Value {
+    Value::Array(
+        calls
+            .iter()
+            .map(|c| {
+                let mut v = json!({
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.call.name, "arguments": c.call.arguments},
+                });
+                if streamed {
+                    v["index"] = json!(c.index);
+                }
+                v
+            })
+            .collect(),
+    )
 }
 
 fn usage(o: &Outcome) -> Value {
@@ -700,6 +748,12 @@ async fn whole(meta: Meta, first: Vec<Event>, mut rx: UnboundedReceiver<Event>) 
         let mut msg = json!({"role": "assistant", "content": o.content});
         if !o.reasoning.is_empty() {
             msg["reasoning_content"] = json!(o.reasoning);
+        }
+        if !o.tool_calls.is_empty() {
+            msg["tool_calls"] = tool_calls_json(&o.tool_calls, false);
+            if o.content.is_empty() {
+                msg["content"] = Value::Null;
+            }
         }
         json!({"index": 0, "message": msg, "finish_reason": finish_reason(o), "logprobs": null})
     } else {
@@ -767,6 +821,9 @@ fn stream(
                         }
                         if !d.reasoning.is_empty() {
                             delta["reasoning_content"] = json!(d.reasoning);
+                        }
+                        if !d.tool_calls.is_empty() {
+                            delta["tool_calls"] = tool_calls_json(&d.tool_calls, true);
                         }
                         json!({"index": 0, "delta": delta, "finish_reason": null})
                     } else {

@@ -42,6 +42,9 @@ pub struct Request {
     pub enable_thinking: Option<bool>,
     /// Function tools for the chat format ([`RenderOptions::tools`]).
     pub tools: Vec<minijinja::Value>,
+    /// **A mock, for tests only** ([`TurnOptions::mock_sampled`]): ids generated instead of
+    /// sampled. `None` in every real request.
+    pub mock_sampled: Option<Vec<u32>>,
 }
 
 impl Request {
@@ -55,6 +58,7 @@ impl Request {
             ignore_eos: false,
             enable_thinking: None,
             tools: Vec::new(),
+            mock_sampled: None,
         }
     }
 }
@@ -66,6 +70,20 @@ pub struct Delta {
     pub reasoning: String,
     /// New answer text.
     pub content: String,
+    /// Function calls completed since the last delta (a request with `tools` only).
+    pub tool_calls: Vec<ToolCall>,
+}
+
+/// A function call of the answer, as OpenAI's `tool_calls` entries carry it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ToolCall {
+    /// Its position among the answer's calls (0, 1, ...): `tool_calls[].index` when streamed.
+    pub index: usize,
+    /// `call_N`, unique among the calls this engine has returned (a later request's `tool`
+    /// message answers it by this id).
+    pub id: String,
+    /// The function and the arguments (JSON text) as the model wrote them.
+    pub call: super::tools::Call,
 }
 
 /// Why a request ended, in OpenAI's words.
@@ -77,6 +95,8 @@ pub enum FinishReason {
     Length,
     /// The callback stopped it.
     Cancelled,
+    /// The answer ended with function calls (at an end-of-turn id).
+    ToolCalls,
 }
 
 impl FinishReason {
@@ -86,6 +106,7 @@ impl FinishReason {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
             FinishReason::Cancelled => "cancelled",
+            FinishReason::ToolCalls => "tool_calls",
         }
     }
 }
@@ -99,6 +120,8 @@ pub struct Outcome {
     pub content: String,
     /// The reasoning text.
     pub reasoning: String,
+    /// The function calls (a request with `tools` only; the answer text is what is left around them).
+    pub tool_calls: Vec<ToolCall>,
     /// Why it ended.
     pub finish: FinishReason,
     /// The generation (tokens, cached prefix, figures).
@@ -113,6 +136,8 @@ pub struct Engine {
     pub format: Option<ChatFormat>,
     /// A name for the model (the directory's name): what `/v1/models` lists.
     pub name: String,
+    /// Function calls returned so far: the next call's id is `call_{calls_made}`.
+    pub calls_made: u64,
 }
 
 /// A request that cannot run as asked: the HTTP front end answers 400 with the message.
@@ -137,7 +162,7 @@ impl Engine {
         let dir = session.model.dir().to_path_buf();
         let format = ChatFormat::from_dir(&dir, session.model.config())?;
         let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
-        Ok(Engine { session, format, name })
+        Ok(Engine { session, format, name, calls_made: 0 })
     }
 
     /// The context (KV cache positions).
@@ -208,8 +233,16 @@ impl Engine {
             (Some(f), true) => Some(f.reasoning()),
             _ => None,
         };
-        let opts = TurnOptions { max_new, sampler: req.sampler, stop_at_eos: !req.ignore_eos };
+        let opts = TurnOptions {
+            max_new,
+            sampler: req.sampler,
+            stop_at_eos: !req.ignore_eos,
+            mock_sampled: req.mock_sampled.clone(),
+        };
         let mut text = TextStream::new(kind, req.stop.clone());
+        if !req.tools.is_empty() {
+            text = text.with_tools(self.calls_made);
+        }
         let mut tokens = Vec::new();
         let mut stopped_by_string = false;
         let session = &mut self.session;
@@ -224,7 +257,7 @@ impl Engine {
                 let decoded = if kind == Some(Reasoning::Harmony) { t.decode(&tokens) } else { t.decode_text(&tokens) };
                 let Ok(decoded) = decoded else { return ControlFlow::Continue(()) };
                 let (delta, hit) = text.push(&decoded, false);
-                if !delta.reasoning.is_empty() || !delta.content.is_empty() {
+                if !delta.reasoning.is_empty() || !delta.content.is_empty() || !delta.tool_calls.is_empty() {
                     on_delta(&delta)?;
                 }
                 if hit {
@@ -243,7 +276,7 @@ impl Engine {
                 let ids = &turn.tokens;
                 let decoded = if kind == Some(Reasoning::Harmony) { t.decode(ids)? } else { t.decode_text(ids)? };
                 let (delta, _) = text.push(&decoded, true);
-                if !delta.reasoning.is_empty() || !delta.content.is_empty() {
+                if !delta.reasoning.is_empty() || !delta.content.is_empty() || !delta.tool_calls.is_empty() {
                     let _ = on_delta(&delta);
                 }
             }
@@ -254,8 +287,17 @@ impl Engine {
             Finish::Length => FinishReason::Length,
             Finish::Cancelled => FinishReason::Cancelled,
         };
-        let (reasoning, content) = (text.reasoning, text.content);
-        Ok(Outcome { prompt_ids, content, reasoning, finish, turn })
+        let finish = match finish {
+            FinishReason::Stop if !text.calls.is_empty() && !stopped_by_string => FinishReason::ToolCalls,
+            f => f,
+        };
+        self.calls_made += text.calls.len() as u64;
+        let mut content = text.content;
+        if !text.calls.is_empty() {
+            // The text around the calls is often only the newlines between the blocks.
+            content = content.trim().to_string();
+        }
+        Ok(Outcome { prompt_ids, content, reasoning: text.reasoning, tool_calls: text.calls, finish, turn })
     }
 }
 
@@ -270,6 +312,11 @@ struct TextStream {
     answer: String,
     /// The answer emitted so far.
     content: String,
+    /// Take function calls out of the text (a request with `tools`), numbering their ids from
+    /// `call_{first_id}`.
+    tools: Option<u64>,
+    /// The calls emitted so far.
+    calls: Vec<ToolCall>,
 }
 
 impl TextStream {
@@ -280,7 +327,20 @@ impl TextStream {
             reasoning: String::new(),
             answer: String::new(),
             content: String::new(),
+            tools: None,
+            calls: Vec::new(),
         }
+    }
+
+    /// The stream of a request with function tools: calls come out of the text as
+    /// [`Delta::tool_calls`] (Hermes `<tool_call>` blocks in the answer, harmony's messages to
+    /// `functions.*`; [`super::tools`]), their ids numbered from `call_{first_id}`.
+    fn with_tools(mut self, first_id: u64) -> Self {
+        if let Some(s) = &self.split {
+            self.split = Some(ReasoningStream::with_tools(s.kind()));
+        }
+        self.tools = Some(first_id);
+        self
     }
 
     /// Given the whole decoded text so far, returns the new final text and whether a stop string
@@ -297,14 +357,31 @@ impl TextStream {
             }
             None => self.answer = decoded.to_string(),
         }
-        let hit = self.stop.iter().filter_map(|s| self.answer.find(s.as_str())).min();
+        // With tools, the calls leave the answer: harmony's were taken out by the split, Hermes
+        // blocks are taken out of the answer here.
+        let (answer, calls) = match (self.tools, &self.split) {
+            (None, _) => (std::borrow::Cow::Borrowed(self.answer.as_str()), Vec::new()),
+            (Some(_), Some(s)) if s.kind() == Reasoning::Harmony => (self.answer.as_str().into(), s.calls().to_vec()),
+            (Some(_), _) => {
+                let (a, c) = super::tools::split_hermes(&self.answer, last);
+                (a.into(), c)
+            }
+        };
+        if let Some(first_id) = self.tools {
+            for (index, call) in calls.into_iter().enumerate().skip(self.calls.len()) {
+                let c = ToolCall { index, id: format!("call_{}", first_id + index as u64), call };
+                delta.tool_calls.push(c.clone());
+                self.calls.push(c);
+            }
+        }
+        let hit = self.stop.iter().filter_map(|s| answer.find(s.as_str())).min();
         let end = match hit {
             Some(i) => i,
-            None if last => self.answer.len(),
-            None => self.answer.len() - held_back(&self.answer, &self.stop),
+            None if last => answer.len(),
+            None => answer.len() - held_back(&answer, &self.stop),
         };
-        if end > self.content.len() && self.answer.is_char_boundary(end) && self.answer.starts_with(&self.content) {
-            delta.content = self.answer[self.content.len()..end].to_string();
+        if end > self.content.len() && answer.is_char_boundary(end) && answer.starts_with(&self.content) {
+            delta.content = answer[self.content.len()..end].to_string();
             self.content.push_str(&delta.content);
         }
         (delta, hit.is_some())
@@ -386,6 +463,68 @@ mod tests {
         let pieces =
             ["<|channel|>", "analysis", "<|message|>", "Hm.", "<|end|>", "Loose text", "<|start|>", "assistant"];
         assert_eq!(feed(&mut s, &pieces), ("Hm.".into(), "Loose text".into(), false));
+    }
+
+    /// Feeds `pieces` (the last call with `last`); the reasoning, content and calls streamed.
+    fn feed_calls(stream: &mut TextStream, pieces: &[&str]) -> (String, String, Vec<ToolCall>) {
+        let (mut r, mut c, mut calls, mut text) = (String::new(), String::new(), Vec::new(), String::new());
+        for (i, p) in pieces.iter().enumerate() {
+            text.push_str(p);
+            let (d, _) = stream.push(&text, i + 1 == pieces.len());
+            r.push_str(&d.reasoning);
+            c.push_str(&d.content);
+            calls.extend(d.tool_calls);
+        }
+        (r, c, calls)
+    }
+
+    #[test]
+    fn with_tools_calls_leave_the_text_and_stream_once_complete() {
+        let call = |index: usize, id: &str, name: &str, arguments: &str| ToolCall {
+            index,
+            id: id.into(),
+            call: super::super::tools::Call { name: name.into(), arguments: arguments.into() },
+        };
+        // Qwen3: thinking, some answer, two Hermes blocks, fed in small pieces.
+        let text = "<think>\nNeed tools.\n</think>\n\nChecking.\n<tool_call>\n{\"name\": \"a\", \"arguments\": {\"x\": 1}}\n</tool_call>\n<tool_call>\n{\"name\": \"b\", \"arguments\": {}}\n</tool_call>";
+        // The think tags arrive whole (each is one token); the rest three characters at a time.
+        let (head, tail) = text.split_at(text.find("</think>").unwrap() + "</think>".len());
+        let mut pieces: Vec<String> =
+            vec!["<think>".into(), head["<think>".len()..head.len() - 8].into(), "</think>".into()];
+        pieces.extend(tail.chars().collect::<Vec<_>>().chunks(3).map(|c| c.iter().collect::<String>()));
+        let pieces: Vec<&str> = pieces.iter().map(String::as_str).collect();
+        let mut s = TextStream::new(Some(Reasoning::Think), vec![]).with_tools(7);
+        let (r, c, calls) = feed_calls(&mut s, &pieces);
+        assert_eq!(r, "Need tools.");
+        assert!(!c.contains("tool_call") && c.starts_with("Checking."), "{c:?}");
+        assert_eq!(calls, vec![call(0, "call_7", "a", "{\"x\": 1}"), call(1, "call_8", "b", "{}")]);
+        // Without tools the same text is answer text.
+        let mut s = TextStream::new(Some(Reasoning::Think), vec![]);
+        let (_, c, calls) = feed_calls(&mut s, &pieces);
+        assert!(c.contains("<tool_call>") && calls.is_empty());
+        // GPT-OSS: the call to functions.get is a call, not reasoning.
+        let pieces = [
+            "<|channel|>",
+            "analysis",
+            "<|message|>",
+            "Look it up.",
+            "<|end|>",
+            "<|start|>",
+            "assistant",
+            "<|channel|>",
+            "commentary to=functions.get ",
+            "<|constrain|>",
+            "json",
+            "<|message|>",
+            "{\"q\":",
+            " 2}",
+            "<|call|>",
+        ];
+        let mut s = TextStream::new(Some(Reasoning::Harmony), vec![]).with_tools(0);
+        assert_eq!(
+            feed_calls(&mut s, &pieces),
+            ("Look it up.".into(), String::new(), vec![call(0, "call_0", "get", "{\"q\": 2}")])
+        );
     }
 
     #[test]

@@ -26,6 +26,7 @@
 use minijinja::value::{Value, ValueKind};
 
 use super::template::{check_messages, Message};
+use super::tools::Call;
 use crate::error::{Error, Result};
 
 /// The tokens that end the assistant's turn.
@@ -392,6 +393,20 @@ fn push_stray(answer: &mut String, text: &str) {
 ///
 /// The parts only grow as `text` grows (a streaming caller can emit differences).
 pub fn split_output(text: &str, done: bool) -> (String, String) {
+    split(text, done, None)
+}
+
+/// As [`split_output`] for a request with function tools: a message to `functions.NAME` ended by
+/// `<|call|>` is a [`Call`] (its body the arguments) instead of reasoning text; one not yet ended
+/// is held back while the turn runs, and is reasoning text (as without tools) if the turn ended
+/// without its `<|call|>`. A message to another recipient stays reasoning.
+pub fn split_output_calls(text: &str, done: bool) -> (String, String, Vec<Call>) {
+    let mut calls = Vec::new();
+    let (reasoning, answer) = split(text, done, Some(&mut calls));
+    (reasoning, answer, calls)
+}
+
+fn split(text: &str, done: bool, mut calls: Option<&mut Vec<Call>>) -> (String, String) {
     let (mut reasoning, mut answer) = (String::new(), String::new());
     let segments: Vec<&str> = text.split("<|start|>").collect();
     for (i, seg) in segments.iter().enumerate() {
@@ -415,6 +430,22 @@ pub fn split_output(text: &str, done: bool) -> (String, String) {
             .split_once("<|channel|>")
             .map(|(_, c)| c.split(|ch: char| ch.is_whitespace() || ch == '<').next().unwrap_or(""));
         let to_someone = header.split_whitespace().any(|w| w.starts_with("to="));
+        let function = header
+            .split(|ch: char| ch.is_whitespace() || ch == '<')
+            .find_map(|w| w.strip_prefix("to=functions."))
+            .filter(|f| !f.is_empty());
+        if let (Some(calls), Some(name)) = (calls.as_deref_mut(), function) {
+            match end {
+                Some((at, _)) if rest[at..].starts_with("<|call|>") => {
+                    calls.push(Call { name: name.to_string(), arguments: body.trim().to_string() });
+                    push_stray(&mut answer, after);
+                    continue;
+                }
+                // Not ended yet: it may still become a call.
+                None if !done => continue,
+                _ => {}
+            }
+        }
         let dst = match channel {
             Some("analysis") => &mut reasoning,
             Some("commentary") if to_someone => &mut reasoning,
@@ -446,6 +477,41 @@ mod tests {
             "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant to=functions.f<|channel|>commentary \
                  <|constrain|>json<|message|>{}<|call|>";
         assert_eq!(split_output(t, true), both("{}", "Checking."));
+    }
+
+    #[test]
+    fn with_tools_a_call_to_a_function_is_a_call_not_reasoning() {
+        let t = "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary \
+                 to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>";
+        let call = Call { name: "get_weather".into(), arguments: "{\"city\": \"Paris\"}".into() };
+        assert_eq!(split_output_calls(t, true), ("Need weather.".into(), String::new(), vec![call.clone()]));
+        // The recipient may come before the channel, too.
+        let t2 = "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{\"city\": \"Paris\"}<|call|>";
+        assert_eq!(split_output_calls(t2, true).2, vec![call.clone()]);
+        // Not ended: held back while the turn runs; reasoning (as without tools) if it ended so.
+        let cut = &t[..t.len() - "<|call|>".len()];
+        assert_eq!(split_output_calls(cut, false), ("Need weather.".into(), String::new(), vec![]));
+        assert_eq!(split_output_calls(cut, true).0, "Need weather.{\"city\": \"Paris\"}");
+        // Without tools, as before: the call is reasoning.
+        assert_eq!(split_output(t, true), ("Need weather.{\"city\": \"Paris\"}".into(), String::new()));
+        // Fed a character at a time (special tokens whole, as decoded tokens arrive), the parts
+        // only grow and end as the whole text's do.
+        let (mut r, mut a, mut c) = (String::new(), String::new(), Vec::new());
+        let mut ends = Vec::new();
+        let mut i = 0;
+        while i < t.len() {
+            i += match t[i..].strip_prefix("<|") {
+                Some(rest) => rest.find("|>").map_or(t.len() - i, |e| e + 4),
+                None => t[i..].chars().next().unwrap().len_utf8(),
+            };
+            ends.push(i);
+        }
+        for i in ends {
+            let (r2, a2, c2) = split_output_calls(&t[..i], false);
+            assert!(r2.starts_with(&r) && a2.starts_with(&a) && c2.starts_with(&c), "{i}");
+            (r, a, c) = (r2, a2, c2);
+        }
+        assert_eq!(split_output_calls(t, true).2, vec![call]);
     }
 
     #[test]

@@ -8,6 +8,7 @@ pub mod engine;
 pub mod harmony;
 pub mod stop;
 pub mod template;
+pub mod tools;
 pub mod turn;
 
 use std::path::{Path, PathBuf};
@@ -144,12 +145,31 @@ pub struct ReasoningStream {
     kind: Reasoning,
     reasoning: String,
     answer: String,
+    /// Harmony with function tools: calls come out of the text ([`harmony::split_output_calls`]).
+    tools: bool,
+    calls: Vec<tools::Call>,
 }
 
 impl ReasoningStream {
     /// A stream for `kind`.
     pub fn new(kind: Reasoning) -> Self {
-        ReasoningStream { kind, reasoning: String::new(), answer: String::new() }
+        ReasoningStream { kind, reasoning: String::new(), answer: String::new(), tools: false, calls: Vec::new() }
+    }
+
+    /// A stream for `kind` of a request with function tools: harmony's calls to `functions.*` are
+    /// taken out as [`tools::Call`]s ([`ReasoningStream::calls`]) rather than shown as reasoning.
+    pub fn with_tools(kind: Reasoning) -> Self {
+        ReasoningStream { tools: true, ..Self::new(kind) }
+    }
+
+    /// The kind of text it splits.
+    pub fn kind(&self) -> Reasoning {
+        self.kind
+    }
+
+    /// The complete calls seen so far (harmony with tools; else none).
+    pub fn calls(&self) -> &[tools::Call] {
+        &self.calls
     }
 
     /// Given the whole assistant text so far, returns (new reasoning, new answer). A part that was
@@ -166,7 +186,16 @@ impl ReasoningStream {
     }
 
     fn push_part(&mut self, text: &str, done: bool) -> (String, String) {
-        let (r, a) = self.kind.split(text, done);
+        let (r, a) = match self.kind {
+            Reasoning::Harmony if self.tools => {
+                let (r, a, calls) = harmony::split_output_calls(text, done);
+                if calls.starts_with(&self.calls) {
+                    self.calls = calls;
+                }
+                (r, a)
+            }
+            kind => kind.split(text, done),
+        };
         let dr = delta(&mut self.reasoning, r);
         let da = delta(&mut self.answer, a);
         (dr, da)

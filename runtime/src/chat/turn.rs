@@ -19,6 +19,11 @@ pub struct TurnOptions {
     pub sampler: SamplerOptions,
     /// Stop at the session's end-of-turn ids ([`Session::stop_ids`]).
     pub stop_at_eos: bool,
+    /// **A mock, for tests only:** the ids to take instead of sampling, one per step (sampling
+    /// resumes after them). Everything after the choice of id (the forward pass, the end-of-turn
+    /// check, detokenizing, the front ends) runs for real. It exists because the random-weight
+    /// fixture models never write, say, a tool call on their own; `None` in every real run.
+    pub mock_sampled: Option<Vec<u32>>,
 }
 
 /// Why a completion ended.
@@ -145,7 +150,10 @@ impl Session {
         let t1 = Instant::now();
         let mut decode_steps = 0;
         while tokens.len() < opts.max_new {
-            let next = sampler.sample_after(self.model.logits(), &sequence, &sequence[prompt.len()..]);
+            let next = match opts.mock_sampled.as_ref().and_then(|ids| ids.get(tokens.len())) {
+                Some(&id) if (id as usize) < vocab => id,
+                _ => sampler.sample_after(self.model.logits(), &sequence, &sequence[prompt.len()..]),
+            };
             if tokens.is_empty() && stop_id.is_none() {
                 first_token_ms = t0.elapsed().as_secs_f64() * 1e3;
             }

@@ -500,7 +500,7 @@ fn tools_and_tool_messages_are_rendered_as_transformers_does() {
 /// every harmony channel (no `<|channel|>…<|message|>` header); the chat answer carries that text as
 /// its content instead of dropping it, exactly as the harmony parser splits the generated ids.
 #[test]
-fn gpt_oss_text_outside_every_channel_reaches_the_chat_answer() {
+fn gpt_oss_text_outside_every_channel_reaches_the_chat_answer_and_a_call_is_a_tool_call() {
     use picchio_runtime::chat::harmony::split_output;
     let tmp = common::scratch();
     let model = tmp.path().join("g");
@@ -530,6 +530,29 @@ fn gpt_oss_text_outside_every_channel_reaches_the_chat_answer() {
         assert_eq!(content, plain, "{v}");
     }
     assert!(!content.is_empty() || plain.is_empty(), "generated text vanished: {plain:?} in {v}");
+    drop(s);
+
+    // With tools, a message to functions.get_weather ended by <|call|> is a tool call, not
+    // reasoning; the test mock makes the model write it (see a_tool_call_in_the_answer_is_returned_as_tool_calls).
+    let text = "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary \
+                to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>";
+    let ids: Vec<String> = tok.encode(text).unwrap().iter().map(u32::to_string).collect();
+    let s = Served::start_env(&model, &["--ctx", "256"], &[("PICCHIO_SERVE_TEST_MOCK_SAMPLED_IDS", &ids.join(","))]);
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    let body = json!({"model": "g", "messages": [{"role": "user", "content": "Weather?"}], "tools": tools,
+        "max_tokens": 64, "temperature": 0});
+    let (st, v) = s.post("/v1/chat/completions", &body);
+    assert_eq!(st, 200, "{v}");
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    assert_eq!(choice["message"]["reasoning_content"], "Need the weather.", "{v}");
+    let call = &choice["message"]["tool_calls"][0];
+    assert_eq!(
+        (&call["function"]["name"], &call["function"]["arguments"]),
+        (&json!("get_weather"), &json!("{\"city\": \"Paris\"}")),
+        "{v}"
+    );
 }
 
 /// A tool call in the model's answer comes back as OpenAI `tool_calls` (Qwen3's Hermes

@@ -274,7 +274,14 @@ impl Engine {
         if !stopped_by_string {
             if let Some(t) = &session.tokenizer {
                 let ids = &turn.tokens;
-                let decoded = if kind == Some(Reasoning::Harmony) { t.decode(ids)? } else { t.decode_text(ids)? };
+                let decoded = if kind == Some(Reasoning::Harmony) {
+                    // The end-of-turn id ends harmony's last message (`<|call|>` makes it a call):
+                    // it is not among the answer's tokens, so it is decoded with them here.
+                    let with_end: Vec<u32> = ids.iter().copied().chain(turn.stop_id).collect();
+                    t.decode(&with_end)?
+                } else {
+                    t.decode_text(ids)?
+                };
                 let (delta, _) = text.push(&decoded, true);
                 if !delta.reasoning.is_empty() || !delta.content.is_empty() || !delta.tool_calls.is_empty() {
                     let _ = on_delta(&delta);

@@ -3,7 +3,7 @@
 //! Qwen3 fixture's tokenizer config (first byte odd), read with `ChatFormat::from_dir`, then a fixed
 //! conversation (system, two user turns, an assistant turn with think content and a tool call, a
 //! tool result, function tools) is rendered with and without the generation prompt, and its
-//! reasoning split. Every outcome must be `Ok` or a clear error: no panic, no hang (a template's
+//! reasoning split and its tool calls taken out (Hermes and harmony parsers). Every outcome must be `Ok` or a clear error: no panic, no hang (a template's
 //! work is bounded by minijinja's fuel), no allocation driven by a number in the file.
 #![no_main]
 
@@ -68,6 +68,11 @@ fuzz_target!(|input: &[u8]| {
             // Part way through a turn (a marker may be held back) and at its end.
             let _ = format.reasoning().split(&text, false);
             let _ = format.reasoning().split(&text, true);
+            // The tool-call parsers read the same kind of text (the model's output).
+            for done in [false, true] {
+                let _ = picchio_runtime::chat::tools::split_hermes(&text, done);
+                let _ = picchio_runtime::chat::harmony::split_output_calls(&text, done);
+            }
         }
     }
 });

@@ -515,6 +515,8 @@ fn parse(s: &Server, bytes: Result<Bytes, BytesRejection>, chat: bool) -> Result
         ignore_eos: body.ignore_eos,
         enable_thinking,
         tools,
+        // "none": the model is not to call; a call it writes anyway is text (vLLM does the same).
+        calls_as_text: body.tool_choice.as_ref().and_then(Value::as_str) == Some("none"),
         mock_sampled: mock_sampled_ids(),
     };
     Ok((req, body))

@@ -42,6 +42,10 @@ pub struct Request {
     pub enable_thinking: Option<bool>,
     /// Function tools for the chat format ([`RenderOptions::tools`]).
     pub tools: Vec<minijinja::Value>,
+    /// OpenAI's `tool_choice: "none"`: the model is not to call a tool, so a call it writes anyway
+    /// stays text (as vLLM leaves it); `tools` are still rendered into the prompt. With `false`
+    /// (`"auto"`, the default) and `tools`, calls come out as [`Outcome::tool_calls`].
+    pub calls_as_text: bool,
     /// **A mock, for tests only** ([`TurnOptions::mock_sampled`]): ids generated instead of
     /// sampled. `None` in every real request.
     pub mock_sampled: Option<Vec<u32>>,
@@ -58,6 +62,7 @@ impl Request {
             ignore_eos: false,
             enable_thinking: None,
             tools: Vec::new(),
+            calls_as_text: false,
             mock_sampled: None,
         }
     }
@@ -240,7 +245,7 @@ impl Engine {
             mock_sampled: req.mock_sampled.clone(),
         };
         let mut text = TextStream::new(kind, req.stop.clone());
-        if !req.tools.is_empty() {
+        if !req.tools.is_empty() && !req.calls_as_text {
             text = text.with_tools(self.calls_made);
         }
         let mut tokens = Vec::new();
@@ -299,12 +304,15 @@ impl Engine {
             f => f,
         };
         self.calls_made += text.calls.len() as u64;
-        let mut content = text.content;
-        if !text.calls.is_empty() {
-            // The text around the calls is often only the newlines between the blocks.
-            content = content.trim().to_string();
-        }
-        Ok(Outcome { prompt_ids, content, reasoning: text.reasoning, tool_calls: text.calls, finish, turn })
+        // The content is what was streamed, so a streaming client assembles the same answer.
+        Ok(Outcome {
+            prompt_ids,
+            content: text.content,
+            reasoning: text.reasoning,
+            tool_calls: text.calls,
+            finish,
+            turn,
+        })
     }
 }
 
@@ -382,11 +390,17 @@ impl TextStream {
             }
         }
         let hit = self.stop.iter().filter_map(|s| answer.find(s.as_str())).min();
-        let end = match hit {
+        let mut end = match hit {
             Some(i) => i,
             None if last => answer.len(),
             None => answer.len() - held_back(&answer, &self.stop),
         };
+        // With tools, trailing whitespace waits for the text that follows it: what is left around
+        // the calls is often only the newlines before and between the blocks, which are not
+        // content. It is content once more text follows, or if the turn ended without a call.
+        if self.tools.is_some() && !((last || hit.is_some()) && self.calls.is_empty()) {
+            end = end.min(answer[..end].trim_end().len());
+        }
         if end > self.content.len() && answer.is_char_boundary(end) && answer.starts_with(&self.content) {
             delta.content = answer[self.content.len()..end].to_string();
             self.content.push_str(&delta.content);
@@ -503,7 +517,7 @@ mod tests {
         let mut s = TextStream::new(Some(Reasoning::Think), vec![]).with_tools(7);
         let (r, c, calls) = feed_calls(&mut s, &pieces);
         assert_eq!(r, "Need tools.");
-        assert!(!c.contains("tool_call") && c.starts_with("Checking."), "{c:?}");
+        assert_eq!(c, "Checking.");
         assert_eq!(calls, vec![call(0, "call_7", "a", "{\"x\": 1}"), call(1, "call_8", "b", "{}")]);
         // Without tools the same text is answer text.
         let mut s = TextStream::new(Some(Reasoning::Think), vec![]);
@@ -532,6 +546,52 @@ mod tests {
             feed_calls(&mut s, &pieces),
             ("Look it up.".into(), String::new(), vec![call(0, "call_0", "get", "{\"q\": 2}")])
         );
+    }
+
+    /// Hermes calls through the stream: the content and calls of each case, the same fed one
+    /// character at a time as fed at once (what a streaming client assembles is what a
+    /// non-streaming one gets).
+    #[test]
+    fn with_tools_streamed_and_whole_agree_case_by_case() {
+        use super::super::tools::Call;
+        let block = |name: &str, args: &str| {
+            format!("<tool_call>\n{{\"name\": \"{name}\", \"arguments\": {args}}}\n</tool_call>")
+        };
+        let (a, b) = (block("a", "{\"x\": 1}"), block("b", "{}"));
+        let ca = Call { name: "a".into(), arguments: "{\"x\": 1}".into() };
+        let cb = Call { name: "b".into(), arguments: "{}".into() };
+        let malformed = "<tool_call>\n{\"name\": \"a\", \"arguments\": {x}}\n</tool_call>";
+        let unclosed = "Sure. <tool_call>\n{\"name\": \"a\", \"argu";
+        let cases: Vec<(String, Vec<&str>, String, Vec<Call>)> = vec![
+            // (text, stop strings, content, calls)
+            (a.clone(), vec![], "".into(), vec![ca.clone()]),
+            (format!("{a}\n{b}"), vec![], "".into(), vec![ca.clone(), cb.clone()]),
+            (format!("\n{a}\n{b}\n"), vec![], "".into(), vec![ca.clone(), cb.clone()]),
+            (format!("Let me check.\n\n{a}"), vec![], "Let me check.".into(), vec![ca.clone()]),
+            (format!("Before.\n{a}\nAfter."), vec![], "Before.\n\nAfter.".into(), vec![ca.clone()]),
+            // Malformed JSON: the raw block is content, no call (vLLM's hermes parser does so).
+            (format!("x {malformed}"), vec![], format!("x {malformed}"), vec![]),
+            // Unclosed at the end (max_tokens): its text is content.
+            (unclosed.to_string(), vec![], unclosed.into(), vec![]),
+            // No call: trailing whitespace is content at the end, as without tools.
+            ("Hi.\n\n".to_string(), vec![], "Hi.\n\n".into(), vec![]),
+            ("Hi \nEND more".to_string(), vec!["END"], "Hi \n".into(), vec![]),
+            // A stop string inside a call does not cut it (the call is not answer text).
+            (a.clone(), vec!["x"], "".into(), vec![ca.clone()]),
+        ];
+        for (text, stop, content, calls) in cases {
+            let stop: Vec<String> = stop.into_iter().map(String::from).collect();
+            let chars: Vec<String> = text.chars().map(String::from).collect();
+            let by_char: Vec<&str> = chars.iter().map(String::as_str).collect();
+            for pieces in [vec![text.as_str()], by_char] {
+                let mut s = TextStream::new(None, stop.clone()).with_tools(0);
+                let (_, c, got) = feed_calls(&mut s, &pieces);
+                assert_eq!(c, content, "{text:?} in {} pieces", pieces.len());
+                assert_eq!(c, s.content, "{text:?}");
+                let got: Vec<Call> = got.into_iter().map(|t| t.call).collect();
+                assert_eq!(got, calls, "{text:?} in {} pieces", pieces.len());
+            }
+        }
     }
 
     #[test]

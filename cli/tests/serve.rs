@@ -568,9 +568,9 @@ fn a_tool_call_in_the_answer_is_returned_as_tool_calls() {
     let tok = picchio_runtime::model::tokenizer::Tokenizer::from_dir(&model).unwrap().unwrap();
     let text =
         "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
-    let mut ids = tok.encode(text).unwrap();
-    ids.push(tok.token_to_id("<|im_end|>").unwrap());
-    let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
+    let mut ids_u32 = tok.encode(text).unwrap();
+    ids_u32.push(tok.token_to_id("<|im_end|>").unwrap());
+    let ids: Vec<String> = ids_u32.iter().map(u32::to_string).collect();
     let s = Served::start_env(&model, &["--ctx", "512"], &[("PICCHIO_SERVE_TEST_MOCK_SAMPLED_IDS", &ids.join(","))]);
     let tools = json!([{"type": "function", "function": {"name": "get_weather", "description": "Weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
@@ -590,26 +590,53 @@ fn a_tool_call_in_the_answer_is_returned_as_tool_calls() {
     let id = calls[0]["id"].as_str().unwrap().to_string();
     assert!(id.starts_with("call_"), "{id}");
 
+    assert_eq!(v["usage"]["completion_tokens"], ids.len(), "the call's tokens are counted: {v}");
+
     // Streamed: the text as content deltas, the call once in a delta with its index, then the
-    // finish chunk; the call's text never appears as content.
-    let (st, raw) = s.request("POST", "/v1/chat/completions", &[], ask(true).to_string().as_bytes());
-    assert_eq!(st, 200, "{raw}");
-    let chunks: Vec<Value> = raw
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .filter(|d| *d != "[DONE]")
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
-    let content: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
-    assert_eq!(content.trim(), "Let me look.", "{raw}");
-    let streamed: Vec<&Value> =
-        chunks.iter().filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array()).flatten().collect();
-    assert_eq!(streamed.len(), 1, "{raw}");
-    assert_eq!((&streamed[0]["index"], &streamed[0]["function"]["name"]), (&json!(0), &json!("get_weather")));
-    assert_eq!(streamed[0]["function"]["arguments"], "{\"city\": \"Paris\"}");
-    assert_ne!(streamed[0]["id"].as_str().unwrap(), id, "ids are unique across responses");
-    let last = chunks.iter().rev().find(|c| !c["choices"][0]["finish_reason"].is_null()).unwrap();
-    assert_eq!(last["choices"][0]["finish_reason"], "tool_calls", "{raw}");
+    // finish chunk; the call's text never appears as content, and the content assembled is the
+    // non-streamed one exactly.
+    let mut body = ask(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let st = streamed(&s, &body);
+    assert_eq!(st.content, "Let me look.", "{}", st.raw);
+    assert_eq!(st.calls.len(), 1, "{}", st.raw);
+    let streamed_call = &st.calls[0];
+    assert_eq!((&streamed_call["index"], &streamed_call["function"]["name"]), (&json!(0), &json!("get_weather")));
+    assert_eq!(streamed_call["function"]["arguments"], "{\"city\": \"Paris\"}");
+    assert_eq!(streamed_call["type"], "function");
+    assert_ne!(streamed_call["id"].as_str().unwrap(), id, "ids are unique across responses");
+    assert_eq!(st.finish, "tool_calls", "{}", st.raw);
+    assert_eq!(st.usage["completion_tokens"], ids.len(), "{}", st.raw);
+
+    // Cut by max_tokens inside the block: no call, its text is content, finish_reason "length",
+    // streamed and not.
+    let cut = ids.len() - 4;
+    let cut_text = tok.decode_text(&ids_u32[..cut]).unwrap();
+    assert!(cut_text.contains("<tool_call>") && !cut_text.contains("</tool_call>"), "{cut_text:?}");
+    let mut body = ask(false);
+    body["max_tokens"] = json!(cut);
+    let (st, v) = s.post("/v1/chat/completions", &body);
+    assert_eq!(st, 200, "{v}");
+    let choice = &v["choices"][0];
+    assert_eq!((&choice["finish_reason"], &choice["message"]["content"]), (&json!("length"), &json!(cut_text)), "{v}");
+    assert!(choice["message"].get("tool_calls").is_none(), "{v}");
+    body["stream"] = json!(true);
+    let st = streamed(&s, &body);
+    assert_eq!(
+        (st.content.as_str(), st.finish.as_str(), st.calls.len()),
+        (cut_text.as_str(), "length", 0),
+        "{}",
+        st.raw
+    );
+
+    // tool_choice "none": the model was not to call, so what it wrote is text (as vLLM answers).
+    let mut body = ask(false);
+    body["tool_choice"] = json!("none");
+    let (st, v) = s.post("/v1/chat/completions", &body);
+    assert_eq!(st, 200, "{v}");
+    let choice = &v["choices"][0];
+    assert_eq!((&choice["finish_reason"], &choice["message"]["content"]), (&json!("stop"), &json!(text)), "{v}");
+    assert!(choice["message"].get("tool_calls").is_none(), "{v}");
 
     // The follow-up: the assistant's call and the tool's answer (by the call's id) render and run.
     let follow = json!({"model": "m", "max_tokens": 2, "temperature": 0, "tools": tools, "messages": [
@@ -619,4 +646,86 @@ fn a_tool_call_in_the_answer_is_returned_as_tool_calls() {
         {"role": "tool", "tool_call_id": id, "content": "18 C, sunny"}]});
     let (st, v) = s.post("/v1/chat/completions", &follow);
     assert_eq!(st, 200, "{v}");
+}
+
+/// A streamed chat answer as a client assembles it.
+struct Streamed {
+    content: String,
+    reasoning: String,
+    /// Every `delta.tool_calls` entry, in order.
+    calls: Vec<Value>,
+    finish: String,
+    /// The `stream_options.include_usage` chunk's usage (null when not asked for).
+    usage: Value,
+    raw: String,
+}
+
+fn streamed(s: &Served, body: &Value) -> Streamed {
+    let (st, raw) = s.request("POST", "/v1/chat/completions", &[], body.to_string().as_bytes());
+    assert_eq!(st, 200, "{raw}");
+    let chunks: Vec<Value> = raw
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let delta =
+        |key: &str| -> String { chunks.iter().filter_map(|c| c["choices"][0]["delta"][key].as_str()).collect() };
+    let (content, reasoning) = (delta("content"), delta("reasoning_content"));
+    let calls =
+        chunks.iter().filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array()).flatten().cloned().collect();
+    let finishes: Vec<&str> = chunks.iter().filter_map(|c| c["choices"][0]["finish_reason"].as_str()).collect();
+    assert_eq!(finishes.len(), 1, "one finish chunk: {raw}");
+    let usage = chunks.iter().find(|c| !c["usage"].is_null()).map_or(Value::Null, |c| c["usage"].clone());
+    Streamed { content, reasoning, calls, finish: finishes[0].to_string(), usage, raw }
+}
+
+/// A `<tool_call>` block whose body is not JSON stays answer text, whole and streamed, with no
+/// `tool_calls` and `finish_reason` "stop" (vLLM's hermes parser does the same); two well-formed
+/// blocks are two calls with indexes 0 and 1 and distinct ids. The model's output is the test
+/// mock's (see a_tool_call_in_the_answer_is_returned_as_tool_calls).
+#[test]
+fn a_malformed_tool_call_stays_text_and_two_calls_are_two() {
+    let tmp = common::scratch();
+    let model = packed_model(tmp.path());
+    let tok = picchio_runtime::model::tokenizer::Tokenizer::from_dir(&model).unwrap().unwrap();
+    let im_end = tok.token_to_id("<|im_end|>").unwrap();
+    let mock = |text: &str| {
+        let ids: Vec<String> = tok.encode(text).unwrap().into_iter().chain([im_end]).map(|i| i.to_string()).collect();
+        Served::start_env(&model, &["--ctx", "512"], &[("PICCHIO_SERVE_TEST_MOCK_SAMPLED_IDS", &ids.join(","))])
+    };
+    let tools = json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);
+    let ask = |stream: bool| {
+        json!({"model": "m", "messages": [{"role": "user", "content": "Go"}], "tools": tools,
+            "max_tokens": 96, "temperature": 0, "stream": stream, "chat_template_kwargs": {"enable_thinking": false}})
+    };
+
+    let bad = "<tool_call>\n{\"name\": \"f\", \"arguments\": {city: Paris}}\n</tool_call>";
+    let s = mock(bad);
+    let (st, v) = s.post("/v1/chat/completions", &ask(false));
+    assert_eq!(st, 200, "{v}");
+    let choice = &v["choices"][0];
+    assert_eq!((&choice["finish_reason"], &choice["message"]["content"]), (&json!("stop"), &json!(bad)), "{v}");
+    assert!(choice["message"].get("tool_calls").is_none(), "{v}");
+    let st = streamed(&s, &ask(true));
+    assert_eq!((st.content.as_str(), st.finish.as_str(), st.calls.len()), (bad, "stop", 0), "{}", st.raw);
+    drop(s);
+
+    let two = "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"n\": 1}}\n</tool_call>\n\
+               <tool_call>\n{\"name\": \"f\", \"arguments\": {\"n\": 2}}\n</tool_call>";
+    let s = mock(two);
+    let (st, v) = s.post("/v1/chat/completions", &ask(false));
+    assert_eq!(st, 200, "{v}");
+    let choice = &v["choices"][0];
+    assert_eq!((&choice["finish_reason"], &choice["message"]["content"]), (&json!("tool_calls"), &Value::Null), "{v}");
+    let calls = choice["message"]["tool_calls"].as_array().unwrap_or_else(|| panic!("no tool_calls: {v}"));
+    let args: Vec<&str> = calls.iter().map(|c| c["function"]["arguments"].as_str().unwrap()).collect();
+    assert_eq!(args, ["{\"n\": 1}", "{\"n\": 2}"], "{v}");
+    assert_ne!(calls[0]["id"], calls[1]["id"], "{v}");
+    let st = streamed(&s, &ask(true));
+    assert_eq!((st.content.as_str(), st.reasoning.as_str(), st.finish.as_str()), ("", "", "tool_calls"), "{}", st.raw);
+    let indexes: Vec<&Value> = st.calls.iter().map(|c| &c["index"]).collect();
+    assert_eq!(indexes, [&json!(0), &json!(1)], "{}", st.raw);
+    let args: Vec<&str> = st.calls.iter().map(|c| c["function"]["arguments"].as_str().unwrap()).collect();
+    assert_eq!(args, ["{\"n\": 1}", "{\"n\": 2}"], "{}", st.raw);
 }

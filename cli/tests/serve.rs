@@ -638,6 +638,12 @@ fn a_tool_call_in_the_answer_is_returned_as_tool_calls() {
     assert_eq!((&choice["finish_reason"], &choice["message"]["content"]), (&json!("stop"), &json!(text)), "{v}");
     assert!(choice["message"].get("tool_calls").is_none(), "{v}");
 
+    // A text completion has no tool_calls: with tools, the call stays in its text.
+    let body = json!({"model": "m", "prompt": "Weather?", "tools": tools, "max_tokens": 64, "temperature": 0});
+    let (st, v) = s.post("/v1/completions", &body);
+    assert_eq!(st, 200, "{v}");
+    assert_eq!((&v["choices"][0]["text"], &v["choices"][0]["finish_reason"]), (&json!(text), &json!("stop")), "{v}");
+
     // The follow-up: the assistant's call and the tool's answer (by the call's id) render and run.
     let follow = json!({"model": "m", "max_tokens": 2, "temperature": 0, "tools": tools, "messages": [
         {"role": "user", "content": "Weather in Paris?"},

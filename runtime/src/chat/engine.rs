@@ -245,7 +245,8 @@ impl Engine {
             mock_sampled: req.mock_sampled.clone(),
         };
         let mut text = TextStream::new(kind, req.stop.clone());
-        if !req.tools.is_empty() && !req.calls_as_text {
+        // Calls are parsed in a chat answer only: a text completion has no `tool_calls` to carry them.
+        if chat && !req.tools.is_empty() && !req.calls_as_text {
             text = text.with_tools(self.calls_made);
         }
         let mut tokens = Vec::new();

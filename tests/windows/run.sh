@@ -40,11 +40,16 @@ cleanup() {
     rm -rf "$prefix"
 }
 trap cleanup EXIT
-export WINEPREFIX="$prefix" WINEDEBUG=-all WINEDLLOVERRIDES="mscoree,mshtml=" DISPLAY=
+export WINEPREFIX="$prefix" WINEDEBUG=-all,err+all WINEDLLOVERRIDES="mscoree,mshtml=" DISPLAY=
 
 start=$(date +%s)
 echo "== wine: $("$wine" --version 2>/dev/null || echo unknown) ($wine), WINEPREFIX=$prefix"
-"$wine" wineboot --init >/dev/null 2>&1 || die "wineboot --init failed in $prefix"
+# One server for the whole run, started first: with the default (exit 3 s after the last client) a
+# test binary could start while the server is shutting down. wineboot starts the system processes
+# (services, device manager) under it with no terminal or pipe of ours, so they don't hold a pipe
+# open after the test binaries end.
+if [ -n "$wineserver" ]; then "$wineserver" -p; fi
+"$wine" wineboot --init </dev/null >/dev/null 2>&1 || die "wineboot --init failed in $prefix"
 sys32="$prefix/drive_c/windows/system32"
 if [ -e "$sys32/bcryptprimitives.dll" ]; then
     echo "== this Wine has bcryptprimitives.dll"
@@ -54,9 +59,10 @@ else
 fi
 echo "== prefix ready in $(($(date +%s) - start)) s"
 
-export CARGO_TARGET_X86_64_PC_WINDOWS_GNU_RUNNER="$wine"
-log="$prefix/cargo-test.log"
 cd "$root"
+cargo test -p picchio-blockdev --target "$target" --no-run "$@"
+export PICCHIO_WINE="$wine" CARGO_TARGET_X86_64_PC_WINDOWS_GNU_RUNNER="$here/wine-runner.sh"
+log="$prefix/cargo-test.log"
 set +e
 cargo test -p picchio-blockdev --target "$target" "$@" 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
@@ -65,6 +71,8 @@ set -e
 echo
 echo "== what ran (cargo test -p picchio-blockdev --target $target under $wine):"
 grep -E '^\s+Running |^\s+Doc-tests |^test result:' "$log" | sed -e 's/^ *//' || true
+echo "== binaries Wine failed to start (run again once by wine-runner.sh):"
+grep -E '^WINE-LAUNCH: ' "$log" || echo "(none)"
 echo "== skipped inside tests:"
 grep -E '^SKIP ' "$log" | sort -u || echo "(none)"
 echo "== total $(($(date +%s) - start)) s, exit status $status"

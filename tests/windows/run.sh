@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Runs picchio-blockdev's tests (unit and integration, psync and IOCP) for x86_64-pc-windows-gnu
 # under Wine, in a throwaway WINEPREFIX, and prints what ran.
+# Each test binary runs through wine-runner.sh beside this script: one that Wine fails to start
+# (it exits before libtest prints anything) is named on a WINE-LAUNCH line and run once more.
 #
 # Installs nothing. Needs:
 #   rustup target add x86_64-pc-windows-gnu

@@ -37,8 +37,24 @@ wineserver="$(dirname "$wine")/wineserver"
 command -v "$wineserver" >/dev/null 2>&1 || wineserver="$(command -v wineserver || true)"
 
 prefix="$(mktemp -d -t picchio-wine.XXXXXX)"
+# A process and everything it started, children first.
+kill_tree() {
+    local child
+    for child in $(pgrep -P "$1"); do kill_tree "$child"; done
+    kill -TERM "$1" 2>/dev/null || true
+}
+# On any exit (bash runs this on SIGTERM and SIGINT too): stop what this script started (cargo
+# and the test binaries it runs: left alone they would go on and recreate the prefix), then the
+# prefix's Wine processes.
 cleanup() {
-    if [ -n "$wineserver" ]; then WINEPREFIX="$prefix" "$wineserver" -k 2>/dev/null || true; fi
+    local child
+    for child in $(pgrep -P $$); do kill_tree "$child"; done
+    # -k returns at once; the server writes the prefix's registry as it exits, so wait for that
+    # before removing the prefix (or part of it comes back).
+    if [ -n "$wineserver" ]; then
+        WINEPREFIX="$prefix" "$wineserver" -k 2>/dev/null || true
+        WINEPREFIX="$prefix" "$wineserver" -w 2>/dev/null || true
+    fi
     rm -rf "$prefix"
 }
 trap cleanup EXIT

@@ -6,7 +6,7 @@
 #
 # Installs nothing. Needs:
 #   rustup target add x86_64-pc-windows-gnu
-#   apt-get install -y --no-install-recommends gcc-mingw-w64-x86-64 wine64
+#   apt-get install -y --no-install-recommends gcc-mingw-w64-x86-64 wine64 procps (pgrep)
 #     (Debian bookworm: the MinGW linker and 64-bit Wine 8.0; ~205 MB of downloads, ~35 s here)
 #
 # Extra arguments go to `cargo test` (e.g. `tests/windows/run.sh --test iocp`, or `-- --nocapture`).
@@ -53,7 +53,7 @@ cleanup() {
     # before removing the prefix (or part of it comes back).
     if [ -n "$wineserver" ]; then
         WINEPREFIX="$prefix" "$wineserver" -k 2>/dev/null || true
-        WINEPREFIX="$prefix" "$wineserver" -w 2>/dev/null || true
+        WINEPREFIX="$prefix" timeout 60 "$wineserver" -w 2>/dev/null || true
     fi
     rm -rf "$prefix"
 }

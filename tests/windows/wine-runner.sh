@@ -8,12 +8,13 @@
 # libtest started, is the binary's result.
 set -uo pipefail
 : "${PICCHIO_WINE:?run.sh sets PICCHIO_WINE}"
+[ $# -ge 1 ] || { echo "usage: wine-runner.sh BINARY.exe [ARG...] (cargo passes them)" >&2; exit 2; }
 out="$(mktemp -t picchio-wine-run.XXXXXX)"
 trap 'rm -f "$out"' EXIT
 for attempt in 1 2; do
     "$PICCHIO_WINE" "$@" 2>&1 | tee "$out"
     status=${PIPESTATUS[0]}
-    if [ "$status" -eq 0 ] || grep -qE '^running [0-9]+ tests?$' "$out"; then
+    if [ "$status" -eq 0 ] || grep -qE $'^running [0-9]+ tests?\r?$' "$out"; then
         exit "$status"
     fi
     echo "WINE-LAUNCH: $(basename "$1") exited with status $status before libtest printed anything (attempt $attempt of 2)" >&2

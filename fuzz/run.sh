@@ -27,7 +27,8 @@ fi
 t0=$SECONDS
 cargo fuzz build -O -a
 echo "fuzz: built every target in $((SECONDS - t0)) s"
-bin=target/x86_64-unknown-linux-gnu/release
+# cargo fuzz builds into $CARGO_TARGET_DIR when it is set (.ci/run keeps it in its cache), else fuzz/target.
+bin=${CARGO_TARGET_DIR:-target}/x86_64-unknown-linux-gnu/release
 # The targets' scratch model directories (tempfile) go here, in memory when /dev/shm is there: the
 # file targets rewrite a file per input, and on ext4 each rewrite of a truncated file waits for the
 # disk (8x fewer executions). libFuzzer exits without running their destructors, so the whole folder

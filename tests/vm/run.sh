@@ -18,7 +18,8 @@ set -euo pipefail
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
-VM="$ROOT/target/vm"
+# $PICCHIO_VM_DIR moves the cache (kernel, modules, initramfs, static builds) out of the checkout.
+VM="${PICCHIO_VM_DIR:-$ROOT/target/vm}"
 TARGET=x86_64-unknown-linux-gnu
 BOOT_TIMEOUT="${VM_BOOT_TIMEOUT:-300}"
 TEST_TIMEOUT="${VM_TEST_TIMEOUT:-240}"

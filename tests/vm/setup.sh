@@ -14,7 +14,8 @@ set -euo pipefail
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
-VM="$ROOT/target/vm"
+# $PICCHIO_VM_DIR moves the cache (kernel, modules, initramfs, static builds) out of the checkout.
+VM="${PICCHIO_VM_DIR:-$ROOT/target/vm}"
 mkdir -p "$VM"
 export DEBIAN_FRONTEND=noninteractive
 log() { echo "[vm-setup] $*" >&2; }

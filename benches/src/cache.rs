@@ -23,6 +23,7 @@ use picchio_runtime::error::{Error, Result};
 use picchio_runtime::expert::store::IoOptions;
 use picchio_runtime::model::sampler::{Sampler, SamplerOptions};
 use picchio_runtime::run::{Session, SessionOptions};
+use picchio_runtime::ModelDir;
 
 /// How the image is read at one point.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -58,8 +59,10 @@ impl std::str::FromStr for ReadMode {
 /// What `picchio bench cache` runs.
 #[derive(Clone, Debug, Serialize)]
 pub struct CacheOptions {
-    /// Converted model directory.
-    pub model_dir: PathBuf,
+    /// Converted model directory, its config read once by the command (every point's session
+    /// is opened from it); recorded in the report's flags as `model_dir`, its path.
+    #[serde(rename = "model_dir", serialize_with = "model_path")]
+    pub model: ModelDir,
     /// The expert store (`file:PATH`, `raw:`, `nvme:`, `safetensors`, `auto`).
     #[serde(serialize_with = "display")]
     pub store: StoreUri,
@@ -93,6 +96,11 @@ fn io_flags<S: serde::Serializer>(io: &IoOptions, s: S) -> std::result::Result<S
         }),
         s,
     )
+}
+
+/// A model directory as the report's flags record it: its path.
+pub(crate) fn model_path<S: serde::Serializer>(m: &ModelDir, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.collect_str(&m.path().display())
 }
 
 fn display<S: serde::Serializer>(v: &StoreUri, s: S) -> std::result::Result<S::Ok, S::Error> {
@@ -216,14 +224,14 @@ pub fn run_cache(opts: &CacheOptions, progress: &mut dyn FnMut(usize, usize)) ->
     let mut ecaps = opts.ecaps.clone();
     ecaps.sort_unstable();
     ecaps.dedup();
-    let image = image_file(&opts.store, &opts.model_dir);
+    let image = image_file(&opts.store, opts.model.path());
     let total_points = ecaps.len() * opts.modes.len();
     let mut points = Vec::with_capacity(total_points);
     let mut shape = None;
     for &mode in &opts.modes {
         for &ecap in &ecaps {
             let session_opts = SessionOptions {
-                model_dir: opts.model_dir.clone(),
+                model: opts.model.clone(),
                 store: opts.store.clone(),
                 io: IoOptions { direct: mode == ReadMode::Direct, ..opts.io },
                 ecap: Some(ecap),
@@ -253,7 +261,7 @@ pub fn run_cache(opts: &CacheOptions, progress: &mut dyn FnMut(usize, usize)) ->
     let (store, moe_layers, num_experts, top_k, total_experts, expert_bytes, slot_bytes) =
         shape.expect("at least one point ran");
     Ok(CacheResults {
-        model: opts.model_dir.display().to_string(),
+        model: opts.model.path().display().to_string(),
         store,
         moe_layers,
         num_experts,
@@ -369,8 +377,13 @@ pub(crate) fn image_file(store: &StoreUri, model_dir: &std::path::Path) -> Optio
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// The vendored Picchio (C) model directory.
+    pub(crate) fn fixture_model() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/picchio_c/qwen3_moe")
+    }
 
     #[test]
     fn percents_map_to_capacities() {
@@ -398,7 +411,7 @@ mod tests {
     #[test]
     fn bad_options_are_refused_before_running() {
         let o = CacheOptions {
-            model_dir: "m".into(),
+            model: ModelDir::open(&crate::cache::tests::fixture_model()).unwrap(),
             store: StoreUri::Safetensors,
             io: IoOptions::default(),
             ecaps: vec![],
@@ -408,6 +421,9 @@ mod tests {
             drop_page_cache: true,
         };
         assert!(run_cache(&o, &mut |_, _| {}).is_err());
+        // The report's flags name the model by its path, as before the directory was opened once.
+        let flags = serde_json::to_value(&o).unwrap();
+        assert_eq!(flags["model_dir"], fixture_model().display().to_string());
         let o = CacheOptions { ecaps: vec![0], ..o };
         assert!(run_cache(&o, &mut |_, _| {}).unwrap_err().to_string().contains("--ecap 0"));
         let o = CacheOptions { ecaps: vec![1], tokens: 1, ..o };

@@ -22,14 +22,17 @@ use picchio_runtime::expert::cache::PrefetchStats;
 use picchio_runtime::expert::store::IoOptions;
 use picchio_runtime::model::DenseFormat;
 use picchio_runtime::run::{DecodeSplit, GenerateOptions, Session, SessionOptions};
+use picchio_runtime::ModelDir;
 
 use crate::cache::drop_page_cache;
 
 /// What `picchio bench decode` runs.
 #[derive(Clone, Debug, Serialize)]
 pub struct DecodeOptions {
-    /// Converted model directory.
-    pub model_dir: PathBuf,
+    /// Converted model directory, its config read once by the command (every point's session
+    /// is opened from it); recorded in the report's flags as `model_dir`, its path.
+    #[serde(rename = "model_dir", serialize_with = "crate::cache::model_path")]
+    pub model: ModelDir,
     /// The expert store.
     #[serde(serialize_with = "display")]
     pub store: StoreUri,
@@ -187,13 +190,13 @@ pub fn run_decode(opts: &DecodeOptions, progress: &mut dyn FnMut(usize, usize)) 
     let mut ecaps = opts.ecaps.clone();
     ecaps.sort_unstable();
     ecaps.dedup();
-    let image = crate::cache::image_file(&opts.store, &opts.model_dir);
+    let image = crate::cache::image_file(&opts.store, opts.model.path());
     let mut points = Vec::with_capacity(ecaps.len());
     let mut shape = None;
     let mut rss_reset = true;
     for &ecap in &ecaps {
         let session_opts = SessionOptions {
-            model_dir: opts.model_dir.clone(),
+            model: opts.model.clone(),
             store: opts.store.clone(),
             io: opts.io,
             ecap: Some(ecap),
@@ -269,7 +272,7 @@ pub fn run_decode(opts: &DecodeOptions, progress: &mut dyn FnMut(usize, usize)) 
     }
     let (store, layers, moe_layers, num_experts, top_k, total_experts) = shape.expect("at least one point ran");
     Ok(DecodeResults {
-        model: opts.model_dir.display().to_string(),
+        model: opts.model.path().display().to_string(),
         store,
         layers,
         moe_layers,
@@ -288,7 +291,7 @@ mod tests {
     #[test]
     fn bad_options_are_refused_before_running() {
         let o = DecodeOptions {
-            model_dir: "m".into(),
+            model: ModelDir::open(&crate::cache::tests::fixture_model()).unwrap(),
             store: StoreUri::Safetensors,
             io: IoOptions::default(),
             ecaps: vec![],

@@ -5,7 +5,8 @@
 //! - [`kernels`]: the matrix kernels of the forward pass;
 //! - [`expert`]: routed experts at run time (payload layout, expert cache, opening a `--store`);
 //! - [`image`]: writing and checking `.picchioflat` images (convert, pack, verify, synth);
-//! - [`mem`]: memory figures (peak RSS, available memory, cgroup limit) and the memory plan;
+//! - [`plan`]: the memory plan, and the memory figures it is made of (peak RSS, available memory,
+//!   cgroup limit);
 //! - [`run`]: a session (model + store) and generation;
 //! - [`chat`]: chat templates, end-of-turn ids, reasoning, generation reusing the KV cache;
 //! - [`nvme_admin`]: host management of NVMe controllers (binding to `vfio-pci` and back);
@@ -18,9 +19,9 @@ pub mod expert;
 pub mod image;
 pub mod interrupt;
 pub mod kernels;
-pub mod mem;
 pub mod model;
 pub mod nvme_admin;
+pub mod plan;
 pub mod progress;
 pub mod quant;
 pub mod run;
@@ -28,3 +29,4 @@ pub mod sys;
 
 pub use error::{Error, Result};
 pub use model::config::Config;
+pub use model::dir::ModelDir;

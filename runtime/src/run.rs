@@ -11,6 +11,7 @@ use crate::error::{Error, Result};
 use crate::expert::cache::{ExpertCache, PrefetchStats};
 use crate::expert::store::{open_store, IoOptions, StoreInfo};
 use crate::expert::usage::UsageProfile;
+use crate::model::dir::ModelDir;
 use crate::model::sampler::{Sampler, SamplerOptions};
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{DecodeIo, DenseFormat, Model, StepTimers};
@@ -18,8 +19,9 @@ use crate::model::{DecodeIo, DenseFormat, Model, StepTimers};
 /// How to open a model for generation.
 #[derive(Clone, Debug)]
 pub struct SessionOptions {
-    /// Converted model directory.
-    pub model_dir: PathBuf,
+    /// Converted model directory, its config read once ([`ModelDir::open`]) by the command that
+    /// opens the session.
+    pub model: ModelDir,
     /// Where routed experts come from.
     pub store: StoreUri,
     /// Flat-store I/O settings.
@@ -112,7 +114,7 @@ pub struct RunStats {
     pub read_mb_s: f64,
     /// Bytes read over the whole generation's wall time (prefill + decode), MB/s.
     pub read_mb_s_run: f64,
-    /// This process's peak resident set so far, bytes (`VmHWM`, [`crate::mem::peak_rss`]; 0 when
+    /// This process's peak resident set so far, bytes (`VmHWM`, [`crate::plan::peak_rss`]; 0 when
     /// unknown, off Linux).
     pub peak_rss_bytes: u64,
     /// Bytes of expert reads the engine copied through bounce buffers rather than reading them
@@ -256,31 +258,31 @@ pub struct Generation {
 /// Default expert-cache capacity: every expert of the model if they fit in half of the available
 /// memory (`MemAvailable` of /proc/meminfo, or 4 GiB when unknown), else as many as fit (at least top-k).
 pub fn default_ecap(total_experts: usize, slot_bytes: usize, topk: usize) -> usize {
-    let avail = crate::mem::mem_available().unwrap_or(4 << 30);
+    let avail = crate::plan::mem_available().unwrap_or(4 << 30);
     let fit = (avail / 2) / slot_bytes.max(1) as u64;
     (fit as usize).clamp(topk.max(1), total_experts.max(1))
 }
 
 impl Session {
-    /// Loads the model, opens the store and allocates the cache; `tokenizer` is the directory's
-    /// (from [`Tokenizer::from_dir`], loaded by the caller to size `max_seq` from the prompt).
+    /// Loads the model of `opts.model` (its config as read when it was opened: config.json is not
+    /// read again), opens the store and allocates the cache; `tokenizer` is the directory's (from
+    /// [`Tokenizer::from_dir`], loaded by the caller to size `max_seq` from the prompt).
     ///
     /// # Errors
     /// Model loading errors (config, tensors), store errors (see [`open_store`]), allocation.
     pub fn open(opts: &SessionOptions, tokenizer: Option<Tokenizer>) -> Result<Self> {
-        let cfg = crate::model::config::Config::from_dir(&opts.model_dir)?;
+        let cfg = opts.model.config();
         if opts.max_seq > cfg.max_position_embeddings {
             return Err(Error::ContextOverflow {
                 needed: opts.max_seq,
                 context: cfg.max_position_embeddings,
-                config: Some(opts.model_dir.join("config.json")),
+                config: Some(opts.model.config_path()),
             });
         }
-        let model = Model::load_as(&opts.model_dir, opts.max_seq, opts.dense)?;
-        let cfg = model.config().clone();
+        let model = Model::load_as(&opts.model, opts.max_seq, opts.dense)?;
         let layout = model.layout().clone();
         let (mut loader, mut info, io_stats) =
-            open_store(&opts.store, &opts.model_dir, &cfg, model.tensors().clone(), &layout, opts.io)?;
+            open_store(&opts.store, opts.model.path(), cfg, model.tensors().clone(), &layout, opts.io)?;
         let total = cfg.moe_layers().len() * cfg.num_experts;
         let ecap = match opts.ecap {
             Some(0) => {
@@ -556,7 +558,7 @@ impl Session {
             },
             read_mb_s: mb_s(read_span_ms),
             read_mb_s_run: mb_s(run_ms),
-            peak_rss_bytes: crate::mem::peak_rss().unwrap_or(0),
+            peak_rss_bytes: crate::plan::peak_rss().unwrap_or(0),
             bounce_bytes: io.bounce_bytes - io0.bounce_bytes,
             fallbacks: io.fallbacks - io0.fallbacks,
             store_errors: io.errors - io0.errors,

@@ -40,7 +40,7 @@ pub fn greedy(
     n: usize,
 ) -> picchio_runtime::Result<(Generation, Session)> {
     let opts = SessionOptions {
-        model_dir: model_dir.into(),
+        model: picchio_runtime::ModelDir::open(model_dir)?,
         store,
         io,
         ecap,

@@ -127,7 +127,7 @@ fn run_with(
 fn shuffled_completions_give_bit_identical_hidden_states_and_logits() {
     let dir = fixture("picchio_c/qwen3_moe");
     let prompt = c_prompt();
-    let mut model = Model::load(&dir, prompt.len() + N).unwrap();
+    let mut model = Model::load(&picchio_runtime::ModelDir::open(&dir).unwrap(), prompt.len() + N).unwrap();
     let total = model.config().moe_layers().len() * model.config().num_experts;
 
     // Reference: in order (the safetensors loader delivers in request order), async on, every

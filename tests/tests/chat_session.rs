@@ -23,7 +23,7 @@ fn converted(dir: &Path) -> PathBuf {
 
 fn session(model: &Path, max_seq: usize) -> Session {
     let opts = SessionOptions {
-        model_dir: model.into(),
+        model: picchio_runtime::ModelDir::open(model).unwrap(),
         store: StoreUri::Safetensors,
         io: IoOptions::default(),
         ecap: Some(4),

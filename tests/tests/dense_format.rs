@@ -48,7 +48,9 @@ type Variant = (DenseFormat, bool);
 /// Every row's logits of `tokens` fed one at a time, and a free-running greedy continuation of
 /// `prompt` of `n` tokens.
 fn run(dir: &Path, (fmt, idot): Variant, tokens: &[u32], prompt: &[u32], n: usize) -> (Vec<Vec<f32>>, Vec<u32>) {
-    let mut model = Model::load_as(dir, tokens.len().max(prompt.len() + n), fmt).unwrap();
+    let mut model =
+        Model::load_as(&picchio_runtime::ModelDir::open(dir).unwrap(), tokens.len().max(prompt.len() + n), fmt)
+            .unwrap();
     model.set_kernels(model.kernels().with_idot(idot));
     let cfg = model.config().clone();
     let mut cache = model.new_cache(cfg.moe_layers().len() * cfg.num_experts).unwrap();

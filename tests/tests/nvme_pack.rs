@@ -62,7 +62,7 @@ fn pack_to(ns: &Path, lba: u32, force: bool) -> (String, picchio_runtime::Result
 
 /// Runs `tm` with experts from the namespace file `ns` (through the driver, zero-copy slots).
 fn run_model(tm: &TierModel, ns: &Path, lba: u32) -> Vec<u32> {
-    let m = Model::load(&tm.dir, tm.prompt.len() + tm.tokens.len()).unwrap();
+    let m = Model::load(&picchio_runtime::ModelDir::open(&tm.dir).unwrap(), tm.prompt.len() + tm.tokens.len()).unwrap();
     let (cfg, layout) = (m.config().clone(), m.layout().clone());
     let (q, sim) = queue(ns, lba);
     let flat = open_nvme_flat("nvme:sim/1".into(), q, &cfg, &layout, IoOptions::default()).unwrap();

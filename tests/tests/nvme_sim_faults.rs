@@ -21,7 +21,7 @@ const N: usize = 16;
 fn faults_during_generation_fall_back_to_safetensors_and_the_tokens_stay_exact() {
     let prompt = ids(&reference_json(&fixture("qwen3_moe"), "reference.json"), "prompt_ids");
     let dir = fixture("picchio_c/qwen3_moe");
-    let model = Model::load(&dir, prompt.len() + N).unwrap();
+    let model = Model::load(&picchio_runtime::ModelDir::open(&dir).unwrap(), prompt.len() + N).unwrap();
     let (cfg, layout) = (model.config().clone(), model.layout().clone());
     // The held and dropped completions time out after 2 s (not 300 ms: on a loaded machine the other
     // reads of the run must not time out too, or the abort/reset counts below would be off).

@@ -20,7 +20,8 @@ use picchio_tests::*;
 /// cache takes its slots from the driver's DMA memory. Drop the session before the sim (the driver
 /// shuts the controller down on drop).
 fn sim_session(m: &TierModel, lba: u32, ecap: usize, pool: bool, dma: HeapDma) -> (Session, Sim) {
-    let model = Model::load(&m.dir, m.prompt.len() + m.tokens.len()).unwrap();
+    let model =
+        Model::load(&picchio_runtime::ModelDir::open(&m.dir).unwrap(), m.prompt.len() + m.tokens.len()).unwrap();
     let (cfg, layout) = (model.config().clone(), model.layout().clone());
     let opts = NvmeQueueOptions { qd: 8, timeout: Duration::from_secs(60), ..Default::default() };
     let cfg_sim = SimConfig::single(m.image(), lba);

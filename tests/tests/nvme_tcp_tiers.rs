@@ -122,7 +122,7 @@ fn a_target_that_goes_away_mid_run_falls_back_to_safetensors_counted() {
     let t = TargetModel::start(ModelConfig::memory(image, 512)).unwrap();
     let io = IoOptions { threads: 1, qd: 4, ..IoOptions::default() };
     let opts = picchio_runtime::run::SessionOptions {
-        model_dir: m.dir.clone(),
+        model: picchio_runtime::ModelDir::open(&m.dir).unwrap(),
         store: uri(&t),
         io,
         ecap: Some(1),

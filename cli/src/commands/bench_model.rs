@@ -14,6 +14,7 @@ use picchio_core::StoreUri;
 use picchio_runtime::expert::store::{IoOptions, DEFAULT_IMAGE};
 use picchio_runtime::model::tokenizer::Tokenizer;
 use picchio_runtime::run::{GenerateOptions, Session, SessionOptions};
+use picchio_runtime::ModelDir;
 use serde::Serialize;
 
 use super::run::EngineArgs;
@@ -263,10 +264,10 @@ pub fn trace(a: TraceArgs) -> anyhow::Result<()> {
 /// Runs `model` greedily with a [`TraceWriter`] on its router, writing `a.trace`.
 fn record_trace(a: &TraceArgs, model: &Path) -> anyhow::Result<()> {
     let tokenizer = Tokenizer::from_dir(model)?;
-    let cfg = picchio_runtime::Config::from_dir(model)?;
-    let prompt = a.prompt_ids.clone().unwrap_or_else(|| default_prompt(cfg.vocab_size));
+    let dir = ModelDir::open(model)?;
+    let prompt = a.prompt_ids.clone().unwrap_or_else(|| default_prompt(dir.config().vocab_size));
     let opts = SessionOptions {
-        model_dir: model.to_path_buf(),
+        model: dir,
         store: a.store.parse()?,
         io: IoOptions::default(),
         ecap: None,
@@ -312,7 +313,8 @@ pub fn cache(a: CacheArgs) -> anyhow::Result<()> {
         }
         (None, None) => unreachable!("clap requires --model or --synthetic-gb"),
     };
-    let cfg = picchio_runtime::Config::from_dir(&model)?;
+    let dir = ModelDir::open(&model)?;
+    let cfg = dir.config();
     let total = cfg.moe_layers().len() * cfg.num_experts;
     let ecaps = match (&a.ecap, &a.cache_percent) {
         (Some(e), _) => e.clone(),
@@ -324,13 +326,14 @@ pub fn cache(a: CacheArgs) -> anyhow::Result<()> {
             ecaps_for_percents(total, &p)
         }
     };
+    let prompt = a.prompt_ids.clone().unwrap_or_else(|| default_prompt(cfg.vocab_size));
     let opts = CacheOptions {
-        model_dir: model.clone(),
+        model: dir,
         store: store.clone(),
         io: a.engine.apply(IoOptions { threads: usize::from(a.io_threads), ..IoOptions::default() }),
         ecaps,
         modes,
-        prompt: a.prompt_ids.clone().unwrap_or_else(|| default_prompt(cfg.vocab_size)),
+        prompt,
         tokens: a.n,
         drop_page_cache: !a.warm,
     };
@@ -378,7 +381,8 @@ pub fn cache(a: CacheArgs) -> anyhow::Result<()> {
 /// `picchio bench decode`.
 pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
     a.out.check("decode", None)?;
-    let cfg = picchio_runtime::Config::from_dir(&a.model)?;
+    let dir = ModelDir::open(&a.model)?;
+    let cfg = dir.config();
     let total = cfg.moe_layers().len() * cfg.num_experts;
     let ecaps = match (&a.ecap, &a.cache_percent) {
         (Some(e), _) => e.clone(),
@@ -390,8 +394,9 @@ pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
             ecaps_for_percents(total, &p)
         }
     };
+    let prompt = prompt_of_len(a.prompt_len, cfg.vocab_size);
     let opts = DecodeOptions {
-        model_dir: a.model.clone(),
+        model: dir,
         store: a.store.clone(),
         io: a.engine.apply(IoOptions {
             direct: !a.buffered,
@@ -399,7 +404,7 @@ pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
             ..IoOptions::default()
         }),
         ecaps,
-        prompt: prompt_of_len(a.prompt_len, cfg.vocab_size),
+        prompt,
         tokens: a.n,
         prefill_chunk: a.engine.prefill_chunk(false)?,
         warm_from: a.warm_from.clone(),

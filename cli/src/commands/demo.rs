@@ -18,6 +18,7 @@ use picchio_runtime::model::tokenizer::Tokenizer;
 use picchio_runtime::model::DenseFormat;
 use picchio_runtime::quant::QuantKind;
 use picchio_runtime::run::{GenerateOptions, Session, SessionOptions};
+use picchio_runtime::ModelDir;
 
 /// The vendored fixture in the checkout the binary was built from (the default of `--fixture`).
 const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/qwen3_moe_text");
@@ -41,7 +42,7 @@ pub struct Args {
     /// Instead of --cache-percent, one memory budget split between the dense part, the KV cache and
     /// the expert cache (as `picchio run --mem`; the plan is printed on stderr).
     #[arg(long, value_name = "SIZE")]
-    pub mem: Option<picchio_runtime::mem::MemBudget>,
+    pub mem: Option<picchio_runtime::plan::MemBudget>,
     /// Tokens to generate [default: the reference's 16 for the fixture, 32 for --synthetic-gb].
     #[arg(short = 'n', long, value_name = "N")]
     pub n: Option<usize>,
@@ -160,7 +161,7 @@ fn ecap_for(total: usize, pct: f64) -> usize {
 
 /// The expert cache of a demo run of `max_seq` positions: what `--mem` leaves (the plan printed on
 /// stderr), else `--cache-percent` (default `pct`) of the `total` experts.
-fn demo_ecap(a: &Args, model: &Path, total: usize, pct: f64, max_seq: usize) -> anyhow::Result<usize> {
+fn demo_ecap(a: &Args, model: &ModelDir, total: usize, pct: f64, max_seq: usize) -> anyhow::Result<usize> {
     match a.mem {
         Some(m) => {
             let plan = super::plan::plan_for(model, Some(m), None, max_seq, a.compute.dense)?;
@@ -215,11 +216,12 @@ fn fixture(a: &Args, workdir: &Path, fixture: &Path) -> anyhow::Result<()> {
     let tokenizer = Tokenizer::from_dir(&model)?.context("the fixture has no tokenizer.json")?;
     let prompt = tokenizer.encode(&prompt_text)?;
     let n = a.n.unwrap_or(want.len());
-    let cfg = picchio_runtime::Config::from_dir(&model)?;
+    let dir = ModelDir::open(&model)?;
+    let cfg = dir.config();
     let total = cfg.moe_layers().len() * cfg.num_experts;
-    let ecap = demo_ecap(a, &model, total, 25.0, prompt.len().saturating_add(n))?;
+    let ecap = demo_ecap(a, &dir, total, 25.0, prompt.len().saturating_add(n))?;
     let opts = SessionOptions {
-        model_dir: model.clone(),
+        model: dir,
         store: StoreUri::File(model.join(DEFAULT_IMAGE)),
         io: a.engine.apply(IoOptions {
             direct: !a.buffered,
@@ -271,7 +273,7 @@ fn open_session(opts: &SessionOptions, tokenizer: Option<Tokenizer>) -> anyhow::
                 "warning: {}; retrying with buffered reads (pass --buffered to skip this)",
                 picchio_core::error::chain(&e)
             );
-            let tokenizer = Tokenizer::from_dir(&opts.model_dir)?;
+            let tokenizer = Tokenizer::from_dir(opts.model.path())?;
             let mut o = opts.clone();
             o.io.direct = false;
             Ok(Session::open(&o, tokenizer)?)
@@ -286,9 +288,10 @@ fn synthetic(a: &Args, workdir: &Path, gb: f64) -> anyhow::Result<()> {
     let total = spec.layers * spec.experts;
     // A fixed pseudo-random prompt of 16 ids.
     let prompt: Vec<u32> = (0..16u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 7) % spec.vocab as u32).collect();
-    let ecap = demo_ecap(a, &model, total, 10.0, prompt.len().saturating_add(n))?;
+    let dir = ModelDir::open(&model)?;
+    let ecap = demo_ecap(a, &dir, total, 10.0, prompt.len().saturating_add(n))?;
     let opts = SessionOptions {
-        model_dir: model.clone(),
+        model: dir,
         store: StoreUri::File(image),
         io: a.engine.apply(IoOptions {
             direct: !a.buffered,

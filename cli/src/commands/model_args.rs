@@ -10,6 +10,7 @@ use picchio_runtime::expert::store::IoOptions;
 use picchio_runtime::image::record::find_model_dir;
 use picchio_runtime::model::tokenizer::Tokenizer;
 use picchio_runtime::run::{Session, SessionOptions};
+use picchio_runtime::ModelDir;
 
 /// Options naming the model and how its experts are read.
 #[derive(clap::Args, Debug, Clone)]
@@ -83,14 +84,15 @@ impl ModelArgs {
     /// Model, store and template errors, with the model directory named.
     pub fn open(&mut self) -> anyhow::Result<Engine> {
         let model = self.resolve_model()?;
-        let cfg = picchio_runtime::Config::from_dir(&model)?;
+        // config.json is read here, once, and handed down to the session.
+        let dir = ModelDir::open(&model).with_context(|| format!("opening model {}", model.display()))?;
         let ctx = match self.ctx {
             Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
-            None => 4096.min(cfg.max_position_embeddings),
+            None => 4096.min(dir.config().max_position_embeddings),
         };
-        super::plan::check_ctx(ctx, &cfg)?;
+        super::plan::check_ctx(ctx, dir.config())?;
         let opts = SessionOptions {
-            model_dir: model.clone(),
+            model: dir,
             store: self.store.clone(),
             io: self.io(),
             ecap: self.ecap,

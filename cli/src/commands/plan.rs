@@ -1,11 +1,12 @@
 //! `picchio plan`: the memory plan of a model without running it, and the `--mem` /
 //! `--ecap-per-layer` options `run` and `demo` share.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{bail, Context};
-use picchio_runtime::mem::{plan, CacheRequest, MemBudget, MemPlan, PlanRequest, DEFAULT_PLAN_CTX};
 use picchio_runtime::model::DenseFormat;
+use picchio_runtime::plan::{plan, CacheRequest, MemBudget, MemPlan, PlanRequest, DEFAULT_PLAN_CTX};
+use picchio_runtime::ModelDir;
 
 /// Options of `picchio plan`.
 #[derive(clap::Args, Debug)]
@@ -43,14 +44,14 @@ pub(super) fn cache_request(ecap: Option<usize>, per_layer: Option<usize>) -> Op
 /// The plan of `model` for a run of `ctx` positions: refused (with the figures) before anything
 /// loads when it does not fit the budget or the cgroup's limit.
 pub(super) fn plan_for(
-    model: &Path,
+    model: &ModelDir,
     budget: Option<MemBudget>,
     cache: Option<CacheRequest>,
     ctx: usize,
     dense: DenseFormat,
 ) -> anyhow::Result<MemPlan> {
     plan(model, &PlanRequest { budget, cache, ctx, dense })
-        .with_context(|| format!("planning memory for {}", model.display()))
+        .with_context(|| format!("planning memory for {}", model.path().display()))
 }
 
 /// Refuses a `--ctx` of `ctx` positions outside the model's context (1..=max_position_embeddings):
@@ -69,10 +70,11 @@ pub fn check_ctx(ctx: usize, cfg: &picchio_runtime::Config) -> anyhow::Result<()
 }
 
 pub fn exec(a: Args) -> anyhow::Result<()> {
-    let cfg = picchio_runtime::Config::from_dir(&a.model)?;
+    let model = ModelDir::open(&a.model)?;
+    let cfg = model.config();
     let ctx = a.ctx.unwrap_or(DEFAULT_PLAN_CTX.min(cfg.max_position_embeddings));
-    check_ctx(ctx, &cfg)?;
-    let p = plan_for(&a.model, a.mem, cache_request(a.ecap, a.ecap_per_layer), ctx, a.dense)?;
+    check_ctx(ctx, cfg)?;
+    let p = plan_for(&model, a.mem, cache_request(a.ecap, a.ecap_per_layer), ctx, a.dense)?;
     if a.json {
         println!("{}", serde_json::to_string(&p)?);
     } else {

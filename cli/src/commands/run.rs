@@ -11,6 +11,7 @@ use picchio_runtime::model::prefill::DEFAULT_PREFILL_CHUNK;
 use picchio_runtime::model::sampler::SamplerOptions;
 use picchio_runtime::model::tokenizer::Tokenizer;
 use picchio_runtime::run::{dump_logits, GenerateOptions, Session, SessionOptions};
+use picchio_runtime::ModelDir;
 
 /// Options of `picchio run`.
 #[derive(clap::Args, Debug)]
@@ -53,7 +54,7 @@ pub struct Args {
     /// of MemAvailable), e.g. 50%. The plan is printed on stderr (`picchio plan` prints it alone); a
     /// budget below one token's working set is refused with the figures.
     #[arg(long, value_name = "SIZE")]
-    pub mem: Option<picchio_runtime::mem::MemBudget>,
+    pub mem: Option<picchio_runtime::plan::MemBudget>,
     /// KV-cache positions [default: prompt + new tokens]; at least that many.
     #[arg(long, value_name = "N")]
     pub ctx: Option<usize>,
@@ -262,12 +263,13 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
         bail!("--temperature must be a finite number >= 0 (0 is greedy), got {}", a.temperature);
     }
     let sampler = a.sampling.options(a.temperature, a.top_p, a.seed)?;
+    // config.json is read here, once, and handed down (the plan, the usage profile, the session).
+    let model = ModelDir::open(&a.model).with_context(|| format!("opening model {}", a.model.display()))?;
     // Claimed before anything loads: a path that cannot take the profile is refused now, not after
     // the run's output.
     let usage_out = match &a.usage_out {
         Some(p) => {
-            let cfg = picchio_runtime::Config::from_dir(&a.model)?;
-            let out = UsageOut::create(p, cfg.num_hidden_layers, cfg.num_experts)
+            let out = UsageOut::create(p, model.config())
                 .with_context(|| format!("--usage-out {}: cannot save the usage profile there", p.display()))?;
             Some(out)
         }
@@ -288,7 +290,7 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
             bail!("--ctx {c}: the prompt ({}) and -n {} need {needed} positions", prompt_ids.len(), a.n)
         }
         Some(c) => {
-            super::plan::check_ctx(c, &picchio_runtime::Config::from_dir(&a.model)?)?;
+            super::plan::check_ctx(c, model.config())?;
             c
         }
         None => needed,
@@ -297,7 +299,7 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
     // figures) before anything loads when it cannot fit; without either, Session's default.
     let cache = super::plan::cache_request(a.ecap, a.ecap_per_layer);
     let ecap = if a.mem.is_some() || cache.is_some() {
-        let plan = super::plan::plan_for(&a.model, a.mem, cache, max_seq, a.compute.dense)?;
+        let plan = super::plan::plan_for(&model, a.mem, cache, max_seq, a.compute.dense)?;
         if a.mem.is_some() {
             eprintln!("{plan}");
         }
@@ -306,7 +308,7 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
         None
     };
     let opts = SessionOptions {
-        model_dir: a.model.clone(),
+        model,
         store: a.store.clone(),
         io: a.engine.apply(IoOptions {
             direct: !a.buffered,

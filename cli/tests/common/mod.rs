@@ -5,6 +5,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
+#[cfg(target_os = "linux")]
+pub mod opens;
 pub mod serve;
 #[cfg(unix)]
 pub mod stop;

@@ -25,6 +25,7 @@ use std::path::{Path, PathBuf};
 use picchio_core::ExpertKey;
 
 use crate::error::{Error, Result};
+use crate::model::config::Config;
 
 /// The magic first line.
 pub const MAGIC: &str = "picchio-usage/1";
@@ -144,7 +145,7 @@ impl UsageProfile {
     /// # Errors
     /// As [`UsageOut::create`] and [`UsageOut::save`].
     pub fn save_adding(&self, path: &Path) -> Result<bool> {
-        UsageOut::create(path, self.layers, self.experts)?.save(self)
+        UsageOut::claim(path, self.layers, self.experts)?.save(self)
     }
 
     /// The `n` most used experts (count > 0), most used first; ties by (layer, expert).
@@ -173,15 +174,21 @@ pub struct UsageOut {
 }
 
 impl UsageOut {
-    /// Claims `path` for a profile of `layers × experts`: an existing `path` must hold a profile of
-    /// that shape (its counts are added on [`UsageOut::save`]); leftovers of earlier writers that
-    /// are gone are removed; `path.tmp-PID` is created (exclusively) beside it.
+    /// Claims `path` for a profile of the model of `cfg` (`num_hidden_layers × num_experts`, the
+    /// config the command read once): an existing `path` must hold a profile of that shape (its
+    /// counts are added on [`UsageOut::save`]); leftovers of earlier writers that are gone are
+    /// removed; `path.tmp-PID` is created (exclusively) beside it.
     ///
     /// # Errors
     /// [`Error::Invalid`] when `path` exists and is not a usage profile of this shape (it will not
     /// be replaced); [`Error::Io`] naming the path when it cannot be read or the temporary file
     /// cannot be created.
-    pub fn create(path: &Path, layers: usize, experts: usize) -> Result<UsageOut> {
+    pub fn create(path: &Path, cfg: &Config) -> Result<UsageOut> {
+        Self::claim(path, cfg.num_hidden_layers, cfg.num_experts)
+    }
+
+    /// [`UsageOut::create`] for a profile of `layers × experts`.
+    fn claim(path: &Path, layers: usize, experts: usize) -> Result<UsageOut> {
         Self::check_existing(path, layers, experts)?;
         crate::image::guard::sweep_leftovers(path, "run --usage-out")?;
         let mut name = path.file_name().unwrap_or_default().to_os_string();
@@ -307,25 +314,35 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         // A directory that does not exist: refused at create, naming the path.
         let missing = dir.path().join("no-such-dir").join("u.txt");
-        let e = UsageOut::create(&missing, 1, 2).unwrap_err().to_string();
+        let e = UsageOut::claim(&missing, 1, 2).unwrap_err().to_string();
         assert!(e.contains(&missing.display().to_string()), "{e}");
         // A directory: named as one (not "read the usage profile").
-        let e = UsageOut::create(dir.path(), 1, 2).unwrap_err().to_string();
+        let e = UsageOut::claim(dir.path(), 1, 2).unwrap_err().to_string();
         assert!(e.contains("is a directory: --usage-out takes a file path"), "{e}");
         // Another shape, or not a profile: refused at create; the file is unchanged.
         let path = dir.path().join("u.txt");
         UsageProfile::new(1, 2, vec![1, 2]).save_adding(&path).unwrap();
-        let e = UsageOut::create(&path, 3, 2).unwrap_err().to_string();
+        let e = UsageOut::claim(&path, 3, 2).unwrap_err().to_string();
         assert!(e.contains("1 layers × 2 experts; this model has 3 × 2"), "{e}");
         // Claimed, then dropped unsaved (a run that failed): no temporary file is left.
-        let out = UsageOut::create(&path, 1, 2).unwrap();
+        let out = UsageOut::claim(&path, 1, 2).unwrap();
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2, "the temporary file beside it");
         drop(out);
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
         // Claimed, saved: the counts are added.
-        let out = UsageOut::create(&path, 1, 2).unwrap();
+        let out = UsageOut::claim(&path, 1, 2).unwrap();
         assert!(out.save(&UsageProfile::new(1, 2, vec![1, 1])).unwrap());
         assert_eq!(UsageProfile::read(&path).unwrap().counts, [2, 3]);
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+        // `create` takes the shape from the model's config: the 1 × 2 profile is not this model's.
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/picchio_c/qwen3_moe");
+        let cfg = Config::from_dir(&fixture).unwrap();
+        let e = UsageOut::create(&path, &cfg).unwrap_err().to_string();
+        let shape = format!("this model has {} × {}", cfg.num_hidden_layers, cfg.num_experts);
+        assert!(e.contains(&shape), "{e}");
+        let fresh = dir.path().join("fresh.txt");
+        let out = UsageOut::create(&fresh, &cfg).unwrap();
+        let counts = vec![1; cfg.num_hidden_layers * cfg.num_experts];
+        assert!(!out.save(&UsageProfile::new(cfg.num_hidden_layers, cfg.num_experts, counts)).unwrap());
     }
 }

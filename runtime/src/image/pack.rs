@@ -30,6 +30,7 @@ use crate::expert::store::{store_dims, DEFAULT_IMAGE};
 use crate::image::record::{record_for, RecordModel};
 use crate::image::write::{write_image, PayloadSource, Plan, ReportHead, WriteOptions, WriteReport, WriteTo};
 use crate::model::config::Config;
+use crate::model::dir::ModelDir;
 use crate::model::safetensors::TensorStore;
 use crate::progress;
 use crate::quant::QuantKind;
@@ -78,7 +79,7 @@ pub struct Packed {
     pub experts: usize,
     /// Slots of dense-MLP layers holding [`DENSE_LAYER_PLACEHOLDER`].
     pub placeholders: usize,
-    /// This process's peak resident set after the last payload, bytes ([`crate::mem::peak_rss`];
+    /// This process's peak resident set after the last payload, bytes ([`crate::plan::peak_rss`];
     /// `None` off Linux): a few payloads beyond the program itself, whatever the image size, since
     /// each expert's mapped pages are dropped once copied.
     pub peak_rss: Option<u64>,
@@ -129,7 +130,9 @@ struct Source {
 
 impl Source {
     fn open(model_dir: &Path, opts: &PackOptions) -> Result<Source> {
-        let cfg = Config::from_dir(model_dir)?;
+        // config.json is read once: parsed here, and its SHA-256 recorded from the same bytes.
+        let model = ModelDir::open(model_dir)?;
+        let cfg = model.config().clone();
         let store = TensorStore::open(model_dir)?;
         if let Some(&l) = cfg.moe_layers().first() {
             let hf = format!("model.layers.{l}.mlp.experts.0.gate_proj.weight");
@@ -152,7 +155,7 @@ impl Source {
         }
         let n_entries = u32::try_from(layers * cfg.num_experts)
             .map_err(|_| Error::Invalid(format!("{layers} layers × {} experts exceed u32 entries", cfg.num_experts)))?;
-        let record = record_for(model_dir, &opts.record)?;
+        let record = record_for(&model, &opts.record)?;
         Ok(Source {
             model_dir: model_dir.into(),
             progress: opts.progress,
@@ -231,7 +234,7 @@ impl PayloadSource for Source {
             payload_len: self.layout.len(),
             experts,
             placeholders,
-            peak_rss: crate::mem::peak_rss(),
+            peak_rss: crate::plan::peak_rss(),
         };
         Ok((superblock, packed))
     }

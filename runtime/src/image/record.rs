@@ -12,6 +12,7 @@ use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
 use crate::expert::store::IoOptions;
+use crate::model::dir::ModelDir;
 
 /// Which directory [`crate::image::pack::pack_to`] records in the image.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -36,12 +37,13 @@ pub fn config_sha256(dir: &Path) -> Result<[u8; 32]> {
     Ok(Sha256::digest(&bytes).into())
 }
 
-/// The record naming `model_dir` as `how` says (`None` for [`RecordModel::Nothing`]).
+/// The record naming `model` as `how` says (`None` for [`RecordModel::Nothing`]), with the SHA-256
+/// of the config.json bytes `model` was opened with.
 ///
 /// # Errors
-/// [`Error::Io`] when the directory (or, for [`RecordModel::At`], its parent) cannot be resolved
-/// or its config.json read.
-pub fn record_for(model_dir: &Path, how: &RecordModel) -> Result<Option<ModelRecord>> {
+/// [`Error::Io`] when the directory (or, for [`RecordModel::At`], its parent) cannot be resolved.
+pub fn record_for(model: &ModelDir, how: &RecordModel) -> Result<Option<ModelRecord>> {
+    let model_dir = model.path();
     let dir = match how {
         RecordModel::Nothing => return Ok(None),
         RecordModel::Packed => {
@@ -58,7 +60,7 @@ pub fn record_for(model_dir: &Path, how: &RecordModel) -> Result<Option<ModelRec
             }
         }
     };
-    Ok(Some(ModelRecord { dir, config_sha256: config_sha256(model_dir)? }))
+    Ok(Some(ModelRecord { dir, config_sha256: *model.config_sha256() }))
 }
 
 /// The superblock at the start of the image `uri` names (read with one block read; nothing else):

@@ -701,7 +701,7 @@ mod tests {
             assert_eq!(ExpertLayout::detect(&store, &cfg).unwrap(), spec.expert_layout());
             let on_disk: u64 = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().metadata().unwrap().len()).sum();
             assert!(on_disk <= spec.disk_bytes(), "{on_disk} > estimate {}", spec.disk_bytes());
-            crate::model::Model::load(&out, 8).unwrap();
+            crate::model::Model::load(&crate::ModelDir::open(&out).unwrap(), 8).unwrap();
             // Another seed replaces the synthetic model; a directory that is not one is refused.
             let other = SyntheticSpec { seed: 6, ..spec.clone() };
             assert!(!is_written(&out, &other));

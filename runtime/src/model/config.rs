@@ -213,8 +213,18 @@ impl Config {
     /// Reads and checks a config file; see [`Config::from_dir`].
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(Error::io(path, "read config"))?;
+        Self::parse(&text, path)
+    }
+
+    /// Checks `text`, the contents of the config file `path` (named by every error and by the
+    /// warning that lists the transformers defaults filled in for missing keys: one warning per
+    /// parse, so a command parses its model's config once, [`crate::model::dir::ModelDir`]).
+    ///
+    /// # Errors
+    /// As [`Config::from_dir`], except [`Error::Io`].
+    pub fn parse(text: &str, path: &Path) -> Result<Self> {
         let raw: serde_json::Value =
-            serde_json::from_str(&text).map_err(|cause| match non_json_number(&text, &cause) {
+            serde_json::from_str(text).map_err(|cause| match non_json_number(text, &cause) {
                 Some((literal, key)) => Error::ConfigKey {
                     path: path.into(),
                     key,
@@ -587,8 +597,8 @@ fn normalize(mut raw: serde_json::Value, arch: Arch, path: &Path) -> Result<serd
     }
     // transformers' defaults for the keys a config.json may leave out that change the model's
     // numbers (Qwen3MoeConfig, and GptOssConfig with its `default_theta`): filled in here, per
-    // architecture, and said once per file, so a hand-written config that lacks one does not run
-    // with another model's value in silence.
+    // architecture, and said once per parse (a command parses its config once: `ModelDir`), so a
+    // hand-written config that lacks one does not run with another model's value in silence.
     let (class, defaults): (&str, [(&str, serde_json::Value); 3]) = match arch {
         Arch::Qwen3Moe => (
             "Qwen3MoeConfig",
@@ -629,35 +639,14 @@ fn normalize(mut raw: serde_json::Value, arch: Arch, path: &Path) -> Result<serd
     if !filled.is_empty() {
         let keys: Vec<&str> = filled.iter().map(|(k, _)| *k).collect();
         let values: Vec<String> = filled.iter().map(|(k, v)| format!("{k} {v}")).collect();
-        say_once(
-            path,
-            &format!(
-                "{}: no {}; using transformers' {class} defaults ({})",
-                path.display(),
-                keys.join(", "),
-                values.join("; ")
-            ),
+        tracing::warn!(
+            "{}: no {}; using transformers' {class} defaults ({})",
+            path.display(),
+            keys.join(", "),
+            values.join("; ")
         );
     }
     Ok(raw)
-}
-
-/// Logs `message` (a warning) the first time it is given for `path` in this process (among the
-/// last 64 remembered): a config is read by every command that opens the model, several times in
-/// some.
-fn say_once(path: &Path, message: &str) {
-    static SAID: std::sync::Mutex<Vec<(PathBuf, String)>> = std::sync::Mutex::new(Vec::new());
-    let mut said = SAID.lock().unwrap_or_else(|p| p.into_inner());
-    let entry = (path.to_path_buf(), message.to_string());
-    if !said.contains(&entry) {
-        tracing::warn!("{message}");
-        // Bounded: a process reading many configs (the `config` fuzz target, a new temporary
-        // file per input) does not grow this without end; past the bound a message may repeat.
-        if said.len() >= 64 {
-            said.clear();
-        }
-        said.push(entry);
-    }
 }
 
 /// A `NaN`, `Infinity` or `-Infinity` where serde_json stopped reading `text` (Python's json

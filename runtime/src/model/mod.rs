@@ -11,6 +11,7 @@
 
 pub mod attention;
 pub mod config;
+pub mod dir;
 pub mod gpt_oss;
 pub mod matrix;
 pub mod moe;
@@ -34,6 +35,7 @@ use crate::expert::io_worker::{with_io_worker, IoWorker};
 use crate::expert::layout::{ExpertLayout, ExpertNaming, ExpertTensorNames, SafetensorsExperts};
 use crate::kernels::Kernels;
 use crate::model::config::{Arch, Config};
+use crate::model::dir::ModelDir;
 use crate::model::moe::{combine_canonical, expert_forward_with, ExpertAct, ExpertBias, RoutingObserver};
 use crate::model::prefill::{ChunkState, DEFAULT_PREFILL_CHUNK};
 use crate::model::safetensors::TensorStore;
@@ -266,15 +268,15 @@ pub struct Model {
 }
 
 impl Model {
-    /// Loads the model of a converted directory (or a Picchio (C) one): `config.json`
-    /// ([`Config::from_dir`]), the safetensors files ([`TensorStore::open`]), the expert payload layout
-    /// ([`ExpertLayout::detect`]) and every resident tensor ([`qwen3_moe::Weights::load`],
-    /// [`gpt_oss::Weights::load`]); the run state holds
-    /// `max_seq` positions.
+    /// Loads the model of a converted directory (or a Picchio (C) one) opened with its config
+    /// ([`ModelDir::open`]): the safetensors files ([`TensorStore::open`]), the expert payload
+    /// layout ([`ExpertLayout::detect`]) and every resident tensor ([`qwen3_moe::Weights::load`],
+    /// [`gpt_oss::Weights::load`]); the run state holds `max_seq` positions. config.json is not read
+    /// again.
     ///
     /// # Errors
     /// Those of the steps above, and [`Error::Invalid`] when `max_seq` is 0.
-    pub fn load(dir: &Path, max_seq: usize) -> Result<Model> {
+    pub fn load(dir: &ModelDir, max_seq: usize) -> Result<Model> {
         Model::load_as(dir, max_seq, DenseFormat::Stored)
     }
 
@@ -284,11 +286,12 @@ impl Model {
     ///
     /// # Errors
     /// As [`Model::load`].
-    pub fn load_as(dir: &Path, max_seq: usize, dense: DenseFormat) -> Result<Model> {
+    pub fn load_as(model: &ModelDir, max_seq: usize, dense: DenseFormat) -> Result<Model> {
+        let dir = model.path();
         if max_seq == 0 {
             return Err(Error::Invalid(format!("{}: max_seq must be at least 1", dir.display())));
         }
-        let config = Config::from_dir(dir)?;
+        let config = model.config().clone();
         let store = Arc::new(TensorStore::open(dir)?);
         if let Some(l) = config.moe_layers().first() {
             let hf = [

@@ -388,7 +388,7 @@ pub(crate) fn prefill_chunk(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::Model;
+    use crate::model::{dir::ModelDir, Model};
     use std::path::{Path, PathBuf};
 
     fn fixture(name: &str) -> PathBuf {
@@ -397,7 +397,7 @@ mod tests {
 
     #[test]
     fn loads_picchio_c_directory_with_i8_embeddings() {
-        let m = Model::load(&fixture("picchio_c/qwen3_moe"), 8).unwrap();
+        let m = Model::load(&ModelDir::open(&fixture("picchio_c/qwen3_moe")).unwrap(), 8).unwrap();
         assert!(matches!(m.weights().embed_tokens(), Matrix::I8Rows { .. }));
         assert!(matches!(m.weights().lm_head(), Matrix::I8Rows { .. }));
         assert!(matches!(m.weights().qwen3_moe().unwrap().layers[0].q_proj, Matrix::F32(_)));
@@ -406,7 +406,7 @@ mod tests {
 
     #[test]
     fn forward_checks_token_position_and_cache() {
-        let mut m = Model::load(&fixture("picchio_c/qwen3_moe"), 4).unwrap();
+        let mut m = Model::load(&ModelDir::open(&fixture("picchio_c/qwen3_moe")).unwrap(), 4).unwrap();
         let mut cache = m.new_cache(4).unwrap();
         let mut loader = m.safetensors_loader();
         let e = m.forward(4096, 0, &mut cache, &mut loader).unwrap_err().to_string();
@@ -424,9 +424,9 @@ mod tests {
 
     #[test]
     fn hugging_face_checkpoint_asks_for_convert() {
-        let e = Model::load(&fixture("qwen3_moe"), 8).err().unwrap().to_string();
+        let e = Model::load(&ModelDir::open(&fixture("qwen3_moe")).unwrap(), 8).err().unwrap().to_string();
         assert!(e.contains("picchio convert") && e.contains("experts.0.gate_proj.weight"), "{e}");
-        let e = Model::load(&fixture("picchio_c/qwen3_moe"), 0).err().unwrap().to_string();
+        let e = Model::load(&ModelDir::open(&fixture("picchio_c/qwen3_moe")).unwrap(), 0).err().unwrap().to_string();
         assert!(e.contains("max_seq"), "{e}");
     }
 

@@ -1,8 +1,8 @@
-//! Memory: the figures of this process and this machine — the peak resident set (`VmHWM`), the
+//! The memory plan ([`plan`]): one budget (`--mem`) split between the dense part, the KV cache and
+//! the expert cache, as `picchio plan` prints it and `picchio run --mem` uses it; and the memory
+//! figures it is made of, of this process and this machine — the peak resident set (`VmHWM`), the
 //! memory the kernel says is available (`MemAvailable`) and the cgroup's limit (`memory.max`), read
-//! from procfs and cgroupfs text (Linux; `None` elsewhere or when a file is missing) — and the
-//! memory plan ([`plan`]): one budget (`--mem`) split between the dense part, the KV cache and the
-//! expert cache, as `picchio plan` prints it and `picchio run --mem` uses it.
+//! from procfs and cgroupfs text (Linux; `None` elsewhere or when a file is missing).
 //!
 //! | part | bytes |
 //! | --- | --- |
@@ -22,6 +22,7 @@ use serde::Serialize;
 use crate::error::{Error, Result};
 use crate::expert::layout::ExpertLayout;
 use crate::model::config::{Arch, Config};
+use crate::model::dir::ModelDir;
 use crate::model::matrix::DenseFormat;
 use crate::model::safetensors::TensorStore;
 
@@ -339,20 +340,21 @@ fn resolve_budget(b: MemBudget, cgroup: Option<&(u64, PathBuf)>) -> Result<(u64,
     }
 }
 
-/// The memory plan of the converted model in `model_dir` for `req` (module docs), with the cgroup
-/// limit of this process ([`cgroup_limit`]). Reads the config and the tensor headers only.
+/// The memory plan of the converted model `model` for `req` (module docs), with the cgroup limit of
+/// this process ([`cgroup_limit`]). Reads the tensor headers only (the config was read when `model`
+/// was opened).
 ///
 /// # Errors
-/// The directory's ([`Config::from_dir`], [`TensorStore::open`], [`ExpertLayout::detect`]);
+/// The directory's ([`TensorStore::open`], [`ExpertLayout::detect`]);
 /// [`Error::Invalid`] naming the figures when the budget is below one token's working set, an
 /// explicit cache does not fit the budget, the budget or the asked-for cache does not fit the
 /// cgroup's limit, or a capacity is 0 or above the model's experts.
-pub fn plan(model_dir: &Path, req: &PlanRequest) -> Result<MemPlan> {
-    let cfg = Config::from_dir(model_dir)?;
-    let store = TensorStore::open(model_dir)?;
-    let layout = ExpertLayout::detect(&store, &cfg)?;
-    let dense = dense_bytes(&store, &cfg, &layout, req.dense);
-    plan_with(model_dir, &cfg, dense, layout.len(), req, cgroup_limit())
+pub fn plan(model: &ModelDir, req: &PlanRequest) -> Result<MemPlan> {
+    let cfg = model.config();
+    let store = TensorStore::open(model.path())?;
+    let layout = ExpertLayout::detect(&store, cfg)?;
+    let dense = dense_bytes(&store, cfg, &layout, req.dense);
+    plan_with(model.path(), cfg, dense, layout.len(), req, cgroup_limit())
 }
 
 /// [`plan`] for a model of `cfg` whose dense part is `dense` bytes and expert payload `payload`
@@ -520,8 +522,9 @@ mod tests {
     #[test]
     fn dense_bytes_are_what_loading_keeps_resident() {
         let check = |dir: &Path, name: &str| {
+            let dir = ModelDir::open(dir).unwrap();
             for fmt in DenseFormat::ALL {
-                let model = crate::model::Model::load_as(dir, 4, fmt).unwrap();
+                let model = crate::model::Model::load_as(&dir, 4, fmt).unwrap();
                 let w = model.weights().qwen3_moe().unwrap();
                 let d = dense_bytes(model.tensors(), model.config(), model.layout(), fmt);
                 assert_eq!(d, loaded_bytes(w), "{name} --dense {fmt}");

@@ -13,7 +13,7 @@
 //! storage layer, counted when the block I/O is submitted; all threads of the process, so io_uring's
 //! and psync's workers are included) — `None` where the file does not exist.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
@@ -379,6 +379,7 @@ pub(crate) fn image_file(store: &StoreUri, model_dir: &std::path::Path) -> Optio
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use std::path::PathBuf;
 
     /// The vendored Picchio (C) model directory.
     pub(crate) fn fixture_model() -> PathBuf {

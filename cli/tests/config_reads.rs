@@ -34,7 +34,7 @@ fn model_without_eps(scratch: &Path) -> std::path::PathBuf {
     m
 }
 
-const WARNING: &str = "no rms_norm_eps; using transformers' Qwen3MoeConfig defaults (rms_norm_eps 0.000001)";
+const WARNING: &str = "no rms_norm_eps; using transformers' Qwen3MoeConfig defaults (rms_norm_eps 1e-6)";
 
 #[test]
 fn run_reads_config_json_once() {

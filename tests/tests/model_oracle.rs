@@ -216,7 +216,7 @@ fn check_against_reference(dir: &Path, reference: &Reference, tol: f32) -> Error
     let greedy_ids = reference.ids("greedy_ids");
     let tokens: Vec<u32> = prompt.iter().chain(&greedy_ids).copied().collect();
     let t_len = tokens.len();
-    let mut model = Model::load(&picchio_runtime::ModelDir::open(&dir).unwrap(), t_len).unwrap();
+    let mut model = Model::load(&picchio_runtime::ModelDir::open(dir).unwrap(), t_len).unwrap();
     let cfg = model.config().clone();
     let (h, v, n_layers) = (cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers);
     let full_logits = reference.has("logits").then(|| reference.f32("logits"));
@@ -380,7 +380,7 @@ fn qwen3_moe_with_yarn_rope_scaling_runs() {
     std::fs::write(yarn.join("config.json"), cfg.to_string()).unwrap();
     let prompt = Reference::open(&fixtures().join("qwen3_moe/reference.safetensors")).ids("prompt_ids");
     let run = |dir: &Path| {
-        let mut model = Model::load(&picchio_runtime::ModelDir::open(&dir).unwrap(), prompt.len() + 4).unwrap();
+        let mut model = Model::load(&picchio_runtime::ModelDir::open(dir).unwrap(), prompt.len() + 4).unwrap();
         let mut cache = model.new_cache(48).unwrap();
         let mut loader = model.safetensors_loader();
         greedy(&mut model, &mut cache, &mut loader, &prompt, 4)

@@ -63,7 +63,7 @@ fn same_bits(a: &[f32], b: &[f32]) -> bool {
 
 /// Token-by-token prompt then greedy decoding: the reference rows every chunked run must equal.
 fn token_by_token(dir: &Path, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {
-    let mut model = Model::load(&picchio_runtime::ModelDir::open(&dir).unwrap(), prompt.len() + n).unwrap();
+    let mut model = Model::load(&picchio_runtime::ModelDir::open(dir).unwrap(), prompt.len() + n).unwrap();
     let mut run = new_run(&model, total_experts(&model));
     let mut last = Vec::new();
     for (pos, &t) in prompt.iter().enumerate() {
@@ -82,7 +82,7 @@ fn chunked(
     ecap: usize,
     split: Option<usize>,
 ) -> (Vec<u32>, Vec<f32>) {
-    let mut model = Model::load(&picchio_runtime::ModelDir::open(&dir).unwrap(), prompt.len() + n).unwrap();
+    let mut model = Model::load(&picchio_runtime::ModelDir::open(dir).unwrap(), prompt.len() + n).unwrap();
     model.set_prefill_chunk(chunk).unwrap();
     let ecap = ecap.min(total_experts(&model));
     let mut run = new_run(&model, ecap);
@@ -226,7 +226,7 @@ fn q4_qwen3(tmp: &Path) -> PathBuf {
 
 /// The routing decisions of a prefill of `prompt` at `chunk`, and the loader's calls.
 fn routed_prefill(dir: &Path, prompt: &[u32], chunk: usize, ecap: usize) -> (Vec<Decision>, Vec<LoadCall>) {
-    let mut model = Model::load(&picchio_runtime::ModelDir::open(&dir).unwrap(), prompt.len()).unwrap();
+    let mut model = Model::load(&picchio_runtime::ModelDir::open(dir).unwrap(), prompt.len()).unwrap();
     model.set_prefill_chunk(chunk).unwrap();
     let log = Arc::new(Mutex::new(Vec::new()));
     model.set_routing_observer(Box::new(Recorder(Arc::clone(&log))));

@@ -3,7 +3,9 @@
 //! A read becomes one NVMe Read per `max_transfer` bytes (the MDTS split), each with its own CID and
 //! PRPs into the request's buffer; the request completes when all its commands have. Nothing blocks
 //! in `submit`: requests wait in a backlog for free CIDs, and `reap` polls the CQ, refills the SQ and
-//! rings each doorbell once per batch.
+//! rings each doorbell once per batch. The requests, their split, backlog and completion are the
+//! request layer shared with NVMe/TCP ([`crate::request`]); this module is the PCIe transport under
+//! it: one command's PRPs and SQE, and the CQ poll.
 //!
 //! # Where the bytes land
 //! - **Pool slots** (zero-copy, both data paths below): [`IoQueue::slot_allocator`] maps one
@@ -21,7 +23,7 @@
 //!   in hugepages (warned once, with the number of pages to reserve).
 //!
 //! # Writes and Flush
-//! [`NvmeQueue::submit_write`] issues NVM Write commands (opcode 0x01) through the same data paths
+//! [`NvmeQueue::submit_write`] issues NVM Write commands (opcode 0x01) for a [`WriteReq`] through the same data paths
 //! and completes through [`IoQueue::reap`] like a read; [`NvmeQueue::flush`] issues a Flush (opcode
 //! 0x00, NVM command set §3.2.2) and waits for it. `picchio pack --out nvme:` writes images this way.
 //!
@@ -34,17 +36,17 @@
 //! the queue stops (reset limit, failed reset, interrupt) may the device still own a buffer: it is
 //! then quarantined until the controller is shut down and a fresh zeroed buffer goes back instead.
 
-use std::collections::VecDeque;
 use std::io;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use picchio_core::{AlignedBuf, Completion, IoQueue, ReadReq, SlotAllocator, Tag};
 
 use crate::ctrlr::{Controller, CtrlrOptions, Namespace};
 use crate::dma::{hugepage_shortfall, DmaBuf, DmaPool, DmaSlots, HeapDma, Iova, SlotPool};
 use crate::error::{Error, Result};
-use crate::queue::CqEntry;
+use crate::queue::{CqEntry, QueuePair};
+use crate::request::{self, Child, Op, Request, Requests, Submit, Transport, WriteReq};
 use crate::sim::{Sim, SimConfig};
 
 mod recovery;
@@ -108,15 +110,6 @@ pub struct NvmeQueueStats {
     pub flushes: u64,
 }
 
-/// What a request does.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Op {
-    Read,
-    Write,
-    /// NVM Flush: no data; `len` is 0.
-    Flush,
-}
-
 /// Bytes per command through a bounce buffer.
 const BOUNCE_XFER: usize = 128 << 10;
 
@@ -143,26 +136,118 @@ enum DataPath {
     Bounce(Vec<DmaBuf>),
 }
 
-struct Req {
-    tag: Tag,
-    buf: AlignedBuf,
-    op: Op,
+/// What the PCIe transport keeps with a request.
+#[derive(Debug)]
+struct Pcie {
     /// IOVA of the buffer when mapped (direct path).
     iova: Option<Iova>,
     /// The buffer is a pool slot: (index into `NvmeQueue::slot_pools`, offset in its region).
     slot: Option<(usize, usize)>,
-    /// Bytes per command for this request (bounce buffers hold less than MDTS).
-    chunk: u32,
-    offset: u64,
-    len: u32,
-    issued: u32,
-    outstanding: u32,
-    error: Option<io::Error>,
-    /// A command of this request timed out: the device may still write the buffer.
+    /// A command of this request timed out and the queue stopped: the device may still write the
+    /// buffer.
     lost: bool,
-    /// Still in the backlog (commands left to issue).
-    queued: bool,
-    started: Instant,
+}
+
+/// The PCIe transport under the request layer: the fields of an [`NvmeQueue`] that submitting one
+/// command and retiring a request touch, borrowed apart from its [`Requests`].
+struct PcieIo<'a> {
+    q: Option<&'a mut QueuePair>,
+    path: &'a mut DataPath,
+    slot_pools: &'a [Arc<SlotPool>],
+    segs: &'a mut Vec<(Iova, usize)>,
+    stats: &'a mut NvmeQueueStats,
+    dma: &'a Arc<dyn DmaPool>,
+    quarantine: &'a mut Vec<(AlignedBuf, Option<(Iova, usize)>)>,
+    nsid: u32,
+    lba_shift: u32,
+}
+
+impl Transport for PcieIo<'_> {
+    type Extra = Pcie;
+    type Error = std::convert::Infallible;
+
+    /// One command with its own CID: PRPs into the request's pool slot, mapped buffer or the CID's
+    /// bounce buffer (filled first for a write).
+    fn submit(&mut self, child: Child, r: &mut Request<Pcie>) -> Submit<Self::Error> {
+        let Some(q) = self.q.as_deref_mut() else { return Submit::Full };
+        let Some(cid) = q.alloc_cid() else { return Submit::Full };
+        let nsid = self.nsid;
+        if r.op == Op::Flush {
+            // SAFETY: a Flush carries no data pointer.
+            unsafe {
+                q.submit(cid, child.user(), |c| {
+                    *c = Command::new(nvm::FLUSH, cid.0);
+                    c.nsid = nsid;
+                })
+            }
+            .expect("a free CID implies a free SQ slot");
+            self.stats.commands += 1;
+            return Submit::Sent;
+        }
+        let (off, n) = (child.off, child.len);
+        self.segs.clear();
+        match (r.x.slot, &mut *self.path) {
+            (Some((p, base)), _) => self.slot_pools[p].region().segments(base + off as usize, n as usize, self.segs),
+            (None, DataPath::Direct) => {
+                self.segs.push((r.x.iova.expect("mapped at submit").add(u64::from(off)), n as usize))
+            }
+            (None, DataPath::Bounce(b)) => {
+                let bb = &mut b[usize::from(cid.0)];
+                if r.op == Op::Write {
+                    bb.copy_in(0, &r.buf.as_slice()[off as usize..(off + n) as usize]);
+                    self.stats.bounce_bytes += u64::from(n);
+                }
+                self.segs.push((bb.iova(), n as usize));
+            }
+        }
+        let prps = match q.prps(cid, self.segs) {
+            Ok(p) => p,
+            Err(e) => {
+                q.release_cid(cid);
+                return Submit::Refused(io::Error::new(io::ErrorKind::InvalidInput, format!("PRP list: {e}")));
+            }
+        };
+        let slba = Lba((r.offset + u64::from(off)) >> self.lba_shift);
+        let opc = r.op.opcode();
+        let nlb = n >> self.lba_shift;
+        // SAFETY: the PRPs were built by `prps` (in this CID's own list pages) from the request's
+        // pool slot, its buffer mapped at submit, or this CID's bounce buffer, for `n` bytes inside
+        // it. The request keeps that memory (and the mapping) until its last completion is
+        // consumed, or — if the queue stops first — quarantines it until the controller is shut
+        // down (`retire`); a reset stops all DMA before requests are failed.
+        unsafe {
+            q.submit(cid, child.user(), |c| {
+                *c = Command::rw(opc, cid.0, nsid, slba, nlb);
+                c.prp1 = prps.prp1;
+                c.prp2 = prps.prp2;
+            })
+        }
+        .expect("a free CID implies a free SQ slot");
+        self.stats.commands += 1;
+        Submit::Sent
+    }
+
+    /// Unmaps the buffer (direct path), or quarantines it when the device may still write it.
+    fn retire(&mut self, r: &mut Request<Pcie>) {
+        if let Some(iova) = r.x.iova.filter(|_| !r.x.lost) {
+            self.dma.unmap_external(iova, r.len as usize);
+        }
+        if r.x.lost {
+            // The device may still write this buffer: keep it (and its mapping) until shutdown.
+            let fresh = AlignedBuf::new(r.buf.len(), r.buf.align())
+                .unwrap_or_else(|e| panic!("replacement buffer: {}", picchio_core::error::chain(&e)));
+            self.quarantine.push((std::mem::replace(&mut r.buf, fresh), r.x.iova.map(|i| (i, r.len as usize))));
+        }
+        if r.op == Op::Flush && r.error.is_none() {
+            self.stats.flushes += 1;
+        }
+    }
+
+    fn ring(&mut self) {
+        if let Some(q) = self.q.as_deref_mut() {
+            q.ring();
+        }
+    }
 }
 
 /// One NVMe I/O queue pair as an [`IoQueue`] (see the module documentation).
@@ -178,15 +263,10 @@ pub struct NvmeQueue {
     slot_pools: Vec<Arc<SlotPool>>,
     /// Scratch for a command's PRP segments.
     segs: Vec<(Iova, usize)>,
-    /// Result of the last [`NvmeQueue::flush`] command, set when it completes.
-    flush_done: Option<io::Result<u32>>,
     label: String,
     timeout: Duration,
-    reqs: Vec<Option<Req>>,
-    free_reqs: Vec<u32>,
-    active: usize,
-    backlog: VecDeque<u32>,
-    ready: Vec<Completion>,
+    /// The request layer: requests, backlog, ready completions, the last Flush's outcome.
+    reqs: Requests<Pcie>,
     events: Vec<CqEntry>,
     fatal: Option<String>,
     /// Abort/reset/interrupt state (`recovery.rs`).
@@ -250,14 +330,9 @@ impl NvmeQueue {
             path,
             slot_pools: Vec::new(),
             segs: Vec::with_capacity(8),
-            flush_done: None,
             label,
             timeout,
-            reqs: Vec::new(),
-            free_reqs: Vec::new(),
-            active: 0,
-            backlog: VecDeque::new(),
-            ready: Vec::new(),
+            reqs: Requests::default(),
             events: Vec::with_capacity(cap),
             fatal: None,
             recovery: Default::default(),
@@ -343,147 +418,29 @@ impl NvmeQueue {
         self.fatal.as_deref()
     }
 
-    fn complete_now(&mut self, tag: Tag, buf: AlignedBuf, err: io::Error) {
-        self.ready.push(Completion { tag, buf, result: Err(err), latency_ns: 0 });
-    }
-
-    fn validate(&self, req: &ReadReq, what: &str) -> std::result::Result<(), String> {
-        let lba = u64::from(self.ns.lba_size);
-        let addr = req.buf.as_slice().as_ptr() as u64;
-        if req.len == 0 || u64::from(req.len) % lba != 0 || !req.offset.0.is_multiple_of(lba) || !addr.is_multiple_of(4)
-        {
-            return Err(format!(
-                "NVMe {what} of {} bytes at {:#x} with buffer {addr:#x} is not aligned to the {lba}-byte LBA",
-                req.len, req.offset.0
-            ));
-        }
-        if req.len as usize > req.buf.len() {
-            return Err(format!("NVMe {what} of {} bytes with a {}-byte buffer", req.len, req.buf.len()));
-        }
-        if req.offset.0.checked_add(u64::from(req.len)).is_none_or(|e| e > self.ns.bytes()) {
-            return Err(format!(
-                "NVMe {what} of {} bytes at {:#x} past the end of namespace {} ({} bytes)",
-                req.len,
-                req.offset.0,
-                self.ns.nsid,
-                self.ns.bytes()
-            ));
-        }
-        Ok(())
+    /// The request layer and the PCIe transport under it, borrowed apart.
+    fn io(&mut self) -> (&mut Requests<Pcie>, PcieIo<'_>) {
+        let t = PcieIo {
+            q: self.ctrlr.io_queue(),
+            path: &mut self.path,
+            slot_pools: &self.slot_pools,
+            segs: &mut self.segs,
+            stats: &mut self.stats,
+            dma: &self.dma,
+            quarantine: &mut self.quarantine,
+            nsid: self.ns.nsid,
+            lba_shift: self.lba_shift,
+        };
+        (&mut self.reqs, t)
     }
 
     /// Issues commands for backlogged requests while CIDs are free; rings the SQ doorbell once.
     fn pump(&mut self) {
-        'outer: while let Some(&ri) = self.backlog.front() {
-            let Some(q) = self.ctrlr.io_queue() else { return };
-            let Some(r) = self.reqs[ri as usize].as_mut() else {
-                self.backlog.pop_front();
-                continue;
-            };
-            if r.op == Op::Flush && r.outstanding == 0 && r.error.is_none() && r.queued {
-                let Some(cid) = q.alloc_cid() else { break 'outer };
-                let nsid = self.ns.nsid;
-                // SAFETY: a Flush carries no data pointer.
-                unsafe {
-                    q.submit(cid, u64::from(ri) << 32, |c| {
-                        *c = Command::new(nvm::FLUSH, cid.0);
-                        c.nsid = nsid;
-                    })
-                }
-                .expect("a free CID implies a free SQ slot");
-                r.outstanding += 1;
-                self.stats.commands += 1;
-            }
-            while r.issued < r.len {
-                let Some(cid) = q.alloc_cid() else { break 'outer };
-                let off = r.issued;
-                let n = (r.len - off).min(r.chunk);
-                self.segs.clear();
-                match (r.slot, &mut self.path) {
-                    (Some((p, base)), _) => {
-                        self.slot_pools[p].region().segments(base + off as usize, n as usize, &mut self.segs)
-                    }
-                    (None, DataPath::Direct) => {
-                        self.segs.push((r.iova.expect("mapped at submit").add(u64::from(off)), n as usize))
-                    }
-                    (None, DataPath::Bounce(b)) => {
-                        let bb = &mut b[usize::from(cid.0)];
-                        if r.op == Op::Write {
-                            bb.copy_in(0, &r.buf.as_slice()[off as usize..(off + n) as usize]);
-                            self.stats.bounce_bytes += u64::from(n);
-                        }
-                        self.segs.push((bb.iova(), n as usize));
-                    }
-                }
-                let prps = match q.prps(cid, &self.segs) {
-                    Ok(p) => p,
-                    Err(e) => {
-                        q.release_cid(cid);
-                        r.error.get_or_insert_with(|| {
-                            io::Error::new(io::ErrorKind::InvalidInput, format!("PRP list: {e}"))
-                        });
-                        r.issued = r.len;
-                        break;
-                    }
-                };
-                let slba = Lba((r.offset + u64::from(off)) >> self.lba_shift);
-                let nsid = self.ns.nsid;
-                let user = (u64::from(ri) << 32) | u64::from(off);
-                let opc = if r.op == Op::Write { nvm::WRITE } else { nvm::READ };
-                // SAFETY: the PRPs were built by `prps` (in this CID's own list pages) from the
-                // request's pool slot, its buffer mapped at submit, or this CID's bounce buffer, for
-                // `n` bytes inside it. The request keeps that memory (and the mapping) until its
-                // last completion is consumed, or — if the queue stops first — quarantines it until
-                // the controller is shut down; a reset stops all DMA before requests are failed.
-                unsafe {
-                    q.submit(cid, user, |c| {
-                        *c = Command::rw(opc, cid.0, nsid, slba, n >> self.lba_shift);
-                        c.prp1 = prps.prp1;
-                        c.prp2 = prps.prp2;
-                    })
-                }
-                .expect("a free CID implies a free SQ slot");
-                r.issued += n;
-                r.outstanding += 1;
-                self.stats.commands += 1;
-            }
-            self.backlog.pop_front();
-            r.queued = false;
-            if r.outstanding == 0 {
-                self.finish(ri);
-            }
+        let (reqs, mut t) = self.io();
+        match reqs.pump(&mut t) {
+            Ok(()) => {}
+            Err(never) => match never {},
         }
-        if let Some(q) = self.ctrlr.io_queue() {
-            q.ring();
-        }
-    }
-
-    fn finish(&mut self, ri: u32) {
-        let Some(mut r) = self.reqs[ri as usize].take() else { return };
-        self.free_reqs.push(ri);
-        self.active -= 1;
-        if let Some(iova) = r.iova.filter(|_| !r.lost) {
-            self.dma.unmap_external(iova, r.len as usize);
-        }
-        let buf = if r.lost {
-            // The device may still write this buffer: keep it (and its mapping) until shutdown.
-            let fresh = AlignedBuf::new(r.buf.len(), r.buf.align())
-                .unwrap_or_else(|e| panic!("replacement buffer: {}", picchio_core::error::chain(&e)));
-            self.quarantine.push((std::mem::replace(&mut r.buf, fresh), r.iova.map(|i| (i, r.len as usize))));
-            r.buf
-        } else {
-            r.buf
-        };
-        let result = match r.error {
-            Some(e) => Err(e),
-            None => Ok(r.len),
-        };
-        if r.op == Op::Flush {
-            self.stats.flushes += u64::from(result.is_ok());
-            self.flush_done = Some(result);
-            return;
-        }
-        self.ready.push(Completion { tag: r.tag, buf, result, latency_ns: r.started.elapsed().as_nanos() as u64 });
     }
 
     /// One poll of the CQ; returns completions consumed.
@@ -497,49 +454,37 @@ impl NvmeQueue {
         }
         let n = self.events.len();
         let mut events = std::mem::take(&mut self.events);
+        let (nsid, timeout) = (self.ns.nsid, self.timeout);
         for e in events.drain(..) {
             if e.late {
                 // Its command timed out and was aborted (recovery.rs): handled like any completion;
                 // an error status fails the request with `ReadFailure::Aborted`.
                 self.stats.late += 1;
             }
-            let ri = (e.user >> 32) as u32;
-            let off = e.user as u32;
-            let Some(r) = self.reqs[ri as usize].as_mut() else { continue };
-            r.outstanding -= 1;
+            let (ri, off) = Child::parts(e.user);
+            let (reqs, mut t) = self.io();
+            let Some(r) = reqs.get_mut(ri) else { continue };
             let status = e.cqe.status();
-            if status.is_success() {
-                if let (DataPath::Bounce(b), None, Op::Read) = (&self.path, r.slot, r.op) {
-                    let n = (r.len - off).min(r.chunk) as usize;
+            let err = if status.is_success() {
+                if let (DataPath::Bounce(b), None, Op::Read) = (&*t.path, r.x.slot, r.op) {
+                    let n = (r.len - off).min(r.cmd_len) as usize;
                     let dst = &mut r.buf.as_mut_slice()[off as usize..off as usize + n];
                     // SAFETY: this bounce buffer's command (CID `e.cid`) completed successfully and
                     // its completion was just consumed by `poll`; the CID is not reused before this.
                     unsafe { b[usize::from(e.cid.0)].copy_out(0, dst) };
-                    self.stats.bounce_bytes += n as u64;
+                    t.stats.bounce_bytes += n as u64;
                 }
+                None
             } else {
-                self.stats.errors += 1;
-                let what = match r.op {
-                    Op::Read => "read",
-                    Op::Write => "write",
-                    Op::Flush => "flush",
-                };
-                if e.late {
-                    let byte = r.offset + u64::from(off);
-                    r.error.get_or_insert_with(|| recovery::aborted(self.ns.nsid, byte, e.cid, self.timeout, status));
-                }
-                r.error.get_or_insert_with(|| {
-                    io::Error::other(format!(
-                        "NVMe {what} of namespace {} at byte {:#x}: {status}",
-                        self.ns.nsid,
-                        r.offset + u64::from(off)
-                    ))
-                });
-                r.issued = r.len; // issue nothing more for this request
-            }
-            if r.outstanding == 0 && r.issued == r.len && !r.queued {
-                self.finish(ri);
-            }
+                t.stats.errors += 1;
+                let byte = r.offset + u64::from(off);
+                Some(if e.late {
+                    recovery::aborted(nsid, byte, e.cid, timeout, status)
+                } else {
+                    io::Error::other(format!("NVMe {} of namespace {nsid} at byte {byte:#x}: {status}", r.op.name()))
+                })
+            };
+            reqs.child_done(ri, err, &mut t);
         }
         self.events = events;
         n
@@ -552,7 +497,7 @@ impl IoQueue for NvmeQueue {
     }
 
     fn in_flight(&self) -> usize {
-        self.active + self.ready.len()
+        self.reqs.in_flight()
     }
 
     fn describe(&self) -> String {
@@ -565,7 +510,7 @@ impl IoQueue for NvmeQueue {
 
     fn submit(&mut self, req: ReadReq) {
         self.stats.reads += 1;
-        self.enqueue(Op::Read, req);
+        self.enqueue(Op::Read, req.tag, req.buf, req.offset.0, req.len);
     }
 
     fn slot_allocator(&mut self, count: usize, len: usize) -> Option<Box<dyn SlotAllocator>> {
@@ -601,7 +546,7 @@ impl IoQueue for NvmeQueue {
         loop {
             let got = self.poll();
             self.pump();
-            if self.ready.len() >= min || self.active == 0 {
+            if self.reqs.ready() >= min || self.reqs.active() == 0 {
                 break;
             }
             self.polls += 1;
@@ -619,9 +564,7 @@ impl IoQueue for NvmeQueue {
                 self.idle = 0;
             }
         }
-        let n = self.ready.len();
-        out.append(&mut self.ready);
-        n
+        self.reqs.take_ready(out)
     }
 }
 
@@ -631,9 +574,9 @@ impl NvmeQueue {
     /// through [`IoQueue::reap`] with `req.tag` and the buffer, like a read (`Ok(len)` once every
     /// command of it succeeded). Alignment and range rules are a read's. The controller may keep
     /// the data in a volatile write cache until [`NvmeQueue::flush`].
-    pub fn submit_write(&mut self, req: ReadReq) {
+    pub fn submit_write(&mut self, req: WriteReq) {
         self.stats.writes += 1;
-        self.enqueue(Op::Write, req);
+        self.enqueue(Op::Write, req.tag, req.buf, req.offset.0, req.len);
     }
 
     /// Issues an NVM Flush (opcode 0x00) for the namespace after every command submitted so far has
@@ -648,27 +591,20 @@ impl NvmeQueue {
         crate::sink::flush_after_in_flight(self)
     }
 
-    /// Validates and queues one request (see [`IoQueue::submit`]).
-    fn enqueue(&mut self, op: Op, req: ReadReq) {
-        let what = match op {
-            Op::Read => "read",
-            Op::Write => "write",
-            Op::Flush => "flush",
-        };
+    /// Checks and queues one request (see [`IoQueue::submit`]): its data path (pool slot, mapped
+    /// buffer or bounce buffers) fixes its bytes per command.
+    fn enqueue(&mut self, op: Op, tag: Tag, mut buf: AlignedBuf, offset: u64, len: u32) {
         if let Some(why) = &self.fatal {
             let e = io::Error::other(why.clone());
-            if op == Op::Flush {
-                self.flush_done = Some(Err(e));
-                return;
-            }
-            return self.complete_now(req.tag, req.buf, e);
+            return self.reqs.fail_now(op, tag, buf, e);
         }
         if op != Op::Flush {
-            if let Err(why) = self.validate(&req, what) {
-                return self.complete_now(req.tag, req.buf, io::Error::new(io::ErrorKind::InvalidInput, why));
+            let nsid = self.ns.nsid;
+            // PRP entries need dword-aligned buffer addresses.
+            if let Err(e) = request::check(op, offset, len, &buf, &self.ns, 4, &|| format!("namespace {nsid}")) {
+                return self.reqs.fail_now(op, tag, buf, e.into_io());
             }
         }
-        let ReadReq { offset, len, mut buf, tag } = req;
         let addr = buf.addr();
         let slot = self
             .slot_pools
@@ -685,7 +621,8 @@ impl NvmeQueue {
             (DataPath::Direct, None) => match self.dma.map_external(buf.as_mut_ptr(), len as usize) {
                 Ok(i) => Some(i),
                 Err(e) => {
-                    return self.complete_now(tag, buf, io::Error::other(picchio_core::error::chain(&e).to_string()))
+                    let e = io::Error::other(picchio_core::error::chain(&e).to_string());
+                    return self.reqs.fail_now(op, tag, buf, e);
                 }
             },
             (DataPath::Bounce(b), None) => {
@@ -694,49 +631,22 @@ impl NvmeQueue {
                 None
             }
         };
-        let r = Req {
-            tag,
-            buf,
-            op,
-            iova,
-            slot,
-            chunk,
-            offset: offset.0,
-            len,
-            issued: 0,
-            outstanding: 0,
-            error: None,
-            lost: false,
-            queued: true,
-            started: Instant::now(),
-        };
-        let ri = match self.free_reqs.pop() {
-            Some(i) => {
-                self.reqs[i as usize] = Some(r);
-                i
-            }
-            None => {
-                self.reqs.push(Some(r));
-                (self.reqs.len() - 1) as u32
-            }
-        };
-        self.active += 1;
-        self.backlog.push_back(ri);
+        let r = Request::new(op, tag, buf, offset, len, chunk, Pcie { iova, slot, lost: false });
+        self.reqs.push(r);
         self.pump();
     }
 }
 
 impl crate::sink::FlushSteps for NvmeQueue {
     fn queue_flush(&mut self, buf: AlignedBuf) {
-        self.flush_done = None;
-        self.enqueue(Op::Flush, ReadReq { offset: picchio_core::ByteOffset(0), len: 0, buf, tag: Tag(u64::MAX) });
+        self.reqs.clear_flush();
+        self.enqueue(Op::Flush, Tag(u64::MAX), buf, 0, 0);
     }
     fn take_flush_outcome(&mut self) -> Option<io::Result<()>> {
-        self.flush_done.take().map(|r| r.map(|_| ()))
+        self.reqs.take_flush().map(|r| r.map(|_| ()))
     }
-    fn hold_back(&mut self, mut held: Vec<Completion>) {
-        held.append(&mut self.ready);
-        self.ready = held;
+    fn hold_back(&mut self, held: Vec<Completion>) {
+        self.reqs.hold_back(held);
     }
 }
 
@@ -751,8 +661,8 @@ impl Drop for NvmeQueue {
             self.leak_dma_memory(shutdown.err());
             return;
         }
-        for r in self.reqs.iter().flatten() {
-            if let Some(iova) = r.iova {
+        for r in self.reqs.iter() {
+            if let Some(iova) = r.x.iova {
                 self.dma.unmap_external(iova, r.len as usize);
             }
         }
@@ -780,7 +690,7 @@ impl NvmeQueue {
         let quarantine = std::mem::take(&mut self.quarantine);
         let bounce = std::mem::replace(&mut self.path, DataPath::Direct);
         let slot_pools = std::mem::take(&mut self.slot_pools);
-        let mut bytes: usize = reqs.iter().flatten().map(|r| r.buf.len()).sum();
+        let mut bytes: usize = reqs.iter().map(|r| r.buf.len()).sum();
         bytes += quarantine.iter().map(|(b, _)| b.len()).sum::<usize>();
         if let DataPath::Bounce(b) = &bounce {
             bytes += b.iter().map(DmaBuf::len).sum::<usize>();

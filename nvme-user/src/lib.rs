@@ -13,6 +13,9 @@
 //!   command identifier. Submitting a raw command is `unsafe`: its data pointers are DMA targets.
 //! - [`ctrlr`]: controller bring-up as an explicit state machine, admin commands, Abort, controller
 //!   reset on the same DMA memory, shutdown on drop.
+//! - [`request`]: the request layer every transport shares (SPDK's `nvme_request`): a read, a
+//!   [`WriteReq`] or a Flush, split at MDTS into child commands, queued while no CID is free,
+//!   resubmitted when a transport lost it (reads only), completed when its last child is.
 //! - [`engine`]: [`NvmeQueue`], the [`picchio_core::IoQueue`] engine over one I/O queue pair: the safe
 //!   API. A timed-out command is aborted, else the controller is reset (also on CSTS.CFS); exactly
 //!   the affected requests fail with a typed [`engine::ReadFailure`], within an
@@ -65,6 +68,7 @@ pub mod engine;
 pub mod error;
 pub mod prp;
 pub mod queue;
+pub mod request;
 pub mod sim;
 pub mod sink;
 pub mod spec;
@@ -78,5 +82,6 @@ pub use dma::{DmaBuf, DmaPool, HeapDma, Iova};
 pub use engine::{NvmeQueue, NvmeQueueOptions};
 pub use error::{Error, Result};
 pub use queue::{Cid, QueuePair};
+pub use request::WriteReq;
 pub use sink::{NvmWriteQueue, NvmeSink};
 pub use tcp::{NvmeTcpQueue, TcpOptions, TcpTarget};

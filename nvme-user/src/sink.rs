@@ -9,19 +9,23 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use picchio_core::format::ImageSink;
-use picchio_core::{AlignedBuf, ByteOffset, Completion, IoQueue, ReadReq, Tag, BLOCK_SIZE};
+use picchio_core::{AlignedBuf, ByteOffset, Completion, IoQueue, Tag, BLOCK_SIZE};
 
 use crate::ctrlr::Namespace;
 use crate::engine::NvmeQueue;
+use crate::request::WriteReq;
 
 /// A queue that can also write its namespace: the VFIO driver's [`NvmeQueue`] and the NVMe/TCP
 /// initiator's [`crate::tcp::NvmeTcpQueue`]. What [`NvmeSink`] and the image writer need.
+///
+/// A namespace is written only through [`NvmWriteQueue::submit_write`] with a [`WriteReq`]:
+/// [`IoQueue::submit`] takes a [`picchio_core::ReadReq`] and issues NVM Read commands only.
 pub trait NvmWriteQueue: IoQueue {
     /// The namespace (NSID, LBA size, blocks).
     fn namespace(&self) -> Namespace;
     /// Submits an NVM Write of `req.len` bytes from `req.buf` to byte `req.offset`; it completes
     /// through [`IoQueue::reap`] like a read.
-    fn submit_write(&mut self, req: ReadReq);
+    fn submit_write(&mut self, req: WriteReq);
     /// Waits for every command in flight, then issues an NVM Flush and waits for it.
     ///
     /// # Errors
@@ -89,7 +93,7 @@ impl NvmWriteQueue for NvmeQueue {
     fn namespace(&self) -> Namespace {
         NvmeQueue::namespace(self)
     }
-    fn submit_write(&mut self, req: ReadReq) {
+    fn submit_write(&mut self, req: WriteReq) {
         NvmeQueue::submit_write(self, req)
     }
     fn flush(&mut self) -> io::Result<()> {
@@ -108,7 +112,7 @@ impl NvmWriteQueue for crate::tcp::NvmeTcpQueue {
     fn namespace(&self) -> Namespace {
         crate::tcp::NvmeTcpQueue::namespace(self)
     }
-    fn submit_write(&mut self, req: ReadReq) {
+    fn submit_write(&mut self, req: WriteReq) {
         crate::tcp::NvmeTcpQueue::submit_write(self, req)
     }
     fn flush(&mut self) -> io::Result<()> {
@@ -225,7 +229,7 @@ impl<'q, Q: NvmWriteQueue> NvmeSink<'q, Q> {
         }
         self.drain_to(DEPTH - 1)?;
         let at = self.run_start;
-        self.queue.submit_write(ReadReq { offset: ByteOffset(at), len: len as u32, buf, tag: Tag(at) });
+        self.queue.submit_write(WriteReq { offset: ByteOffset(at), len: len as u32, buf, tag: Tag(at) });
         self.in_flight += 1;
         self.run_start += len as u64;
         Ok(())

@@ -12,7 +12,8 @@ use picchio_nvme::spec::{Status, StatusCodeType};
 use picchio_nvme::tcp::fabrics::connect_status;
 use picchio_nvme::tcp::model::{Fault, ModelConfig, TargetModel};
 use picchio_nvme::tcp::{discover, NvmeTcpQueue, TcpError, TcpOptions, TcpTarget};
-use picchio_nvme::{NvmWriteQueue, NvmeQueue, NvmeQueueOptions};
+use picchio_nvme::request::BadRequest;
+use picchio_nvme::{NvmWriteQueue, NvmeQueue, NvmeQueueOptions, WriteReq};
 
 /// 4 MiB of a position-dependent pattern.
 fn pattern(len: usize) -> Vec<u8> {
@@ -35,6 +36,115 @@ fn read(q: &mut NvmeTcpQueue, off: u64, len: u32) -> std::io::Result<Vec<u8>> {
 /// The typed error inside a failed read.
 fn read_err(q: &mut NvmeTcpQueue, off: u64, len: u32) -> std::io::Error {
     read_blocking(q, off, len).expect_err("the read fails")
+}
+
+/// An [`NvmeTcpQueue`] that owns the target model serving its file: the queue is shut down and
+/// dropped first, then the model; then the file must hold exactly the bytes it held at open (a read
+/// never writes the namespace).
+struct TcpEngine {
+    q: Option<NvmeTcpQueue>,
+    model: Option<TargetModel>,
+    path: std::path::PathBuf,
+    original: Vec<u8>,
+}
+
+impl TcpEngine {
+    fn q(&self) -> &NvmeTcpQueue {
+        self.q.as_ref().expect("open")
+    }
+    fn q_mut(&mut self) -> &mut NvmeTcpQueue {
+        self.q.as_mut().expect("open")
+    }
+}
+
+impl IoQueue for TcpEngine {
+    fn block_size(&self) -> u32 {
+        self.q().block_size()
+    }
+    fn submit(&mut self, req: ReadReq) {
+        self.q_mut().submit(req)
+    }
+    fn reap(&mut self, min: usize, out: &mut Vec<Completion>) -> usize {
+        self.q_mut().reap(min, out)
+    }
+    fn in_flight(&self) -> usize {
+        self.q().in_flight()
+    }
+    fn describe(&self) -> String {
+        self.q().describe()
+    }
+}
+
+impl Drop for TcpEngine {
+    fn drop(&mut self) {
+        drop(self.q.take());
+        drop(self.model.take());
+        if !std::thread::panicking() {
+            let now = std::fs::read(&self.path).unwrap();
+            assert!(now == self.original, "{}: a read changed the namespace", self.path.display());
+        }
+    }
+}
+
+/// Lends the conformance suite the NVMe/TCP initiator against the in-process target model with
+/// `lba`-byte LBAs, over loopback TCP; the namespace is the suite's file. Per-command timeout 60 s:
+/// the suite checks reads, not timeouts.
+fn with_tcp(lba: u32, f: impl FnOnce(&picchio_testkit::conformance::Engine)) {
+    use picchio_testkit::conformance::{Engine, Eof, Misalign};
+    let dir = tempfile::tempdir().unwrap();
+    let open = move |p: &std::path::Path, qd: u32| -> Box<dyn IoQueue> {
+        let original = std::fs::read(p).unwrap();
+        let m = TargetModel::start(ModelConfig::file(p, lba)).unwrap();
+        let o = TcpOptions { qd: qd as u16, timeout: Duration::from_secs(60), ..opts() };
+        let q = NvmeTcpQueue::connect(m.target(1), o).unwrap();
+        assert_eq!((q.block_size(), q.queue_depth()), (lba, qd as u16));
+        Box::new(TcpEngine { q: Some(q), model: Some(m), path: p.to_path_buf(), original })
+    };
+    let misaligned = |e: &std::io::Error, rule: Misalign| {
+        let Some(BadRequest::Misaligned { offset, len, .. }) = BadRequest::of(e) else { panic!("{e}") };
+        match rule {
+            Misalign::Offset(o) => assert_eq!(*offset, o),
+            Misalign::Length(l) => assert_eq!(*len, l),
+            Misalign::Buffer => panic!("NVMe/TCP takes any buffer address: {e}"),
+        }
+        assert!(e.to_string().contains("not aligned"), "{e}");
+    };
+    let past_end = |e: &std::io::Error, offset: u64, size: u64| {
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
+        let Some(BadRequest::PastEnd { offset: o, bytes, namespace, .. }) = BadRequest::of(e) else { panic!("{e}") };
+        assert_eq!((*o, *bytes), (offset, size));
+        assert!(namespace.starts_with("nvme-tcp://127.0.0.1:") && namespace.ends_with("/1"), "{namespace}");
+    };
+    let too_small = |e: &std::io::Error, buf_len: usize| {
+        assert!(matches!(BadRequest::of(e), Some(BadRequest::BufferTooSmall { buf_len: b, .. }) if *b == buf_len), "{e}");
+    };
+    f(&Engine {
+        name: &format!("nvme-tcp(model, {lba}-byte LBA)"),
+        dir: dir.path(),
+        open: &open,
+        align: lba,
+        mem_align: 1,
+        eof: Eof::Refused,
+        misaligned: &misaligned,
+        past_end: &past_end,
+        too_small: &too_small,
+    });
+}
+
+fn with_tcp_512(f: impl FnOnce(&picchio_testkit::conformance::Engine)) {
+    with_tcp(512, f)
+}
+
+fn with_tcp_4096(f: impl FnOnce(&picchio_testkit::conformance::Engine)) {
+    with_tcp(4096, f)
+}
+
+mod conformance_512 {
+    picchio_testkit::conformance_tests!(super::with_tcp_512, aligned);
+}
+
+mod conformance_4096 {
+    picchio_testkit::conformance_tests!(super::with_tcp_4096, aligned);
 }
 
 #[test]
@@ -102,7 +212,7 @@ fn writes_in_the_capsule_and_after_r2t_then_flush() {
         for (off, len, fill) in [(4096usize, 4096usize, 0xA5u8), (1 << 20, 1 << 20, 0x3C)] {
             let mut buf = AlignedBuf::new(len, 4096).unwrap();
             buf.as_mut_slice()[..len].fill(fill);
-            q.submit_write(ReadReq { offset: ByteOffset(off as u64), len: len as u32, buf, tag: Tag(off as u64) });
+            q.submit_write(WriteReq { offset: ByteOffset(off as u64), len: len as u32, buf, tag: Tag(off as u64) });
             data[off..off + len].fill(fill);
         }
         let mut out = Vec::new();
@@ -130,7 +240,7 @@ fn a_file_backed_model_serves_and_keeps_writes() {
     let mut q = NvmeTcpQueue::connect(m.target(1), opts()).unwrap();
     let mut buf = AlignedBuf::new(8192, 4096).unwrap();
     buf.as_mut_slice().fill(7);
-    q.submit_write(ReadReq { offset: ByteOffset(0), len: 8192, buf, tag: Tag(1) });
+    q.submit_write(WriteReq { offset: ByteOffset(0), len: 8192, buf, tag: Tag(1) });
     let mut out = Vec::new();
     q.reap(1, &mut out);
     out[0].result.as_ref().unwrap();
@@ -319,7 +429,7 @@ fn an_r2t_for_more_than_asked_fails_the_write_without_resubmission() {
     let mut q = NvmeTcpQueue::connect(m.target(1), opts()).unwrap();
     m.inject(Fault::R2tTooLong);
     let buf = AlignedBuf::new(1 << 20, 4096).unwrap();
-    q.submit_write(ReadReq { offset: ByteOffset(0), len: 1 << 20, buf, tag: Tag(9) });
+    q.submit_write(WriteReq { offset: ByteOffset(0), len: 1 << 20, buf, tag: Tag(9) });
     let mut out = Vec::new();
     q.reap(1, &mut out);
     let e = out.pop().unwrap().result.unwrap_err();
@@ -372,7 +482,7 @@ fn flush_keeps_the_completions_it_waited_for<Q: NvmWriteQueue>(q: &mut Q) {
     for (tag, fill) in [(1u64, 0x11u8), (2, 0x22)] {
         let mut buf = AlignedBuf::new(4096, 4096).unwrap();
         buf.as_mut_slice().fill(fill);
-        q.submit_write(ReadReq { offset: ByteOffset(tag * 4096), len: 4096, buf, tag: Tag(tag) });
+        q.submit_write(WriteReq { offset: ByteOffset(tag * 4096), len: 4096, buf, tag: Tag(tag) });
     }
     let buf = AlignedBuf::new(4096, 4096).unwrap();
     q.submit(ReadReq { offset: ByteOffset(0), len: 4096, buf, tag: Tag(3) });

@@ -13,7 +13,7 @@ use picchio_core::io::read_blocking;
 use picchio_core::{AlignedBuf, ByteOffset, Completion, IoQueue, ReadReq, Tag};
 use picchio_nvme::dma::hugepage_shortfall;
 use picchio_nvme::sim::SimConfig;
-use picchio_nvme::{HeapDma, NvmeQueue, NvmeQueueOptions};
+use picchio_nvme::{HeapDma, NvmeQueue, NvmeQueueOptions, WriteReq};
 
 fn pattern(len: usize, seed: u64) -> Vec<u8> {
     picchio_core::rng::SplitMix64::new(seed).bytes(len)
@@ -176,7 +176,7 @@ fn the_shortfall_warning_says_how_many_hugepages_and_how_to_reserve_them() {
 }
 
 fn write(q: &mut NvmeQueue, offset: u64, buf: AlignedBuf, len: u32) -> std::io::Result<u32> {
-    q.submit_write(ReadReq { offset: ByteOffset(offset), len, buf, tag: Tag(offset) });
+    q.submit_write(WriteReq { offset: ByteOffset(offset), len, buf, tag: Tag(offset) });
     let mut out = Vec::new();
     while out.is_empty() {
         q.reap(1, &mut out);

@@ -36,6 +36,7 @@ use std::time::{Duration, Instant};
 
 use super::NvmeQueue;
 use crate::queue::{Cid, Lost};
+use crate::request::Child;
 use crate::spec::Status;
 
 /// Limits of an [`NvmeQueue`]'s recovery (see the module documentation).
@@ -301,38 +302,32 @@ impl NvmeQueue {
 
     /// A command lost in a reset: its request fails (the buffer is intact and not quarantined).
     fn fail_lost(&mut self, l: Lost, reason: &str) {
-        let ri = (l.user >> 32) as u32;
+        let (ri, off) = Child::parts(l.user);
         let (nsid, timeout_ms) = (self.ns.nsid, self.timeout.as_millis() as u64);
-        let Some(r) = self.reqs.get_mut(ri as usize).and_then(Option::as_mut) else { return };
-        r.outstanding -= 1;
-        r.issued = r.len; // issue nothing more for this request
-        let byte = r.offset + u64::from(l.user as u32);
+        let Some(r) = self.reqs.get(ri) else { return };
+        let byte = r.offset + u64::from(off);
         let f = if l.timed_out {
             ReadFailure::TimedOutReset { nsid, byte, cid: l.cid.0, timeout_ms, why: reason.to_string() }
         } else {
             ReadFailure::Reset { nsid, byte, reason: reason.to_string() }
         };
-        r.error.get_or_insert_with(|| f.into_io());
-        if r.outstanding == 0 && !r.queued {
-            self.finish(ri);
-        }
+        // The request fails and issues nothing more; the first error is kept.
+        let (reqs, mut t) = self.io();
+        reqs.child_done(ri, Some(f.into_io()), &mut t);
     }
 
     /// Fails every request with `f` and accepts no more. Buffers of commands still in flight are
     /// quarantined until the controller is shut down (the device may still write them).
     fn stop(&mut self, f: ReadFailure) {
         tracing::error!(error = %f, "nvme queue stopped");
-        self.backlog.clear();
-        for ri in 0..self.reqs.len() as u32 {
-            if let Some(r) = self.reqs[ri as usize].as_mut() {
-                r.lost |= r.outstanding > 0;
-                r.outstanding = 0;
-                r.queued = false;
-                r.issued = r.len;
+        let (reqs, mut t) = self.io();
+        reqs.end_all(
+            |r| {
+                r.x.lost |= r.outstanding() > 0;
                 r.error = Some(f.clone().into_io());
-                self.finish(ri);
-            }
-        }
+            },
+            &mut t,
+        );
         self.fatal = Some(f.to_string());
     }
 }

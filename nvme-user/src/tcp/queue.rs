@@ -2,7 +2,10 @@
 //! (and written) through `io_queues` I/O queues, one TCP connection each, up to `qd` commands in
 //! flight on each.
 //!
-//! A request becomes one NVM Read (or Write) per `max_transfer` bytes; each command carries a
+//! A request becomes one NVM Read (or Write) per `max_transfer` bytes — the split, the backlog while
+//! no CID is free, the resubmission after a lost connection and the completion are the request
+//! layer shared with the PCIe driver ([`crate::request`]); this module is the transport under it:
+//! one command as a CapsuleCmd on a connection with a free CID, and the PDUs that answer it. Each command carries a
 //! Transport SGL Data Block descriptor and its data arrives in C2HData PDUs read straight into the
 //! request's buffer. Writes up to the controller's in-capsule size (IOCCSZ × 16 − 64) travel in
 //! the CapsuleCmd; larger ones wait for R2Ts and answer with H2CData PDUs of at most MAXH2CDATA.
@@ -17,7 +20,6 @@
 //! [`TcpError::Disconnected`]; after `reconnect_delay` the next request tries again, so a target
 //! that comes back is used again.
 
-use std::collections::VecDeque;
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -26,7 +28,8 @@ use std::time::{Duration, Instant};
 use picchio_core::{AlignedBuf, Completion, IoQueue, ReadReq, Tag};
 
 use crate::ctrlr::Namespace;
-use crate::spec::{nvm, Command, Lba};
+use crate::request::{self, Child, Op, Request, Requests, Resubmit, Submit, Transport, WriteReq};
+use crate::spec::{Command, Lba};
 
 use super::assoc::{self, ControllerInfo, KeptAdmin, TcpOptions};
 use super::conn::{poll_readable, Conn, Rx};
@@ -77,36 +80,8 @@ pub struct TcpQueueStats {
     pub errors: u64,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Op {
-    Read,
-    Write,
-    Flush,
-}
-
-/// One command's share of a request.
-#[derive(Clone, Copy, Debug)]
-struct Chunk {
-    req: u32,
-    /// Byte offset within the request.
-    off: u32,
-    len: u32,
-}
-
-struct Req {
-    tag: Tag,
-    buf: AlignedBuf,
-    op: Op,
-    offset: u64,
-    len: u32,
-    remaining: u32,
-    error: Option<io::Error>,
-    retries: u32,
-    started: Instant,
-}
-
 struct Cmd {
-    chunk: Chunk,
+    chunk: Child,
     deadline: Instant,
     /// Data bytes received (reads) or sent after R2Ts (writes).
     moved: u32,
@@ -133,15 +108,11 @@ pub struct NvmeTcpQueue {
     depth: u16,
     max_xfer: u32,
     in_capsule: u32,
-    reqs: Vec<Option<Req>>,
-    free_reqs: Vec<u32>,
-    backlog: VecDeque<Chunk>,
-    ready: Vec<Completion>,
-    active: usize,
+    /// The request layer: requests, backlog, resubmissions, ready completions, the last Flush.
+    reqs: Requests<()>,
     next_conn: usize,
     retry_at: Option<Instant>,
     last_failure: String,
-    flush_done: Option<io::Result<()>>,
     stats: TcpQueueStats,
     interrupt: Option<Arc<AtomicBool>>,
     fds: Vec<std::os::fd::RawFd>,
@@ -186,15 +157,10 @@ impl NvmeTcpQueue {
             depth,
             max_xfer,
             in_capsule,
-            reqs: Vec::new(),
-            free_reqs: Vec::new(),
-            backlog: VecDeque::new(),
-            ready: Vec::new(),
-            active: 0,
+            reqs: Requests::default(),
             next_conn: 0,
             retry_at: None,
             last_failure: String::new(),
-            flush_done: None,
             stats: TcpQueueStats::default(),
             interrupt: None,
             fds: Vec::new(),
@@ -239,9 +205,9 @@ impl NvmeTcpQueue {
     /// Submits an NVM Write of `req.len` bytes from `req.buf` to byte `req.offset`; completes
     /// through [`IoQueue::reap`] like a read. Data up to the in-capsule size travels in the
     /// CapsuleCmd, more after R2Ts.
-    pub fn submit_write(&mut self, req: ReadReq) {
+    pub fn submit_write(&mut self, req: WriteReq) {
         self.stats.writes += 1;
-        self.enqueue(Op::Write, req);
+        self.enqueue(Op::Write, req.tag, req.buf, req.offset.0, req.len);
     }
 
     /// Waits for every command submitted so far, then issues an NVM Flush and waits for it.
@@ -253,116 +219,43 @@ impl NvmeTcpQueue {
         crate::sink::flush_after_in_flight(self)
     }
 
-    fn validate(&self, req: &ReadReq, op: Op) -> Result<(), String> {
-        let lba = u64::from(self.ns.lba_size);
-        let what = if op == Op::Write { "write" } else { "read" };
-        if !req.offset.0.is_multiple_of(lba) || !u64::from(req.len).is_multiple_of(lba) || req.len == 0 {
-            return Err(format!(
-                "{what} of {} bytes at byte {:#x} of {}: not a positive whole number of {lba}-byte LBAs",
-                req.len, req.offset.0, self.target
-            ));
-        }
-        if req.len as usize > req.buf.len() {
-            return Err(format!("{what} of {} bytes into a buffer of {} bytes", req.len, req.buf.len()));
-        }
-        let end = req.offset.0.saturating_add(u64::from(req.len));
-        if end > self.ns.bytes() {
-            return Err(format!(
-                "{what} of bytes {:#x}..{end:#x} past the end of {} ({} bytes)",
-                req.offset.0,
-                self.target,
-                self.ns.bytes()
-            ));
-        }
-        Ok(())
-    }
-
-    fn enqueue(&mut self, op: Op, req: ReadReq) {
+    /// Checks and queues one request, split at the transfer limit.
+    fn enqueue(&mut self, op: Op, tag: Tag, buf: AlignedBuf, offset: u64, len: u32) {
         if op != Op::Flush {
-            if let Err(why) = self.validate(&req, op) {
+            let target = &self.target;
+            // Data moves through the socket: any buffer address will do.
+            if let Err(e) = request::check(op, offset, len, &buf, &self.ns, 1, &|| target.to_string()) {
                 self.stats.errors += 1;
-                self.ready.push(Completion {
-                    tag: req.tag,
-                    buf: req.buf,
-                    result: Err(io::Error::new(io::ErrorKind::InvalidInput, why)),
-                    latency_ns: 0,
-                });
-                return;
+                return self.reqs.fail_now(op, tag, buf, e.into_io());
             }
         }
-        let chunks = if op == Op::Flush { 1 } else { req.len.div_ceil(self.max_xfer) };
-        let r = Req {
-            tag: req.tag,
-            buf: req.buf,
-            op,
-            offset: req.offset.0,
-            len: req.len,
-            remaining: chunks,
-            error: None,
-            retries: 0,
-            started: Instant::now(),
-        };
-        let ri = match self.free_reqs.pop() {
-            Some(i) => {
-                self.reqs[i as usize] = Some(r);
-                i
-            }
-            None => {
-                self.reqs.push(Some(r));
-                (self.reqs.len() - 1) as u32
-            }
-        };
-        self.active += 1;
-        if op == Op::Flush {
-            self.backlog.push_back(Chunk { req: ri, off: 0, len: 0 });
-        } else {
-            let mut off = 0;
-            while off < req.len {
-                let len = self.max_xfer.min(req.len - off);
-                self.backlog.push_back(Chunk { req: ri, off, len });
-                off += len;
-            }
-        }
+        self.reqs.push(Request::new(op, tag, buf, offset, len, self.max_xfer, ()));
         self.pump();
     }
 
-    /// Completes one chunk of request `ri` with `err` (or success).
-    fn finish_chunk(&mut self, ri: u32, err: Option<io::Error>) {
-        let r = self.reqs[ri as usize].as_mut().expect("live request");
-        if let Some(e) = err {
-            r.error.get_or_insert(e);
-        }
-        r.remaining -= 1;
-        if r.remaining > 0 {
-            return;
-        }
-        let r = self.reqs[ri as usize].take().expect("live request");
-        self.free_reqs.push(ri);
-        self.active -= 1;
-        let result = match r.error {
-            Some(e) => {
-                self.stats.errors += 1;
-                Err(e)
-            }
-            None => Ok(r.len),
+    /// The request layer and the transport under it, borrowed apart.
+    fn io(&mut self) -> (&mut Requests<()>, TcpIo<'_>) {
+        let t = TcpIo {
+            assoc: self.assoc.as_mut(),
+            next_conn: &mut self.next_conn,
+            ns: self.ns,
+            in_capsule: self.in_capsule,
+            timeout: self.opts.timeout,
+            stats: &mut self.stats,
         };
-        if r.op == Op::Flush {
-            self.flush_done = Some(result.map(|_| ()));
-            return;
-        }
-        self.ready.push(Completion {
-            tag: r.tag,
-            buf: r.buf,
-            result,
-            latency_ns: r.started.elapsed().as_nanos() as u64,
-        });
+        (&mut self.reqs, t)
     }
 
-    /// Fails every chunk waiting in the backlog with `e()`.
+    /// Fails every request waiting for a CID with `e()`.
     fn fail_backlog(&mut self, e: &dyn Fn() -> io::Error) {
-        while let Some(c) = self.backlog.pop_front() {
-            self.finish_chunk(c.req, Some(e()));
-        }
+        let (reqs, mut t) = self.io();
+        reqs.fail_waiting(e, &mut t);
+    }
+
+    /// A child of request `ri` completed (with `err` if it failed).
+    fn child_done(&mut self, ri: u32, err: Option<io::Error>) {
+        let (reqs, mut t) = self.io();
+        reqs.child_done(ri, err, &mut t);
     }
 
     /// Sends backlog chunks while I/O queues have room.
@@ -372,7 +265,7 @@ impl NvmeTcpQueue {
             self.fail_backlog(&|| interrupted(&addr));
             return;
         }
-        if self.backlog.is_empty() {
+        if !self.reqs.waiting() {
             return;
         }
         if self.assoc.is_none() {
@@ -394,69 +287,27 @@ impl NvmeTcpQueue {
                 return;
             }
         }
-        while let Some(&chunk) = self.backlog.front() {
-            let Some(assoc) = self.assoc.as_mut() else { return };
-            let n = assoc.ios.len();
-            let Some(qi) = (0..n).map(|k| (self.next_conn + k) % n).find(|&i| !assoc.ios[i].free.is_empty()) else {
-                return;
-            };
-            self.next_conn = (qi + 1) % n;
-            self.backlog.pop_front();
-            if let Err(e) = self.send(qi, chunk) {
-                self.connection_failed(e);
-                return;
-            }
+        let (reqs, mut t) = self.io();
+        if let Err(e) = reqs.pump(&mut t) {
+            self.connection_failed(e);
         }
-    }
-
-    /// Sends `chunk` as one command on I/O queue `qi`.
-    fn send(&mut self, qi: usize, chunk: Chunk) -> TcpResult<()> {
-        let r = self.reqs[chunk.req as usize].as_ref().expect("live request");
-        let io = &mut self.assoc.as_mut().expect("connected").ios[qi];
-        let cid = io.free.pop().expect("a free CID");
-        let lba = u64::from(self.ns.lba_size);
-        let byte = r.offset + u64::from(chunk.off);
-        let (mut cmd, data, step) = match r.op {
-            Op::Read => {
-                let mut c =
-                    Command::rw(nvm::READ, cid, self.ns.nsid, Lba(byte / lba), (u64::from(chunk.len) / lba) as u32);
-                sgl::set(&mut c, sgl::TRANSPORT, 0, chunk.len);
-                (c, None, "Read")
-            }
-            Op::Write => {
-                let mut c =
-                    Command::rw(nvm::WRITE, cid, self.ns.nsid, Lba(byte / lba), (u64::from(chunk.len) / lba) as u32);
-                if chunk.len <= self.in_capsule {
-                    sgl::set(&mut c, sgl::IN_CAPSULE, 0, chunk.len);
-                    let d = &r.buf.as_slice()[chunk.off as usize..(chunk.off + chunk.len) as usize];
-                    (c, Some(d), "Write")
-                } else {
-                    sgl::set(&mut c, sgl::TRANSPORT, 0, chunk.len);
-                    (c, None, "Write")
-                }
-            }
-            Op::Flush => {
-                let mut c = Command::new(nvm::FLUSH, cid);
-                c.nsid = self.ns.nsid;
-                sgl::set(&mut c, sgl::TRANSPORT, 0, 0);
-                (c, None, "Flush")
-            }
-        };
-        cmd.set_cid(cid);
-        if let Some(d) = data {
-            self.stats.h2c_bytes += d.len() as u64;
-        }
-        io.cmds[cid as usize] = Some(Cmd { chunk, deadline: Instant::now() + self.opts.timeout, moved: 0 });
-        self.stats.commands += 1;
-        io.conn.send_capsule(&cmd, data, &format!("{step} CID {cid} at byte {byte:#x}"))
     }
 
     fn interrupted(&self) -> bool {
         self.interrupt.as_ref().is_some_and(|f| f.load(Ordering::Relaxed))
     }
 
-    /// Handles one PDU on I/O queue `qi`.
+    /// Handles one PDU on I/O queue `qi`, completing the child it ends.
     fn on_pdu(&mut self, qi: usize) -> TcpResult<()> {
+        if let Some((ri, err)) = self.receive(qi)? {
+            self.child_done(ri, err);
+        }
+        Ok(())
+    }
+
+    /// Receives one PDU on I/O queue `qi` and moves its data; returns the child it completes (its
+    /// request, and its error).
+    fn receive(&mut self, qi: usize) -> TcpResult<Option<(u32, Option<io::Error>)>> {
         let io = &mut self.assoc.as_mut().expect("connected").ios[qi];
         let rx = io.conn.recv("a response to the commands in flight")?;
         let (addr, qid) = (io.conn.addr.clone(), io.conn.qid);
@@ -467,13 +318,9 @@ impl NvmeTcpQueue {
                     return Err(bad("CapsuleResp", format!("CID {} has no command outstanding", cqe.cid)));
                 };
                 io.free.push(cqe.cid);
-                let r = self.reqs[cmd.chunk.req as usize].as_ref().expect("live request");
-                let byte = r.offset + u64::from(cmd.chunk.off);
-                let step = match r.op {
-                    Op::Read => "Read",
-                    Op::Write => "Write",
-                    Op::Flush => "Flush",
-                };
+                let r = self.reqs.get(cmd.chunk.req).expect("live request");
+                let byte = r.byte(&cmd.chunk);
+                let step = r.op.command();
                 let s = cqe.status();
                 let err = if !s.is_success() {
                     Some(
@@ -490,15 +337,14 @@ impl NvmeTcpQueue {
                 } else {
                     None
                 };
-                self.finish_chunk(cmd.chunk.req, err);
-                Ok(())
+                Ok(Some((cmd.chunk.req, err)))
             }
             Rx::Data { hdr, flags: f } => {
                 let slot = io.cmds.get_mut(usize::from(hdr.cccid)).and_then(Option::as_mut);
                 let Some(cmd) = slot else {
                     return Err(bad("C2HData", format!("CCCID {} has no command outstanding", hdr.cccid)));
                 };
-                let r = self.reqs[cmd.chunk.req as usize].as_mut().expect("live request");
+                let r = self.reqs.get_mut(cmd.chunk.req).expect("live request");
                 if r.op != Op::Read {
                     return Err(bad("C2HData", format!("CCCID {} is a {:?}, not a Read", hdr.cccid, r.op)));
                 }
@@ -527,16 +373,16 @@ impl NvmeTcpQueue {
                     let chunk = cmd.chunk;
                     io.cmds[usize::from(hdr.cccid)] = None;
                     io.free.push(hdr.cccid);
-                    self.finish_chunk(chunk.req, None);
+                    return Ok(Some((chunk.req, None)));
                 }
-                Ok(())
+                Ok(None)
             }
             Rx::R2t(h) => {
                 let slot = io.cmds.get_mut(usize::from(h.cccid)).and_then(Option::as_mut);
                 let Some(cmd) = slot else {
                     return Err(bad("R2T", format!("CCCID {} has no command outstanding", h.cccid)));
                 };
-                let r = self.reqs[cmd.chunk.req as usize].as_ref().expect("live request");
+                let r = self.reqs.get(cmd.chunk.req).expect("live request");
                 if r.op != Op::Write || cmd.chunk.len <= self.in_capsule {
                     return Err(bad("R2T", format!("CCCID {} is not a write waiting for R2T", h.cccid)));
                 }
@@ -562,7 +408,7 @@ impl NvmeTcpQueue {
                 cmd.moved = end as u32;
                 self.stats.h2c_bytes += u64::from(h.length);
                 self.stats.r2ts += 1;
-                Ok(())
+                Ok(None)
             }
         }
     }
@@ -576,38 +422,33 @@ impl NvmeTcpQueue {
             self.stats.timeouts += 1;
         }
         let Some(assoc) = self.assoc.take() else { return };
-        let mut requeue = Vec::new();
         let mut failed = Vec::new();
+        let mut requeued = 0;
         for io in assoc.ios {
             for cmd in io.cmds.into_iter().flatten() {
-                let r = self.reqs[cmd.chunk.req as usize].as_mut().expect("live request");
-                let byte = r.offset + u64::from(cmd.chunk.off);
-                if r.op == Op::Write {
-                    let e = TcpError::WriteLost { addr: self.target.addr.clone(), byte, cause: cause_text.clone() };
-                    failed.push((cmd.chunk.req, e.into_io()));
-                } else if r.retries >= self.opts.max_retries {
-                    let e = TcpError::RetriesExhausted {
-                        addr: self.target.addr.clone(),
-                        what: if r.op == Op::Read { "read" } else { "flush" },
-                        byte,
-                        retries: r.retries,
-                        cause: cause_text.clone(),
-                    };
-                    failed.push((cmd.chunk.req, io::Error::new(cause.kind(), e)));
-                } else {
-                    r.retries += 1;
-                    requeue.push(cmd.chunk);
+                let c = cmd.chunk;
+                let r = self.reqs.get(c.req).expect("live request");
+                let (byte, op) = (r.byte(&c), r.op);
+                let addr = self.target.addr.clone();
+                match self.reqs.resubmit(c, self.opts.max_retries) {
+                    Resubmit::Queued => requeued += 1,
+                    Resubmit::NotIdempotent => {
+                        let e = TcpError::WriteLost { addr, byte, cause: cause_text.clone() };
+                        failed.push((c.req, e.into_io()));
+                    }
+                    Resubmit::Exhausted { retries } => {
+                        let e =
+                            TcpError::RetriesExhausted { addr, what: op.name(), byte, retries, cause: cause_text.clone() };
+                        failed.push((c.req, io::Error::new(cause.kind(), e)));
+                    }
                 }
             }
         }
         assoc.admin.abandon();
         for (ri, e) in failed {
-            self.finish_chunk(ri, Some(e));
+            self.child_done(ri, Some(e));
         }
-        self.stats.resubmitted += requeue.len() as u64;
-        for c in requeue.into_iter().rev() {
-            self.backlog.push_front(c);
-        }
+        self.stats.resubmitted += requeued;
         if self.reconnect(cause_text, self.opts.reconnect_attempts.max(1)) {
             self.pump();
         }
@@ -684,11 +525,11 @@ impl NvmeTcpQueue {
             })
         });
         if let Some((qid, cid, chunk)) = expired {
-            let r = self.reqs[chunk.req as usize].as_ref().expect("live request");
+            let r = self.reqs.get(chunk.req).expect("live request");
             let e = TcpError::Timeout {
                 addr: self.target.addr.clone(),
                 qid,
-                step: format!("{:?} CID {cid} at byte {:#x}", r.op, r.offset + u64::from(chunk.off)),
+                step: format!("{} CID {cid} at byte {:#x}", r.op.command(), r.byte(&chunk)),
                 waited_ms: self.opts.timeout.as_millis() as u64,
             };
             self.connection_failed(e);
@@ -698,6 +539,82 @@ impl NvmeTcpQueue {
 
     fn next_deadline(&self) -> Option<Instant> {
         self.assoc.as_ref()?.ios.iter().flat_map(|io| io.cmds.iter().flatten().map(|c| c.deadline)).min()
+    }
+}
+
+/// The NVMe/TCP transport under the request layer: the fields of an [`NvmeTcpQueue`] that sending
+/// one command touches, borrowed apart from its [`Requests`].
+struct TcpIo<'a> {
+    assoc: Option<&'a mut Assoc>,
+    next_conn: &'a mut usize,
+    ns: Namespace,
+    in_capsule: u32,
+    timeout: Duration,
+    stats: &'a mut TcpQueueStats,
+}
+
+impl Transport for TcpIo<'_> {
+    type Extra = ();
+    type Error = TcpError;
+
+    /// Sends `child` as one CapsuleCmd on the next I/O queue (round robin) with a free CID.
+    fn submit(&mut self, child: Child, r: &mut Request<()>) -> Submit<TcpError> {
+        let Some(assoc) = self.assoc.as_deref_mut() else { return Submit::Full };
+        let n = assoc.ios.len();
+        let Some(qi) = (0..n).map(|k| (*self.next_conn + k) % n).find(|&i| !assoc.ios[i].free.is_empty()) else {
+            return Submit::Full;
+        };
+        *self.next_conn = (qi + 1) % n;
+        match self.send(qi, child, r) {
+            Ok(()) => Submit::Sent,
+            Err(e) => Submit::Broken(e),
+        }
+    }
+
+    fn retire(&mut self, r: &mut Request<()>) {
+        self.stats.errors += u64::from(r.error.is_some());
+    }
+}
+
+impl TcpIo<'_> {
+    /// Sends `chunk` of `r` as one command on I/O queue `qi` (registered as in flight first, so a
+    /// send that fails leaves it to be resubmitted).
+    fn send(&mut self, qi: usize, chunk: Child, r: &Request<()>) -> TcpResult<()> {
+        let io = &mut self.assoc.as_deref_mut().expect("connected").ios[qi];
+        let cid = io.free.pop().expect("a free CID");
+        let lba = u64::from(self.ns.lba_size);
+        let byte = r.byte(&chunk);
+        let (nsid, nlb) = (self.ns.nsid, (u64::from(chunk.len) / lba) as u32);
+        let (mut cmd, data) = match r.op {
+            Op::Read => {
+                let mut c = Command::rw(r.op.opcode(), cid, nsid, Lba(byte / lba), nlb);
+                sgl::set(&mut c, sgl::TRANSPORT, 0, chunk.len);
+                (c, None)
+            }
+            Op::Write => {
+                let mut c = Command::rw(r.op.opcode(), cid, nsid, Lba(byte / lba), nlb);
+                if chunk.len <= self.in_capsule {
+                    sgl::set(&mut c, sgl::IN_CAPSULE, 0, chunk.len);
+                    (c, Some(&r.buf.as_slice()[chunk.off as usize..(chunk.off + chunk.len) as usize]))
+                } else {
+                    sgl::set(&mut c, sgl::TRANSPORT, 0, chunk.len);
+                    (c, None)
+                }
+            }
+            Op::Flush => {
+                let mut c = Command::new(r.op.opcode(), cid);
+                c.nsid = nsid;
+                sgl::set(&mut c, sgl::TRANSPORT, 0, 0);
+                (c, None)
+            }
+        };
+        cmd.set_cid(cid);
+        if let Some(d) = data {
+            self.stats.h2c_bytes += d.len() as u64;
+        }
+        io.cmds[cid as usize] = Some(Cmd { chunk, deadline: Instant::now() + self.timeout, moved: 0 });
+        self.stats.commands += 1;
+        io.conn.send_capsule(&cmd, data, &format!("{} CID {cid} at byte {byte:#x}", r.op.command()))
     }
 }
 
@@ -743,15 +660,14 @@ fn establish(target: &TcpTarget, opts: &TcpOptions) -> TcpResult<(Assoc, Control
 impl crate::sink::FlushSteps for NvmeTcpQueue {
     fn queue_flush(&mut self, buf: AlignedBuf) {
         self.stats.flushes += 1;
-        self.flush_done = None;
-        self.enqueue(Op::Flush, ReadReq { offset: picchio_core::ByteOffset(0), len: 0, buf, tag: Tag(u64::MAX) });
+        self.reqs.clear_flush();
+        self.enqueue(Op::Flush, Tag(u64::MAX), buf, 0, 0);
     }
     fn take_flush_outcome(&mut self) -> Option<io::Result<()>> {
-        self.flush_done.take()
+        self.reqs.take_flush().map(|r| r.map(|_| ()))
     }
-    fn hold_back(&mut self, mut held: Vec<Completion>) {
-        held.append(&mut self.ready);
-        self.ready = held;
+    fn hold_back(&mut self, held: Vec<Completion>) {
+        self.reqs.hold_back(held);
     }
 }
 
@@ -762,13 +678,13 @@ impl IoQueue for NvmeTcpQueue {
 
     fn submit(&mut self, req: ReadReq) {
         self.stats.reads += 1;
-        self.enqueue(Op::Read, req);
+        self.enqueue(Op::Read, req.tag, req.buf, req.offset.0, req.len);
     }
 
     fn reap(&mut self, min: usize, out: &mut Vec<Completion>) -> usize {
         loop {
             self.pump();
-            if self.ready.len() >= min || self.active == 0 || self.assoc.is_none() {
+            if self.reqs.ready() >= min || self.reqs.active() == 0 || self.assoc.is_none() {
                 // Disconnected: `pump` failed or resubmitted everything it could.
                 break;
             }
@@ -782,7 +698,7 @@ impl IoQueue for NvmeTcpQueue {
                     let addr = self.target.addr.clone();
                     for io in a.ios {
                         for c in io.cmds.into_iter().flatten() {
-                            self.finish_chunk(c.chunk.req, Some(interrupted(&addr)));
+                            self.child_done(c.chunk.req, Some(interrupted(&addr)));
                         }
                     }
                 }
@@ -791,13 +707,11 @@ impl IoQueue for NvmeTcpQueue {
                 self.retry_at = Some(Instant::now() + Duration::from_secs(3600));
             }
         }
-        let n = self.ready.len();
-        out.append(&mut self.ready);
-        n
+        self.reqs.take_ready(out)
     }
 
     fn in_flight(&self) -> usize {
-        self.active + self.ready.len()
+        self.reqs.in_flight()
     }
 
     fn describe(&self) -> String {

@@ -35,6 +35,7 @@ use picchio_core::{AlignedBuf, ByteOffset, IoQueue, ReadReq, Tag};
 use super::error::TcpError;
 use super::model::{ModelConfig, TargetModel};
 use super::{discover, NvmeTcpQueue, TcpOptions, TcpTarget};
+use crate::request::WriteReq;
 
 /// Option bit 0: ask for header digests.
 pub const OPT_HDGST: u8 = 1 << 0;
@@ -278,7 +279,7 @@ fn write(q: &mut NvmeTcpQueue, out: &mut Outcome, what: &'static str, offset: By
     for (i, b) in buf.as_mut_slice().iter_mut().enumerate() {
         *b = (i % 251) as u8;
     }
-    q.submit_write(ReadReq { offset, len, buf, tag: Tag(3) });
+    q.submit_write(WriteReq { offset, len, buf, tag: Tag(3) });
     let mut done = Vec::new();
     while done.is_empty() {
         q.reap(1, &mut done);

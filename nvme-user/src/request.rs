@@ -638,10 +638,10 @@ mod tests {
         rs.child_done(b, None, &mut t);
         let mut out = Vec::new();
         assert_eq!(rs.take_ready(&mut out), 2);
-        assert_eq!(out.iter().map(|c| (c.tag.0, c.result.as_ref().copied().unwrap())).collect::<Vec<_>>(), [
-            (1, 10 << 10),
-            (2, 4 << 10)
-        ]);
+        assert_eq!(
+            out.iter().map(|c| (c.tag.0, c.result.as_ref().copied().unwrap())).collect::<Vec<_>>(),
+            [(1, 10 << 10), (2, 4 << 10)]
+        );
         assert_eq!(t.retired, [Tag(1), Tag(2)]);
         assert_eq!(rs.in_flight(), 0);
     }

@@ -7,12 +7,12 @@ use std::time::Duration;
 
 use picchio_core::io::read_blocking;
 use picchio_core::{AlignedBuf, ByteOffset, Completion, IoQueue, ReadReq, Tag};
+use picchio_nvme::request::BadRequest;
 use picchio_nvme::sim::SimConfig;
 use picchio_nvme::spec::{Status, StatusCodeType};
 use picchio_nvme::tcp::fabrics::connect_status;
 use picchio_nvme::tcp::model::{Fault, ModelConfig, TargetModel};
 use picchio_nvme::tcp::{discover, NvmeTcpQueue, TcpError, TcpOptions, TcpTarget};
-use picchio_nvme::request::BadRequest;
 use picchio_nvme::{NvmWriteQueue, NvmeQueue, NvmeQueueOptions, WriteReq};
 
 /// 4 MiB of a position-dependent pattern.
@@ -116,7 +116,10 @@ fn with_tcp(lba: u32, f: impl FnOnce(&picchio_testkit::conformance::Engine)) {
         assert!(namespace.starts_with("nvme-tcp://127.0.0.1:") && namespace.ends_with("/1"), "{namespace}");
     };
     let too_small = |e: &std::io::Error, buf_len: usize| {
-        assert!(matches!(BadRequest::of(e), Some(BadRequest::BufferTooSmall { buf_len: b, .. }) if *b == buf_len), "{e}");
+        assert!(
+            matches!(BadRequest::of(e), Some(BadRequest::BufferTooSmall { buf_len: b, .. }) if *b == buf_len),
+            "{e}"
+        );
     };
     f(&Engine {
         name: &format!("nvme-tcp(model, {lba}-byte LBA)"),

@@ -437,8 +437,13 @@ impl NvmeTcpQueue {
                         failed.push((c.req, e.into_io()));
                     }
                     Resubmit::Exhausted { retries } => {
-                        let e =
-                            TcpError::RetriesExhausted { addr, what: op.name(), byte, retries, cause: cause_text.clone() };
+                        let e = TcpError::RetriesExhausted {
+                            addr,
+                            what: op.name(),
+                            byte,
+                            retries,
+                            cause: cause_text.clone(),
+                        };
                         failed.push((c.req, io::Error::new(cause.kind(), e)));
                     }
                 }

@@ -491,7 +491,7 @@ impl<X> Requests<X> {
     /// `max_retries` times (counting this one). Otherwise the caller fails it with
     /// [`Requests::child_done`].
     pub fn resubmit(&mut self, child: Child, max_retries: u32) -> Resubmit {
-        let Some(r) = self.get_mut(child.req) else { return Resubmit::Queued };
+        let r = self.get_mut(child.req).expect("a lost child belongs to a live request");
         if r.op == Op::Write {
             return Resubmit::NotIdempotent;
         }

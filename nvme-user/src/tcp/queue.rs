@@ -5,9 +5,9 @@
 //! A request becomes one NVM Read (or Write) per `max_transfer` bytes — the split, the backlog while
 //! no CID is free, the resubmission after a lost connection and the completion are the request
 //! layer shared with the PCIe driver ([`crate::request`]); this module is the transport under it:
-//! one command as a CapsuleCmd on a connection with a free CID, and the PDUs that answer it. Each command carries a
-//! Transport SGL Data Block descriptor and its data arrives in C2HData PDUs read straight into the
-//! request's buffer. Writes up to the controller's in-capsule size (IOCCSZ × 16 − 64) travel in
+//! one command as a CapsuleCmd on a connection with a free CID, and the PDUs that answer it. Each
+//! command carries a Transport SGL Data Block descriptor and its data arrives in C2HData PDUs read
+//! straight into the request's buffer. Writes up to the controller's in-capsule size (IOCCSZ × 16 − 64) travel in
 //! the CapsuleCmd; larger ones wait for R2Ts and answer with H2CData PDUs of at most MAXH2CDATA.
 //!
 //! # Failures

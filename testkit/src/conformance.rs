@@ -1,5 +1,6 @@
 //! The `IoQueue` conformance suite: what every engine (psync buffered and direct, io_uring, IOCP, the
-//! user-space NVMe driver on its controller model) must do, written once.
+//! user-space NVMe driver on its controller model, the NVMe/TCP initiator on its in-process target
+//! model) must do, written once.
 //!
 //! An engine test file describes its engine as an [`Engine`] (how to open a queue of a given depth on
 //! a file, what alignment it needs, whether a read across the end is short or refused, and how to

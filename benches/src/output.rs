@@ -6,50 +6,7 @@ use std::path::Path;
 
 use picchio_runtime::error::{Error, Result};
 
-/// Checks that `path` may be created or replaced by the output of `flag` (e.g. `--json`): it does
-/// not exist and its parent directory does, or it is a regular file for which `is_earlier(path)`
-/// says it holds an earlier output (`expected` names that kind in the refusal). Only metadata and
-/// what `is_earlier` reads are touched; nothing is created.
-///
-/// # Errors
-/// [`Error::Invalid`] naming the path and what it is instead (a directory, a device or other
-/// non-regular file, a file of another kind, a missing parent directory); [`Error::Io`] when its
-/// metadata cannot be read.
-pub fn check_replaceable(path: &Path, flag: &str, expected: &str, is_earlier: impl Fn(&Path) -> bool) -> Result<()> {
-    let refuse = |what: String| {
-        Err(Error::Invalid(format!(
-            "{}: {what}; {flag} will not replace it: remove it or choose another path",
-            path.display()
-        )))
-    };
-    match std::fs::metadata(path) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => check_parent(path, flag),
-        Err(e) => Err(Error::io(path, "stat the output path")(e)),
-        Ok(m) if m.is_dir() => refuse(format!("is a directory ({flag} takes a file path)")),
-        Ok(m) if !m.is_file() => refuse("is not a regular file (a device, FIFO or socket)".into()),
-        // stat before open (in `is_earlier`): opening a FIFO would block.
-        Ok(_) if is_earlier(path) => Ok(()),
-        Ok(_) => refuse(format!("exists and is not {expected}")),
-    }
-}
-
-/// Checks that the directory `path` would be created in exists (so an output is never left to fail
-/// after a run, and a mistyped path does not grow a chain of directories).
-fn check_parent(path: &Path, flag: &str) -> Result<()> {
-    let parent = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    match std::fs::metadata(parent) {
-        Ok(m) if m.is_dir() => Ok(()),
-        Ok(_) => Err(Error::Invalid(format!("{flag} {}: {} is not a directory", path.display(), parent.display()))),
-        Err(e) => Err(Error::Invalid(format!(
-            "{flag} {}: the directory {} does not exist ({e}); create it first",
-            path.display(),
-            parent.display()
-        ))),
-    }
-}
+pub use picchio_runtime::output::{check_parent, check_replaceable};
 
 /// Whether the file at `path` begins as every `picchio bench` report does: `{` then the
 /// `"schema": "picchio-bench/…"` member that [`super::Report::to_json`] writes first. Only the first

@@ -13,10 +13,15 @@
 //! lets it go on with `SIGCONT`. The same count stops the process at the same point on every machine.
 //!
 //! The same idea as the failpoints of TiKV's `fail` crate or FoundationDB's buggify, reduced to the
-//! points these tests need. Without the variables (every real run) a call is one load of a cached
-//! `u64::MAX` and a compare. Off Unix the variables are ignored.
+//! points these tests need. The points are compiled only with the `test-hooks` cargo feature, which
+//! only the tests that run the binary enable (cli's `[dev-dependencies]`): without it [`wrote`] and
+//! [`loaded`] are empty and a release build reads neither variable. With it but without the
+//! variables a call is one load of a cached `u64::MAX` and a compare. Off Unix the variables are
+//! ignored. The variables' names are public either way, for the tests.
 
+#[cfg(feature = "test-hooks")]
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+#[cfg(feature = "test-hooks")]
 use std::sync::OnceLock;
 
 /// The writers' variable: a decimal byte count.
@@ -25,6 +30,7 @@ pub const BYTES_ENV: &str = "PICCHIO_STOP_AFTER_BYTES";
 pub const LOADS_ENV: &str = "PICCHIO_STOP_AFTER_LOADS";
 
 /// One counted point.
+#[cfg(feature = "test-hooks")]
 struct Point {
     env: &'static str,
     unit: &'static str,
@@ -33,6 +39,7 @@ struct Point {
     stopped: AtomicBool,
 }
 
+#[cfg(feature = "test-hooks")]
 impl Point {
     const fn new(env: &'static str, unit: &'static str) -> Point {
         Point { env, unit, limit: OnceLock::new(), count: AtomicU64::new(0), stopped: AtomicBool::new(false) }
@@ -54,14 +61,20 @@ impl Point {
     }
 }
 
+#[cfg(feature = "test-hooks")]
 static BYTES: Point = Point::new(BYTES_ENV, "bytes written");
+#[cfg(feature = "test-hooks")]
 static LOADS: Point = Point::new(LOADS_ENV, "load batches");
 
 /// Records that a writer handed `bytes` more bytes of output to the kernel; stops the process the
 /// first time the total reaches [`BYTES_ENV`]'s count. Call it after each write of a temporary
-/// output (an image's payloads, a shard's tensors, a copied file).
+/// output (an image's payloads, a shard's tensors, a copied file). Empty without `test-hooks`.
+#[inline(always)]
 pub fn wrote(bytes: u64) {
+    #[cfg(feature = "test-hooks")]
     BYTES.add(bytes);
+    #[cfg(not(feature = "test-hooks"))]
+    let _ = bytes;
 }
 
 /// A writer that reports each write to the kernel to [`wrote`]: put it under a `BufWriter`
@@ -95,12 +108,14 @@ impl<W: std::io::Seek> std::io::Seek for Counted<W> {
 }
 
 /// Records that a [`crate::FlatStore`] completed a batch of expert reads; stops the process after
-/// the [`LOADS_ENV`]th.
+/// the [`LOADS_ENV`]th. Empty without `test-hooks`.
+#[inline(always)]
 pub fn loaded() {
+    #[cfg(feature = "test-hooks")]
     LOADS.add(1);
 }
 
-#[cfg(unix)]
+#[cfg(all(unix, feature = "test-hooks"))]
 fn stop_self() {
     // SAFETY: `kill` on our own pid has no memory-safety preconditions; SIGSTOP cannot be caught, so
     // no handler of ours runs. All threads stop until SIGCONT (or SIGKILL).
@@ -109,5 +124,5 @@ fn stop_self() {
     }
 }
 
-#[cfg(not(unix))]
+#[cfg(all(not(unix), feature = "test-hooks"))]
 fn stop_self() {}

@@ -21,6 +21,7 @@ pub mod interrupt;
 pub mod kernels;
 pub mod model;
 pub mod nvme_admin;
+pub mod output;
 pub mod plan;
 pub mod progress;
 pub mod quant;

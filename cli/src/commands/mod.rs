@@ -3,9 +3,6 @@
 use clap::{Parser, Subcommand};
 
 mod bench;
-mod bench_common;
-mod bench_io;
-mod bench_model;
 mod chat;
 mod compute_args;
 mod convert;
@@ -16,7 +13,6 @@ mod pack;
 mod plan;
 mod run;
 mod serve;
-mod serve_http;
 mod synth;
 mod transcode;
 mod verify;

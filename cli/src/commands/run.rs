@@ -3,13 +3,13 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
-use picchio_bench::trace::{TraceHeader, TraceWriter};
 use picchio_core::StoreUri;
 use picchio_runtime::expert::store::{IoEngine, IoOptions};
 use picchio_runtime::expert::usage::UsageOut;
 use picchio_runtime::model::prefill::DEFAULT_PREFILL_CHUNK;
 use picchio_runtime::model::sampler::SamplerOptions;
 use picchio_runtime::model::tokenizer::Tokenizer;
+use picchio_runtime::model::trace::{TraceHeader, TraceWriter};
 use picchio_runtime::run::{dump_logits, GenerateOptions, Session, SessionOptions};
 use picchio_runtime::ModelDir;
 

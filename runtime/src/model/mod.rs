@@ -22,6 +22,7 @@ pub mod safetensors;
 pub mod sampler;
 pub mod state;
 pub mod tokenizer;
+pub mod trace;
 
 use std::path::Path;
 use std::sync::Arc;

@@ -147,7 +147,7 @@ pub(crate) fn activate(act: ExpertAct, gate_up: &[f32], out: &mut [f32]) {
 /// way). The observer only reads the decision: the forward pass, and so the tokens, are the same
 /// with or without one.
 ///
-/// `picchio run --trace PATH` installs `picchio_bench::trace::TraceWriter`, which writes the
+/// `picchio run --trace PATH` installs [`crate::model::trace::TraceWriter`], which writes the
 /// decisions to a `picchio-trace/1` file (docs/experiments.md, "trace").
 pub trait RoutingObserver: Send {
     /// Decoder layer `layer` routed the token at position `pos` (0-based, the prompt included) to

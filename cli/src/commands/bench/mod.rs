@@ -6,7 +6,13 @@ use serde::Serialize;
 
 use picchio_bench as bench;
 
-use super::bench_common::{after_run, before_run, describe_environment, Common};
+use self::common::{after_run, before_run, describe_environment, Common};
+// The experiments' modules name these commands' items as `super::int_in`, `super::run::...`.
+use super::{compute_args, demo, int_in, run};
+
+mod common;
+mod io;
+mod model;
 
 /// Options of `picchio bench`.
 #[derive(clap::Args, Debug)]
@@ -24,28 +30,28 @@ enum Experiment {
     /// Random reads (expert-sized or --bs) at each queue depth × thread count × engine: MB/s and
     /// IOPS from wall time, latency percentiles, CPU s/GB, page cache dropped unless --warm; fio's
     /// figure beside each point when fio is installed.
-    QdSweep(super::bench_io::QdSweepArgs),
+    QdSweep(io::QdSweepArgs),
     /// One expert as 3 or 9 scattered per-tensor reads (GGUF/safetensors placement) versus one
     /// contiguous read of the same bytes, per engine × threads × QD.
-    Layout(super::bench_io::LayoutArgs),
+    Layout(io::LayoutArgs),
     /// Every tier that can read the store, one table, same expert reads.
-    Tiers(super::bench_io::TiersArgs),
+    Tiers(io::TiersArgs),
     /// Software cost per read (submit + complete, ns) at QD 1 per engine, with the timestamp counter;
     /// a null engine shows the IoQueue trait's own cost.
-    Overhead(super::bench_io::OverheadArgs),
+    Overhead(io::OverheadArgs),
     /// Routing traces (`picchio run --trace`, or recorded here with --model): token-to-token expert
     /// reuse, per-layer popularity, and LRU vs Belady (optimal) expert-cache hit rates by capacity.
-    Trace(super::bench_model::TraceArgs),
+    Trace(model::TraceArgs),
     /// Decode tok/s, misses and bytes per token against the expert-cache budget (--ecap sweep),
     /// O_DIRECT vs buffered reads, from real runs of the model.
-    Cache(super::bench_model::CacheArgs),
+    Cache(model::CacheArgs),
     /// Where a decode token's time goes at each expert-cache budget: prefill and decode tok/s, the
     /// step's split (attention, router, expert compute, exposed I/O wait, lm_head), reads and bytes
     /// per token, peak RSS, and the I/O floor from the same run's device rate.
-    Decode(super::bench_model::DecodeArgs),
+    Decode(model::DecodeArgs),
     /// Redraw the charts of a saved report (`--json`) as SVG (reports of qd-sweep, layout, trace,
     /// cache, decode).
-    Plot(super::bench_model::PlotArgs),
+    Plot(model::PlotArgs),
 }
 
 /// Options of `picchio bench env`.
@@ -65,13 +71,13 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
             println!("{}", describe_environment(&report.environment));
             after_run(&report, &a.common, None)
         }
-        Experiment::QdSweep(a) => super::bench_io::qd_sweep(a),
-        Experiment::Layout(a) => super::bench_io::layout(a),
-        Experiment::Tiers(a) => super::bench_io::tiers(a),
-        Experiment::Overhead(a) => super::bench_io::overhead(a),
-        Experiment::Trace(a) => super::bench_model::trace(a),
-        Experiment::Cache(a) => super::bench_model::cache(a),
-        Experiment::Decode(a) => super::bench_model::decode(a),
-        Experiment::Plot(a) => super::bench_model::plot(a),
+        Experiment::QdSweep(a) => io::qd_sweep(a),
+        Experiment::Layout(a) => io::layout(a),
+        Experiment::Tiers(a) => io::tiers(a),
+        Experiment::Overhead(a) => io::overhead(a),
+        Experiment::Trace(a) => model::trace(a),
+        Experiment::Cache(a) => model::cache(a),
+        Experiment::Decode(a) => model::decode(a),
+        Experiment::Plot(a) => model::plot(a),
     }
 }

@@ -6,7 +6,7 @@ use picchio_bench::measure::{Engine, PointResult, Stop};
 use picchio_bench::qd_sweep::{self, QdPoint, QdSweepOptions};
 use serde::Serialize;
 
-use super::bench_common::{after_run, before_run, describe_environment, Common, PlotArg};
+use super::common::{after_run, before_run, describe_environment, Common, PlotArg};
 
 /// How long each point runs.
 #[derive(clap::Args, Debug, Clone, Serialize)]

@@ -1,6 +1,6 @@
 //! What every `picchio bench` experiment shares: the common options (`--store`, `--json`), `--plot`,
 //! the checks before a run, the report output after it, and the environment summary. Its own module
-//! so that `bench` (the subcommand list) and `bench_io` / `bench_model` (the experiments) both import
+//! so that `bench` (the subcommand list) and `bench::io` / `bench::model` (the experiments) both import
 //! it and not each other.
 
 use std::path::{Path, PathBuf};

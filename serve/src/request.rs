@@ -274,7 +274,11 @@ mod tests {
     #[test]
     fn bad_bodies_are_refused_naming_the_field() {
         for (what, body, want) in [
-            ("not JSON", r#"{"model": "#.to_string(), "the body is not a valid request: EOF while parsing"),
+            (
+                "not JSON",
+                r#"{"model": "#.to_string(),
+                "the body is not a valid request: model: EOF while parsing a value",
+            ),
             (
                 "not an object",
                 "\"5\"".into(),

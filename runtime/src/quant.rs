@@ -231,6 +231,44 @@ fn check_into(
     w_len / cols
 }
 
+/// Shared body of [`quantize_q4`] and [`quantize_q3`]: allocates the buffers for `w [rows, cols]`
+/// in groups of `group_bytes` and fills them with `into` (a `*_into` quantizer).
+fn quantize_matrix(
+    name: &str,
+    w: &[f32],
+    (rows, cols): (usize, usize),
+    group_bytes: usize,
+    into: fn(&[f32], usize, &mut [u8], &mut [f32]),
+) -> (Vec<u8>, Vec<f32>) {
+    assert_eq!(w.len(), rows * cols, "{name}: w.len() != rows * cols");
+    let groups = w.len() / GROUP_SIZE;
+    let mut packed = vec![0u8; groups * group_bytes];
+    let mut scales = vec![0f32; groups];
+    if !w.is_empty() {
+        into(w, cols, &mut packed, &mut scales);
+    }
+    (packed, scales)
+}
+
+/// Shared body of the `*_into` quantizers: per group of 64 weights, `scale = amax / divisor`, then
+/// `pack(group, scale, out)` writes the group's `B` bytes.
+fn quantize_groups_into<const B: usize>(
+    name: &str,
+    w: &[f32],
+    cols: usize,
+    (packed, scales): (&mut [u8], &mut [f32]),
+    divisor: f32,
+    pack: impl Fn(&[f32], f32, &mut [u8; B]),
+) {
+    check_into(name, w.len(), cols, packed.len(), B, scales.len());
+    let groups = w.chunks_exact(GROUP_SIZE).zip(packed.chunks_exact_mut(B)).zip(scales.iter_mut());
+    for ((g, out), scale_out) in groups {
+        let scale = group_amax(g) / divisor;
+        *scale_out = scale;
+        pack(g, scale, out.try_into().expect("chunks_exact yields B bytes"));
+    }
+}
+
 /// Quantizes a row-major `W [rows, cols]` to Q4; returns `(packed [rows, cols / 2] bytes,
 /// scales [rows, cols / 64])`.
 ///
@@ -238,14 +276,7 @@ fn check_into(
 /// When `cols` is not a positive multiple of 64 or `w.len() != rows * cols`. Check the shape first
 /// with [`QuantKind::packed_bytes`] (or use [`quantize`]) to get a typed error instead.
 pub fn quantize_q4(w: &[f32], rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
-    assert_eq!(w.len(), rows * cols, "quantize_q4: w.len() != rows * cols");
-    let groups = w.len() / GROUP_SIZE;
-    let mut packed = vec![0u8; groups * Q4_GROUP_BYTES];
-    let mut scales = vec![0f32; groups];
-    if !w.is_empty() {
-        quantize_q4_into(w, cols, &mut packed, &mut scales);
-    }
-    (packed, scales)
+    quantize_matrix("quantize_q4", w, (rows, cols), Q4_GROUP_BYTES, quantize_q4_into)
 }
 
 /// Quantizes whole rows of `cols` weights to Q4 into caller-provided buffers (any number of rows, so a
@@ -255,17 +286,14 @@ pub fn quantize_q4(w: &[f32], rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
 /// # Panics
 /// When `cols` is not a positive multiple of 64, `w` is not whole rows, or a buffer has the wrong length.
 pub fn quantize_q4_into(w: &[f32], cols: usize, packed: &mut [u8], scales: &mut [f32]) {
-    check_into("quantize_q4_into", w.len(), cols, packed.len(), Q4_GROUP_BYTES, scales.len());
-    let groups = w.chunks_exact(GROUP_SIZE).zip(packed.chunks_exact_mut(Q4_GROUP_BYTES)).zip(scales.iter_mut());
-    for ((g, out), scale_out) in groups {
-        let scale = group_amax(g) / Q4_SCALE_DIVISOR;
-        *scale_out = scale;
+    let pack = |g: &[f32], scale: f32, out: &mut [u8; Q4_GROUP_BYTES]| {
         for (pair, byte) in g.chunks_exact(2).zip(out.iter_mut()) {
             let lo = (quantize_value(pair[0], scale, -8.0, 7.0) + 8) as u8;
             let hi = (quantize_value(pair[1], scale, -8.0, 7.0) + 8) as u8;
             *byte = lo | (hi << 4);
         }
-    }
+    };
+    quantize_groups_into("quantize_q4_into", w, cols, (packed, scales), Q4_SCALE_DIVISOR, pack);
 }
 
 /// Quantizes a row-major `W [rows, cols]` to Q3; returns `(packed [rows, cols / 64 * 24] bytes,
@@ -274,14 +302,7 @@ pub fn quantize_q4_into(w: &[f32], cols: usize, packed: &mut [u8], scales: &mut 
 /// # Panics
 /// As [`quantize_q4`].
 pub fn quantize_q3(w: &[f32], rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
-    assert_eq!(w.len(), rows * cols, "quantize_q3: w.len() != rows * cols");
-    let groups = w.len() / GROUP_SIZE;
-    let mut packed = vec![0u8; groups * Q3_GROUP_BYTES];
-    let mut scales = vec![0f32; groups];
-    if !w.is_empty() {
-        quantize_q3_into(w, cols, &mut packed, &mut scales);
-    }
-    (packed, scales)
+    quantize_matrix("quantize_q3", w, (rows, cols), Q3_GROUP_BYTES, quantize_q3_into)
 }
 
 /// Quantizes whole rows of `cols` weights to Q3 into caller-provided buffers:
@@ -290,18 +311,15 @@ pub fn quantize_q3(w: &[f32], rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
 /// # Panics
 /// As [`quantize_q4_into`].
 pub fn quantize_q3_into(w: &[f32], cols: usize, packed: &mut [u8], scales: &mut [f32]) {
-    check_into("quantize_q3_into", w.len(), cols, packed.len(), Q3_GROUP_BYTES, scales.len());
-    let groups = w.chunks_exact(GROUP_SIZE).zip(packed.chunks_exact_mut(Q3_GROUP_BYTES)).zip(scales.iter_mut());
-    for ((g, out), scale_out) in groups {
-        let scale = group_amax(g) / Q3_SCALE_DIVISOR;
-        *scale_out = scale;
+    let pack = |g: &[f32], scale: f32, out: &mut [u8; Q3_GROUP_BYTES]| {
         out.fill(0);
         for (j, &v) in g.iter().enumerate() {
             let c = (quantize_value(v, scale, -4.0, 3.0) + 4) as u8;
             out[j >> 2] |= (c & 3) << ((j & 3) * 2);
             out[Q3_HIGH_PLANE_OFFSET + (j >> 3)] |= (c >> 2) << (j & 7);
         }
-    }
+    };
+    quantize_groups_into("quantize_q3_into", w, cols, (packed, scales), Q3_SCALE_DIVISOR, pack);
 }
 
 /// The 64 signed codes (`q`, in `-8..=7`) of one 32-byte Q4 group.
@@ -346,17 +364,27 @@ fn dequantize_into<const B: usize>(
     }
 }
 
+/// Shared body of [`dequantize_q4`] and [`dequantize_q3`]: a `[rows, cols]` output filled by `into`.
+fn dequantize_matrix(
+    packed: &[u8],
+    scales: &[f32],
+    (rows, cols): (usize, usize),
+    into: fn(&[u8], &[f32], usize, &mut [f32]),
+) -> Vec<f32> {
+    let mut out = vec![0f32; rows * cols];
+    if !out.is_empty() {
+        into(packed, scales, cols, &mut out);
+    }
+    out
+}
+
 /// Dequantizes a Q4 matrix (`packed [rows, cols / 2]`, `scales [rows, cols / 64]`) to a row-major
 /// `f32 [rows, cols]`. Reference path (tests, `picchio verify`); the model uses [`crate::kernels`].
 ///
 /// # Panics
 /// When `cols` is not a positive multiple of 64 or a buffer does not match `[rows, cols]`.
 pub fn dequantize_q4(packed: &[u8], scales: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut out = vec![0f32; rows * cols];
-    if !out.is_empty() {
-        dequantize_q4_into(packed, scales, cols, &mut out);
-    }
-    out
+    dequantize_matrix(packed, scales, (rows, cols), dequantize_q4_into)
 }
 
 /// Dequantizes whole Q4 rows into `out` (`out.len()` weights, `cols` per row).
@@ -373,11 +401,7 @@ pub fn dequantize_q4_into(packed: &[u8], scales: &[f32], cols: usize, out: &mut 
 /// # Panics
 /// As [`dequantize_q4`].
 pub fn dequantize_q3(packed: &[u8], scales: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut out = vec![0f32; rows * cols];
-    if !out.is_empty() {
-        dequantize_q3_into(packed, scales, cols, &mut out);
-    }
-    out
+    dequantize_matrix(packed, scales, (rows, cols), dequantize_q3_into)
 }
 
 /// Dequantizes whole Q3 rows into `out` (`out.len()` weights, `cols` per row).

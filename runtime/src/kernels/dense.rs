@@ -48,6 +48,112 @@ macro_rules! attention_rows {
     };
 }
 
+/// The row loops of a SIMD level module over its pointer dot products `dot_ptr` (`f32`),
+/// `dot_bf16_ptr` (`bf16` read as `u16`) and `dot_i8_ptr` (`i8`), each `(w, x, n) -> f32` over `n`
+/// elements: `dot`, and the matrix-vector and matrix-matrix products of every dense layout (`$feat`
+/// is the module's target features). A matrix-vector product is the matrix-matrix product of one
+/// input: the same dot product per output, so each output of `matmul_*` is exactly `matvec_*`'s.
+macro_rules! row_loops {
+    ($feat:literal) => {
+        /// `sum_i a[i] * b[i]`.
+        ///
+        /// # Safety
+        /// The CPU must support the module's target features.
+        #[target_feature(enable = $feat)]
+        pub(crate) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+            assert_eq!(a.len(), b.len());
+            // SAFETY: both slices hold `a.len()` elements; CPU features by contract.
+            unsafe { dot_ptr(a.as_ptr(), b.as_ptr(), a.len()) }
+        }
+
+        /// `y = W x`, `W [y.len(), x.len()]` row-major `f32`.
+        ///
+        /// # Safety
+        /// The CPU must support the module's target features.
+        #[target_feature(enable = $feat)]
+        pub(crate) unsafe fn matvec_f32(w: &[f32], x: &[f32], y: &mut [f32]) {
+            // SAFETY: CPU features by contract; `matmul_f32` checks the shapes.
+            unsafe { matmul_f32(w, x, 1, y) }
+        }
+
+        /// `y = W x`, `W [y.len(), x.len()]` row-major `bf16`.
+        ///
+        /// # Safety
+        /// The CPU must support the module's target features.
+        #[target_feature(enable = $feat)]
+        pub(crate) unsafe fn matvec_bf16(w: &[bf16], x: &[f32], y: &mut [f32]) {
+            // SAFETY: CPU features by contract; `matmul_bf16` checks the shapes.
+            unsafe { matmul_bf16(w, x, 1, y) }
+        }
+
+        /// `y[r] = row_scales[r] * sum_c q[r, c] * x[c]`.
+        ///
+        /// # Safety
+        /// The CPU must support the module's target features.
+        #[target_feature(enable = $feat)]
+        pub(crate) unsafe fn matvec_i8_rows(q: &[i8], row_scales: &[f32], x: &[f32], y: &mut [f32]) {
+            // SAFETY: CPU features by contract; `matmul_i8_rows` checks the shapes.
+            unsafe { matmul_i8_rows(q, row_scales, x, 1, y) }
+        }
+
+        /// `yt[r * n + t] = W[r, :] . xs[t, :]` for row-major `f32 W [rows, cols]`, `xs [n, cols]`,
+        /// `yt [rows, n]`: each weight row is read once for all `n` inputs (it stays in L1 while they
+        /// are read).
+        ///
+        /// # Safety
+        /// The CPU must support the module's target features.
+        #[target_feature(enable = $feat)]
+        pub(crate) unsafe fn matmul_f32(w: &[f32], xs: &[f32], n: usize, yt: &mut [f32]) {
+            assert!(n > 0 && xs.len().is_multiple_of(n) && yt.len().is_multiple_of(n));
+            let (rows, cols) = (yt.len() / n, xs.len() / n);
+            assert_eq!(w.len(), size(rows, cols));
+            for (r, out) in yt.chunks_exact_mut(n).enumerate() {
+                for (t, o) in out.iter_mut().enumerate() {
+                    // SAFETY: row `r` of `w` and row `t` of `xs` hold `cols` elements each (asserts).
+                    *o = unsafe { dot_ptr(w.as_ptr().add(r * cols), xs.as_ptr().add(t * cols), cols) };
+                }
+            }
+        }
+
+        /// [`matmul_f32`] for row-major `bf16 W`.
+        ///
+        /// # Safety
+        /// The CPU must support the module's target features.
+        #[target_feature(enable = $feat)]
+        pub(crate) unsafe fn matmul_bf16(w: &[bf16], xs: &[f32], n: usize, yt: &mut [f32]) {
+            assert!(n > 0 && xs.len().is_multiple_of(n) && yt.len().is_multiple_of(n));
+            let (rows, cols) = (yt.len() / n, xs.len() / n);
+            assert_eq!(w.len(), size(rows, cols));
+            // `bf16` is `#[repr(transparent)]` over `u16`, so the pointer can be read as `u16`s.
+            let wp = w.as_ptr().cast::<u16>();
+            for (r, out) in yt.chunks_exact_mut(n).enumerate() {
+                for (t, o) in out.iter_mut().enumerate() {
+                    // SAFETY: as in `matmul_f32`; same layout as `u16` (see above).
+                    *o = unsafe { dot_bf16_ptr(wp.add(r * cols), xs.as_ptr().add(t * cols), cols) };
+                }
+            }
+        }
+
+        /// [`matmul_f32`] for per-row-scaled `i8 q`.
+        ///
+        /// # Safety
+        /// The CPU must support the module's target features.
+        #[target_feature(enable = $feat)]
+        pub(crate) unsafe fn matmul_i8_rows(q: &[i8], row_scales: &[f32], xs: &[f32], n: usize, yt: &mut [f32]) {
+            assert!(n > 0 && xs.len().is_multiple_of(n) && yt.len().is_multiple_of(n));
+            let (rows, cols) = (yt.len() / n, xs.len() / n);
+            assert_eq!(q.len(), size(rows, cols));
+            assert_eq!(row_scales.len(), rows);
+            for ((r, out), &scale) in yt.chunks_exact_mut(n).enumerate().zip(row_scales) {
+                for (t, o) in out.iter_mut().enumerate() {
+                    // SAFETY: row `r` of `q` and row `t` of `xs` hold `cols` elements each (asserts).
+                    *o = unsafe { dot_i8_ptr(q.as_ptr().add(r * cols), xs.as_ptr().add(t * cols), cols) } * scale;
+                }
+            }
+        }
+    };
+}
+
 /// Portable reference kernels. Each dot product keeps 8 independent lane sums (element `i` goes to
 /// lane `i % 8`, so the compiler can vectorize it on any target), reduces them in a fixed order, then
 /// adds the tail elements one by one.
@@ -174,7 +280,7 @@ pub(super) mod scalar {
 #[cfg(target_arch = "x86_64")]
 pub(super) mod avx2 {
     use super::super::size;
-    use super::super::x86::hsum256;
+    use super::super::x86::{cvt_i8x8, hsum256};
     use half::bf16;
     use std::arch::x86_64::*;
 
@@ -267,20 +373,6 @@ pub(super) mod avx2 {
         }
     }
 
-    /// The low 8 `i8`s of `v` as 8 `f32`s.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2.
-    #[inline]
-    // Since Rust 1.87 these register-only intrinsics are safe inside a matching
-    // `target_feature` function; the `unsafe` block keeps the crate building on 1.85.
-    #[allow(unused_unsafe)]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn cvt(v: __m128i) -> __m256 {
-        // SAFETY: register-only intrinsics; AVX2 by contract.
-        unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)) }
-    }
-
     /// `sum_{i < n} q[i] * x[i]`.
     ///
     /// # Safety
@@ -298,13 +390,13 @@ pub(super) mod avx2 {
                 let v1 = _mm_loadu_si128(q.add(i + 16).cast::<__m128i>());
                 let parts = [v0, _mm_srli_si128::<8>(v0), v1, _mm_srli_si128::<8>(v1)];
                 for (k, (acc_k, part)) in acc.iter_mut().zip(parts).enumerate() {
-                    *acc_k = _mm256_fmadd_ps(cvt(part), _mm256_loadu_ps(x.add(i + 8 * k)), *acc_k);
+                    *acc_k = _mm256_fmadd_ps(cvt_i8x8(part), _mm256_loadu_ps(x.add(i + 8 * k)), *acc_k);
                 }
                 i += 32;
             }
             while i + 8 <= n {
                 let v = _mm_loadl_epi64(q.add(i).cast::<__m128i>());
-                acc[0] = _mm256_fmadd_ps(cvt(v), _mm256_loadu_ps(x.add(i)), acc[0]);
+                acc[0] = _mm256_fmadd_ps(cvt_i8x8(v), _mm256_loadu_ps(x.add(i)), acc[0]);
                 i += 8;
             }
             let mut s = finish(acc);
@@ -314,17 +406,6 @@ pub(super) mod avx2 {
             }
             s
         }
-    }
-
-    /// `sum_i a[i] * b[i]`.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub(crate) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
-        assert_eq!(a.len(), b.len());
-        // SAFETY: both slices hold `a.len()` elements; AVX2 + FMA by contract.
-        unsafe { dot_ptr(a.as_ptr(), b.as_ptr(), a.len()) }
     }
 
     /// `y[i] = fma(a, x[i], y[i])`.
@@ -354,106 +435,7 @@ pub(super) mod avx2 {
     }
 
     attention_rows!("avx2,fma");
-
-    /// `y = W x`, `W [y.len(), x.len()]` row-major `f32`.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub(crate) unsafe fn matvec_f32(w: &[f32], x: &[f32], y: &mut [f32]) {
-        let cols = x.len();
-        assert_eq!(w.len(), size(y.len(), cols));
-        for (r, out) in y.iter_mut().enumerate() {
-            // SAFETY: row `r` is `w[r * cols..(r + 1) * cols]`, inside `w` by the assert.
-            *out = unsafe { dot_ptr(w.as_ptr().add(r * cols), x.as_ptr(), cols) };
-        }
-    }
-
-    /// `y = W x`, `W [y.len(), x.len()]` row-major `bf16`.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub(crate) unsafe fn matvec_bf16(w: &[bf16], x: &[f32], y: &mut [f32]) {
-        let cols = x.len();
-        assert_eq!(w.len(), size(y.len(), cols));
-        // `bf16` is `#[repr(transparent)]` over `u16`, so the pointer can be read as `u16`s.
-        let wp = w.as_ptr().cast::<u16>();
-        for (r, out) in y.iter_mut().enumerate() {
-            // SAFETY: row `r` is inside `w` by the assert; same layout as `u16` (see above).
-            *out = unsafe { dot_bf16_ptr(wp.add(r * cols), x.as_ptr(), cols) };
-        }
-    }
-
-    /// `y[r] = row_scales[r] * sum_c q[r, c] * x[c]`.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub(crate) unsafe fn matvec_i8_rows(q: &[i8], row_scales: &[f32], x: &[f32], y: &mut [f32]) {
-        let cols = x.len();
-        assert_eq!(q.len(), size(y.len(), cols));
-        assert_eq!(row_scales.len(), y.len());
-        for ((r, out), &scale) in y.iter_mut().enumerate().zip(row_scales) {
-            // SAFETY: row `r` is inside `q` by the assert.
-            *out = unsafe { dot_i8_ptr(q.as_ptr().add(r * cols), x.as_ptr(), cols) } * scale;
-        }
-    }
-
-    /// `yt[r * n + t] = W[r, :] . xs[t, :]` for row-major `f32 W [rows, cols]`, `xs [n, cols]`,
-    /// `yt [rows, n]`: each weight row is read once for all `n` inputs (it stays in L1 while they
-    /// are read), and each output is computed exactly as [`matvec_f32`] computes it.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub(crate) unsafe fn matmul_f32(w: &[f32], xs: &[f32], n: usize, yt: &mut [f32]) {
-        assert!(n > 0 && xs.len().is_multiple_of(n) && yt.len().is_multiple_of(n));
-        let (rows, cols) = (yt.len() / n, xs.len() / n);
-        assert_eq!(w.len(), size(rows, cols));
-        for (r, out) in yt.chunks_exact_mut(n).enumerate() {
-            for (t, o) in out.iter_mut().enumerate() {
-                // SAFETY: row `r` of `w` and row `t` of `xs` hold `cols` elements each (asserts).
-                *o = unsafe { dot_ptr(w.as_ptr().add(r * cols), xs.as_ptr().add(t * cols), cols) };
-            }
-        }
-    }
-
-    /// [`matmul_f32`] for row-major `bf16 W`; each output exactly [`matvec_bf16`]'s.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub(crate) unsafe fn matmul_bf16(w: &[bf16], xs: &[f32], n: usize, yt: &mut [f32]) {
-        assert!(n > 0 && xs.len().is_multiple_of(n) && yt.len().is_multiple_of(n));
-        let (rows, cols) = (yt.len() / n, xs.len() / n);
-        assert_eq!(w.len(), size(rows, cols));
-        let wp = w.as_ptr().cast::<u16>();
-        for (r, out) in yt.chunks_exact_mut(n).enumerate() {
-            for (t, o) in out.iter_mut().enumerate() {
-                // SAFETY: as in `matmul_f32`; `bf16` is `#[repr(transparent)]` over `u16`.
-                *o = unsafe { dot_bf16_ptr(wp.add(r * cols), xs.as_ptr().add(t * cols), cols) };
-            }
-        }
-    }
-
-    /// [`matmul_f32`] for per-row-scaled `i8 q`; each output exactly [`matvec_i8_rows`]'s.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub(crate) unsafe fn matmul_i8_rows(q: &[i8], row_scales: &[f32], xs: &[f32], n: usize, yt: &mut [f32]) {
-        assert!(n > 0 && xs.len().is_multiple_of(n) && yt.len().is_multiple_of(n));
-        let (rows, cols) = (yt.len() / n, xs.len() / n);
-        assert_eq!(q.len(), size(rows, cols));
-        assert_eq!(row_scales.len(), rows);
-        for ((r, out), &scale) in yt.chunks_exact_mut(n).enumerate().zip(row_scales) {
-            for (t, o) in out.iter_mut().enumerate() {
-                // SAFETY: row `r` of `q` and row `t` of `xs` hold `cols` elements each (asserts).
-                *o = unsafe { dot_i8_ptr(q.as_ptr().add(r * cols), xs.as_ptr().add(t * cols), cols) } * scale;
-            }
-        }
-    }
+    row_loops!("avx2,fma");
 }
 
 /// AVX-512F twins: 4 accumulators of 16 lanes (64 elements per step), then 16 at a time into the
@@ -464,7 +446,7 @@ pub(super) mod avx2 {
 #[allow(clippy::incompatible_msrv)]
 pub(super) mod avx512 {
     use super::super::size;
-    use super::super::x86::hsum512;
+    use super::super::x86::{cvt_i8x16, hsum512};
     use half::bf16;
     use std::arch::x86_64::*;
 
@@ -565,7 +547,7 @@ pub(super) mod avx512 {
     #[target_feature(enable = "avx512f,avx2,fma")]
     unsafe fn ld(p: *const i8) -> __m512 {
         // SAFETY: one unaligned 16-byte load inside the caller's range; AVX-512F by contract.
-        unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast::<__m128i>()))) }
+        unsafe { cvt_i8x16(_mm_loadu_si128(p.cast::<__m128i>())) }
     }
 
     /// `sum_{i < n} q[i] * x[i]`.
@@ -600,17 +582,6 @@ pub(super) mod avx512 {
         }
     }
 
-    /// `sum_i a[i] * b[i]`.
-    ///
-    /// # Safety
-    /// The CPU must support AVX-512F, AVX2 and FMA.
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub(crate) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
-        assert_eq!(a.len(), b.len());
-        // SAFETY: both slices hold `a.len()` elements; CPU features by contract.
-        unsafe { dot_ptr(a.as_ptr(), b.as_ptr(), a.len()) }
-    }
-
     /// `y[i] = fma(a, x[i], y[i])`.
     ///
     /// # Safety
@@ -638,104 +609,5 @@ pub(super) mod avx512 {
     }
 
     attention_rows!("avx512f,avx2,fma");
-
-    /// `y = W x`, `W [y.len(), x.len()]` row-major `f32`.
-    ///
-    /// # Safety
-    /// The CPU must support AVX-512F, AVX2 and FMA.
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub(crate) unsafe fn matvec_f32(w: &[f32], x: &[f32], y: &mut [f32]) {
-        let cols = x.len();
-        assert_eq!(w.len(), size(y.len(), cols));
-        for (r, out) in y.iter_mut().enumerate() {
-            // SAFETY: row `r` is `w[r * cols..(r + 1) * cols]`, inside `w` by the assert.
-            *out = unsafe { dot_ptr(w.as_ptr().add(r * cols), x.as_ptr(), cols) };
-        }
-    }
-
-    /// `y = W x`, `W [y.len(), x.len()]` row-major `bf16`.
-    ///
-    /// # Safety
-    /// The CPU must support AVX-512F, AVX2 and FMA.
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub(crate) unsafe fn matvec_bf16(w: &[bf16], x: &[f32], y: &mut [f32]) {
-        let cols = x.len();
-        assert_eq!(w.len(), size(y.len(), cols));
-        // `bf16` is `#[repr(transparent)]` over `u16`, so the pointer can be read as `u16`s.
-        let wp = w.as_ptr().cast::<u16>();
-        for (r, out) in y.iter_mut().enumerate() {
-            // SAFETY: row `r` is inside `w` by the assert; same layout as `u16` (see above).
-            *out = unsafe { dot_bf16_ptr(wp.add(r * cols), x.as_ptr(), cols) };
-        }
-    }
-
-    /// `y[r] = row_scales[r] * sum_c q[r, c] * x[c]`.
-    ///
-    /// # Safety
-    /// The CPU must support AVX-512F, AVX2 and FMA.
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub(crate) unsafe fn matvec_i8_rows(q: &[i8], row_scales: &[f32], x: &[f32], y: &mut [f32]) {
-        let cols = x.len();
-        assert_eq!(q.len(), size(y.len(), cols));
-        assert_eq!(row_scales.len(), y.len());
-        for ((r, out), &scale) in y.iter_mut().enumerate().zip(row_scales) {
-            // SAFETY: row `r` is inside `q` by the assert.
-            *out = unsafe { dot_i8_ptr(q.as_ptr().add(r * cols), x.as_ptr(), cols) } * scale;
-        }
-    }
-
-    /// `yt[r * n + t] = W[r, :] . xs[t, :]` for row-major `f32 W [rows, cols]`, `xs [n, cols]`,
-    /// `yt [rows, n]`: each weight row is read once for all `n` inputs (it stays in L1 while they
-    /// are read), and each output is computed exactly as [`matvec_f32`] computes it.
-    ///
-    /// # Safety
-    /// The CPU must support AVX-512F, AVX2 and FMA.
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub(crate) unsafe fn matmul_f32(w: &[f32], xs: &[f32], n: usize, yt: &mut [f32]) {
-        assert!(n > 0 && xs.len().is_multiple_of(n) && yt.len().is_multiple_of(n));
-        let (rows, cols) = (yt.len() / n, xs.len() / n);
-        assert_eq!(w.len(), size(rows, cols));
-        for (r, out) in yt.chunks_exact_mut(n).enumerate() {
-            for (t, o) in out.iter_mut().enumerate() {
-                // SAFETY: row `r` of `w` and row `t` of `xs` hold `cols` elements each (asserts).
-                *o = unsafe { dot_ptr(w.as_ptr().add(r * cols), xs.as_ptr().add(t * cols), cols) };
-            }
-        }
-    }
-
-    /// [`matmul_f32`] for row-major `bf16 W`; each output exactly [`matvec_bf16`]'s.
-    ///
-    /// # Safety
-    /// The CPU must support AVX-512F, AVX2 and FMA.
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub(crate) unsafe fn matmul_bf16(w: &[bf16], xs: &[f32], n: usize, yt: &mut [f32]) {
-        assert!(n > 0 && xs.len().is_multiple_of(n) && yt.len().is_multiple_of(n));
-        let (rows, cols) = (yt.len() / n, xs.len() / n);
-        assert_eq!(w.len(), size(rows, cols));
-        let wp = w.as_ptr().cast::<u16>();
-        for (r, out) in yt.chunks_exact_mut(n).enumerate() {
-            for (t, o) in out.iter_mut().enumerate() {
-                // SAFETY: as in `matmul_f32`; `bf16` is `#[repr(transparent)]` over `u16`.
-                *o = unsafe { dot_bf16_ptr(wp.add(r * cols), xs.as_ptr().add(t * cols), cols) };
-            }
-        }
-    }
-
-    /// [`matmul_f32`] for per-row-scaled `i8 q`; each output exactly [`matvec_i8_rows`]'s.
-    ///
-    /// # Safety
-    /// The CPU must support AVX-512F, AVX2 and FMA.
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub(crate) unsafe fn matmul_i8_rows(q: &[i8], row_scales: &[f32], xs: &[f32], n: usize, yt: &mut [f32]) {
-        assert!(n > 0 && xs.len().is_multiple_of(n) && yt.len().is_multiple_of(n));
-        let (rows, cols) = (yt.len() / n, xs.len() / n);
-        assert_eq!(q.len(), size(rows, cols));
-        assert_eq!(row_scales.len(), rows);
-        for ((r, out), &scale) in yt.chunks_exact_mut(n).enumerate().zip(row_scales) {
-            for (t, o) in out.iter_mut().enumerate() {
-                // SAFETY: row `r` of `q` and row `t` of `xs` hold `cols` elements each (asserts).
-                *o = unsafe { dot_i8_ptr(q.as_ptr().add(r * cols), xs.as_ptr().add(t * cols), cols) } * scale;
-            }
-        }
-    }
+    row_loops!("avx512f,avx2,fma");
 }

@@ -59,6 +59,7 @@ use rayon::prelude::*;
 
 use crate::quant::{GROUP_SIZE, Q3_GROUP_BYTES, Q4_GROUP_BYTES};
 
+mod block;
 mod dense;
 mod idot;
 mod norm;
@@ -66,6 +67,9 @@ mod q3;
 mod q4;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+
+use q3::Q3;
+use q4::Q4;
 
 pub use idot::QuantizedInput;
 pub use norm::{silu, silu_mul, silu_mul_interleaved, softmax_inplace};
@@ -280,22 +284,23 @@ pub struct Kernels {
 }
 
 /// Dispatches `$scalar`, `$avx2` or `$avx512` (paths to functions with the same arguments) on the level.
+/// A generic kernel takes its type after the name: `block::matvec::<Q4>(...)`.
 macro_rules! dispatch {
-    ($self:expr, $module:ident :: $func:ident ( $($arg:expr),* )) => {
+    ($self:expr, $module:ident :: $func:ident $(::<$g:ty>)? ( $($arg:expr),* )) => {
         match $self.level {
             #[cfg(target_arch = "x86_64")]
             Level::Avx512 => {
                 // SAFETY: a `Kernels` holds `Avx512` only if `Level::is_supported` detected
                 // avx512f + avx2 + fma on this CPU (`Kernels::new`); the kernel checks its shapes.
-                unsafe { $module::avx512::$func($($arg),*) }
+                unsafe { $module::avx512::$func$(::<$g>)?($($arg),*) }
             }
             #[cfg(target_arch = "x86_64")]
             Level::Avx2 => {
                 // SAFETY: a `Kernels` holds `Avx2` only if `Level::is_supported` detected avx2 + fma
                 // on this CPU (`Kernels::new`); the kernel checks its shapes.
-                unsafe { $module::avx2::$func($($arg),*) }
+                unsafe { $module::avx2::$func$(::<$g>)?($($arg),*) }
             }
-            _ => $module::scalar::$func($($arg),*),
+            _ => $module::scalar::$func$(::<$g>)?($($arg),*),
         }
     };
 }
@@ -442,7 +447,7 @@ impl Kernels {
         if self.idot {
             return Kernels::with_quantized(x, 1, |qx| self.matvec_q4_quantized(packed, scales, &qx[0], y));
         }
-        dispatch!(self, q4::matvec(packed, scales, x, y));
+        dispatch!(self, block::matvec::<Q4>(packed, scales, x, y));
     }
 
     /// `y = W x` for a Q3 matrix `[y.len(), x.len()]`: `packed [rows, cols / 64 * 24]`,
@@ -452,7 +457,7 @@ impl Kernels {
     /// When `x.len()` is not a multiple of 64 or a buffer does not match the shape.
     pub fn matvec_q3(self, packed: &[u8], scales: &[f32], x: &[f32], y: &mut [f32]) {
         MatRef::Q3 { packed, scales }.check(y.len(), x.len());
-        dispatch!(self, q3::matvec(packed, scales, x, y));
+        dispatch!(self, block::matvec::<Q3>(packed, scales, x, y));
     }
 
     /// `y = W x` for any layout, on the calling thread.
@@ -516,8 +521,8 @@ impl Kernels {
             MatRef::Q4 { packed, scales } if self.idot => {
                 Kernels::with_quantized(xs, n, |qxs| self.matmul_q4_quantized(packed, scales, qxs, yt))
             }
-            MatRef::Q4 { packed, scales } => dispatch!(self, q4::matmul(packed, scales, xs, n, yt)),
-            MatRef::Q3 { packed, scales } => dispatch!(self, q3::matmul(packed, scales, xs, n, yt)),
+            MatRef::Q4 { packed, scales } => dispatch!(self, block::matmul::<Q4>(packed, scales, xs, n, yt)),
+            MatRef::Q3 { packed, scales } => dispatch!(self, block::matmul::<Q3>(packed, scales, xs, n, yt)),
         }
     }
 

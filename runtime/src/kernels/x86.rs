@@ -39,3 +39,32 @@ pub(super) unsafe fn hsum512(v: __m512) -> f32 {
         hsum256(_mm256_add_ps(lo, hi))
     }
 }
+
+/// The low 8 `i8`s of `v` as 8 `f32`s.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[inline]
+// Since Rust 1.87 these register-only intrinsics are safe inside a matching
+// `target_feature` function; the `unsafe` block keeps the crate building on 1.85.
+#[allow(unused_unsafe)]
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn cvt_i8x8(v: __m128i) -> __m256 {
+    // SAFETY: register-only intrinsics; AVX2 by contract.
+    unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)) }
+}
+
+/// The 16 `i8`s of `v` as 16 `f32`s (`vpmovsxbd`).
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+// AVX-512 intrinsics and `target_feature(enable = "avx512f")` are stable since Rust 1.89: this
+// module needs rustc >= 1.89 whatever `rust-version` says (see the module docs of `kernels`).
+#[allow(clippy::incompatible_msrv)]
+#[inline]
+#[allow(unused_unsafe)]
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub(super) unsafe fn cvt_i8x16(v: __m128i) -> __m512 {
+    // SAFETY: register-only intrinsics; AVX-512F by contract.
+    unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)) }
+}

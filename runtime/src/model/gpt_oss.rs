@@ -22,7 +22,6 @@ use std::time::Instant;
 
 use picchio_core::ExpertLoader;
 
-use super::attention::Attention;
 use super::matrix::{add_into, vector, DenseFormat, Matrix};
 use super::prefill::{attend_chunk, project, routed_experts_chunk, ChunkState, MoeChunk};
 use super::state::Trace;
@@ -192,19 +191,12 @@ pub(crate) fn forward(
 ) -> Result<()> {
     let t_step = Instant::now();
     let Step { cfg, layout, k, s, observer } = step;
-    let hd = cfg.head_dim();
-    let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
-    let kvd = nkv * hd;
+    let kvd = cfg.num_key_value_heads * cfg.head_dim();
     let eps = cfg.rms_norm_eps as f32;
-    let scale = (hd as f64).powf(-0.5) as f32;
     let max_seq = s.max_seq;
     let act = ExpertAct::ClampedSwiglu { limit: cfg.swiglu_limit(), alpha: ExpertAct::GPT_OSS_ALPHA };
 
-    w.embed_tokens.row_into(token as usize, &mut s.x);
-    if let Some(t) = trace.as_deref_mut() {
-        t.hidden[0].copy_from_slice(&s.x);
-    }
-    s.rope.set_pos(pos);
+    s.embed(&w.embed_tokens, token, pos, trace.as_deref_mut());
 
     for (l, lw) in w.layers.iter().enumerate() {
         // Attention: q, k, v with biases (k and v into this position's KV cache row), RoPE, then
@@ -217,18 +209,7 @@ pub(crate) fn forward(
         lw.v_proj.apply(k, &s.xb, &mut s.value_cache[row..row + kvd]);
         s.rope.apply(&mut s.q);
         s.rope.apply(&mut s.key_cache[row..row + kvd]);
-        let first = Attention::first_visible(pos, cfg.attention_window(l));
-        let attn = Attention {
-            k,
-            keys: &s.key_cache[(l * max_seq + first) * kvd..(l * max_seq + pos + 1) * kvd],
-            values: &s.value_cache[(l * max_seq + first) * kvd..(l * max_seq + pos + 1) * kvd],
-            kvd,
-            hd,
-            n_rep: nh / nkv,
-            scale,
-            sinks: Some(&lw.sinks),
-        };
-        attn.run(&s.q, &mut s.att, max_seq, &mut s.att_out);
+        s.attend(k, cfg, l, pos, Some(&lw.sinks));
         lw.o_proj.apply(k, &s.att_out, &mut s.xb2);
         add_into(&mut s.x, &s.xb2);
         s.timers.attention_ns += t_attn.elapsed().as_nanos() as u64;
@@ -258,23 +239,10 @@ pub(crate) fn forward(
             io,
             trace.as_deref_mut(),
         )?;
-        add_into(&mut s.x, &s.xb2);
-        if let Some(t) = trace.as_deref_mut() {
-            if l + 1 < cfg.num_hidden_layers {
-                t.hidden[l + 1].copy_from_slice(&s.x);
-            }
-        }
+        s.mlp_residual(l, trace.as_deref_mut());
     }
 
-    let t_head = Instant::now();
-    k.rmsnorm(&mut s.xb, &s.x, &w.norm, eps);
-    if let Some(t) = trace {
-        t.hidden[cfg.num_hidden_layers].copy_from_slice(&s.xb);
-    }
-    k.matvec_par(w.lm_head().as_mat(), &s.xb, &mut s.logits);
-    s.timers.lm_head_ns += t_head.elapsed().as_nanos() as u64;
-    s.timers.total_ns += t_step.elapsed().as_nanos() as u64;
-    s.timers.steps += 1;
+    s.head(k, (&w.norm, eps), w.lm_head(), trace, t_step);
     Ok(())
 }
 

@@ -26,7 +26,6 @@ use std::time::Instant;
 
 use picchio_core::ExpertLoader;
 
-use super::attention::Attention;
 use super::matrix::{add_into, vector, DenseFormat};
 use super::prefill::{attend_chunk, project, routed_experts_chunk, ChunkState, MoeChunk};
 use super::{Io, RouterKind, Step};
@@ -170,19 +169,12 @@ pub(crate) fn forward(
     let t_step = Instant::now();
     let Step { cfg, layout, k, s, observer } = step;
     let hd = cfg.head_dim();
-    let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
-    let kvd = nkv * hd;
-    let n_rep = nh / nkv;
+    let kvd = cfg.num_key_value_heads * hd;
     let eps = cfg.rms_norm_eps as f32;
-    let scale = (hd as f64).powf(-0.5) as f32;
     let max_seq = s.max_seq;
 
     // Embedding.
-    w.embed_tokens.row_into(token as usize, &mut s.x);
-    if let Some(t) = trace.as_deref_mut() {
-        t.hidden[0].copy_from_slice(&s.x);
-    }
-    s.rope.set_pos(pos);
+    s.embed(&w.embed_tokens, token, pos, trace.as_deref_mut());
 
     for (l, lw) in w.layers.iter().enumerate() {
         // 1. Attention input norm.
@@ -211,18 +203,7 @@ pub(crate) fn forward(
 
         // 5. Attention over the visible positions (all of 0..=pos, or the layer's window), each query
         //    head reading KV head h / n_rep.
-        let first = Attention::first_visible(pos, cfg.attention_window(l));
-        let attn = Attention {
-            k,
-            keys: &s.key_cache[(l * max_seq + first) * kvd..(l * max_seq + pos + 1) * kvd],
-            values: &s.value_cache[(l * max_seq + first) * kvd..(l * max_seq + pos + 1) * kvd],
-            kvd,
-            hd,
-            n_rep,
-            scale,
-            sinks: None,
-        };
-        attn.run(&s.q, &mut s.att, max_seq, &mut s.att_out);
+        s.attend(k, cfg, l, pos, None);
 
         // 6. Output projection and residual.
         k.matvec_par(lw.o_proj.as_mat(), &s.att_out, &mut s.xb2);
@@ -268,24 +249,11 @@ pub(crate) fn forward(
                 s.timers.dense_mlp_ns += t_mlp.elapsed().as_nanos() as u64;
             }
         }
-        add_into(&mut s.x, &s.xb2);
-        if let Some(t) = trace.as_deref_mut() {
-            if l + 1 < cfg.num_hidden_layers {
-                t.hidden[l + 1].copy_from_slice(&s.x);
-            }
-        }
+        s.mlp_residual(l, trace.as_deref_mut());
     }
 
     // Final norm and lm_head.
-    let t_head = Instant::now();
-    k.rmsnorm(&mut s.xb, &s.x, &w.norm, eps);
-    if let Some(t) = trace {
-        t.hidden[cfg.num_hidden_layers].copy_from_slice(&s.xb);
-    }
-    k.matvec_par(w.lm_head().as_mat(), &s.xb, &mut s.logits);
-    s.timers.lm_head_ns += t_head.elapsed().as_nanos() as u64;
-    s.timers.total_ns += t_step.elapsed().as_nanos() as u64;
-    s.timers.steps += 1;
+    s.head(k, (&w.norm, eps), w.lm_head(), trace, t_step);
     Ok(())
 }
 

@@ -1,7 +1,12 @@
 //! The run state every architecture's forward pass uses ([`RunState`]: scratch and KV cache,
 //! allocated once) and the per-position debug outputs of oracle tests ([`Trace`]).
 
+use std::time::Instant;
+
+use crate::kernels::Kernels;
+use crate::model::attention::Attention;
 use crate::model::config::Config;
+use crate::model::matrix::{add_into, Matrix};
 use crate::model::moe::{ExpertScratch, Routing};
 use crate::model::rope::Rope;
 
@@ -109,6 +114,72 @@ impl RunState {
             timers: StepTimers::default(),
             usage: vec![0; cfg.num_hidden_layers * cfg.num_experts],
         }
+    }
+}
+
+/// The steps every architecture's decode forward pass shares around its own attention and MLP.
+impl RunState {
+    /// The pass's start: the embedding of `token` into `x` (and the trace's row 0), the RoPE tables
+    /// at `pos`.
+    pub(crate) fn embed(&mut self, embed_tokens: &Matrix, token: u32, pos: usize, trace: Option<&mut Trace>) {
+        embed_tokens.row_into(token as usize, &mut self.x);
+        if let Some(t) = trace {
+            t.hidden[0].copy_from_slice(&self.x);
+        }
+        self.rope.set_pos(pos);
+    }
+
+    /// Layer `l`'s attention of the query `q` at `pos` over the visible KV cache rows (all of
+    /// `0..=pos`, or the layer's window), each query head reading KV head `h / n_rep`, with the
+    /// layer's `sinks` if any, into `att_out`.
+    pub(crate) fn attend(&mut self, k: Kernels, cfg: &Config, l: usize, pos: usize, sinks: Option<&[f32]>) {
+        let (hd, max_seq) = (cfg.head_dim(), self.max_seq);
+        let kvd = cfg.num_key_value_heads * hd;
+        let first = Attention::first_visible(pos, cfg.attention_window(l));
+        let rows = (l * max_seq + first) * kvd..(l * max_seq + pos + 1) * kvd;
+        let attn = Attention {
+            k,
+            keys: &self.key_cache[rows.clone()],
+            values: &self.value_cache[rows],
+            kvd,
+            hd,
+            n_rep: cfg.num_attention_heads / cfg.num_key_value_heads,
+            scale: (hd as f64).powf(-0.5) as f32,
+            sinks,
+        };
+        attn.run(&self.q, &mut self.att, max_seq, &mut self.att_out);
+    }
+
+    /// The end of decoder layer `l`: the MLP's residual `x += xb2`, and the trace's row `l + 1`
+    /// (the last layer's row is the final norm's, written by [`RunState::head`]).
+    pub(crate) fn mlp_residual(&mut self, l: usize, trace: Option<&mut Trace>) {
+        add_into(&mut self.x, &self.xb2);
+        if let Some(t) = trace {
+            if l + 2 < t.hidden.len() {
+                t.hidden[l + 1].copy_from_slice(&self.x);
+            }
+        }
+    }
+
+    /// The pass's end: the final norm (`norm`, `eps`) into `xb` (and the trace's last row), the
+    /// logits `lm_head xb`, and the timers of a pass started at `t_step`.
+    pub(crate) fn head(
+        &mut self,
+        k: Kernels,
+        (norm, eps): (&[f32], f32),
+        lm_head: &Matrix,
+        trace: Option<&mut Trace>,
+        t_step: Instant,
+    ) {
+        let t_head = Instant::now();
+        k.rmsnorm(&mut self.xb, &self.x, norm, eps);
+        if let Some(t) = trace {
+            t.hidden.last_mut().expect("a trace has L + 1 rows").copy_from_slice(&self.xb);
+        }
+        k.matvec_par(lm_head.as_mat(), &self.xb, &mut self.logits);
+        self.timers.lm_head_ns += t_head.elapsed().as_nanos() as u64;
+        self.timers.total_ns += t_step.elapsed().as_nanos() as u64;
+        self.timers.steps += 1;
     }
 }
 

@@ -17,10 +17,8 @@
 //! converted directory's interleaving already. MXFP4 is output-major (`[out, in]` once unpacked,
 //! see [`super::mxfp4`]); the transformers tensors are transposed (`x @ W`).
 
-use std::collections::HashSet;
-
 use super::mxfp4;
-use super::plan::{check, ExpertSource, Plan, Unit};
+use super::plan::{check, refuse_converted, ExpertSource, Plan, PlanBuilder};
 use super::quantize::widen;
 use crate::error::{Error, Result};
 use crate::expert::layout::{ExpertLayout, ExpertNaming, ExpertTensorNames};
@@ -37,32 +35,12 @@ fn experts(layer: usize, part: &str) -> String {
 pub(crate) fn plan(cfg: &Config, store: &TensorStore) -> Result<Plan> {
     let (h, i, e) = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts);
     let (hd, nh, nkv) = (cfg.head_dim(), cfg.num_attention_heads, cfg.num_key_value_heads);
-    let converted = ExpertTensorNames::with(ExpertNaming::Suffixed, 0, 0).gate_up;
-    if store.contains(&converted) {
-        return Err(Error::Invalid(format!(
-            "{}: already a converted Picchio directory (it has `{converted}`); convert reads a Hugging Face checkpoint",
-            store.dir().display()
-        )));
-    }
-    let mut used: HashSet<String> = HashSet::new();
-    let mut units = Vec::new();
-    let dense = |units: &mut Vec<Unit>, used: &mut HashSet<String>, name: String, shape: &[usize]| -> Result<()> {
-        check(store, &name, shape)?;
-        used.insert(name.clone());
-        units.push(Unit::Dense(name));
-        Ok(())
-    };
-    dense(&mut units, &mut used, "model.embed_tokens.weight".into(), &[cfg.vocab_size, h])?;
-    let mut sources = Vec::with_capacity(cfg.num_hidden_layers);
+    refuse_converted(store, &ExpertTensorNames::with(ExpertNaming::Suffixed, 0, 0).gate_up)?;
+    let mut b = PlanBuilder::new(store, cfg)?;
     for l in 0..cfg.num_hidden_layers {
         let p = format!("model.layers.{l}");
+        b.attention(cfg, l)?;
         let mut tensors = vec![
-            (format!("{p}.input_layernorm.weight"), vec![h]),
-            (format!("{p}.post_attention_layernorm.weight"), vec![h]),
-            (format!("{p}.self_attn.q_proj.weight"), vec![nh * hd, h]),
-            (format!("{p}.self_attn.k_proj.weight"), vec![nkv * hd, h]),
-            (format!("{p}.self_attn.v_proj.weight"), vec![nkv * hd, h]),
-            (format!("{p}.self_attn.o_proj.weight"), vec![h, nh * hd]),
             (format!("{p}.self_attn.sinks"), vec![nh]),
             (format!("{p}.mlp.router.weight"), vec![e, h]),
             (format!("{p}.mlp.router.bias"), vec![e]),
@@ -75,32 +53,23 @@ pub(crate) fn plan(cfg: &Config, store: &TensorStore) -> Result<Plan> {
             }
         }
         for (name, shape) in tensors {
-            dense(&mut units, &mut used, name, &shape)?;
+            b.dense(name, &shape)?;
         }
         let (gub, gus) = (experts(l, "gate_up_proj_blocks"), experts(l, "gate_up_proj_scales"));
         let (db, ds) = (experts(l, "down_proj_blocks"), experts(l, "down_proj_scales"));
-        let source = if [&gub, &gus, &db, &ds].iter().any(|n| store.contains(n)) {
+        let (source, names) = if [&gub, &gus, &db, &ds].iter().any(|n| store.contains(n)) {
             mxfp4::check_pair(&store.get(&gub)?, &store.get(&gus)?, e, 2 * i, h)?;
             mxfp4::check_pair(&store.get(&db)?, &store.get(&ds)?, e, h, i)?;
-            used.extend([gub, gus, db, ds]);
-            ExpertSource::Mxfp4
+            (ExpertSource::Mxfp4, vec![gub, gus, db, ds])
         } else {
             let (gu, d) = (experts(l, "gate_up_proj"), experts(l, "down_proj"));
             check(store, &gu, &[e, h, 2 * i])?;
             check(store, &d, &[e, i, h])?;
-            used.extend([gu, d]);
-            ExpertSource::FusedTransposed
+            (ExpertSource::FusedTransposed, vec![gu, d])
         };
-        units.extend((0..e).map(|expert| Unit::Expert { layer: l, expert }));
-        sources.push(Some(source));
+        b.layer(l, e, Some(source), names);
     }
-    dense(&mut units, &mut used, "model.norm.weight".into(), &[h])?;
-    if !cfg.tie_word_embeddings || store.contains("lm_head.weight") {
-        dense(&mut units, &mut used, "lm_head.weight".into(), &[cfg.vocab_size, h])?;
-    }
-    let mut passthrough: Vec<String> = store.names().filter(|n| !used.contains(*n)).map(String::from).collect();
-    passthrough.sort();
-    for name in &passthrough {
+    b.finish(cfg, |name| {
         if name.starts_with("model.layers.") && name.contains(".mlp.experts") {
             let t = store.get(name)?;
             return Err(Error::Invalid(format!(
@@ -110,17 +79,8 @@ pub(crate) fn plan(cfg: &Config, store: &TensorStore) -> Result<Plan> {
                 cfg.num_hidden_layers
             )));
         }
-        units.push(Unit::Dense(name.clone()));
-    }
-    if !passthrough.is_empty() {
-        tracing::warn!(
-            "{}: {} tensor(s) not used by the gpt_oss model are copied unchanged: {}",
-            store.dir().display(),
-            passthrough.len(),
-            passthrough[..passthrough.len().min(4)].join(", ")
-        );
-    }
-    Ok(Plan { units, sources, passthrough })
+        Ok(())
+    })
 }
 
 /// The bytes of expert `expert` in a tensor whose first dimension is the expert.

@@ -101,6 +101,117 @@ pub(crate) fn check(store: &TensorStore, name: &str, shape: &[usize]) -> Result<
     Ok(())
 }
 
+/// Fails when `store` already holds `converted` (a routed-expert tensor of a converted directory).
+pub(crate) fn refuse_converted(store: &TensorStore, converted: &str) -> Result<()> {
+    if store.contains(converted) {
+        return Err(Error::Invalid(format!(
+            "{}: already a converted Picchio directory (it has `{converted}`); convert reads a Hugging Face \
+             checkpoint",
+            store.dir().display()
+        )));
+    }
+    Ok(())
+}
+
+/// A plan being built, family by family: the units in model order and the checkpoint tensors they
+/// account for.
+pub(crate) struct PlanBuilder<'a> {
+    store: &'a TensorStore,
+    used: HashSet<String>,
+    units: Vec<Unit>,
+    sources: Vec<Option<ExpertSource>>,
+}
+
+impl<'a> PlanBuilder<'a> {
+    /// An empty plan over `store` whose first unit is the embedding `[vocab_size, hidden_size]`.
+    ///
+    /// # Errors
+    /// As [`check`].
+    pub(crate) fn new(store: &'a TensorStore, cfg: &Config) -> Result<PlanBuilder<'a>> {
+        let sources = Vec::with_capacity(cfg.num_hidden_layers);
+        let mut b = PlanBuilder { store, used: HashSet::new(), units: Vec::new(), sources };
+        b.dense("model.embed_tokens.weight".into(), &[cfg.vocab_size, cfg.hidden_size])?;
+        Ok(b)
+    }
+
+    /// Checks the dense tensor `name` against `shape` ([`check`]) and plans its copy.
+    ///
+    /// # Errors
+    /// As [`check`].
+    pub(crate) fn dense(&mut self, name: String, shape: &[usize]) -> Result<()> {
+        check(self.store, &name, shape)?;
+        self.used.insert(name.clone());
+        self.units.push(Unit::Dense(name));
+        Ok(())
+    }
+
+    /// Plans layer `l`'s two norms and four attention projections, which every family has:
+    /// `{input,post_attention}_layernorm.weight [H]`, `self_attn.{q,k,v}_proj.weight
+    /// [nh*hd or nkv*hd, H]` and `self_attn.o_proj.weight [H, nh*hd]`.
+    ///
+    /// # Errors
+    /// As [`check`].
+    pub(crate) fn attention(&mut self, cfg: &Config, l: usize) -> Result<()> {
+        let (h, hd, nh, nkv) = (cfg.hidden_size, cfg.head_dim(), cfg.num_attention_heads, cfg.num_key_value_heads);
+        let p = format!("model.layers.{l}");
+        for (name, shape) in [
+            (format!("{p}.input_layernorm.weight"), vec![h]),
+            (format!("{p}.post_attention_layernorm.weight"), vec![h]),
+            (format!("{p}.self_attn.q_proj.weight"), vec![nh * hd, h]),
+            (format!("{p}.self_attn.k_proj.weight"), vec![nkv * hd, h]),
+            (format!("{p}.self_attn.v_proj.weight"), vec![nkv * hd, h]),
+            (format!("{p}.self_attn.o_proj.weight"), vec![h, nh * hd]),
+        ] {
+            self.dense(name, &shape)?;
+        }
+        Ok(())
+    }
+
+    /// The next layer: its `experts` routed experts read from `source` (tensors `names`, already
+    /// checked), or a dense-MLP layer when `source` is `None`.
+    pub(crate) fn layer(&mut self, l: usize, experts: usize, source: Option<ExpertSource>, names: Vec<String>) {
+        self.used.extend(names);
+        if source.is_some() {
+            self.units.extend((0..experts).map(|expert| Unit::Expert { layer: l, expert }));
+        }
+        self.sources.push(source);
+    }
+
+    /// The plan: the final norm and lm_head (unless tied and absent), then every tensor not
+    /// accounted for, by name, copied through unchanged after `unexpected` has refused the
+    /// routed-expert ones config.json does not account for (it gets each name); a warning names the
+    /// copied tensors and the `model_type`.
+    ///
+    /// # Errors
+    /// As [`check`], or the error of `unexpected`.
+    pub(crate) fn finish(mut self, cfg: &Config, unexpected: impl Fn(&str) -> Result<()>) -> Result<Plan> {
+        let h = cfg.hidden_size;
+        self.dense("model.norm.weight".into(), &[h])?;
+        if !cfg.tie_word_embeddings || self.store.contains("lm_head.weight") {
+            self.dense("lm_head.weight".into(), &[cfg.vocab_size, h])?;
+        }
+        let mut passthrough: Vec<String> =
+            self.store.names().filter(|n| !self.used.contains(*n)).map(String::from).collect();
+        passthrough.sort();
+        for name in &passthrough {
+            unexpected(name)?;
+            self.units.push(Unit::Dense(name.clone()));
+        }
+        if !passthrough.is_empty() {
+            let more =
+                if passthrough.len() > 4 { format!(" and {} more", passthrough.len() - 4) } else { String::new() };
+            tracing::warn!(
+                "{}: {} tensor(s) not used by the {} model are copied unchanged: {}{more}",
+                self.store.dir().display(),
+                passthrough.len(),
+                cfg.arch().model_type(),
+                passthrough[..passthrough.len().min(4)].join(", ")
+            );
+        }
+        Ok(Plan { units: self.units, sources: self.sources, passthrough })
+    }
+}
+
 /// Checks every tensor of `store` against `cfg` and plans the output.
 ///
 /// # Errors
@@ -111,42 +222,16 @@ pub(crate) fn plan(cfg: &Config, store: &TensorStore) -> Result<Plan> {
     if cfg.arch() == crate::model::config::Arch::GptOss {
         return super::gpt_oss::plan(cfg, store);
     }
-    let (h, i, e) = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts);
-    let (hd, nh, nkv) = (cfg.head_dim(), cfg.num_attention_heads, cfg.num_key_value_heads);
+    let (h, i, e, hd) = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.head_dim());
     if let Some(&l) = cfg.moe_layers().first() {
-        let converted = ExpertTensorNames::new(l, 0).gate_up;
-        if store.contains(&converted) {
-            return Err(Error::Invalid(format!(
-                "{}: already a converted Picchio directory (it has `{converted}`); convert reads a Hugging Face \
-                 checkpoint",
-                store.dir().display()
-            )));
-        }
+        refuse_converted(store, &ExpertTensorNames::new(l, 0).gate_up)?;
     }
-    let mut used: HashSet<String> = HashSet::new();
-    let mut units = Vec::new();
-    let dense = |units: &mut Vec<Unit>, used: &mut HashSet<String>, name: String, shape: &[usize]| -> Result<()> {
-        check(store, &name, shape)?;
-        used.insert(name.clone());
-        units.push(Unit::Dense(name));
-        Ok(())
-    };
-    dense(&mut units, &mut used, "model.embed_tokens.weight".into(), &[cfg.vocab_size, h])?;
-    let mut sources = Vec::with_capacity(cfg.num_hidden_layers);
+    let mut b = PlanBuilder::new(store, cfg)?;
     for l in 0..cfg.num_hidden_layers {
         let p = format!("model.layers.{l}");
-        for (name, shape) in [
-            (format!("{p}.input_layernorm.weight"), vec![h]),
-            (format!("{p}.post_attention_layernorm.weight"), vec![h]),
-            (format!("{p}.self_attn.q_proj.weight"), vec![nh * hd, h]),
-            (format!("{p}.self_attn.k_proj.weight"), vec![nkv * hd, h]),
-            (format!("{p}.self_attn.v_proj.weight"), vec![nkv * hd, h]),
-            (format!("{p}.self_attn.o_proj.weight"), vec![h, nh * hd]),
-            (format!("{p}.self_attn.q_norm.weight"), vec![hd]),
-            (format!("{p}.self_attn.k_norm.weight"), vec![hd]),
-        ] {
-            dense(&mut units, &mut used, name, &shape)?;
-        }
+        b.attention(cfg, l)?;
+        b.dense(format!("{p}.self_attn.q_norm.weight"), &[hd])?;
+        b.dense(format!("{p}.self_attn.k_norm.weight"), &[hd])?;
         if !cfg.is_moe_layer(l) {
             let d = cfg.intermediate_size;
             for (name, shape) in [
@@ -154,14 +239,14 @@ pub(crate) fn plan(cfg: &Config, store: &TensorStore) -> Result<Plan> {
                 (format!("{p}.mlp.up_proj.weight"), vec![d, h]),
                 (format!("{p}.mlp.down_proj.weight"), vec![h, d]),
             ] {
-                dense(&mut units, &mut used, name, &shape)?;
+                b.dense(name, &shape)?;
             }
-            sources.push(None);
+            b.layer(l, e, None, Vec::new());
             continue;
         }
-        dense(&mut units, &mut used, format!("{p}.mlp.gate.weight"), &[e, h])?;
+        b.dense(format!("{p}.mlp.gate.weight"), &[e, h])?;
         let (fgu, fd) = (fused_gate_up(l), fused_down(l));
-        let source = if store.contains(&fgu) || store.contains(&fd) {
+        let (source, names) = if store.contains(&fgu) || store.contains(&fd) {
             check(store, &fgu, &[e, 2 * i, h])?;
             check(store, &fd, &[e, h, i])?;
             if let Some(name) = (0..e).flat_map(|x| per_expert(l, x)).find(|n| store.contains(n)) {
@@ -171,29 +256,21 @@ pub(crate) fn plan(cfg: &Config, store: &TensorStore) -> Result<Plan> {
                     t.path.display()
                 )));
             }
-            used.insert(fgu);
-            used.insert(fd);
-            ExpertSource::Fused
+            (ExpertSource::Fused, vec![fgu, fd])
         } else {
+            let mut names = Vec::with_capacity(3 * e);
             for x in 0..e {
                 let [g, u, d] = per_expert(l, x);
                 check(store, &g, &[i, h])?;
                 check(store, &u, &[i, h])?;
                 check(store, &d, &[h, i])?;
-                used.extend([g, u, d]);
+                names.extend([g, u, d]);
             }
-            ExpertSource::PerExpert
+            (ExpertSource::PerExpert, names)
         };
-        units.extend((0..e).map(|expert| Unit::Expert { layer: l, expert }));
-        sources.push(Some(source));
+        b.layer(l, e, Some(source), names);
     }
-    dense(&mut units, &mut used, "model.norm.weight".into(), &[h])?;
-    if !cfg.tie_word_embeddings || store.contains("lm_head.weight") {
-        dense(&mut units, &mut used, "lm_head.weight".into(), &[cfg.vocab_size, h])?;
-    }
-    let mut passthrough: Vec<String> = store.names().filter(|n| !used.contains(*n)).map(String::from).collect();
-    passthrough.sort();
-    for name in &passthrough {
+    b.finish(cfg, |name| {
         if name.starts_with("model.layers.") && name.contains(".mlp.experts.") {
             let t = store.get(name)?;
             return Err(Error::Invalid(format!(
@@ -205,16 +282,6 @@ pub(crate) fn plan(cfg: &Config, store: &TensorStore) -> Result<Plan> {
                 cfg.decoder_sparse_step
             )));
         }
-        units.push(Unit::Dense(name.clone()));
-    }
-    if !passthrough.is_empty() {
-        let more = if passthrough.len() > 4 { format!(" and {} more", passthrough.len() - 4) } else { String::new() };
-        tracing::warn!(
-            "{}: {} tensor(s) not used by the qwen3_moe model are copied unchanged: {}{more}",
-            store.dir().display(),
-            passthrough.len(),
-            passthrough[..passthrough.len().min(4)].join(", ")
-        );
-    }
-    Ok(Plan { units, sources, passthrough })
+        Ok(())
+    })
 }

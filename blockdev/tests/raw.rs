@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use common::{scratch, Rng};
 use loopdev::{
-    mkfs_ext4, run, sparse_file, write_gpt_signature, write_mbr_partition, LoopDevice, LoopOptions, Mounted,
+    mkfs_ext4, run, sparse_file, write_gpt_signature, write_mbr_partition, DmDevice, LoopDevice, LoopOptions, Mounted,
 };
 use picchio_blockdev::host::{Host, Use};
 use picchio_blockdev::raw::{DeviceSink, Finding, Inspection, Lba, RawDevice, RawTarget, SignatureKind, Verdict};
@@ -324,9 +324,7 @@ fn kernel_read_errors_from_a_cut_backing_file_fail_only_those_experts() {
 fn device_mapper_error_target_fails_only_the_mapped_experts() {
     let test = "device_mapper_error_target_fails_only_the_mapped_experts";
     loopdev::require_root(test);
-    if let Err(why) = run("dmsetup", &["targets"]) {
-        panic!("{test}: device-mapper unavailable ({why}); it is #[ignore]d for this reason");
-    }
+    DmDevice::require(test);
     let dir = scratch();
     let file = patterned(dir.path(), "dm.img", 4 * MIB);
     let lo = LoopDevice::attach(&file, LoopOptions::default()).unwrap();
@@ -335,25 +333,8 @@ fn device_mapper_error_target_fails_only_the_mapped_experts() {
     // Sectors 0..40 (bytes 0..20480) linear, 40..8192 error: experts 2.. fail.
     let name = format!("picchio-test-{}", std::process::id());
     let table = format!("0 40 linear {} 0\n40 8152 error\n", lo.dev.display());
-    struct Dm(String);
-    impl Drop for Dm {
-        fn drop(&mut self) {
-            let _ = run("dmsetup", &["remove", "--retry", &self.0]);
-        }
-    }
-    let out = std::process::Command::new("dmsetup")
-        .args(["create", &name])
-        .stdin(std::process::Stdio::piped())
-        .spawn()
-        .and_then(|mut c| {
-            use std::io::Write;
-            c.stdin.take().unwrap().write_all(table.as_bytes())?;
-            c.wait()
-        })
-        .unwrap();
-    assert!(out.success(), "dmsetup create {name}");
-    let _dm = Dm(name.clone());
-    let dm_path = PathBuf::from(format!("/dev/mapper/{name}"));
+    let dm = DmDevice::create(dir.path(), &name, &table).unwrap();
+    let dm_path = dm.dev.clone();
     let q = PsyncQueue::open(&dm_path, PsyncOptions::direct(2)).unwrap();
     let opts = FlatStoreOptions { base_offset: 0, image_len: 4 * MIB, verify: true, expect: None, recheck_every: 0 };
     let mut store = FlatStore::open(q, format!("raw:{}", dm_path.display()), opts).unwrap();

@@ -268,12 +268,8 @@ fn image_shrunk_after_open_reports_short_reads() {
 /// with another image of the same layout whose payloads are the complement of the first's.
 fn rewrite_in_place(img: &Image) {
     let other = img.path.with_file_name("other.picchioflat");
-    let n = img.payloads.len() as u32;
-    let mut w = FlatWriter::create(&other, DIMS, n).unwrap();
-    for p in &img.payloads {
-        w.push(&p.iter().map(|b| !b).collect::<Vec<u8>>()).unwrap();
-    }
-    w.finish().unwrap();
+    let complement: Vec<Vec<u8>> = img.payloads.iter().map(|p| p.iter().map(|b| !b).collect()).collect();
+    FlatWriter::write(&other, DIMS, &complement).unwrap();
     img.write_at(0, &std::fs::read(&other).unwrap());
     OpenOptions::new().write(true).open(&img.path).unwrap().sync_all().unwrap();
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use picchio_core::loader::StoreDims;
 use picchio_core::rng::SplitMix64 as Rng;
 use picchio_core::{
-    AlignedBuf, ByteOffset, Completion, ExpertLoader, FlatStore, FlatStoreOptions, FlatWriter, IoQueue, ReadReq, Tag,
+    AlignedBuf, ByteOffset, Completion, ExpertLoader, FlatStore, FlatStoreOptions, IoQueue, ReadReq, Tag,
 };
 use picchio_nvme::bar::Bar;
 use picchio_nvme::engine::{ReadFailure, RecoveryPolicy};
@@ -16,6 +16,7 @@ use picchio_nvme::sim::{Fault, Sim, SimConfig, SimNamespace};
 use picchio_nvme::spec::{admin, regs, Status, StatusCodeType};
 use picchio_nvme::{Controller, CtrlrOptions, Error, HeapDma, InitState, NvmeQueue, NvmeQueueOptions};
 use picchio_testkit::conformance::{Engine, Eof, Misalign};
+use picchio_testkit::image::{check_every_expert, write_image};
 
 fn backing(dir: &Path, name: &str, len: usize, seed: u64) -> (PathBuf, Vec<u8>) {
     picchio_testkit::conformance::random_file(dir, name, len, seed)
@@ -482,29 +483,13 @@ fn flat_store_over_nvme_sim_is_byte_identical() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("experts.picchioflat");
     let dims = StoreDims { hidden: 64, n_layers: 3, n_experts: 4, topk: 2, moe_inter: 128 };
-    let mut rng = Rng::new(11);
-    let payloads: Vec<Vec<u8>> = (0..12).map(|i| rng.bytes(3000 + i * 37_000)).collect();
-    let mut w = FlatWriter::create(&path, dims, 12).unwrap();
-    for p in &payloads {
-        w.push(p).unwrap();
-    }
-    w.finish().unwrap();
+    let payloads = write_image(&path, dims, 11, |i| 3000 + i * 37_000);
     let image_len = std::fs::metadata(&path).unwrap().len();
     for lba in [512, 4096] {
         let (q, _sim) = NvmeQueue::open_sim(SimConfig::single(&path, lba), &opts(16)).unwrap();
         let opts = FlatStoreOptions { image_len, verify: true, ..Default::default() };
         let mut store = FlatStore::open(q, "nvme:sim", opts).unwrap();
-        for layer in 0..3u32 {
-            let reqs = (0..4).map(|e| (e, AlignedBuf::new(512 << 10, 4096).unwrap())).collect();
-            let mut n = 0;
-            store.load(layer, reqs, &mut |l| {
-                n += 1;
-                l.result.unwrap_or_else(|e| panic!("{e}"));
-                let p = &payloads[(l.key.layer * 4 + l.key.expert) as usize];
-                assert!(l.buf.as_slice()[..p.len()] == p[..], "{}", l.key);
-            });
-            assert_eq!(n, 4);
-        }
+        check_every_expert(&mut store, dims, &payloads, 512 << 10);
         assert!(store.queue().stats().commands > store.queue().stats().reads);
     }
 }
@@ -698,13 +683,7 @@ fn flat_store_over_nvme_falls_back_for_the_reads_a_fault_failed() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("experts.picchioflat");
     let dims = StoreDims { hidden: 64, n_layers: 4, n_experts: 4, topk: 2, moe_inter: 128 };
-    let mut rng = Rng::new(31);
-    let payloads: Vec<Vec<u8>> = (0..16).map(|i| rng.bytes(20_000 + i * 9_000)).collect();
-    let mut w = FlatWriter::create(&path, dims, 16).unwrap();
-    for p in &payloads {
-        w.push(p).unwrap();
-    }
-    w.finish().unwrap();
+    let payloads = write_image(&path, dims, 31, |i| 20_000 + i * 9_000);
     let image_len = std::fs::metadata(&path).unwrap().len();
     // Hung command → Abort; dropped completion → Abort fails → reset; CFS → reset.
     let faults: [fn(u64) -> Fault; 3] = [Fault::io_hold, Fault::io_drop, Fault::io_fatal];

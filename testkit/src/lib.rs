@@ -5,6 +5,7 @@
 //! - [`loopdev`] (Linux): loop devices of a given logical block size and mounts, undone on drop.
 //! - [`bin`]: running a binary with its output echoed to the test log, with a bounded wait.
 //! - [`conformance`]: the `IoQueue` conformance suite every engine runs.
+//! - [`image`]: seeded `.picchioflat` images.
 //! - [`global_lock`] and [`wait_until`]: a lock for tests that take a machine-wide resource, and a
 //!   bounded wait on a condition instead of a fixed sleep.
 //!
@@ -12,6 +13,7 @@
 
 pub mod bin;
 pub mod conformance;
+pub mod image;
 #[cfg(target_os = "linux")]
 pub mod loopdev;
 pub mod scratch;

@@ -59,6 +59,44 @@ pub fn have(cmd: &str, probe_args: &[&str]) -> bool {
     run(cmd, probe_args).is_ok()
 }
 
+/// A device-mapper device (`/dev/mapper/<name>`) made from a `dmsetup` table, removed on drop. For
+/// tests that need a device whose reads fail in a chosen range (the `error` target).
+#[derive(Debug)]
+pub struct DmDevice {
+    /// The mapping's name.
+    pub name: String,
+    /// `/dev/mapper/<name>`.
+    pub dev: PathBuf,
+}
+
+impl DmDevice {
+    /// Panics naming `test` unless device-mapper answers (`dmsetup targets`); for tests marked
+    /// `#[ignore = "needs root and device-mapper ..."]`.
+    pub fn require(test: &str) {
+        if let Err(why) = run("dmsetup", &["targets"]) {
+            panic!("{test}: device-mapper unavailable ({why}); it is #[ignore]d for this reason");
+        }
+    }
+
+    /// `dmsetup create <name>` with `table` (one `start length target args` line per segment,
+    /// in 512-byte sectors) written to a file in `dir`.
+    ///
+    /// # Errors
+    /// The message of a failed `dmsetup create` ([`run`]).
+    pub fn create(dir: &Path, name: &str, table: &str) -> Result<DmDevice, String> {
+        let file = dir.join(format!("{name}.table"));
+        std::fs::write(&file, table).map_err(|e| format!("write {}: {e}", file.display()))?;
+        run("dmsetup", &["create", name, &file.to_string_lossy()])?;
+        Ok(DmDevice { name: name.to_string(), dev: PathBuf::from(format!("/dev/mapper/{name}")) })
+    }
+}
+
+impl Drop for DmDevice {
+    fn drop(&mut self) {
+        let _ = run("dmsetup", &["remove", "--retry", &self.name]);
+    }
+}
+
 /// How to attach a loop device.
 #[derive(Clone, Copy, Debug)]
 pub struct LoopOptions {

@@ -12,6 +12,7 @@
 use std::path::{Path, PathBuf};
 
 use picchio_runtime::image::convert::{convert, ConvertOptions};
+use picchio_runtime::model::sampler::argmax;
 use picchio_runtime::model::{DenseFormat, Model};
 use picchio_runtime::quant::QuantKind;
 use safetensors::tensor::{Dtype, SafeTensors};
@@ -30,16 +31,6 @@ fn reference_ids(path: &Path) -> (Vec<u32>, Vec<u32>) {
         t.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32).collect()
     };
     (ids("prompt_ids"), ids("greedy_ids"))
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// A variant of the exact run: a dense format, and the integer Q4 kernels or not.

@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 use picchio_core::{AlignedBuf, ExpertLoader, Loaded};
 use picchio_runtime::expert::cache::ExpertCache;
 use picchio_runtime::image::convert::{convert, ConvertOptions};
+use picchio_runtime::model::sampler::argmax;
 use picchio_runtime::model::{Model, Trace};
 use picchio_runtime::quant::QuantKind;
 use safetensors::tensor::{Dtype, SafeTensors};
@@ -67,17 +68,6 @@ impl Reference {
         assert_eq!(t.dtype(), Dtype::I64, "{}: {name}", self.name);
         t.data().chunks_exact(8).map(|c| u32::try_from(i64::from_le_bytes(c.try_into().unwrap())).unwrap()).collect()
     }
-}
-
-/// Index of the largest logit (the first one on a tie).
-fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// Greedy generation of `n` tokens after `prompt` (positions from 0); returns the tokens and the

@@ -13,20 +13,10 @@ use std::sync::{Arc, Mutex};
 use picchio_core::{AlignedBuf, ExpertLoader, Loaded};
 use picchio_runtime::image::convert::{convert, ConvertOptions};
 use picchio_runtime::model::moe::RoutingObserver;
+use picchio_runtime::model::sampler::argmax;
 use picchio_runtime::model::Model;
 use picchio_runtime::quant::QuantKind;
 use picchio_tests::{fixture, ids, reference_json, PICCHIO_C_TOKENS};
-
-/// Index of the largest logit (the first one on a tie).
-fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
 
 /// `(tokens, logits rows)` of greedy decoding `n` tokens: the logits after the prompt are
 /// `first`; each further row comes from one token-by-token forward pass at `pos`, `pos + 1`, ...

@@ -12,7 +12,7 @@ use picchio_testkit::loopdev;
 
 use std::path::{Path, PathBuf};
 
-use loopdev::{mkfs_ext4, run, sparse_file, write_gpt_signature, LoopDevice, LoopOptions, Mounted};
+use loopdev::{mkfs_ext4, sparse_file, write_gpt_signature, DmDevice, LoopDevice, LoopOptions, Mounted};
 use picchio_core::StoreUri;
 use picchio_runtime::expert::store::{IoEngine, IoOptions};
 use picchio_runtime::image::pack::{PackOptions, PackReport};
@@ -231,9 +231,7 @@ fn kernel_read_errors_fall_back_per_expert_and_keep_the_tokens() {
 fn device_mapper_error_target_falls_back_and_keeps_the_tokens() {
     let test = "device_mapper_error_target_falls_back_and_keeps_the_tokens";
     loopdev::require_root(test);
-    if let Err(why) = run("dmsetup", &["targets"]) {
-        panic!("{test}: device-mapper unavailable ({why}); it is #[ignore]d for this reason");
-    }
+    DmDevice::require(test);
     let tmp = scratch();
     let file = sparse_file(&tmp.path().join("dm.img"), 4 * MIB);
     let lo = LoopDevice::attach(&file, LoopOptions::default()).unwrap();
@@ -241,17 +239,8 @@ fn device_mapper_error_target_falls_back_and_keeps_the_tokens() {
     let good = IMAGE_LEN / 2 / 4096 * 8; // sectors
     let name = format!("picchio-tiers-{}", std::process::id());
     let table = format!("0 {good} linear {} 0\n{good} {} error\n", lo.dev.display(), 8192 - good);
-    struct Dm(String);
-    impl Drop for Dm {
-        fn drop(&mut self) {
-            let _ = run("dmsetup", &["remove", "--retry", &self.0]);
-        }
-    }
-    let tfile = tmp.path().join("table");
-    std::fs::write(&tfile, table).unwrap();
-    run("dmsetup", &["create", &name, &tfile.to_string_lossy()]).unwrap();
-    let _dm = Dm(name.clone());
-    let dev = PathBuf::from(format!("/dev/mapper/{name}"));
+    let dm = DmDevice::create(tmp.path(), &name, &table).unwrap();
+    let dev = dm.dev.clone();
     let (g, _) = greedy(&model(), raw(&dev, 0), psync_direct(), Some(4), &c_prompt(), N).unwrap();
     assert_eq!(g.tokens, PICCHIO_C_TOKENS);
     assert!(g.stats.store_errors > 0 && g.stats.fallbacks == g.stats.store_errors, "{:?}", g.stats);

@@ -12,10 +12,7 @@ fn a_short_index_read_names_the_store_and_the_offset() {
     let dir = tempfile::tempdir().unwrap();
     let img = dir.path().join("img.pf");
     let dims = StoreDims { hidden: 64, n_layers: 1, n_experts: 2, topk: 1, moe_inter: 128 };
-    let mut w = FlatWriter::create(&img, dims, 2).unwrap();
-    w.push(&[1u8; 4096]).unwrap();
-    w.push(&[2u8; 4096]).unwrap();
-    w.finish().unwrap();
+    FlatWriter::write(&img, dims, &[[1u8; 4096], [2u8; 4096]]).unwrap();
     let bytes = std::fs::read(&img).unwrap();
     std::fs::write(&img, &bytes[..5000]).unwrap();
     let mut q = PsyncQueue::open(&img, PsyncOptions { threads: 1, direct: false }).unwrap();

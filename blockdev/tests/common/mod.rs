@@ -7,8 +7,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use picchio_blockdev::{DioAlign, Error, PsyncOptions, PsyncQueue};
-use picchio_core::loader::StoreDims;
-use picchio_core::{AlignedBuf, ByteOffset, Completion, ExpertLoader, FlatWriter, IoQueue, ReadReq, Tag};
+use picchio_core::{AlignedBuf, ByteOffset, Completion, IoQueue, ReadReq, Tag};
 use picchio_testkit::conformance::{Engine, Eof, Misalign, OpenFn};
 
 #[allow(unused_imports)] // some test binaries draw no numbers of their own
@@ -51,35 +50,9 @@ pub fn random_file(dir: &Path, name: &str, len: usize, seed: u64) -> (PathBuf, V
     picchio_testkit::conformance::random_file(dir, name, len, seed)
 }
 
-/// Writes a `.picchioflat` image at `path` for `dims` whose expert `i` (layer-major, `n_layers ×
-/// n_experts` of them) is `payload_len(i)` seeded bytes; returns the payloads in that order.
-pub fn write_image(path: &Path, dims: StoreDims, seed: u64, payload_len: impl Fn(usize) -> usize) -> Vec<Vec<u8>> {
-    let n = (dims.n_layers * dims.n_experts) as usize;
-    let mut rng = Rng::new(seed);
-    let payloads: Vec<Vec<u8>> = (0..n).map(|i| rng.bytes(payload_len(i))).collect();
-    let mut w = FlatWriter::create(path, dims, n as u32).expect("create the image");
-    for p in &payloads {
-        w.push(p).expect("write an expert");
-    }
-    w.finish().expect("finish the image");
-    payloads
-}
-
-/// Loads every expert of every layer of `dims` from `store`, one layer at a time into buffers of
-/// `slot` bytes (4 KiB-aligned), and checks each against `payloads` (as [`write_image`] returns them).
-pub fn check_every_expert(store: &mut dyn ExpertLoader, dims: StoreDims, payloads: &[Vec<u8>], slot: usize) {
-    for layer in 0..dims.n_layers {
-        let reqs = (0..dims.n_experts).map(|e| (e, AlignedBuf::new(slot, 4096).unwrap())).collect();
-        let mut n = 0;
-        store.load(layer, reqs, &mut |l| {
-            n += 1;
-            l.result.unwrap_or_else(|e| panic!("{e}"));
-            let p = &payloads[(l.key.layer * dims.n_experts + l.key.expert) as usize];
-            assert!(l.buf.as_slice()[..p.len()] == p[..], "{}", l.key);
-        });
-        assert_eq!(n, dims.n_experts, "layer {layer}: one completion per expert");
-    }
-}
+/// Seeded images and their check ([`picchio_testkit::image`]).
+#[allow(unused_imports)] // each test binary uses a subset
+pub use picchio_testkit::image::{check_every_expert, write_image};
 
 /// A buffer for `len` bytes aligned to the queue's block size.
 pub fn buf_for(q: &PsyncQueue, len: u32) -> AlignedBuf {

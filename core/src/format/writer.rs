@@ -305,6 +305,20 @@ impl FlatWriter<FileSink> {
         check_entries(path, dims, n_entries)?;
         FlatWriter::with_sink(FileSink::create(path)?, dims, n_entries)
     }
+
+    /// Writes a whole image at `path` from payloads held in memory, in (layer, expert) order:
+    /// [`FlatWriter::create`] for `payloads.len()` entries, [`FlatWriter::push`] each payload, then
+    /// [`FlatWriter::finish`].
+    ///
+    /// # Errors
+    /// As those three.
+    pub fn write<P: AsRef<[u8]>>(path: &Path, dims: StoreDims, payloads: &[P]) -> Result<Superblock> {
+        let mut w = FlatWriter::create(path, dims, u32::try_from(payloads.len()).unwrap_or(u32::MAX))?;
+        for p in payloads {
+            w.push(p.as_ref())?;
+        }
+        w.finish()
+    }
 }
 
 fn check_entries(path: &Path, dims: StoreDims, n_entries: u32) -> Result<()> {
@@ -439,10 +453,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("e.picchioflat");
         let dims = StoreDims { hidden: 64, n_layers: 1, n_experts: 2, topk: 1, moe_inter: 128 };
-        let mut w = FlatWriter::create(&path, dims, 2).unwrap();
-        w.push(&[1u8; 5000]).unwrap();
-        w.push(&[2u8; 4096]).unwrap();
-        let sb = w.finish().unwrap();
+        let sb = FlatWriter::write(&path, dims, &[&[1u8; 5000][..], &[2u8; 4096]]).unwrap();
         let bytes = std::fs::read(&path).unwrap();
         assert_eq!(bytes.len(), 8192 + 8192 + 4096);
         assert_eq!(Superblock::decode(&bytes, "t", bytes.len() as u64).unwrap(), sb);

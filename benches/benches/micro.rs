@@ -23,6 +23,7 @@ use picchio_core::io::read_blocking;
 use picchio_core::loader::StoreDims;
 use picchio_core::{AlignedBuf, FlatStore, FlatStoreOptions, FlatWriter};
 use picchio_runtime::expert::layout::ExpertLayout;
+use picchio_runtime::image::convert::expert_payload;
 use picchio_runtime::kernels::{Kernels, MatRef};
 use picchio_runtime::model::moe::{expert_forward, ExpertScratch};
 use picchio_runtime::quant::{quantize_q3, quantize_q4, QuantKind};
@@ -81,24 +82,13 @@ fn weights_vs_memory(c: &mut Criterion) {
     g.finish();
 }
 
-/// An expert payload for `quant` laid out as `picchio convert` writes it.
-fn expert_payload(layout: &ExpertLayout) -> AlignedBuf {
+/// An expert payload for `quant`, made by `picchio convert`'s own [`expert_payload`].
+fn expert_payload_buf(layout: &ExpertLayout) -> AlignedBuf {
     let (h, i) = (layout.hidden, layout.inter);
-    let gu = values(2 * i * h, 5);
-    let down = values(h * i, 6);
-    let q = |w: &[f32], r, c| match layout.quant {
-        QuantKind::Q4 => quantize_q4(w, r, c),
-        QuantKind::Q3 => quantize_q3(w, r, c),
-        QuantKind::F32 => unreachable!("benchmarked for Q4 and Q3"),
-    };
-    let (gp, gs) = q(&gu, 2 * i, h);
-    let (dp, ds) = q(&down, h, i);
+    let (gate, up, down) = (values(i * h, 5), values(i * h, 7), values(h * i, 6));
+    let payload = expert_payload(layout, &gate, &up, &down).expect("benchmarked for Q4 and Q3");
     let mut buf = AlignedBuf::new(layout.len(), 4096).expect("payload buffer");
-    let b = buf.as_mut_slice();
-    b[layout.gate_up.clone()].copy_from_slice(&gp);
-    b[layout.gate_up_scales.clone()].copy_from_slice(bytemuck::cast_slice(&gs));
-    b[layout.down.clone()].copy_from_slice(&dp);
-    b[layout.down_scales.clone()].copy_from_slice(bytemuck::cast_slice(&ds));
+    buf.as_mut_slice()[..payload.len()].copy_from_slice(&payload);
     buf
 }
 
@@ -109,7 +99,7 @@ fn expert(c: &mut Criterion) {
     let mut scratch = ExpertScratch::new(INTER);
     for quant in [QuantKind::Q4, QuantKind::Q3] {
         let layout = ExpertLayout::new(quant, HIDDEN, INTER).expect("Qwen3-30B-A3B expert layout");
-        let payload = expert_payload(&layout);
+        let payload = expert_payload_buf(&layout);
         g.throughput(Throughput::Bytes(layout.len() as u64));
         // `expert_forward` runs its matvecs on the rayon pool, as the runtime does.
         g.bench_function(BenchmarkId::new(quant.to_string(), "2048x768"), |b| {

@@ -148,6 +148,51 @@ struct LineChart<'a> {
     series: Vec<Series>,
 }
 
+impl<'a> LineChart<'a> {
+    /// A chart of `series` over the x axis `(label, scale)`, on a linear y axis ranged from the
+    /// data, with the legend at the upper left and no marker.
+    fn new(
+        title: impl Into<String>,
+        subtitle: &'a str,
+        (x_label, x_scale): (&'a str, Scale),
+        y_label: &'a str,
+        series: Vec<Series>,
+    ) -> Self {
+        let (y_scale, y_range, legend, marker) = (Scale::Linear, None, SeriesLabelPosition::UpperLeft, None);
+        LineChart { title: title.into(), subtitle, x_label, y_label, x_scale, y_scale, y_range, legend, marker, series }
+    }
+
+    /// The legend in another corner.
+    fn legend(mut self, legend: SeriesLabelPosition) -> Self {
+        self.legend = legend;
+        self
+    }
+
+    /// A fixed y range (before scaling).
+    fn y_range(mut self, range: (f64, f64)) -> Self {
+        self.y_range = Some(range);
+        self
+    }
+
+    /// A labelled vertical line at an x (before scaling), if any.
+    fn marker(mut self, marker: Option<(f64, String)>) -> Self {
+        self.marker = marker;
+        self
+    }
+}
+
+/// The x axis of the cache-budget charts.
+const CACHE_AXIS: (&str, Scale) = ("expert cache, % of all routed experts", Scale::Linear);
+
+/// The x axis of the queue-depth charts.
+const QD_AXIS: (&str, Scale) = ("queue depth (log scale)", Scale::Log2);
+
+/// The model directory's name in a report (`model`), or empty.
+fn model_name(r: &Value) -> String {
+    let model = r.get("model").and_then(Value::as_str).unwrap_or("");
+    Path::new(model).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
+}
+
 const COLORS: [RGBColor; 8] = [
     RGBColor(31, 119, 180),
     RGBColor(214, 39, 40),
@@ -327,18 +372,16 @@ fn trace_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
         .filter(|_| total > 0.0)
         .map(|ws| (100.0 * ws / total, format!("one token's experts ({ws} = layers × k)")));
     let hit = dir.join("trace-hit-rate.svg");
-    LineChart {
-        title: format!("Expert-cache hit rate: LRU vs Belady (MIN) — {shape}"),
-        subtitle: sub,
-        x_label: "cache capacity, % of all routed experts (log scale)",
-        y_label: "hit rate, %",
-        x_scale: Scale::Log2,
-        y_scale: Scale::Linear,
-        y_range: Some((0.0, 100.0)),
-        legend: SeriesLabelPosition::LowerRight,
-        marker,
-        series: vec![Series::new("LRU (the runtime's policy)", lru, false), Series::new("Belady (optimal)", opt, true)],
-    }
+    LineChart::new(
+        format!("Expert-cache hit rate: LRU vs Belady (MIN) — {shape}"),
+        sub,
+        ("cache capacity, % of all routed experts (log scale)", Scale::Log2),
+        "hit rate, %",
+        vec![Series::new("LRU (the runtime's policy)", lru, false), Series::new("Belady (optimal)", opt, true)],
+    )
+    .legend(SeriesLabelPosition::LowerRight)
+    .y_range((0.0, 100.0))
+    .marker(marker)
     .draw(&hit)?;
     let mut series = Vec::new();
     for l in arr(r, "layers")? {
@@ -355,18 +398,14 @@ fn trace_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
         series = series.into_iter().enumerate().filter(|(i, _)| keep.contains(i)).map(|(_, s)| s).collect();
     }
     let pop = dir.join("trace-popularity.svg");
-    LineChart {
-        title: "Expert popularity per layer (experts ranked by use)".into(),
-        subtitle: sub,
-        x_label: "expert rank in its layer",
-        y_label: "share of the layer's expert uses, %",
-        x_scale: Scale::Linear,
-        y_scale: Scale::Linear,
-        y_range: None,
-        legend: SeriesLabelPosition::UpperRight,
-        marker: None,
+    LineChart::new(
+        "Expert popularity per layer (experts ranked by use)",
+        sub,
+        ("expert rank in its layer", Scale::Linear),
+        "share of the layer's expert uses, %",
         series,
-    }
+    )
+    .legend(SeriesLabelPosition::UpperRight)
     .draw(&pop)?;
     Ok(vec![hit, pop])
 }
@@ -413,35 +452,26 @@ fn cache_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
         }
     }
     bytes.extend(device);
-    let model = r.get("model").and_then(Value::as_str).unwrap_or("");
-    let name = Path::new(model).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = model_name(r);
     let t = dir.join("cache-tok-s.svg");
-    LineChart {
-        title: format!("Decode throughput vs expert-cache budget ({name})"),
-        subtitle: sub,
-        x_label: "expert cache, % of all routed experts",
-        y_label: "decode tokens / s",
-        x_scale: Scale::Linear,
-        y_scale: Scale::Linear,
-        y_range: None,
-        legend: SeriesLabelPosition::LowerRight,
-        marker: None,
-        series: tok,
-    }
+    LineChart::new(
+        format!("Decode throughput vs expert-cache budget ({name})"),
+        sub,
+        CACHE_AXIS,
+        "decode tokens / s",
+        tok,
+    )
+    .legend(SeriesLabelPosition::LowerRight)
     .draw(&t)?;
     let b = dir.join("cache-bytes.svg");
-    LineChart {
-        title: format!("Expert bytes per decode token vs cache budget ({name})"),
-        subtitle: sub,
-        x_label: "expert cache, % of all routed experts",
-        y_label: "MB per token",
-        x_scale: Scale::Linear,
-        y_scale: Scale::Linear,
-        y_range: None,
-        legend: SeriesLabelPosition::UpperRight,
-        marker: None,
-        series: bytes,
-    }
+    LineChart::new(
+        format!("Expert bytes per decode token vs cache budget ({name})"),
+        sub,
+        CACHE_AXIS,
+        "MB per token",
+        bytes,
+    )
+    .legend(SeriesLabelPosition::UpperRight)
     .draw(&b)?;
     Ok(vec![t, b])
 }
@@ -478,43 +508,29 @@ fn decode_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
             xy.push((pct, num(sp, key)?));
         }
     }
-    let model = r.get("model").and_then(Value::as_str).unwrap_or("");
-    let name = Path::new(model).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = model_name(r);
     let mut series = vec![Series::new("decode, measured", tok, false)];
     if !floor.is_empty() {
         series.push(Series::new("I/O floor (bytes per token at this run's device rate)", floor, true));
     }
     let t = dir.join("decode-tok-s.svg");
-    LineChart {
-        title: format!("Decode throughput and its I/O floor vs expert-cache budget ({name})"),
-        subtitle: sub,
-        x_label: "expert cache, % of all routed experts",
-        y_label: "decode tokens / s",
-        x_scale: Scale::Linear,
-        y_scale: Scale::Linear,
-        y_range: None,
-        legend: SeriesLabelPosition::UpperLeft,
-        marker: None,
+    LineChart::new(
+        format!("Decode throughput and its I/O floor vs expert-cache budget ({name})"),
+        sub,
+        CACHE_AXIS,
+        "decode tokens / s",
         series,
-    }
+    )
     .draw(&t)?;
     let s = dir.join("decode-split.svg");
-    LineChart {
-        title: format!("Where a decode token's time goes ({name})"),
-        subtitle: sub,
-        x_label: "expert cache, % of all routed experts",
-        y_label: "ms per decode token",
-        x_scale: Scale::Linear,
-        y_scale: Scale::Linear,
-        y_range: None,
-        legend: SeriesLabelPosition::UpperRight,
-        marker: None,
-        series: split
-            .into_iter()
-            .zip(parts)
-            .map(|(xy, (_, label))| Series::new(label, xy, label == "whole step"))
-            .collect(),
-    }
+    LineChart::new(
+        format!("Where a decode token's time goes ({name})"),
+        sub,
+        CACHE_AXIS,
+        "ms per decode token",
+        split.into_iter().zip(parts).map(|(xy, (_, label))| Series::new(label, xy, label == "whole step")).collect(),
+    )
+    .legend(SeriesLabelPosition::UpperRight)
     .draw(&s)?;
     Ok(vec![t, s])
 }
@@ -556,19 +572,7 @@ fn qd_sweep_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
         }
     }
     let thr = dir.join("qd-sweep-throughput.svg");
-    LineChart {
-        title: "Random expert-sized reads: throughput vs queue depth".into(),
-        subtitle: sub,
-        x_label: "queue depth (log scale)",
-        y_label: "MB/s",
-        x_scale: Scale::Log2,
-        y_scale: Scale::Linear,
-        y_range: None,
-        legend: SeriesLabelPosition::UpperLeft,
-        marker: None,
-        series,
-    }
-    .draw(&thr)?;
+    LineChart::new("Random expert-sized reads: throughput vs queue depth", sub, QD_AXIS, "MB/s", series).draw(&thr)?;
     let mut out = vec![thr];
     let mut cdf = Vec::new();
     for (name, qd, lat) in deepest {
@@ -585,18 +589,15 @@ fn qd_sweep_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
     }
     if !cdf.is_empty() {
         let lat = dir.join("qd-sweep-latency.svg");
-        LineChart {
-            title: "Read latency distribution at each engine's deepest queue".into(),
-            subtitle: sub,
-            x_label: "latency, µs (log scale)",
-            y_label: "reads completed within, %",
-            x_scale: Scale::Log10,
-            y_scale: Scale::Linear,
-            y_range: Some((0.0, 100.0)),
-            legend: SeriesLabelPosition::LowerRight,
-            marker: None,
-            series: cdf,
-        }
+        LineChart::new(
+            "Read latency distribution at each engine's deepest queue",
+            sub,
+            ("latency, µs (log scale)", Scale::Log10),
+            "reads completed within, %",
+            cdf,
+        )
+        .legend(SeriesLabelPosition::LowerRight)
+        .y_range((0.0, 100.0))
         .draw(&lat)?;
         out.push(lat);
     }
@@ -639,18 +640,13 @@ fn layout_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
             series.push(Series::new(format!("{name}: {n} scattered reads"), scattered, true).with_color(i));
         }
         let path = dir.join(format!("layout-{n}-pieces.svg"));
-        LineChart {
-            title: format!("Expert reads: one contiguous read vs {n} scattered per-tensor reads"),
-            subtitle: sub,
-            x_label: "queue depth (log scale)",
-            y_label: "experts read / s",
-            x_scale: Scale::Log2,
-            y_scale: Scale::Linear,
-            y_range: None,
-            legend: SeriesLabelPosition::UpperLeft,
-            marker: None,
+        LineChart::new(
+            format!("Expert reads: one contiguous read vs {n} scattered per-tensor reads"),
+            sub,
+            QD_AXIS,
+            "experts read / s",
             series,
-        }
+        )
         .draw(&path)?;
         out.push(path);
     }
@@ -675,39 +671,23 @@ mod tests {
     fn a_chart_is_well_formed_svg() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("c.svg");
-        LineChart {
-            title: "t".into(),
-            subtitle: "s",
-            x_label: "x",
-            y_label: "y",
-            x_scale: Scale::Log2,
-            y_scale: Scale::Linear,
-            y_range: None,
-            legend: SeriesLabelPosition::UpperLeft,
-            marker: None,
-            series: vec![
+        LineChart::new(
+            "t",
+            "s",
+            ("x", Scale::Log2),
+            "y",
+            vec![
                 Series::new("a", vec![(1.0, 1.0), (2.0, 3.0), (4.0, 2.0)], false),
                 Series::new("b", vec![(1.0, 2.0), (4.0, 2.5)], true),
             ],
-        }
+        )
         .draw(&p)
         .unwrap();
         let svg = std::fs::read_to_string(&p).unwrap();
         let doc = roxmltree::Document::parse(&svg).unwrap();
         assert_eq!(doc.root_element().tag_name().name(), "svg");
         assert!(doc.descendants().filter(|n| n.tag_name().name() == "circle").count() >= 5);
-        let empty = LineChart {
-            title: "e".into(),
-            subtitle: "",
-            x_label: "",
-            y_label: "",
-            x_scale: Scale::Linear,
-            y_scale: Scale::Linear,
-            y_range: None,
-            legend: SeriesLabelPosition::UpperLeft,
-            marker: None,
-            series: vec![],
-        };
+        let empty = LineChart::new("e", "", ("", Scale::Linear), "", vec![]);
         assert!(empty.draw(&dir.path().join("e.svg")).is_err());
     }
 

@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use common::stop::{assert_leftover_removed, kill_writer_at, tmp_of};
-use common::{ok, private_model, scratch, strs, synth_custom};
+use common::{ok, private_model, scratch, strs, synth_custom, synth_one_layer};
 use picchio_core::rng::SplitMix64;
 
 /// Kill points per writer.
@@ -139,28 +139,10 @@ fn kill_9_of_synth_at_seeded_points_keeps_the_old_image_and_the_next_synth_remov
 fn kill_9_of_synth_model_out_at_seeded_points_keeps_the_old_directory_and_the_next_synth_removes_the_leftover() {
     let dir = scratch();
     let out = dir.path().join("synthetic");
-    // One layer of Qwen3-30B-A3B's geometry with its 8 experts per token as the only experts and a
-    // vocabulary of 1024 (so no tokenizer): about 120 MB, 75 MB of it the layer's F32 attention.
-    let args: Vec<String> = [
-        "synth",
-        "--arch",
-        "qwen3-30b-a3b",
-        "--layers",
-        "1",
-        "--experts",
-        "8",
-        "--vocab",
-        "1024",
-        "--no-tokenizer",
-        "--seed",
-        "7",
-        "--no-progress",
-        "--model-out",
-    ]
-    .iter()
-    .map(|a| a.to_string())
-    .chain([s(&out)])
-    .collect();
+    // One layer of Qwen3-30B-A3B's geometry, a vocabulary of 1024: about 120 MB.
+    let mut args = synth_one_layer(1024);
+    args.extend(["--seed", "7", "--no-progress", "--model-out"].map(String::from));
+    args.push(s(&out));
     ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
     // Every byte of the directory is counted: a stop point at its last byte is reached.
     let total = size(&out);

@@ -14,7 +14,7 @@ mod common;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
-use common::scratch;
+use common::{scratch, strs, synth_one_layer};
 
 const UMASK: u32 = 0o027;
 
@@ -103,21 +103,9 @@ fn every_writer_creates_its_files_with_the_umask_mode() {
 
     // synth --model-out: config.json, the safetensors shards (once 0600), the index and the image.
     let model = dir.path().join("synthetic");
-    ok_under_umask(&[
-        "synth",
-        "--arch",
-        "qwen3-30b-a3b",
-        "--layers",
-        "1",
-        "--experts",
-        "8",
-        "--vocab",
-        "256",
-        "--no-tokenizer",
-        "--no-progress",
-        "--model-out",
-        s(&model),
-    ]);
+    let mut args = synth_one_layer(256);
+    args.extend(["--no-progress".into(), "--model-out".into(), s(&model).to_string()]);
+    ok_under_umask(&strs(&args));
     let shards = std::fs::read_dir(&model)
         .unwrap()
         .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().ends_with(".safetensors"))

@@ -53,6 +53,15 @@ pub fn synth_custom(hidden: u64, moe_intermediate: u64, experts: u64, model_laye
     ["synth", "--arch", "custom"].map(String::from).into_iter().chain(geometry).collect()
 }
 
+/// `picchio synth` arguments for one layer of Qwen3-30B-A3B's geometry whose 8 experts per token are
+/// its only experts, with a vocabulary of `vocab` and no tokenizer (about 120 MB with
+/// `--model-out`, 75 MB of it the layer's F32 attention); callers append the rest (`--seed`,
+/// `--no-progress`, `--model-out`, ...).
+pub fn synth_one_layer(vocab: u32) -> Vec<String> {
+    let args = ["synth", "--arch", "qwen3-30b-a3b", "--layers", "1", "--experts", "8", "--vocab"];
+    args.map(String::from).into_iter().chain([vocab.to_string(), "--no-tokenizer".into()]).collect()
+}
+
 /// `args` as the `&str`s [`picchio`] takes.
 pub fn strs(args: &[String]) -> Vec<&str> {
     args.iter().map(String::as_str).collect()

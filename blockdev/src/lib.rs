@@ -9,12 +9,11 @@
 //! * `IocpQueue` (Windows only): overlapped, unbuffered `ReadFile`s on one handle completed through
 //!   an I/O completion port, up to `qd` in flight (`PsyncQueue` works on Windows too, with
 //!   `FILE_FLAG_NO_BUFFERING` for `--direct`).
-//! * [`open_store`]: a [`picchio_core::FlatStore`] served by a `PsyncQueue`, in one call.
 //! * [`host`]: the host's view of its block devices — mounted, partitions, holders, swap, the
 //!   device(s) behind `/` — for the write refusals of `raw`, `picchio nvme` and bench records.
 //! * `raw` (tier S4, Linux only): block devices addressed by LBA — measuring and inspecting them,
-//!   the refusals before writing one and the `O_DIRECT` device writer (reads offset to the image
-//!   go through [`picchio_core::OffsetQueue`]).
+//!   the refusals before writing one and the `O_DIRECT` device writer (a reader of the image adds
+//!   its base to every offset: [`picchio_core::FlatStoreOptions::base_offset`]).
 //!
 //! Engines know nothing of models: they read `(offset, len)` into a buffer and report completions.
 //! Every system call lives in the private `sys` module (one file per OS); opening errors are
@@ -32,7 +31,6 @@ pub mod pagecache;
 mod psync;
 #[cfg(target_os = "linux")]
 pub mod raw;
-mod store;
 mod sys;
 #[cfg(test)]
 mod test_file;
@@ -44,6 +42,5 @@ pub use error::{Error, Result};
 #[cfg(windows)]
 pub use iocp::{IocpOptions, IocpQueue};
 pub use psync::{PsyncOptions, PsyncQueue, DEFAULT_THREADS, MAX_THREADS, MIN_REPORTED_BLOCK_SIZE};
-pub use store::open_store;
 #[cfg(target_os = "linux")]
 pub use uring::{UringOptions, UringQueue, DEFAULT_QD, MAX_QD};

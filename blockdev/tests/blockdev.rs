@@ -7,8 +7,8 @@ mod common;
 
 use std::path::Path;
 
-use common::{buf_for, check_every_expert, random_file, read_one, scratch, write_image, Rng};
-use picchio_blockdev::{open_store, Error, PsyncOptions, PsyncQueue};
+use common::{buf_for, check_every_expert, open_store, random_file, read_one, scratch, write_image, Rng};
+use picchio_blockdev::{Error, PsyncOptions, PsyncQueue};
 use picchio_core::loader::StoreDims;
 use picchio_core::{ByteOffset, IoQueue, ReadReq, Tag};
 use picchio_testkit::loopdev::{LoopDevice, LoopOptions};

@@ -19,7 +19,7 @@ use picchio_blockdev::raw::{DeviceSink, Finding, Inspection, Lba, RawDevice, Raw
 use picchio_blockdev::{Error, PsyncOptions, PsyncQueue};
 use picchio_core::loader::StoreDims;
 use picchio_core::{
-    AlignedBuf, ByteOffset, ExpertLoader, FlatStore, FlatStoreOptions, FlatWriter, LoadError, OffsetQueue,
+    AlignedBuf, ByteOffset, ExpertLoader, FlatStore, FlatStoreOptions, FlatWriter, LoadError,
 };
 
 const MIB: u64 = 1 << 20;
@@ -127,10 +127,9 @@ fn an_image_written_at_an_lba_reads_back_and_nothing_outside_it_changes() {
         assert!(insp.findings().is_empty(), "{insp}");
         let len = write_image(&target, false).unwrap();
         read_back(&target);
-        // OffsetQueue sees the superblock at image offset 0.
-        let q = PsyncQueue::open(&lo.dev, PsyncOptions::direct(1)).unwrap();
-        let mut q = OffsetQueue::new(q, target.base());
-        let sb = picchio_core::io::read_blocking(&mut q, 0, 4096).unwrap();
+        // The superblock is at image offset 0: the target's base on the device.
+        let mut q = PsyncQueue::open(&lo.dev, PsyncOptions::direct(1)).unwrap();
+        let sb = picchio_core::io::read_blocking(&mut q, target.base().0, 4096).unwrap();
         assert_eq!(&sb.as_slice()[..8], b"PCHIOFL1");
         drop(q);
         drop(lo);

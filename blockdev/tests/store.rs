@@ -8,8 +8,8 @@ use std::fs::OpenOptions;
 use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-use common::{direct_scratch, scratch, write_image};
-use picchio_blockdev::{open_store, Error, PsyncOptions, PsyncQueue};
+use common::{direct_scratch, open_store, scratch, write_image};
+use picchio_blockdev::{Error, PsyncOptions, PsyncQueue};
 use picchio_core::format::{decode_index, index_sha256, round_up, EXPERT_LOC_SIZE};
 use picchio_core::loader::StoreDims;
 use picchio_core::{

@@ -11,7 +11,6 @@ pub mod error;
 pub mod format;
 pub mod io;
 pub mod loader;
-pub mod offset;
 pub mod output;
 pub mod rng;
 pub mod stats;
@@ -26,7 +25,6 @@ pub use io::{ByteOffset, Completion, IoQueue, ReadReq, SlotAllocator, Tag};
 pub use loader::{
     ExpertKey, ExpertLoader, FallbackLoader, FlatStore, FlatStoreOptions, LoadError, Loaded, StoreExpect,
 };
-pub use offset::OffsetQueue;
 pub use stats::{IoStats, StatsSnapshot};
 pub use units::human_bytes;
 pub use uri::StoreUri;

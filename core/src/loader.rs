@@ -266,6 +266,9 @@ pub struct FlatStore<Q: IoQueue> {
     since_check: u32,
     /// Set once the image is found changed: what differs.
     changed: Option<String>,
+    /// Kept as long as the store and dropped just after the queue ([`FlatStore::with_guard`]).
+    /// Declared last: fields drop in declaration order.
+    guard: Option<Box<dyn Send>>,
 }
 
 impl<Q: IoQueue> FlatStore<Q> {
@@ -376,7 +379,16 @@ impl<Q: IoQueue> FlatStore<Q> {
             sb_block,
             since_check: 0,
             changed: None,
+            guard: None,
         })
+    }
+
+    /// Keeps `guard` alive as long as this store, dropped just after its queue: what must outlive
+    /// the reader of the target and nothing longer (the runtime's shared reader lock on the image
+    /// file or device node, which writers of the target wait for). Replaces an earlier guard.
+    pub fn with_guard(mut self, guard: impl Send + 'static) -> Self {
+        self.guard = Some(Box::new(guard));
+        self
     }
 
     /// Whether the image on the target is still the one opened: reads the superblock block again and
@@ -804,5 +816,131 @@ mod tests {
         assert_eq!(m.len(), 2, "{m:?}");
         assert!(m[0].starts_with("img: ") && m[0].contains("topk is 2 in the store, 4 in the model"), "{m:?}");
         assert!(m[1].contains("moe_inter (2 × moe_intermediate_size) is 128 in the store, 256 in the model"), "{m:?}");
+    }
+
+    use crate::format::{FlatWriter, ImageSink};
+    use crate::io::{Completion, ReadReq};
+    use std::sync::Mutex;
+
+    /// An image written into memory.
+    #[derive(Default)]
+    struct MemSink {
+        bytes: Vec<u8>,
+    }
+
+    impl ImageSink for MemSink {
+        fn dest(&self) -> &std::path::Path {
+            std::path::Path::new("mem")
+        }
+        fn write_at(&mut self, offset: u64, bytes: &[u8]) -> std::io::Result<()> {
+            let end = offset as usize + bytes.len();
+            if self.bytes.len() < end {
+                self.bytes.resize(end, 0);
+            }
+            self.bytes[offset as usize..end].copy_from_slice(bytes);
+            Ok(())
+        }
+        fn barrier(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn commit(&mut self, _len: u64) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    /// A queue over bytes in memory that records the offsets it was asked for and, when dropped,
+    /// writes `queue` to `dropped`.
+    struct Mem {
+        bytes: Vec<u8>,
+        done: Vec<Completion>,
+        asked: Arc<Mutex<Vec<u64>>>,
+        dropped: Arc<Mutex<Vec<&'static str>>>,
+    }
+
+    impl IoQueue for Mem {
+        fn block_size(&self) -> u32 {
+            512
+        }
+        fn submit(&mut self, mut req: ReadReq) {
+            let at = req.offset.0;
+            self.asked.lock().unwrap().push(at);
+            let end = at.saturating_add(u64::from(req.len));
+            let result = if end <= self.bytes.len() as u64 {
+                req.buf.as_mut_slice()[..req.len as usize].copy_from_slice(&self.bytes[at as usize..end as usize]);
+                Ok(req.len)
+            } else {
+                Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "past the end"))
+            };
+            self.done.push(Completion { tag: req.tag, buf: req.buf, result, latency_ns: 0 });
+        }
+        fn reap(&mut self, _min: usize, out: &mut Vec<Completion>) -> usize {
+            let n = self.done.len();
+            out.append(&mut self.done);
+            n
+        }
+        fn in_flight(&self) -> usize {
+            self.done.len()
+        }
+        fn describe(&self) -> String {
+            "mem".into()
+        }
+    }
+
+    impl Drop for Mem {
+        fn drop(&mut self) {
+            self.dropped.lock().unwrap().push("queue");
+        }
+    }
+
+    /// Writes `guard` to its list when dropped.
+    struct Guard(Arc<Mutex<Vec<&'static str>>>);
+
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            self.0.lock().unwrap().push("guard");
+        }
+    }
+
+    /// An image that starts past byte 0 of its target (`raw:/dev/X@BYTES`) is read at
+    /// `base_offset + offset` — superblock, index, payloads and the superblock recheck — and the
+    /// guard outlives the queue.
+    #[test]
+    fn base_offset_is_added_to_every_read_and_the_guard_drops_after_the_queue() {
+        let dims = StoreDims { hidden: 64, n_layers: 1, n_experts: 2, topk: 1, moe_inter: 128 };
+        let payloads: [Vec<u8>; 2] = [(0..5000u32).map(|i| (i % 251) as u8).collect(), vec![7u8; 4096]];
+        let mut sink = MemSink::default();
+        let mut w = FlatWriter::with_sink(&mut sink, dims, 2).unwrap();
+        let locs: Vec<ExpertLoc> = payloads.iter().map(|p| w.push(p).unwrap()).collect();
+        w.finish().unwrap();
+        let base = 3 * 4096u64;
+        let mut target = vec![0xEE; base as usize];
+        target.extend_from_slice(&sink.bytes);
+        let (asked, dropped) = (Arc::new(Mutex::new(Vec::new())), Arc::new(Mutex::new(Vec::new())));
+        let q = Mem { bytes: target, done: Vec::new(), asked: asked.clone(), dropped: dropped.clone() };
+        let opts = FlatStoreOptions {
+            base_offset: base,
+            image_len: sink.bytes.len() as u64,
+            verify: true,
+            recheck_every: 1,
+            ..Default::default()
+        };
+        let mut store = FlatStore::open(q, "raw:mem@12288", opts).unwrap().with_guard(Guard(dropped.clone()));
+        let sb = store.superblock().clone();
+        assert_eq!(*asked.lock().unwrap(), [base, base + sb.index_offset], "superblock and index at base + offset");
+        let mut got = Vec::new();
+        let bufs = (0..2).map(|e| (e, AlignedBuf::new(8192, 4096).unwrap())).collect();
+        store.load(0, bufs, &mut |l| got.push(l));
+        got.sort_by_key(|l| l.key.expert);
+        for (l, p) in got.iter().zip(&payloads) {
+            assert!(l.result.is_ok(), "{:?}", l.result);
+            assert!(l.buf.as_slice()[..p.len()] == p[..], "expert {} read from base + its offset", l.key);
+        }
+        let asked = asked.lock().unwrap()[2..].to_vec();
+        let want_payloads = [base + locs[0].offset, base + locs[1].offset];
+        assert!(asked.len() == 3 && want_payloads.iter().all(|o| asked.contains(o)), "{asked:?}");
+        assert!(asked.contains(&base), "the recheck reads the superblock at the base: {asked:?}");
+        assert!(store.changed().is_none());
+        drop(store);
+        assert_eq!(*dropped.lock().unwrap(), ["queue", "guard"]);
     }
 }

@@ -9,12 +9,13 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::expert::cache::{ExpertCache, PrefetchStats};
-use crate::expert::store::{open_store, IoOptions, StoreInfo};
+use crate::expert::open::EngineOptions;
+use crate::expert::store::{open_store, StoreInfo};
 use crate::expert::usage::UsageProfile;
 use crate::model::dir::ModelDir;
 use crate::model::sampler::{Sampler, SamplerOptions};
 use crate::model::tokenizer::Tokenizer;
-use crate::model::{DecodeIo, DenseFormat, Model, StepTimers};
+use crate::model::{DecodeSchedule, DenseFormat, Model, StepTimers};
 
 /// How to open a model for generation.
 #[derive(Clone, Debug)]
@@ -24,8 +25,12 @@ pub struct SessionOptions {
     pub model: ModelDir,
     /// Where routed experts come from.
     pub store: StoreUri,
-    /// Flat-store I/O settings.
-    pub io: IoOptions,
+    /// How the store's engine is opened (engine, O_DIRECT, threads, queue depth).
+    pub engine: EngineOptions,
+    /// How decode steps schedule expert reads against compute (async MoE, overlap, prefetch).
+    pub schedule: DecodeSchedule,
+    /// Check every payload's SHA-256 prefix against the index after reading it (`--verify`).
+    pub verify: bool,
     /// Expert-cache capacity in experts; `None` chooses [`default_ecap`].
     pub ecap: Option<usize>,
     /// Longest sequence (prompt + generated) to size the KV cache for.
@@ -282,7 +287,15 @@ impl Session {
         let model = Model::load_as(&opts.model, opts.max_seq, opts.dense)?;
         let layout = model.layout().clone();
         let (mut loader, mut info, io_stats) =
-            open_store(&opts.store, opts.model.path(), cfg, model.tensors().clone(), &layout, opts.io)?;
+            open_store(
+                &opts.store,
+                opts.model.path(),
+                cfg,
+                model.tensors().clone(),
+                &layout,
+                opts.engine,
+                opts.verify,
+            )?;
         let total = cfg.moe_layers().len() * cfg.num_experts;
         let ecap = match opts.ecap {
             Some(0) => {
@@ -301,9 +314,13 @@ impl Session {
             None => default_ecap(total, layout.len(), cfg.num_experts_per_tok),
         };
         let mut cache = ExpertCache::new(ecap, layout.len())?;
-        cache.set_async_moe(opts.io.async_moe);
+        cache.set_async_moe(opts.schedule.async_moe);
         let mut model = model;
-        model.set_decode_io(DecodeIo { overlap: opts.io.overlap, prefetch: opts.io.prefetch && opts.io.overlap });
+        model.set_decode_schedule(opts.schedule);
+        // The one I/O thread of the session's decode steps, started before the first of them.
+        if opts.schedule.overlapped() {
+            model.start_io_thread()?;
+        }
         // Slots in the engine's DMA memory when it has some (nvme:), else on the heap.
         if let Some(slots) = cache.use_slots_from(&mut *loader) {
             info.engine = format!("{}; expert cache slots: {slots}", info.engine);
@@ -566,8 +583,8 @@ impl Session {
             store: self.info.store.clone(),
             engine: self.info.engine.clone(),
             async_moe: self.cache.async_moe(),
-            overlap: self.model.decode_io().overlap && self.cache.async_moe(),
-            prefetch: self.model.decode_io().prefetch && self.model.decode_io().overlap && self.cache.async_moe(),
+            overlap: self.model.decode_schedule().overlap && self.cache.async_moe(),
+            prefetch: self.model.decode_schedule().prefetch && self.model.decode_schedule().overlap && self.cache.async_moe(),
             prefetch_stats: PrefetchStats::default(),
             prefetch_wasted_bytes: 0,
             decode_split: DecodeSplit::default(),

@@ -6,10 +6,10 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-use picchio_blockdev::{open_store, PsyncOptions, PsyncQueue};
+use picchio_blockdev::{PsyncOptions, PsyncQueue};
 use picchio_core::format::DENSE_LAYER_PLACEHOLDER;
 use picchio_core::format::{decode_index, Superblock};
-use picchio_core::{AlignedBuf, ExpertKey, FlatStore, LoadError, StoreExpect};
+use picchio_core::{AlignedBuf, ExpertKey, FlatStore, FlatStoreOptions, LoadError, StoreExpect};
 use picchio_runtime::expert::layout::ExpertLayout;
 use picchio_runtime::expert::store::store_dims;
 use picchio_runtime::image::convert::{convert, ConvertOptions, ExpertSource};
@@ -144,7 +144,9 @@ fn open_flat(path: &Path, model: Option<&Path>, verify: bool) -> FlatStore<Psync
         let layout = ExpertLayout::detect(&TensorStore::open(m).unwrap(), &cfg).unwrap();
         StoreExpect { dims: store_dims(&cfg), payload_len: layout.len() as u32 }
     });
-    open_store(path, PsyncOptions::buffered(2), verify, expect).unwrap()
+    let queue = PsyncQueue::open(path, PsyncOptions::buffered(2)).unwrap();
+    let opts = FlatStoreOptions { image_len: queue.len(), verify, expect, ..FlatStoreOptions::default() };
+    FlatStore::open(queue, path.display().to_string(), opts).unwrap()
 }
 
 /// Loads one expert through a FlatStore and returns its payload bytes (or the error).

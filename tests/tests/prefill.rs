@@ -36,7 +36,7 @@ fn decode(model: &mut Model, first: Vec<f32>, pos: usize, n: usize, run: &mut Ru
 /// An expert cache and the safetensors loader of one run.
 struct Run {
     cache: picchio_runtime::expert::cache::ExpertCache,
-    loader: picchio_runtime::expert::layout::SafetensorsExperts,
+    loader: picchio_runtime::expert::safetensors::SafetensorsExperts,
 }
 
 fn new_run(model: &Model, ecap: usize) -> Run {

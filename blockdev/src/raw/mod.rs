@@ -5,9 +5,8 @@
 //!   (`BLKSSZGET`, `BLKPBSZGET`), read-only flag (`BLKROGET`), and what sysfs says it is.
 //! * [`RawTarget`] is a device plus the [`Lba`] where the image starts: the byte offset of
 //!   `raw:/dev/X@BYTES` must be a whole number of logical blocks, and every read or write of the
-//!   image lands at `LBA × logical block size + offset in the image`. [`picchio_core::OffsetQueue`]
-//!   gives any [`picchio_core::IoQueue`] that view, so code that reads an image from byte 0
-//!   (verification) reads it there.
+//!   image lands at `LBA × logical block size + offset in the image` ([`RawTarget::base`] is the
+//!   byte offset a reader adds: [`picchio_core::FlatStoreOptions::base_offset`]).
 //! * [`RawTarget::inspect`] (`inspect.rs`) reads (never writes) what writing an image would destroy:
 //!   how the device and its partitions are used ([`crate::host`]: mounts, swap, holders, whether it
 //!   backs `/`), and partition tables, file-system signatures and an earlier `.picchioflat` image
@@ -278,7 +277,7 @@ impl RawTarget {
 pub(super) mod tests {
     use super::*;
     use picchio_core::io::read_blocking;
-    use picchio_core::{IoQueue, OffsetQueue};
+    use picchio_core::IoQueue;
 
     use crate::psync::{PsyncOptions, PsyncQueue};
 
@@ -328,19 +327,20 @@ pub(super) mod tests {
     }
 
     #[test]
-    fn offset_queue_shifts_reads() {
+    fn an_image_at_a_base_is_read_at_base_plus_image_offset() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("d");
         let bytes: Vec<u8> = (0..16384u32).map(|i| (i % 253) as u8).collect();
         std::fs::write(&path, &bytes).unwrap();
-        let q = PsyncQueue::open(&path, PsyncOptions::buffered(1)).unwrap();
-        let mut q = OffsetQueue::new(q, ByteOffset(4096));
-        assert_eq!((q.base(), q.block_size()), (ByteOffset(4096), 512));
-        let b = read_blocking(&mut q, 4096, 4096).unwrap();
+        let mut q = PsyncQueue::open(&path, PsyncOptions::buffered(1)).unwrap();
+        // The reader adds the target's base (FlatStoreOptions::base_offset) to every image offset.
+        let base = fake_target(16384, 512, 4096).unwrap().base();
+        assert_eq!((base, q.block_size()), (ByteOffset(4096), 512));
+        let b = read_blocking(&mut q, base.0 + 4096, 4096).unwrap();
         assert!(b.as_slice()[..4096] == bytes[8192..12288]);
-        assert!(read_blocking(&mut q, 12288, 512).is_err(), "past the end of the target");
+        assert!(read_blocking(&mut q, base.0 + 12288, 512).is_err(), "past the end of the target");
         assert_eq!(q.describe(), "psync(buffered, 1 thread)");
-        assert_eq!(q.into_inner().len(), 16384);
+        assert_eq!(q.len(), 16384);
     }
 
     #[test]

@@ -1,13 +1,16 @@
 //! Helpers shared by blockdev's integration tests: scratch directories (the test kit's), a directory
 //! where O_DIRECT works, seeded bytes ([`picchio_core::rng::SplitMix64`]), a read-and-reap helper,
-//! and the checks of blockdev's typed errors the conformance suite calls.
+//! the checks of blockdev's typed errors the conformance suite calls, and [`open_store`] (a flat
+//! store over a psync queue in one call).
 #![allow(dead_code)]
 
 use std::io;
 use std::path::{Path, PathBuf};
 
 use picchio_blockdev::{DioAlign, Error, PsyncOptions, PsyncQueue};
-use picchio_core::{AlignedBuf, ByteOffset, Completion, IoQueue, ReadReq, Tag};
+use picchio_core::{
+    AlignedBuf, ByteOffset, Completion, FlatStore, FlatStoreOptions, IoQueue, ReadReq, StoreExpect, Tag,
+};
 use picchio_testkit::conformance::{Engine, Eof, Misalign, OpenFn};
 
 #[allow(unused_imports)] // some test binaries draw no numbers of their own
@@ -136,4 +139,24 @@ pub fn file_engine<'a>(name: &'a str, dir: &'a Path, open: &'a OpenFn<'a>, align
         past_end: &check_past_end,
         too_small: &check_too_small,
     }
+}
+
+/// Opens the image at `path` (a file, or a block device holding the image from byte 0) with a
+/// [`PsyncQueue`], and reads and checks its superblock and index with [`FlatStore::open`], using the
+/// whole target as the image (`image_len` = [`PsyncQueue::len`]). `verify` checks every payload's
+/// hash after reading it; `expect` checks the store against a model. Named by `path` in messages.
+///
+/// # Errors
+/// The [`PsyncQueue::open`] errors, and [`Error::Store`] for whole-store faults (bad magic,
+/// version, dimensions, index hash, truncated index).
+pub fn open_store(
+    path: &Path,
+    opts: PsyncOptions,
+    verify: bool,
+    expect: Option<StoreExpect>,
+) -> Result<FlatStore<PsyncQueue>, Error> {
+    let queue = PsyncQueue::open(path, opts)?;
+    let image_len = queue.len();
+    let store_opts = FlatStoreOptions { base_offset: 0, image_len, verify, expect, recheck_every: 0 };
+    Ok(FlatStore::open(queue, path.display().to_string(), store_opts)?)
 }

@@ -939,11 +939,11 @@ fn check_distinct(layer: u32, experts: &[u32]) -> Result<()> {
 /// An [`IoWorker`] with nothing in flight, seen as a (blocking) [`ExpertLoader`]: one job, its
 /// slots handed to `ready` as they come back. The plain [`ExpertCache::fetch`] runs on it when an
 /// overlapped fetch has too few slots.
-struct WorkerLoader<'a>(&'a mut IoWorker);
+struct WorkerLoader<'a, 'w>(&'a mut IoWorker<'w>);
 
-impl ExpertLoader for WorkerLoader<'_> {
+impl ExpertLoader for WorkerLoader<'_, '_> {
     fn describe(&self) -> String {
-        self.0.describe().to_string()
+        self.0.describe()
     }
 
     fn load(&mut self, layer: u32, requests: Vec<(u32, AlignedBuf)>, ready: &mut dyn FnMut(Loaded)) {
@@ -1185,10 +1185,18 @@ mod tests {
         assert_eq!(seen, [0, 2]);
     }
 
+    /// `f` with an I/O worker over `l` on an I/O thread of its own.
+    fn with_io_worker<R>(
+        l: &mut dyn ExpertLoader,
+        f: impl FnOnce(&mut crate::expert::io_worker::IoWorker<'_>) -> R,
+    ) -> std::io::Result<R> {
+        Ok(crate::expert::io_worker::IoThread::start()?.lend(l, f))
+    }
+
     /// `fetch_overlapped` on an I/O worker over the fake loader; returns the indices in compute order.
     fn fetch_ov(
         c: &mut ExpertCache,
-        io: &mut crate::expert::io_worker::IoWorker,
+        io: &mut crate::expert::io_worker::IoWorker<'_>,
         layer: u32,
         experts: &[u32],
         prefetch: Option<(u32, &[u32])>,
@@ -1204,7 +1212,6 @@ mod tests {
 
     #[test]
     fn overlapped_fetch_computes_hits_first_and_prefetches_the_next_layer() {
-        use crate::expert::io_worker::with_io_worker;
         let mut c = ExpertCache::new(6, 5000).unwrap();
         let mut l = FakeLoader::new();
         with_io_worker(&mut l, |io| {
@@ -1233,7 +1240,6 @@ mod tests {
 
     #[test]
     fn overlapped_fetch_never_evicts_its_own_hits() {
-        use crate::expert::io_worker::with_io_worker;
         // Capacity 3: [1, 2] resident, then [1, 2, 8, 9] needs 2 slots with only 1 evictable:
         // the plain order (hits, then misses in batches) serves it; a prefetch takes no hit's slot.
         let mut c = ExpertCache::new(3, 5000).unwrap();
@@ -1261,7 +1267,6 @@ mod tests {
 
     #[test]
     fn overlapped_fetch_reports_loader_failures_and_kept_slots() {
-        use crate::expert::io_worker::with_io_worker;
         let mut c = ExpertCache::new(4, 5000).unwrap();
         let mut l = FakeLoader::new();
         l.fail = vec![6];
@@ -1290,7 +1295,6 @@ mod tests {
 
     #[test]
     fn a_failed_prefetch_counts_as_wasted_even_when_its_layer_picks_it() {
-        use crate::expert::io_worker::with_io_worker;
         let mut c = ExpertCache::new(6, 5000).unwrap();
         let mut l = FakeLoader::new();
         l.fail = vec![5];

@@ -1,5 +1,5 @@
-//! One routed expert's payload: its layout in a `.picchioflat` slot and in a converted directory, and
-//! the safetensors [`ExpertLoader`] that is always correct (the fallback of every other store).
+//! One routed expert's payload: its layout in a `.picchioflat` slot and in a converted directory
+//! (the safetensors loader that reads it from the directory is [`crate::expert::safetensors`]).
 //!
 //! Payload (DESIGN.md, "`.picchioflat` version 2"), for hidden size H and expert width I:
 //!
@@ -17,9 +17,7 @@
 //! biases (GPT-OSS) are resident tensors, not part of the payload.
 
 use std::ops::Range;
-use std::sync::Arc;
 
-use picchio_core::{AlignedBuf, ExpertKey, ExpertLoader, LoadError, Loaded};
 use safetensors::Dtype;
 
 use crate::error::{Error, Result};
@@ -230,48 +228,10 @@ impl ExpertLayout {
     }
 }
 
-/// Serves experts from a converted directory's safetensors tensors (memory-mapped, copied into the
-/// slot). Always correct, never fast: the fallback for every other store.
-pub struct SafetensorsExperts {
-    store: Arc<TensorStore>,
-    layout: ExpertLayout,
-}
-
-impl SafetensorsExperts {
-    /// Serves `store`'s experts with `layout`.
-    pub fn new(store: Arc<TensorStore>, layout: ExpertLayout) -> Self {
-        SafetensorsExperts { store, layout }
-    }
-}
-
-impl ExpertLoader for SafetensorsExperts {
-    fn describe(&self) -> String {
-        format!("safetensors:{}", self.store.dir().display())
-    }
-
-    fn load(&mut self, layer: u32, requests: Vec<(u32, AlignedBuf)>, ready: &mut dyn FnMut(Loaded)) {
-        for (expert, mut buf) in requests {
-            let key = ExpertKey { layer, expert };
-            let result = if buf.len() < self.layout.len() {
-                Err(LoadError::SlotTooSmall {
-                    source_name: self.describe(),
-                    key,
-                    slot: buf.len(),
-                    need: self.layout.len(),
-                })
-            } else {
-                self.layout
-                    .payload_from_store(&self.store, layer as usize, expert as usize, buf.as_mut_slice())
-                    .map_err(|e| LoadError::Other(format!("{key}: {}", picchio_core::error::chain(&e))))
-            };
-            ready(Loaded { key, buf, result });
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use picchio_core::AlignedBuf;
 
     #[test]
     fn real_qwen3_30b_expert_is_648_blocks() {

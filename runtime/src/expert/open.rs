@@ -1,5 +1,8 @@
-//! The one way from a store URI ([`StoreUri`]) and I/O options ([`IoOptions`]) to an engine reading
-//! its image: [`open_engine`]. `picchio run` (through [`crate::expert::store::open_store`]),
+//! The one way from a store URI ([`StoreUri`]) and engine options ([`EngineOptions`]) to an engine
+//! reading its image: [`open_engine`], which returns the queue with the reader's lock on the target
+//! ([`Opened`]). The kernel engines (psync, io_uring, IOCP: [`IoEngine`]) are opened here too. This
+//! module is the bottom of opening: `picchio run` (through [`crate::expert::store::open_store`],
+//! which builds the expert loader on it),
 //! `picchio verify`, the read-back of `pack` and `synth` ([`crate::image::write`]) and every
 //! `picchio bench` experiment open their queue here.
 //!
@@ -19,14 +22,194 @@
 
 use std::path::Path;
 
-use picchio_core::{ByteOffset, IoQueue, OffsetQueue, StoreUri};
+use picchio_blockdev::{PsyncOptions, PsyncQueue};
+#[cfg(target_os = "linux")]
+use picchio_blockdev::{UringOptions, UringQueue};
+use picchio_core::{IoQueue, StoreUri};
 
 use crate::error::{Error, Result};
-use crate::expert::store::{open_queue, IoOptions};
+use crate::image::guard::ReadLock;
 
-/// An engine opened on a store's image.
+/// The kernel-path engine that reads a file or block device (`--io`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum IoEngine {
+    /// A pool of `threads` reader threads doing positional reads (`--io psync`).
+    Psync,
+    /// One io_uring instance with up to `qd` reads in flight (`--io uring`, Linux). Where io_uring
+    /// is unavailable (old kernel, seccomp, `kernel.io_uring_disabled`) the queue falls back to
+    /// [`IoEngine::Psync`] with one warning.
+    Uring,
+    /// Overlapped unbuffered `ReadFile`s completed through an I/O completion port, up to `qd` in
+    /// flight (`--io iocp`, Windows only; always unbuffered).
+    Iocp,
+}
+
+impl Default for IoEngine {
+    /// [`IoEngine::Uring`] on Linux, [`IoEngine::Iocp`] on Windows, [`IoEngine::Psync`] elsewhere.
+    fn default() -> Self {
+        if cfg!(target_os = "linux") {
+            IoEngine::Uring
+        } else if cfg!(windows) {
+            IoEngine::Iocp
+        } else {
+            IoEngine::Psync
+        }
+    }
+}
+
+impl std::fmt::Display for IoEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            IoEngine::Psync => "psync",
+            IoEngine::Uring => "uring",
+            IoEngine::Iocp => "iocp",
+        })
+    }
+}
+
+impl std::str::FromStr for IoEngine {
+    type Err = String;
+
+    /// `psync`, `uring` or `iocp`.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "psync" => Ok(IoEngine::Psync),
+            "uring" | "io_uring" => Ok(IoEngine::Uring),
+            "iocp" => Ok(IoEngine::Iocp),
+            _ => Err(format!("unknown I/O engine {s:?}: expected psync, uring (Linux) or iocp (Windows)")),
+        }
+    }
+}
+
+/// What [`open_engine`] needs to open a store's engine: which kernel engine reads a file or
+/// device, how (page cache or not, threads, queue depth, io_uring flags), and the depth and
+/// queues of the NVMe engines. How a decode step schedules its expert reads is apart
+/// ([`crate::model::DecodeSchedule`]), and so is checking payload hashes (`verify` of
+/// [`crate::expert::store::open_flat`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EngineOptions {
+    /// The kernel engine of `file:` and `raw:` stores (`--io`).
+    pub engine: IoEngine,
+    /// O_DIRECT (no page cache; `--buffered` clears it): the default for flat stores.
+    pub direct: bool,
+    /// Reader threads of the psync engine (`--io-threads`); for `nvme-tcp:`, its I/O queues (TCP
+    /// connections).
+    pub threads: usize,
+    /// Reads in flight of the uring and IOCP engines, commands in flight of the NVMe engines
+    /// (`--qd`, 1..=256).
+    pub qd: u32,
+    /// uring: a kernel thread polls the submission queue (`--sqpoll`).
+    pub sqpoll: bool,
+    /// uring: completions are polled from the device (`--iopoll`; needs O_DIRECT and polled queues).
+    pub iopoll: bool,
+    /// uring: register the file with the ring (the default; see `picchio_blockdev::UringOptions`).
+    pub register_files: bool,
+    /// uring: where io_uring is unavailable, read with the psync engine (warned about once; the
+    /// default). Bench clears it, so that an unavailable io_uring is an error, not a psync figure
+    /// labelled `uring`.
+    pub uring_fallback: bool,
+}
+
+impl Default for EngineOptions {
+    /// The platform's default engine ([`IoEngine::default`]), O_DIRECT, 2 psync threads, depth 32,
+    /// a registered file, the psync fallback on.
+    fn default() -> Self {
+        EngineOptions {
+            engine: IoEngine::default(),
+            direct: true,
+            threads: 2,
+            qd: 32,
+            sqpoll: false,
+            iopoll: false,
+            register_files: true,
+            uring_fallback: true,
+        }
+    }
+}
+
+/// Opens `path` (a file or a block device) with the kernel engine `io` asks for and returns the
+/// queue and the target's length in bytes: the file and device arm of [`open_engine`].
+///
+/// # Errors
+/// [`Error::Engine`] naming the path when the engine cannot open it (e.g. O_DIRECT refused, or an
+/// io_uring flag such as `--sqpoll` refused). An unavailable io_uring is not an error (psync
+/// serves) unless `io.uring_fallback` is off.
+fn open_queue(path: &Path, io: EngineOptions) -> Result<(Box<dyn IoQueue>, u64)> {
+    match io.engine {
+        IoEngine::Psync => open_psync(path, io),
+        IoEngine::Uring => match open_uring(path, io)? {
+            Some(opened) => Ok(opened),
+            None => open_psync(path, io),
+        },
+        IoEngine::Iocp => open_iocp(path, io),
+    }
+}
+
+#[cfg(windows)]
+fn open_iocp(path: &Path, io: EngineOptions) -> Result<(Box<dyn IoQueue>, u64)> {
+    let q = picchio_blockdev::IocpQueue::open(path, picchio_blockdev::IocpOptions { qd: io.qd })?;
+    let len = q.len();
+    Ok((Box::new(q), len))
+}
+
+#[cfg(not(windows))]
+fn open_iocp(_path: &Path, _io: EngineOptions) -> Result<(Box<dyn IoQueue>, u64)> {
+    Err(Error::Invalid("--io iocp is the Windows engine; use --io uring or --io psync here".into()))
+}
+
+fn open_psync(path: &Path, io: EngineOptions) -> Result<(Box<dyn IoQueue>, u64)> {
+    let q = PsyncQueue::open(path, PsyncOptions { threads: io.threads.max(1), direct: io.direct })?;
+    let len = q.len();
+    Ok((Box::new(q), len))
+}
+
+/// The uring queue, or `None` (warned about once per process) when io_uring is unavailable here.
+#[cfg(target_os = "linux")]
+fn open_uring(path: &Path, io: EngineOptions) -> Result<Option<(Box<dyn IoQueue>, u64)>> {
+    let opts = UringOptions {
+        qd: io.qd,
+        direct: io.direct,
+        sqpoll: io.sqpoll,
+        iopoll: io.iopoll,
+        register_files: io.register_files,
+    };
+    match UringQueue::open(path, opts) {
+        Ok(q) => {
+            let len = q.len();
+            Ok(Some((Box::new(q), len)))
+        }
+        Err(picchio_blockdev::Error::UringUnavailable { reason, .. }) if io.uring_fallback => {
+            warn_uring_fallback(&reason);
+            Ok(None)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn open_uring(_path: &Path, io: EngineOptions) -> Result<Option<(Box<dyn IoQueue>, u64)>> {
+    if !io.uring_fallback {
+        return Err(Error::Invalid("engine uring: io_uring is Linux-only".into()));
+    }
+    warn_uring_fallback("it is Linux-only");
+    Ok(None)
+}
+
+fn warn_uring_fallback(why: &str) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| tracing::warn!("io_uring is unavailable ({why}): reading with the psync engine (--io psync)"));
+}
+
+/// An engine opened on a store's image, with the reader's lock on its target.
+///
+/// Whoever reads through `queue` keeps this value (or, having moved the queue out, its `lock`)
+/// for as long as it reads: [`crate::expert::store::flat_from`] moves both into the
+/// [`picchio_core::FlatStore`] ([`picchio_core::FlatStore::with_guard`]), the one-shot readers
+/// (verify, the superblock read, pack's read-back, bench) read through `&mut *opened.queue`.
+/// Fields drop in declaration order: the queue (and a controller model behind it) before the lock.
 pub struct Opened {
-    /// The queue, reading offsets of the target (the file, device or namespace).
+    /// The queue, reading offsets of the target (the file, device or namespace): image offset `o`
+    /// is at `base + o`.
     pub queue: Box<dyn IoQueue>,
     /// Byte offset of the image's first byte in the target (`raw:`'s `@BYTES`, else 0).
     pub base: u64,
@@ -35,17 +218,10 @@ pub struct Opened {
     /// The store as messages name it: `file:PATH`, `raw:/dev/X[@BYTES]`, `nvme:BDF/NSID`,
     /// `nvme-sim:PATH`.
     pub name: String,
-}
-
-impl Opened {
-    /// The queue reading image offsets: wrapped in an [`OffsetQueue`] when the image starts past
-    /// byte 0 of the target.
-    pub fn into_image_queue(self) -> Box<dyn IoQueue> {
-        match self.base {
-            0 => self.queue,
-            b => Box::new(OffsetQueue::new(self.queue, ByteOffset(b))),
-        }
-    }
+    /// The shared lock on the image file or device node ([`ReadLock`]) that writers of the target
+    /// (`pack`, `synth`) wait for or are refused by: `file:`, `raw:` and `nvme-sim:` stores hold
+    /// one; `nvme:` and `nvme-tcp:` (no node of ours to lock) none.
+    pub lock: Option<ReadLock>,
 }
 
 /// Opens the engine `io` asks for on the image `uri` names.
@@ -57,7 +233,7 @@ impl Opened {
 /// [`Error::Invalid`] when `raw:`'s offset lies at or past the end, and naming the store for VFIO,
 /// DMA, controller-model or controller-initialisation failures (and for `nvme:`/`nvme-sim:` off
 /// Linux).
-pub fn open_engine(uri: &StoreUri, io: IoOptions) -> Result<Opened> {
+pub fn open_engine(uri: &StoreUri, io: EngineOptions) -> Result<Opened> {
     let uri = &resolve_device(uri.clone());
     match uri {
         StoreUri::Auto | StoreUri::Safetensors => Err(Error::StoreNotAccepted {
@@ -69,9 +245,9 @@ pub fn open_engine(uri: &StoreUri, io: IoOptions) -> Result<Opened> {
         }),
         StoreUri::File(path) => {
             let name = format!("file:{}", path.display());
-            let lock = crate::image::guard::ReadLock::acquire(path, &name, false)?;
+            let lock = ReadLock::acquire(path, &name, false)?;
             let (queue, len) = open_queue(path, io)?;
-            Ok(Opened { queue: Locked::wrap(queue, lock), base: 0, image_len: len, name })
+            Ok(Opened { queue, base: 0, image_len: len, name, lock: Some(lock) })
         }
         StoreUri::Raw { device, offset } => open_raw(device, *offset, io),
         StoreUri::Nvme { bdf, nsid } => open_nvme(&uri.to_string(), bdf, *nsid, io.qd),
@@ -100,7 +276,7 @@ pub fn resolve_device(uri: StoreUri) -> StoreUri {
 /// connection each, 1..=64), `io.qd` commands in flight on each (clamped by the controller).
 /// `PICCHIO_NVME_TCP_DIGESTS` = `header`, `data` or `both` asks for CRC32C digests.
 #[cfg(target_os = "linux")]
-pub fn tcp_options(io: IoOptions) -> picchio_nvme::TcpOptions {
+pub fn tcp_options(io: EngineOptions) -> picchio_nvme::TcpOptions {
     let digests = std::env::var("PICCHIO_NVME_TCP_DIGESTS").unwrap_or_default();
     picchio_nvme::TcpOptions {
         io_queues: io.threads.clamp(1, 64) as u16,
@@ -117,7 +293,7 @@ pub fn tcp_options(io: IoOptions) -> picchio_nvme::TcpOptions {
 /// # Errors
 /// [`Error::NvmeTcp`] naming the store, with the initiator's error (address, step, status).
 #[cfg(target_os = "linux")]
-pub(crate) fn nvme_tcp_queue(addr: &str, subnqn: &str, nsid: u32, io: IoOptions) -> Result<picchio_nvme::NvmeTcpQueue> {
+pub(crate) fn nvme_tcp_queue(addr: &str, subnqn: &str, nsid: u32, io: EngineOptions) -> Result<picchio_nvme::NvmeTcpQueue> {
     let target = picchio_nvme::TcpTarget { addr: addr.into(), subnqn: subnqn.into(), nsid };
     let name = target.to_string();
     let mut q = picchio_nvme::NvmeTcpQueue::connect(target, tcp_options(io))
@@ -128,76 +304,38 @@ pub(crate) fn nvme_tcp_queue(addr: &str, subnqn: &str, nsid: u32, io: IoOptions)
 
 /// `nvme-tcp:`: namespace `nsid` of the subsystem `subnqn` at `addr`, read by our initiator.
 #[cfg(target_os = "linux")]
-fn open_nvme_tcp(addr: &str, subnqn: &str, nsid: u32, io: IoOptions) -> Result<Opened> {
+fn open_nvme_tcp(addr: &str, subnqn: &str, nsid: u32, io: EngineOptions) -> Result<Opened> {
     let queue = nvme_tcp_queue(addr, subnqn, nsid, io)?;
     let name = queue.target().to_string();
     let image_len = queue.namespace().bytes();
-    Ok(Opened { queue: Box::new(queue), base: 0, image_len, name })
+    Ok(Opened { queue: Box::new(queue), base: 0, image_len, name, lock: None })
 }
 
 #[cfg(not(target_os = "linux"))]
-fn open_nvme_tcp(addr: &str, subnqn: &str, nsid: u32, _io: IoOptions) -> Result<Opened> {
+fn open_nvme_tcp(addr: &str, subnqn: &str, nsid: u32, _io: EngineOptions) -> Result<Opened> {
     Err(Error::Invalid(format!(
         "nvme-tcp://{addr}/{subnqn}/{nsid}: the NVMe/TCP initiator (picchio-nvme) is Linux-only"
     )))
 }
 
 /// `raw:`: the device is measured and checked first (Linux), then read with the kernel engine.
-fn open_raw(device: &Path, offset: u64, io: IoOptions) -> Result<Opened> {
+fn open_raw(device: &Path, offset: u64, io: EngineOptions) -> Result<Opened> {
     #[cfg(target_os = "linux")]
     let (name, base) = {
-        let target = picchio_blockdev::raw::RawTarget::open(device, ByteOffset(offset))?;
+        let target = picchio_blockdev::raw::RawTarget::open(device, picchio_core::ByteOffset(offset))?;
         (target.uri(), target.base().0)
     };
     #[cfg(not(target_os = "linux"))]
     let (name, base) = (StoreUri::Raw { device: device.into(), offset }.to_string(), offset);
-    let lock = crate::image::guard::ReadLock::acquire(device, &name, true)?;
+    let lock = ReadLock::acquire(device, &name, true)?;
     let (queue, len) = open_queue(device, io)?;
-    let queue = Locked::wrap(queue, lock);
     if base >= len {
         return Err(Error::Invalid(format!(
             "{name}: offset {base} is at or past the end of {} ({len} bytes)",
             device.display()
         )));
     }
-    Ok(Opened { queue, base, image_len: len - base, name })
-}
-
-/// A kernel engine's queue holding the reader's shared lock on its file or device node
-/// ([`crate::image::guard::ReadLock`]) for as long as it lives.
-struct Locked {
-    inner: Box<dyn IoQueue>,
-    _lock: crate::image::guard::ReadLock,
-}
-
-impl Locked {
-    fn wrap(inner: Box<dyn IoQueue>, lock: crate::image::guard::ReadLock) -> Box<dyn IoQueue> {
-        Box::new(Locked { inner, _lock: lock })
-    }
-}
-
-impl IoQueue for Locked {
-    fn block_size(&self) -> u32 {
-        self.inner.block_size()
-    }
-    fn submit(&mut self, req: picchio_core::ReadReq) {
-        self.inner.submit(req)
-    }
-    fn reap(&mut self, min: usize, out: &mut Vec<picchio_core::Completion>) -> usize {
-        self.inner.reap(min, out)
-    }
-    fn in_flight(&self) -> usize {
-        self.inner.in_flight()
-    }
-    fn describe(&self) -> String {
-        self.inner.describe()
-    }
-    fn slot_allocator(&mut self, count: usize, len: usize) -> Option<Box<dyn picchio_core::SlotAllocator>> {
-        self.inner.slot_allocator(count, len)
-    }
-    fn bounce_bytes(&self) -> u64 {
-        self.inner.bounce_bytes()
-    }
+    Ok(Opened { queue, base, image_len: len - base, name, lock: Some(lock) })
 }
 
 /// `nvme:`: namespace `nsid` of the controller `bdf` (bound to `vfio-pci`) with our driver: VFIO,
@@ -208,7 +346,7 @@ impl IoQueue for Locked {
 fn open_nvme(name: &str, bdf: &str, nsid: u32, qd: u32) -> Result<Opened> {
     let queue = nvme_queue(name, bdf, nsid, qd)?;
     let image_len = queue.namespace().bytes();
-    Ok(Opened { queue: Box::new(queue), base: 0, image_len, name: name.into() })
+    Ok(Opened { queue: Box::new(queue), base: 0, image_len, name: name.into(), lock: None })
 }
 
 /// The driver's queue of [`open_engine`]'s `nvme:` arm, for the writers that need the NVMe queue
@@ -240,7 +378,7 @@ fn open_nvme(name: &str, _bdf: &str, _nsid: u32, _qd: u32) -> Result<Opened> {
 fn open_nvme_sim(path: &Path, qd: u32) -> Result<Opened> {
     use picchio_nvme::{sim::SimConfig, NvmeQueue, NvmeQueueOptions};
     let name = StoreUri::NvmeSim(path.into()).to_string();
-    let lock = crate::image::guard::ReadLock::acquire(path, &name, false)?;
+    let lock = ReadLock::acquire(path, &name, false)?;
     let len = std::fs::metadata(path).map_err(Error::io(path, "stat the controller model's backing file"))?.len();
     let lba = if len.is_multiple_of(4096) { 4096 } else { 512 };
     let opts = NvmeQueueOptions { qd: u16::try_from(qd).unwrap_or(u16::MAX), ..NvmeQueueOptions::default() };
@@ -248,8 +386,8 @@ fn open_nvme_sim(path: &Path, qd: u32) -> Result<Opened> {
     let (queue, _sim) = NvmeQueue::open_sim(SimConfig::single(path, lba), &opts)
         .map_err(|cause| Error::Nvme { target: name.clone(), cause })?;
     let image_len = queue.namespace().bytes();
-    // The lock is released after the queue (and the controller model) is dropped.
-    Ok(Opened { queue: Locked::wrap(Box::new(queue), lock), base: 0, image_len, name })
+    // The lock is released after the queue (and the controller model) is dropped (`Opened`).
+    Ok(Opened { queue: Box::new(queue), base: 0, image_len, name, lock: Some(lock) })
 }
 
 /// The controller model is part of picchio-nvme, which is Linux-only: always an error here.
@@ -352,7 +490,7 @@ mod tests {
     #[test]
     fn auto_and_safetensors_open_no_engine() {
         for uri in [StoreUri::Auto, StoreUri::Safetensors] {
-            let e = open_engine(&uri, IoOptions::default()).err().unwrap();
+            let e = open_engine(&uri, EngineOptions::default()).err().unwrap();
             assert!(matches!(e, Error::StoreNotAccepted { .. }), "{e}");
         }
     }

@@ -11,7 +11,7 @@ use picchio_core::{StoreUri, Superblock, BLOCK_SIZE};
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
-use crate::expert::store::IoOptions;
+use crate::expert::open::EngineOptions;
 use crate::model::dir::ModelDir;
 
 /// Which directory [`crate::image::pack::pack_to`] records in the image.
@@ -72,16 +72,16 @@ pub fn record_for(model: &ModelDir, how: &RecordModel) -> Result<Option<ModelRec
 /// is not a superblock.
 pub fn read_superblock(
     uri: &StoreUri,
-    io: IoOptions,
+    io: EngineOptions,
 ) -> Result<(String, Superblock, picchio_core::Result<Option<ModelRecord>>)> {
-    let opened = crate::expert::open::open_engine(uri, io)?;
-    let (name, image_len) = (opened.name.clone(), opened.image_len);
-    let mut queue = opened.into_image_queue();
+    let mut opened = crate::expert::open::open_engine(uri, io)?;
+    let (name, base, image_len) = (opened.name.clone(), opened.base, opened.image_len);
+    let queue = &mut *opened.queue;
     let bs = BLOCK_SIZE.max(queue.block_size());
     if image_len < u64::from(bs) {
-        return Err(picchio_core::loader::short_target(&mut *queue, name, 0, image_len, bs).into());
+        return Err(picchio_core::loader::short_target(queue, name, base, image_len, bs).into());
     }
-    let block = picchio_core::io::read_blocking(&mut *queue, 0, bs).map_err(|cause| picchio_core::Error::Read {
+    let block = picchio_core::io::read_blocking(queue, base, bs).map_err(|cause| picchio_core::Error::Read {
         source_name: name.clone(),
         what: "the superblock",
         offset: 0,
@@ -116,7 +116,7 @@ pub struct FoundModel {
 /// record is wrong, and suggesting
 /// `--model DIR`; the errors of [`read_superblock`]; [`Error::StoreNotAccepted`] for `auto` and
 /// `safetensors`, which name no image.
-pub fn find_model_dir(uri: &StoreUri, io: IoOptions) -> Result<FoundModel> {
+pub fn find_model_dir(uri: &StoreUri, io: EngineOptions) -> Result<FoundModel> {
     if matches!(uri, StoreUri::Auto | StoreUri::Safetensors) {
         return Err(Error::StoreNotAccepted {
             option: "--store",

@@ -213,11 +213,15 @@ struct Model {
 /// # Errors
 /// [`Error::Engine`] when the engine cannot open `store`; otherwise as [`verify_queue`].
 pub fn verify(store: &Path, model: Option<&Path>, opts: &VerifyOptions) -> Result<VerifyReport> {
-    use crate::expert::store::{IoEngine, IoOptions};
+    use crate::expert::open::{EngineOptions, IoEngine};
     let uri = picchio_core::StoreUri::File(store.into());
-    let io =
-        |direct| IoOptions { engine: IoEngine::Psync, threads: opts.io_threads.max(1), direct, ..Default::default() };
-    let opened = match crate::expert::open::open_engine(&uri, io(opts.direct)) {
+    let io = |direct| EngineOptions {
+        engine: IoEngine::Psync,
+        threads: opts.io_threads.max(1),
+        direct,
+        ..Default::default()
+    };
+    let mut opened = match crate::expert::open::open_engine(&uri, io(opts.direct)) {
         Ok(o) => o,
         Err(Error::Engine(e @ picchio_blockdev::Error::DirectUnsupported { .. })) => {
             tracing::warn!("{e}; verifying with buffered reads");
@@ -225,9 +229,8 @@ pub fn verify(store: &Path, model: Option<&Path>, opts: &VerifyOptions) -> Resul
         }
         Err(e) => return Err(e),
     };
-    let image_len = opened.image_len;
-    let mut queue = opened.queue;
-    verify_queue(&mut *queue, &store.display().to_string(), image_len, model, opts)
+    // `opened` (the queue and the reader's lock) lives until the verification is over.
+    verify_queue(&mut *opened.queue, &store.display().to_string(), 0, opened.image_len, model, opts)
 }
 
 /// Verifies the image on the block device `device` starting at byte `offset`
@@ -252,18 +255,17 @@ pub fn verify_raw(device: &Path, offset: u64, model: Option<&Path>, opts: &Verif
 /// # Errors
 /// As [`crate::expert::open::open_engine`]; otherwise as [`verify_queue`].
 pub fn verify_store(uri: &picchio_core::StoreUri, model: Option<&Path>, opts: &VerifyOptions) -> Result<VerifyReport> {
-    use crate::expert::store::{IoEngine, IoOptions};
-    let io = IoOptions {
+    use crate::expert::open::{EngineOptions, IoEngine};
+    let io = EngineOptions {
         engine: IoEngine::Psync,
         threads: opts.io_threads.max(1),
         direct: opts.direct,
         qd: 32,
-        ..IoOptions::default()
+        ..EngineOptions::default()
     };
-    let opened = crate::expert::open::open_engine(uri, io)?;
-    let (name, image_len) = (opened.name.clone(), opened.image_len);
-    let mut queue = opened.into_image_queue();
-    verify_queue(&mut *queue, &name, image_len, model, opts)
+    let mut opened = crate::expert::open::open_engine(uri, io)?;
+    let (base, image_len) = (opened.base, opened.image_len);
+    verify_queue(&mut *opened.queue, &opened.name.clone(), base, image_len, model, opts)
 }
 
 /// Verifies the image at LBA 0 of namespace `nsid` of the NVMe controller `bdf`
@@ -279,7 +281,8 @@ pub fn verify_nvme(bdf: &str, nsid: u32, model: Option<&Path>, opts: &VerifyOpti
     verify_store(&picchio_core::StoreUri::Nvme { bdf: bdf.into(), nsid }, model, opts)
 }
 
-/// Verifies the image of `image_len` bytes that `queue` reads (named `source_name` in messages); see
+/// Verifies the image of `image_len` bytes that starts at byte `base` of what `queue` reads (named
+/// `source_name` in messages; offsets in messages and the report are image offsets); see
 /// [`verify`]. Nothing else may be in flight on `queue`.
 ///
 /// # Errors
@@ -290,6 +293,7 @@ pub fn verify_nvme(bdf: &str, nsid: u32, model: Option<&Path>, opts: &VerifyOpti
 pub fn verify_queue<Q: IoQueue + ?Sized>(
     queue: &mut Q,
     source_name: &str,
+    base: u64,
     image_len: u64,
     model: Option<&Path>,
     opts: &VerifyOptions,
@@ -297,7 +301,7 @@ pub fn verify_queue<Q: IoQueue + ?Sized>(
     let t0 = Instant::now();
     let bs = BLOCK_SIZE.max(queue.block_size());
     if image_len < u64::from(bs) {
-        return Err(picchio_core::loader::short_target(queue, source_name.into(), 0, image_len, bs).into());
+        return Err(picchio_core::loader::short_target(queue, source_name.into(), base, image_len, bs).into());
     }
     // Read errors name the store, the structure and its offset (a short read says how many bytes came).
     let rd = |queue: &mut Q, what: &'static str, offset: u64, len: u64| -> Result<_> {
@@ -305,7 +309,10 @@ pub fn verify_queue<Q: IoQueue + ?Sized>(
         let len = u32::try_from(len).map_err(|_| {
             read_err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{len} bytes is over one read")))
         })?;
-        Ok(read_blocking(queue, offset, len).map_err(read_err)?)
+        let at = base.checked_add(offset).ok_or_else(|| {
+            read_err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "base offset + offset is past 2^64"))
+        })?;
+        Ok(read_blocking(queue, at, len).map_err(read_err)?)
     };
     let sb_buf = rd(queue, "the superblock", 0, u64::from(bs))?;
     let sb = Superblock::decode(sb_buf.as_slice(), source_name, image_len)?;
@@ -380,7 +387,7 @@ pub fn verify_queue<Q: IoQueue + ?Sized>(
             }
             todo.pop_front();
             let buf = AlignedBuf::new(loc.padded_len as usize, bs as usize)?;
-            queue.submit(ReadReq { offset: ByteOffset(loc.offset), len: loc.padded_len, buf, tag: Tag(i as u64) });
+            queue.submit(ReadReq { offset: ByteOffset(base + loc.offset), len: loc.padded_len, buf, tag: Tag(i as u64) });
             in_flight += 1;
             in_flight_bytes += u64::from(loc.padded_len);
         }

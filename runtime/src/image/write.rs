@@ -293,7 +293,7 @@ pub fn write_image<P: PayloadSource>(
         #[cfg(target_os = "linux")]
         StoreUri::NvmeTcp { addr, subnqn, nsid } => {
             let name = uri.to_string();
-            let io = crate::expert::store::IoOptions { threads: 1, ..Default::default() };
+            let io = crate::expert::open::EngineOptions { threads: 1, ..Default::default() };
             let mut queue = crate::expert::open::nvme_tcp_queue(addr, subnqn, *nsid, io)?;
             write_nvme(&mut queue, &name, src, opts, announce, t0)
         }
@@ -373,15 +373,16 @@ fn write_raw<P: PayloadSource>(
     drop(claim);
     let name = target.uri();
     // The writer (and its exclusive claim) is closed; read the device back, around the page cache.
-    let io = crate::expert::store::IoOptions {
-        engine: crate::expert::store::IoEngine::Psync,
+    let io = crate::expert::open::EngineOptions {
+        engine: crate::expert::open::IoEngine::Psync,
         direct: true,
         threads: opts.io_threads.max(1),
         ..Default::default()
     };
     let uri = StoreUri::Raw { device: device.into(), offset };
-    let mut queue = crate::expert::open::open_engine(&uri, io)?.into_image_queue();
-    let verify = read_back(&mut *queue, &name, image_len, src, opts.io_threads)?;
+    let mut opened = crate::expert::open::open_engine(&uri, io)?;
+    let base = opened.base;
+    let verify = read_back(&mut *opened.queue, &name, base, image_len, src, opts.io_threads)?;
     Ok(WriteReport {
         dest: name,
         path: device.into(),
@@ -414,7 +415,7 @@ fn write_nvme<Q: picchio_nvme::NvmWriteQueue, P: PayloadSource>(
     let (superblock, summary) = src.write(w)?;
     drop(sink);
     let after = queue.command_counts();
-    let verify = read_back(queue, name, image_len, src, 1)?;
+    let verify = read_back(queue, name, 0, image_len, src, 1)?;
     let commands = (after.0 - before.0, after.1 - before.1);
     Ok(WriteReport {
         dest: name.into(),
@@ -427,17 +428,19 @@ fn write_nvme<Q: picchio_nvme::NvmWriteQueue, P: PayloadSource>(
     })
 }
 
-/// Reads the image back through `queue` and checks the index hash and every payload hash.
+/// Reads the image (at byte `base` of what `queue` reads) back and checks the index hash and every
+/// payload hash.
 #[cfg(target_os = "linux")]
 fn read_back<Q: picchio_core::IoQueue + ?Sized, P: PayloadSource>(
     queue: &mut Q,
     name: &str,
+    base: u64,
     image_len: u64,
     src: &P,
     io_threads: usize,
 ) -> Result<crate::image::verify::VerifyReport> {
     let vopts = crate::image::verify::VerifyOptions { io_threads, direct: true, progress: src.progress() };
-    let verify = crate::image::verify::verify_queue(queue, name, image_len, None, &vopts)
+    let verify = crate::image::verify::verify_queue(queue, name, base, image_len, None, &vopts)
         .map_err(|e| Error::ReadBack { dest: name.into(), report: None, cause: Some(Box::new(e)) })?;
     if !verify.is_clean() || verify.entries != src.n_entries() as usize {
         return Err(Error::ReadBack { dest: name.into(), report: Some(verify.to_string()), cause: None });

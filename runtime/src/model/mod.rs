@@ -32,8 +32,9 @@ use picchio_core::ExpertLoader;
 
 use crate::error::{Error, Result};
 use crate::expert::cache::ExpertCache;
-use crate::expert::io_worker::{with_io_worker, IoWorker};
-use crate::expert::layout::{ExpertLayout, ExpertNaming, ExpertTensorNames, SafetensorsExperts};
+use crate::expert::io_worker::{IoThread, IoWorker};
+use crate::expert::layout::{ExpertLayout, ExpertNaming, ExpertTensorNames};
+use crate::expert::safetensors::SafetensorsExperts;
 use crate::kernels::Kernels;
 use crate::model::config::{Arch, Config};
 use crate::model::dir::ModelDir;
@@ -93,7 +94,7 @@ impl Step<'_> {
         act: ExpertAct,
         biases: Option<(&[f32], &[f32])>,
         cache: &mut ExpertCache,
-        io: &mut Io<'_>,
+        io: &mut Io<'_, '_>,
         trace: Option<&mut Trace>,
     ) -> Result<()> {
         let s = &mut *self.s;
@@ -156,7 +157,7 @@ impl Step<'_> {
     /// normalised MLP input, the hidden state at hand), routed as `router` into `s.next_routing`,
     /// and the prediction handed to `io` for layer `l`'s fetch to read speculatively. Otherwise
     /// does nothing.
-    pub fn predict_next(&mut self, l: usize, router: RouterKind, next_router: Option<&RouterFn<'_>>, io: &mut Io<'_>) {
+    pub fn predict_next(&mut self, l: usize, router: RouterKind, next_router: Option<&RouterFn<'_>>, io: &mut Io<'_, '_>) {
         let Io::Worker { predicted, prefetch: true, .. } = io else { return };
         let Some(next_router) = next_router else { return };
         if l + 1 >= self.cfg.num_hidden_layers || !self.cfg.is_moe_layer(l + 1) {
@@ -175,13 +176,13 @@ impl Step<'_> {
 }
 
 /// Where a decode step's expert reads go.
-pub(crate) enum Io<'a> {
+pub(crate) enum Io<'a, 'w> {
     /// Blocking loads on the forward pass's thread ([`ExpertCache::fetch`]).
     Direct(&'a mut dyn ExpertLoader),
-    /// Reads on an I/O worker thread, overlapped with compute ([`ExpertCache::fetch_overlapped`]).
+    /// Reads on the model's I/O thread, overlapped with compute ([`ExpertCache::fetch_overlapped`]).
     Worker {
         /// The worker.
-        io: &'a mut IoWorker,
+        io: &'a mut IoWorker<'w>,
         /// Whether to prefetch the next layer's predicted experts (`--prefetch`).
         prefetch: bool,
         /// The layer whose predicted experts `RunState::next_routing` holds, for the next fetch.
@@ -189,20 +190,41 @@ pub(crate) enum Io<'a> {
     },
 }
 
-/// How decode steps read experts ([`Model::set_decode_io`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DecodeIo {
-    /// Reads on an I/O worker thread, overlapped with the hits' compute (`--no-overlap` turns it
-    /// off). Only with async MoE; prefill always reads on its own thread.
+/// How the forward passes schedule their expert reads against compute: what the decode loop needs,
+/// apart from how the store's engine is opened ([`crate::expert::open::EngineOptions`]). Tokens are
+/// the same under every schedule (DESIGN.md, "Determinism"); only the time differs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct DecodeSchedule {
+    /// Compute each missed expert as soon as its read completes (`--async-moe`, the default), rather
+    /// than after the whole batch is loaded (`--no-async-moe`). A mode of the expert cache
+    /// ([`ExpertCache::set_async_moe`], which [`crate::run::Session::open`] sets from this), so it
+    /// holds for prefill too; [`Model::forward`] reads the cache's.
+    pub async_moe: bool,
+    /// Decode steps read experts on the model's I/O thread while the layer's cached experts are
+    /// computed (`--no-overlap` turns it off). Only with async MoE; prefill always reads on its own
+    /// thread.
     pub overlap: bool,
-    /// Speculative prefetch of the next layer's experts through its router (`--prefetch`; needs
-    /// `overlap`).
+    /// Speculative prefetch of the next layer's experts from the current hidden state through the
+    /// next layer's router (`--prefetch`, off by default; only with `overlap`).
     pub prefetch: bool,
 }
 
-impl Default for DecodeIo {
+impl Default for DecodeSchedule {
+    /// Async MoE and overlap on, no prefetch.
     fn default() -> Self {
-        DecodeIo { overlap: true, prefetch: false }
+        DecodeSchedule { async_moe: true, overlap: true, prefetch: false }
+    }
+}
+
+impl DecodeSchedule {
+    /// Whether decode steps read on the I/O thread: `overlap` with `async_moe`.
+    pub fn overlapped(self) -> bool {
+        self.overlap && self.async_moe
+    }
+
+    /// Whether decode steps prefetch: `prefetch` on an overlapped schedule.
+    pub fn prefetching(self) -> bool {
+        self.prefetch && self.overlapped()
     }
 }
 
@@ -264,8 +286,11 @@ pub struct Model {
     prefill_chunk: usize,
     /// Scratch of the chunked prefill, allocated by the first [`Model::prefill`] that needs it.
     chunk_state: Option<Box<ChunkState>>,
-    /// How decode steps read experts.
-    decode_io: DecodeIo,
+    /// How decode steps schedule expert reads.
+    schedule: DecodeSchedule,
+    /// The I/O thread of overlapped decode steps, started once ([`Model::start_io_thread`], or by
+    /// the first overlapped [`Model::forward`]) and kept for the model's life.
+    io_thread: Option<IoThread>,
 }
 
 impl Model {
@@ -328,7 +353,8 @@ impl Model {
             observer: None,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
             chunk_state: None,
-            decode_io: DecodeIo::default(),
+            schedule: DecodeSchedule::default(),
+            io_thread: None,
         })
     }
 
@@ -424,15 +450,30 @@ impl Model {
         Ok(())
     }
 
-    /// Sets how [`Model::forward`] reads experts (default: overlapped, no prefetch). The tokens are
+    /// Sets how [`Model::forward`] schedules expert reads (default: overlapped, no prefetch); its
+    /// `async_moe` is the expert cache's to apply ([`DecodeSchedule::async_moe`]). The tokens are
     /// the same either way.
-    pub fn set_decode_io(&mut self, io: DecodeIo) {
-        self.decode_io = io;
+    pub fn set_decode_schedule(&mut self, schedule: DecodeSchedule) {
+        self.schedule = schedule;
     }
 
-    /// How [`Model::forward`] reads experts.
-    pub fn decode_io(&self) -> DecodeIo {
-        self.decode_io
+    /// How [`Model::forward`] schedules expert reads.
+    pub fn decode_schedule(&self) -> DecodeSchedule {
+        self.schedule
+    }
+
+    /// Starts the I/O thread of overlapped decode steps now, if it is not running, so that no
+    /// decode step starts one ([`crate::run::Session::open`] does this for an overlapped
+    /// schedule). Without it the first overlapped [`Model::forward`] starts it. One thread per
+    /// model, for its whole life.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the OS error when the thread cannot be started.
+    pub fn start_io_thread(&mut self) -> Result<()> {
+        if self.io_thread.is_none() {
+            self.io_thread = Some(start_io_thread()?);
+        }
+        Ok(())
     }
 
     /// How many tokens each (layer, expert) was routed to so far, `[L * E]` row-major (prompt and
@@ -612,14 +653,18 @@ impl Model {
         }
         let step = Step { cfg, layout: &self.layout, k: self.kernels, s, observer: &mut self.observer };
         let weights = &self.weights;
-        let run = |step: Step<'_>, io: &mut Io<'_>, cache: &mut ExpertCache| match weights {
+        let run = |step: Step<'_>, io: &mut Io<'_, '_>, cache: &mut ExpertCache| match weights {
             ArchWeights::Qwen3Moe(w) => qwen3_moe::forward(step, w, token, pos, cache, io, trace),
             ArchWeights::GptOss(w) => gpt_oss::forward(step, w, token, pos, cache, io, trace),
         };
-        let DecodeIo { overlap, prefetch } = self.decode_io;
+        let DecodeSchedule { overlap, prefetch, .. } = self.schedule;
         if overlap && cache.async_moe() {
+            let io_thread = match &mut self.io_thread {
+                Some(t) => t,
+                none => none.insert(start_io_thread()?),
+            };
             let mut settle_ns = 0;
-            with_io_worker(loader, |w| {
+            io_thread.lend(loader, |w| {
                 let ran = run(step, &mut Io::Worker { io: &mut *w, prefetch, predicted: None }, &mut *cache);
                 // Every slot back from the worker before it ends, even after an error.
                 let t_settle = std::time::Instant::now();
@@ -627,8 +672,7 @@ impl Model {
                 cache.end_speculation();
                 settle_ns = t_settle.elapsed().as_nanos() as u64;
                 ran.and(settled)
-            })
-            .map_err(|cause| Error::Invalid(format!("cannot start the expert I/O thread: {cause}")))??;
+            })?;
             // Waiting for reads still in flight (wrong prefetch guesses) is part of the step: the
             // exposed wait counts it, so the step's time must too (the split's parts add up to it).
             self.state.timers.total_ns += settle_ns;
@@ -637,4 +681,9 @@ impl Model {
         }
         Ok(&self.state.logits)
     }
+}
+
+/// The model's I/O thread ([`IoThread::start`]).
+fn start_io_thread() -> Result<IoThread> {
+    IoThread::start().map_err(|cause| Error::Invalid(format!("cannot start the expert I/O thread: {cause}")))
 }

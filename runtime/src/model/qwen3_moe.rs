@@ -163,7 +163,7 @@ pub(crate) fn forward(
     token: u32,
     pos: usize,
     cache: &mut ExpertCache,
-    io: &mut Io<'_>,
+    io: &mut Io<'_, '_>,
     mut trace: Option<&mut Trace>,
 ) -> Result<()> {
     let t_step = Instant::now();

@@ -20,8 +20,9 @@ use serde::{Deserialize, Serialize};
 
 use picchio_core::StoreUri;
 use picchio_runtime::error::{Error, Result};
-use picchio_runtime::expert::store::IoOptions;
+use picchio_runtime::expert::open::EngineOptions;
 use picchio_runtime::model::sampler::{Sampler, SamplerOptions};
+use picchio_runtime::model::DecodeSchedule;
 use picchio_runtime::run::{Session, SessionOptions};
 use picchio_runtime::ModelDir;
 
@@ -66,9 +67,13 @@ pub struct CacheOptions {
     /// The expert store (`file:PATH`, `raw:`, `nvme:`, `safetensors`, `auto`).
     #[serde(serialize_with = "display")]
     pub store: StoreUri,
-    /// Engine settings (`direct` is set per point from `modes`).
-    #[serde(serialize_with = "io_flags")]
-    pub io: IoOptions,
+    /// Engine settings (`direct` is set per point from `modes`), reported as the flags' `io`.
+    #[serde(rename = "io", serialize_with = "io_flags")]
+    pub engine: EngineOptions,
+    /// The decode schedule of every point.
+    pub schedule: DecodeSchedule,
+    /// Check every payload's hash after reading it.
+    pub verify: bool,
     /// Expert-cache capacities to measure, experts.
     pub ecaps: Vec<usize>,
     /// Read modes to measure at each capacity.
@@ -82,7 +87,7 @@ pub struct CacheOptions {
 }
 
 /// The engine settings as the report's flags record them.
-fn io_flags<S: serde::Serializer>(io: &IoOptions, s: S) -> std::result::Result<S::Ok, S::Error> {
+fn io_flags<S: serde::Serializer>(io: &EngineOptions, s: S) -> std::result::Result<S::Ok, S::Error> {
     serde::Serialize::serialize(
         &serde_json::json!({
             "engine": io.engine.to_string(),
@@ -91,8 +96,6 @@ fn io_flags<S: serde::Serializer>(io: &IoOptions, s: S) -> std::result::Result<S
             "sqpoll": io.sqpoll,
             "iopoll": io.iopoll,
             "register_files": io.register_files,
-            "async_moe": io.async_moe,
-            "verify": io.verify,
         }),
         s,
     )
@@ -233,7 +236,9 @@ pub fn run_cache(opts: &CacheOptions, progress: &mut dyn FnMut(usize, usize)) ->
             let session_opts = SessionOptions {
                 model: opts.model.clone(),
                 store: opts.store.clone(),
-                io: IoOptions { direct: mode == ReadMode::Direct, ..opts.io },
+                engine: EngineOptions { direct: mode == ReadMode::Direct, ..opts.engine },
+                schedule: opts.schedule,
+                verify: opts.verify,
                 ecap: Some(ecap),
                 max_seq: opts.prompt.len() + opts.tokens,
                 dense: picchio_runtime::model::DenseFormat::Stored,
@@ -414,7 +419,9 @@ pub(crate) mod tests {
         let o = CacheOptions {
             model: ModelDir::open(&crate::cache::tests::fixture_model()).unwrap(),
             store: StoreUri::Safetensors,
-            io: IoOptions::default(),
+            engine: EngineOptions::default(),
+            schedule: DecodeSchedule::default(),
+            verify: false,
             ecaps: vec![],
             modes: vec![ReadMode::Direct],
             prompt: vec![1],

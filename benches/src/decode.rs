@@ -19,7 +19,8 @@ use serde::{Deserialize, Serialize};
 use picchio_core::StoreUri;
 use picchio_runtime::error::{Error, Result};
 use picchio_runtime::expert::cache::PrefetchStats;
-use picchio_runtime::expert::store::IoOptions;
+use picchio_runtime::expert::open::EngineOptions;
+use picchio_runtime::model::DecodeSchedule;
 use picchio_runtime::model::DenseFormat;
 use picchio_runtime::run::{DecodeSplit, GenerateOptions, Session, SessionOptions};
 use picchio_runtime::ModelDir;
@@ -36,9 +37,11 @@ pub struct DecodeOptions {
     /// The expert store.
     #[serde(serialize_with = "display")]
     pub store: StoreUri,
-    /// Engine settings (overlap, prefetch and async MoE included).
-    #[serde(serialize_with = "io_flags")]
-    pub io: IoOptions,
+    /// Engine settings, reported as the flags' `io`.
+    #[serde(rename = "io", serialize_with = "io_flags")]
+    pub engine: EngineOptions,
+    /// The decode schedule (async MoE, overlap, prefetch) of every point.
+    pub schedule: DecodeSchedule,
     /// Expert-cache capacities, experts (one point each, ascending).
     pub ecaps: Vec<usize>,
     /// Prompt token ids.
@@ -66,16 +69,13 @@ fn display<S: serde::Serializer>(v: &StoreUri, s: S) -> std::result::Result<S::O
     s.collect_str(v)
 }
 
-fn io_flags<S: serde::Serializer>(io: &IoOptions, s: S) -> std::result::Result<S::Ok, S::Error> {
+fn io_flags<S: serde::Serializer>(io: &EngineOptions, s: S) -> std::result::Result<S::Ok, S::Error> {
     serde::Serialize::serialize(
         &serde_json::json!({
             "engine": io.engine.to_string(),
             "direct": io.direct,
             "qd": io.qd,
             "threads": io.threads,
-            "async_moe": io.async_moe,
-            "overlap": io.overlap,
-            "prefetch": io.prefetch,
         }),
         s,
     )
@@ -198,7 +198,9 @@ pub fn run_decode(opts: &DecodeOptions, progress: &mut dyn FnMut(usize, usize)) 
         let session_opts = SessionOptions {
             model: opts.model.clone(),
             store: opts.store.clone(),
-            io: opts.io,
+            engine: opts.engine,
+            schedule: opts.schedule,
+            verify: false,
             ecap: Some(ecap),
             max_seq: opts.prompt.len() + opts.tokens,
             dense: opts.dense,
@@ -293,7 +295,8 @@ mod tests {
         let o = DecodeOptions {
             model: ModelDir::open(&crate::cache::tests::fixture_model()).unwrap(),
             store: StoreUri::Safetensors,
-            io: IoOptions::default(),
+            engine: EngineOptions::default(),
+            schedule: DecodeSchedule::default(),
             ecaps: vec![],
             prompt: vec![1],
             tokens: 4,

@@ -22,10 +22,10 @@ use serde::{Deserialize, Serialize};
 
 use picchio_core::StoreUri;
 use picchio_runtime::error::{Error, Result};
-use picchio_runtime::expert::store::{IoEngine, IoOptions};
+use picchio_runtime::expert::open::{EngineOptions, IoEngine, Opened};
 
 /// An I/O engine a bench point uses: a name in reports and on the command line, and the
-/// [`IoOptions`] of the runtime's engine factory ([`picchio_runtime::expert::open::open_engine`])
+/// [`EngineOptions`] of the runtime's engine factory ([`picchio_runtime::expert::open::open_engine`])
 /// it stands for. The kernel engines read a file or block device; the driver engines read the
 /// store's NVMe controller (the model for `nvme-sim:`, VFIO for `nvme:`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -68,11 +68,11 @@ impl Engine {
 
     /// The runtime's I/O options this engine stands for at `qd` reads in flight (psync: `qd` worker
     /// threads; io_uring without the psync fallback, so a figure labelled `uring` is io_uring's).
-    pub fn io_options(self, qd: u32) -> IoOptions {
+    pub fn io_options(self, qd: u32) -> EngineOptions {
         let (engine, direct) = self.kernel.unwrap_or((IoEngine::Psync, true));
         // nvme-tcp: `threads` is the number of I/O queues (TCP connections) of one queue.
         let threads = if self == Engine::NVME_TCP { 1 } else { qd as usize };
-        IoOptions { engine, direct, threads, qd, uring_fallback: false, ..IoOptions::default() }
+        EngineOptions { engine, direct, threads, qd, uring_fallback: false, ..EngineOptions::default() }
     }
 
     /// Checks that this engine reads `store`: a kernel engine a file or block device, `nvme-sim`
@@ -215,16 +215,9 @@ pub fn check_buffer_memory(threads: u32, qd: u32, max_read: u32, available: Opti
     }
 }
 
-/// A queue opened on the store, reading image offsets (a `raw:` image's base is added inside).
-pub struct Opened {
-    /// The queue.
-    pub queue: Box<dyn IoQueue>,
-    /// Bytes of the image from its first byte to the end of the target.
-    pub image_len: u64,
-}
-
-/// Opens `engine` on `store` with `qd` reads in flight (psync: `qd` worker threads), through the
-/// runtime's engine factory ([`picchio_runtime::expert::open::open_engine`]; a `raw:` store is
+/// Opens `engine` on `store` with `qd` reads in flight (psync: `qd` worker threads): the queue,
+/// the image's base and length on the target and the reader's lock, through the runtime's engine
+/// factory ([`picchio_runtime::expert::open::open_engine`]; a `raw:` store is
 /// checked as `picchio run` and `picchio verify` check it: a block device, a whole-LBA offset
 /// inside it).
 ///
@@ -233,9 +226,7 @@ pub struct Opened {
 pub fn open(store: &StoreUri, engine: Engine, qd: u32) -> Result<Opened> {
     check_depth(1, qd)?;
     engine.check_reads(store)?;
-    let opened = picchio_runtime::expert::open::open_engine(store, engine.io_options(qd))?;
-    let image_len = opened.image_len;
-    Ok(Opened { queue: opened.into_image_queue(), image_len })
+    picchio_runtime::expert::open::open_engine(store, engine.io_options(qd))
 }
 
 /// The image's geometry as the bench reads it: the superblock and every usable entry.
@@ -259,7 +250,8 @@ impl StoreLayout {
     pub fn read(store: &StoreUri, engine: Engine) -> Result<Self> {
         let opened = open(store, engine, 1)?;
         let image_len = opened.image_len;
-        let opts = picchio_core::FlatStoreOptions { image_len, ..Default::default() };
+        let opts = picchio_core::FlatStoreOptions { base_offset: opened.base, image_len, ..Default::default() };
+        // The reader's lock is held until the superblock and index are read.
         let flat = picchio_core::FlatStore::open(opened.queue, store.to_string(), opts)?;
         let sb = flat.superblock().clone();
         let entries: Vec<(u64, u32)> = (0..sb.n_entries)
@@ -528,7 +520,7 @@ pub fn run_point(
         let source = make_source(t as u32);
         let seed = spec.seed;
         let spawned = std::thread::Builder::new().name(format!("picchio-bench-{t}")).spawn(move || {
-            thread_loop(o.queue, source, SplitMix64::new(seed, t as u64), qd, max_read, duration, per_thread_bytes, &g)
+            thread_loop(o, source, SplitMix64::new(seed, t as u64), qd, max_read, duration, per_thread_bytes, &g)
         });
         match spawned {
             Ok(h) => handles.push(h),
@@ -619,7 +611,7 @@ struct UnitState {
 
 #[allow(clippy::too_many_arguments)]
 fn thread_loop(
-    mut queue: Box<dyn IoQueue>,
+    mut opened: Opened,
     mut source: UnitSource,
     mut rng: SplitMix64,
     qd: u32,
@@ -627,7 +619,8 @@ fn thread_loop(
     duration: Option<Duration>,
     byte_budget: Option<u64>,
     gate: &StartGate,
-) -> (std::result::Result<ThreadStats, String>, Box<dyn IoQueue>) {
+) -> (std::result::Result<ThreadStats, String>, Opened) {
+    let queue = &mut opened.queue;
     // Buffers first (from the engine's zero-copy memory when it has some), outside the clock.
     let mut bufs: Vec<AlignedBuf> = Vec::with_capacity(qd as usize);
     let mut alloc = queue.slot_allocator(qd as usize, max_read as usize);
@@ -647,13 +640,13 @@ fn thread_loop(
         }
     }
     if !gate.arrive_and_wait() {
-        return (Err("the point was called off before the start".into()), queue);
+        return (Err("the point was called off before the start".into()), opened);
     }
     let result = match setup_error {
         Some(e) => Err(e),
-        None => measure(&mut *queue, &mut *source, &mut rng, bufs, duration, byte_budget),
+        None => measure(&mut **queue, opened.base, &mut *source, &mut rng, bufs, duration, byte_budget),
     };
-    (result, queue)
+    (result, opened)
 }
 
 /// The start line of a point: measuring threads arrive when ready and wait; the coordinator waits
@@ -697,8 +690,10 @@ impl StartGate {
     }
 }
 
+/// Units drawn from `source` are image offsets; reads go to `base` plus them on the target.
 fn measure(
     queue: &mut dyn IoQueue,
+    base: u64,
     source: &mut DrawUnit,
     rng: &mut SplitMix64,
     mut bufs: Vec<AlignedBuf>,
@@ -739,7 +734,8 @@ fn measure(
             }
             let Some((id, off, len)) = pending.pop_front() else { break };
             let buf = bufs.pop().expect("checked non-empty");
-            queue.submit(ReadReq { offset: ByteOffset(off), len, buf, tag: Tag(u64::from(id) << 32 | u64::from(len)) });
+            let offset = ByteOffset(base + off);
+            queue.submit(ReadReq { offset, len, buf, tag: Tag(u64::from(id) << 32 | u64::from(len)) });
         }
         if queue.in_flight() == 0 {
             break;

@@ -220,6 +220,9 @@ fn tsc() -> u64 {
 /// A queue to time, and how to wait (untimed) for a submitted read to be ready.
 struct Target {
     queue: Box<dyn IoQueue>,
+    /// The reader's lock on the file ([`picchio_runtime::image::guard::ReadLock`]), held as long as
+    /// the queue (declared after it: dropped after it).
+    _lock: Option<picchio_runtime::image::guard::ReadLock>,
     complete_includes: &'static str,
     /// Spins until the device side has finished the read (the controller model), untimed.
     wait_device: Option<Box<dyn FnMut()>>,
@@ -228,8 +231,11 @@ struct Target {
 
 /// `engine` through the page cache at depth 1 on the file or device `p`, from the runtime's engine
 /// factory (io_uring without the psync fallback).
-fn open_buffered(p: &std::path::Path, engine: picchio_runtime::expert::store::IoEngine) -> Result<Box<dyn IoQueue>> {
-    let io = picchio_runtime::expert::store::IoOptions {
+fn open_buffered(
+    p: &std::path::Path,
+    engine: picchio_runtime::expert::open::IoEngine,
+) -> Result<picchio_runtime::expert::open::Opened> {
+    let io = picchio_runtime::expert::open::EngineOptions {
         engine,
         direct: false,
         threads: 1,
@@ -237,7 +243,7 @@ fn open_buffered(p: &std::path::Path, engine: picchio_runtime::expert::store::Io
         uring_fallback: false,
         ..Default::default()
     };
-    Ok(picchio_runtime::expert::open::open_engine(&StoreUri::File(p.into()), io)?.queue)
+    picchio_runtime::expert::open::open_engine(&StoreUri::File(p.into()), io)
 }
 
 fn open_target(engine: &str, store: &StoreUri, range: u64) -> Result<std::result::Result<Target, String>> {
@@ -261,6 +267,7 @@ fn open_target(engine: &str, store: &StoreUri, range: u64) -> Result<std::result
     Ok(Ok(match engine {
         "null" => Target {
             queue: Box::new(NullQueue::new()),
+            _lock: None,
             complete_includes: "the IoQueue calls only (NullQueue completes at submit)",
             wait_device: None,
             resident_before: None,
@@ -271,9 +278,10 @@ fn open_target(engine: &str, store: &StoreUri, range: u64) -> Result<std::result
                 Err(e) => return Ok(Err(e)),
             };
             let resident_before = warm(&p)?;
-            let q = open_buffered(&p, picchio_runtime::expert::store::IoEngine::Psync)?;
+            let o = open_buffered(&p, picchio_runtime::expert::open::IoEngine::Psync)?;
             Target {
-                queue: q,
+                queue: o.queue,
+                _lock: o.lock,
                 complete_includes: "handing the read to the worker thread and back, and the kernel's page-cache copy",
                 wait_device: None,
                 resident_before,
@@ -290,9 +298,10 @@ fn open_target(engine: &str, store: &StoreUri, range: u64) -> Result<std::result
                     return Ok(Err(picchio_core::error::chain(&e).to_string()));
                 }
                 let resident_before = warm(&p)?;
-                let q = open_buffered(&p, picchio_runtime::expert::store::IoEngine::Uring)?;
+                let o = open_buffered(&p, picchio_runtime::expert::open::IoEngine::Uring)?;
                 Target {
-                    queue: q,
+                    queue: o.queue,
+                    _lock: o.lock,
                     complete_includes: "io_uring_enter (submit + wait) and the kernel's page-cache copy",
                     wait_device: None,
                     resident_before,
@@ -313,7 +322,7 @@ fn open_target(engine: &str, store: &StoreUri, range: u64) -> Result<std::result
                     (_, Err(e)) => return Ok(Err(e)),
                 };
                 // A reader's shared lock on the file, as every reader of an image holds (a writer of
-                // it waits or is refused); held by the completion wait below, as long as the queue.
+                // it waits or is refused); held as long as the queue (`Target::_lock`).
                 let name = format!("nvme-sim:{}", p.display());
                 let lock = picchio_runtime::image::guard::ReadLock::acquire(&p, &name, false)?;
                 let len = std::fs::metadata(&p).map_err(Error::io(&p, "stat"))?.len();
@@ -324,7 +333,6 @@ fn open_target(engine: &str, store: &StoreUri, range: u64) -> Result<std::result
                 let resident_before = warm(&p)?;
                 let mut seen = sim.stats().completions;
                 let wait = move || {
-                    let _held = &lock;
                     while sim.stats().completions == seen {
                         std::hint::spin_loop();
                     }
@@ -332,6 +340,7 @@ fn open_target(engine: &str, store: &StoreUri, range: u64) -> Result<std::result
                 };
                 Target {
                     queue: Box::new(queue),
+                    _lock: Some(lock),
                     complete_includes:
                         "the driver's completion work only (the model's CQE is awaited outside the clock)",
                     wait_device: Some(Box::new(wait)),

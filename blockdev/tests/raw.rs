@@ -18,9 +18,7 @@ use picchio_blockdev::host::{Host, Use};
 use picchio_blockdev::raw::{DeviceSink, Finding, Inspection, Lba, RawDevice, RawTarget, SignatureKind, Verdict};
 use picchio_blockdev::{Error, PsyncOptions, PsyncQueue};
 use picchio_core::loader::StoreDims;
-use picchio_core::{
-    AlignedBuf, ByteOffset, ExpertLoader, FlatStore, FlatStoreOptions, FlatWriter, LoadError,
-};
+use picchio_core::{AlignedBuf, ByteOffset, ExpertLoader, FlatStore, FlatStoreOptions, FlatWriter, LoadError};
 
 const MIB: u64 = 1 << 20;
 const DIMS: StoreDims = StoreDims { hidden: 64, n_layers: 2, n_experts: 3, topk: 1, moe_inter: 128 };

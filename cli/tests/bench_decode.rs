@@ -122,7 +122,7 @@ fn decode_report_is_consistent_and_the_tokens_never_change() {
     let plain = check(&bench(dir.path(), "plain", &[]), false);
     let prefetch_report = bench(dir.path(), "prefetch", &["--prefetch"]);
     assert_eq!(check(&prefetch_report, true), plain, "--prefetch changed the tokens");
-    assert_eq!(prefetch_report["flags"]["io"]["prefetch"], true);
+    assert_eq!(prefetch_report["flags"]["schedule"]["prefetch"], true);
     let issued: u64 =
         prefetch_report["results"]["points"].as_array().unwrap().iter().map(|p| u(&p["prefetch"]["issued"])).sum();
     assert!(issued > 0, "--prefetch read nothing ahead");

@@ -44,6 +44,7 @@ fuzz_target!(|image: &[u8]| {
     let _ = picchio_runtime::image::verify::verify_queue(
         &mut MemQueue::new(image),
         "fuzz.picchioflat",
+        0,
         image_len,
         None,
         &opts,

@@ -584,7 +584,9 @@ impl Session {
             engine: self.info.engine.clone(),
             async_moe: self.cache.async_moe(),
             overlap: self.model.decode_schedule().overlap && self.cache.async_moe(),
-            prefetch: self.model.decode_schedule().prefetch && self.model.decode_schedule().overlap && self.cache.async_moe(),
+            prefetch: self.model.decode_schedule().prefetch
+                && self.model.decode_schedule().overlap
+                && self.cache.async_moe(),
             prefetch_stats: PrefetchStats::default(),
             prefetch_wasted_bytes: 0,
             decode_split: DecodeSplit::default(),

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use picchio_core::StoreUri;
-use picchio_runtime::expert::store::IoOptions;
+use picchio_runtime::expert::open::EngineOptions;
 use picchio_runtime::model::tokenizer::Tokenizer;
 use picchio_runtime::run::{GenerateOptions, Generation, Session, SessionOptions};
 
@@ -30,11 +30,12 @@ pub fn ids(v: &serde_json::Value, key: &str) -> Vec<u32> {
 pub const PICCHIO_C_TOKENS: [u32; 16] =
     [731, 1930, 347, 2860, 3377, 3184, 3525, 2504, 41, 2411, 547, 193, 3590, 3840, 3815, 1426];
 
-/// Generates `n` greedy tokens after `prompt` from `model_dir` with experts from `store`.
+/// Generates `n` greedy tokens after `prompt` from `model_dir` with experts from `store`, read by
+/// `engine` under the default decode schedule.
 pub fn greedy(
     model_dir: &Path,
     store: StoreUri,
-    io: IoOptions,
+    engine: EngineOptions,
     ecap: Option<usize>,
     prompt: &[u32],
     n: usize,
@@ -42,12 +43,19 @@ pub fn greedy(
     let opts = SessionOptions {
         model: picchio_runtime::ModelDir::open(model_dir)?,
         store,
-        io,
+        engine,
+        schedule: Default::default(),
+        verify: false,
         ecap,
         max_seq: prompt.len() + n,
         dense: Default::default(),
     };
-    let mut s = Session::open(&opts, Tokenizer::from_dir(model_dir)?)?;
+    greedy_with(&opts, prompt, n)
+}
+
+/// [`greedy`] with every session option given (`max_seq` at least `prompt.len() + n`).
+pub fn greedy_with(opts: &SessionOptions, prompt: &[u32], n: usize) -> picchio_runtime::Result<(Generation, Session)> {
+    let mut s = Session::open(opts, Tokenizer::from_dir(&opts.model_dir)?)?;
     let g = s.generate(prompt, &GenerateOptions { max_new: n, keep_logits: true, ..Default::default() })?;
     Ok((g, s))
 }

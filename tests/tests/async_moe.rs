@@ -8,9 +8,10 @@
 //! read by io_uring (psync where io_uring is unavailable, said visibly).
 
 use picchio_core::{AlignedBuf, ExpertLoader, Loaded};
-use picchio_runtime::expert::store::{open_flat_file, IoEngine, IoOptions};
+use picchio_runtime::expert::open::{EngineOptions, IoEngine};
+use picchio_runtime::expert::store::open_flat_file;
 use picchio_runtime::model::sampler::argmax;
-use picchio_runtime::model::{DecodeIo, Model, Trace};
+use picchio_runtime::model::{DecodeSchedule, Model, Trace};
 use picchio_tests::*;
 
 /// Test double: serves each `load` through the wrapped real loader in random sub-batches, and hands
@@ -91,19 +92,19 @@ fn run(
     loader: &mut dyn ExpertLoader,
     tokens: &[u32],
 ) -> (Bits, Vec<u32>) {
-    run_with(model, ecap, async_moe, DecodeIo::default(), loader, tokens)
+    run_with(model, ecap, async_moe, DecodeSchedule::default(), loader, tokens)
 }
 
-/// [`run`] with the decode step's reads done as `dio` says.
+/// [`run`] with the decode step's reads scheduled as `dio` says (its `async_moe` is the cache's: `async_moe`).
 fn run_with(
     model: &mut Model,
     ecap: usize,
     async_moe: bool,
-    dio: DecodeIo,
+    dio: DecodeSchedule,
     loader: &mut dyn ExpertLoader,
     tokens: &[u32],
 ) -> (Bits, Vec<u32>) {
-    model.set_decode_io(dio);
+    model.set_decode_schedule(dio);
     let mut cache = model.new_cache(ecap).unwrap();
     cache.set_async_moe(async_moe);
     let mut trace = Trace::new(model.config());
@@ -119,7 +120,7 @@ fn run_with(
     let p = cache.prefetch_stats();
     assert_eq!(p.issued, p.used + p.wasted, "every prefetched expert judged: {p:?}");
     assert!(dio.prefetch || p.issued == 0, "no prefetch without --prefetch: {p:?}");
-    model.set_decode_io(DecodeIo::default());
+    model.set_decode_schedule(DecodeSchedule::default());
     (Bits(bits), greedy)
 }
 
@@ -154,13 +155,17 @@ fn shuffled_completions_give_bit_identical_hidden_states_and_logits() {
             panic!("io_uring unavailable here (kernel, sysctl or seccomp): {e:?}");
         }
     }
-    let io = IoOptions { engine: if uring { IoEngine::Uring } else { IoEngine::Psync }, qd: 4, ..IoOptions::default() };
+    let io = EngineOptions {
+        engine: if uring { IoEngine::Uring } else { IoEngine::Psync },
+        qd: 4,
+        ..EngineOptions::default()
+    };
     let image = dir.join("experts.picchioflat");
     let mut runs = 0;
     let dios = [
-        DecodeIo { overlap: false, prefetch: false },
-        DecodeIo { overlap: true, prefetch: false },
-        DecodeIo { overlap: true, prefetch: true },
+        DecodeSchedule { async_moe: true, overlap: false, prefetch: false },
+        DecodeSchedule { async_moe: true, overlap: true, prefetch: false },
+        DecodeSchedule { async_moe: true, overlap: true, prefetch: true },
     ];
     for ecap in [1, 3, total] {
         for async_moe in [true, false] {
@@ -172,7 +177,7 @@ fn shuffled_completions_give_bit_identical_hidden_states_and_logits() {
                 // (ecap 1 loads one expert at a time: nothing to reorder.)
                 assert!(ecap == 1 || st.reordered > 0, "{what}: the mock never reordered");
 
-                let flat = open_flat_file(&image, model.config(), model.layout(), io).unwrap();
+                let flat = open_flat_file(&image, model.config(), model.layout(), io, false).unwrap();
                 let engine = flat.describe();
                 assert!(!uring || engine.contains("uring(direct, qd 4, fixed file)"), "{engine}");
                 let mut flat = MockShuffledCompletions::new(flat, seed ^ 0xA5);
@@ -190,10 +195,17 @@ fn shuffled_completions_give_bit_identical_hidden_states_and_logits() {
 fn async_toggle_through_sessions_keeps_the_tokens_and_is_reported() {
     let dir = fixture("picchio_c/qwen3_moe");
     for async_moe in [true, false] {
-        let io = IoOptions { async_moe, ..IoOptions::default() };
-        let (g, s) =
-            greedy(&dir, picchio_core::StoreUri::File(dir.join("experts.picchioflat")), io, Some(3), &c_prompt(), 16)
-                .unwrap();
+        let opts = picchio_runtime::run::SessionOptions {
+            model_dir: dir.clone(),
+            store: picchio_core::StoreUri::File(dir.join("experts.picchioflat")),
+            engine: EngineOptions::default(),
+            schedule: DecodeSchedule { async_moe, ..DecodeSchedule::default() },
+            verify: false,
+            ecap: Some(3),
+            max_seq: c_prompt().len() + 16,
+            dense: Default::default(),
+        };
+        let (g, s) = greedy_with(&opts, &c_prompt(), 16).unwrap();
         assert_eq!(g.tokens, PICCHIO_C_TOKENS, "async {async_moe}");
         assert_eq!((g.stats.async_moe, s.cache.async_moe()), (async_moe, async_moe));
     }

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use picchio_core::StoreUri;
 use picchio_runtime::chat::turn::{Finish, TurnOptions};
-use picchio_runtime::expert::store::IoOptions;
+use picchio_runtime::expert::open::EngineOptions;
 use picchio_runtime::image::convert::{convert, ConvertOptions};
 use picchio_runtime::model::tokenizer::Tokenizer;
 use picchio_runtime::run::{GenerateOptions, Session, SessionOptions};
@@ -25,7 +25,9 @@ fn session(model: &Path, max_seq: usize) -> Session {
     let opts = SessionOptions {
         model: picchio_runtime::ModelDir::open(model).unwrap(),
         store: StoreUri::Safetensors,
-        io: IoOptions::default(),
+        engine: EngineOptions::default(),
+        schedule: Default::default(),
+        verify: false,
         ecap: Some(4),
         max_seq,
         dense: picchio_runtime::model::DenseFormat::Stored,

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use picchio_core::StoreUri;
-use picchio_runtime::expert::store::{IoEngine, IoOptions};
+use picchio_runtime::expert::open::{EngineOptions, IoEngine};
 use picchio_runtime::image::convert::{convert, ConvertOptions};
 use picchio_runtime::image::pack::{pack, PackOptions};
 use picchio_runtime::image::verify::{verify, VerifyOptions};
@@ -85,7 +85,7 @@ fn every_tier_gives_transformers_q4_tokens_for_both_layouts() {
         let n = want.len();
         let mut runs = 0;
         for ecap in [1, 4, 32] {
-            let (g, _) = greedy(&dir, StoreUri::Safetensors, IoOptions::default(), Some(ecap), &prompt, n).unwrap();
+            let (g, _) = greedy(&dir, StoreUri::Safetensors, EngineOptions::default(), Some(ecap), &prompt, n).unwrap();
             assert_eq!(g.tokens, want, "{src} safetensors ecap {ecap}");
             let mut engines = vec![IoEngine::Psync];
             if uring_available() {
@@ -95,7 +95,7 @@ fn every_tier_gives_transformers_q4_tokens_for_both_layouts() {
             }
             for &engine in &engines {
                 for direct in [false, true] {
-                    let io = IoOptions { engine, direct, ..IoOptions::default() };
+                    let io = EngineOptions { engine, direct, ..EngineOptions::default() };
                     let what = format!("{src} {engine:?} direct={direct} ecap {ecap}");
                     let (g, _) = greedy(&dir, StoreUri::File(image.clone()), io, Some(ecap), &prompt, n)
                         .unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -125,7 +125,7 @@ fn an_image_packed_for_other_dimensions_is_a_whole_store_mismatch() {
         let mut b = good.clone();
         b[offset..offset + 4].copy_from_slice(&value.to_le_bytes());
         std::fs::write(&image, &b).unwrap();
-        let e = greedy(&dir, StoreUri::File(image.clone()), IoOptions::default(), Some(4), &prompt, 2)
+        let e = greedy(&dir, StoreUri::File(image.clone()), EngineOptions::default(), Some(4), &prompt, 2)
             .err()
             .unwrap_or_else(|| panic!("{want}: opened"))
             .to_string();

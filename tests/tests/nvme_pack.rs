@@ -11,7 +11,7 @@ use std::time::Duration;
 use picchio_nvme::sim::{Sim, SimConfig};
 use picchio_nvme::{HeapDma, NvmeQueue, NvmeQueueOptions};
 use picchio_runtime::expert::cache::ExpertCache;
-use picchio_runtime::expert::store::{open_nvme_flat, with_fallback, IoOptions};
+use picchio_runtime::expert::store::{open_nvme_flat, with_fallback};
 use picchio_runtime::image::pack::{PackOptions, PackReport};
 use picchio_runtime::image::record::RecordModel;
 use picchio_runtime::image::write::{WriteOptions, WriteTo};
@@ -65,7 +65,7 @@ fn run_model(tm: &TierModel, ns: &Path, lba: u32) -> Vec<u32> {
     let m = Model::load(&picchio_runtime::ModelDir::open(&tm.dir).unwrap(), tm.prompt.len() + tm.tokens.len()).unwrap();
     let (cfg, layout) = (m.config().clone(), m.layout().clone());
     let (q, sim) = queue(ns, lba);
-    let flat = open_nvme_flat("nvme:sim/1".into(), q, &cfg, &layout, IoOptions::default()).unwrap();
+    let flat = open_nvme_flat("nvme:sim/1".into(), q, &cfg, &layout, false).unwrap();
     let (mut loader, info, io_stats) = with_fallback(flat, m.tensors().clone(), &layout);
     let mut cache = ExpertCache::new(4, layout.len()).unwrap();
     assert!(cache.use_slots_from(&mut *loader).is_some());

@@ -10,7 +10,7 @@ use picchio_nvme::engine::RecoveryPolicy;
 use picchio_nvme::sim::{Fault, SimConfig};
 use picchio_nvme::{NvmeQueue, NvmeQueueOptions};
 use picchio_runtime::expert::cache::ExpertCache;
-use picchio_runtime::expert::store::{open_nvme_flat, with_fallback, IoOptions};
+use picchio_runtime::expert::store::{open_nvme_flat, with_fallback};
 use picchio_runtime::model::Model;
 use picchio_runtime::run::{GenerateOptions, Session};
 use picchio_tests::*;
@@ -32,7 +32,7 @@ fn faults_during_generation_fall_back_to_safetensors_and_the_tokens_stay_exact()
         max_resets: 3,
         reset_window: Duration::from_secs(600),
     });
-    let flat = open_nvme_flat("nvme:sim".into(), q, &cfg, &layout, IoOptions::default()).unwrap();
+    let flat = open_nvme_flat("nvme:sim".into(), q, &cfg, &layout, false).unwrap();
     let (loader, info, io_stats) = with_fallback(flat, model.tensors().clone(), &layout);
     // A small cache: every token misses, so the faults land during generation.
     let cache = ExpertCache::new(4, layout.len()).unwrap();

@@ -11,7 +11,8 @@ use picchio_core::StoreUri;
 use picchio_nvme::sim::{Sim, SimConfig};
 use picchio_nvme::{HeapDma, NvmeQueue, NvmeQueueOptions};
 use picchio_runtime::expert::cache::ExpertCache;
-use picchio_runtime::expert::store::{open_nvme_flat, with_fallback, IoOptions};
+use picchio_runtime::expert::open::EngineOptions;
+use picchio_runtime::expert::store::{open_nvme_flat, with_fallback};
 use picchio_runtime::model::Model;
 use picchio_runtime::run::{GenerateOptions, Session};
 use picchio_tests::*;
@@ -26,7 +27,7 @@ fn sim_session(m: &TierModel, lba: u32, ecap: usize, pool: bool, dma: HeapDma) -
     let opts = NvmeQueueOptions { qd: 8, timeout: Duration::from_secs(60), ..Default::default() };
     let cfg_sim = SimConfig::single(m.image(), lba);
     let (q, sim) = NvmeQueue::open_sim_with(cfg_sim, &opts, dma, true).unwrap();
-    let flat = open_nvme_flat("nvme:sim".into(), q, &cfg, &layout, IoOptions::default()).unwrap();
+    let flat = open_nvme_flat("nvme:sim".into(), q, &cfg, &layout, false).unwrap();
     let (mut loader, info, io_stats) = with_fallback(flat, model.tensors().clone(), &layout);
     let mut cache = ExpertCache::new(ecap, layout.len()).unwrap();
     let got = cache.use_slots_from(&mut *loader);
@@ -39,7 +40,8 @@ fn sim_session(m: &TierModel, lba: u32, ecap: usize, pool: bool, dma: HeapDma) -
 fn the_nvme_tier_over_the_sim_gives_the_file_tiers_tokens_with_zero_copy_slots() {
     for m in TierModel::all() {
         let n = m.tokens.len();
-        let (file, _) = greedy(&m.dir, StoreUri::File(m.image()), IoOptions::default(), Some(4), &m.prompt, n).unwrap();
+        let (file, _) =
+            greedy(&m.dir, StoreUri::File(m.image()), EngineOptions::default(), Some(4), &m.prompt, n).unwrap();
         assert_eq!(file.tokens, m.tokens, "{}: the file tier", m.name);
         let gen = GenerateOptions { max_new: n, ..Default::default() };
         let all = m.entries;

@@ -9,7 +9,7 @@
 
 use picchio_core::{IoQueue, StoreUri};
 use picchio_nvme::tcp::model::{Backing, Fault, ModelConfig, TargetModel};
-use picchio_runtime::expert::store::IoOptions;
+use picchio_runtime::expert::open::EngineOptions;
 use picchio_runtime::image::pack::{pack_to, PackOptions, PackReport};
 use picchio_runtime::image::record::RecordModel;
 use picchio_runtime::image::write::{WriteOptions, WriteTo};
@@ -56,7 +56,7 @@ fn pack_onto_nvme_tcp_then_run_gives_the_file_tiers_tokens() {
             assert_eq!(&t.contents()[..image.len()], &image[..], "{what}: the namespace holds the image");
             assert!(t.stats().r2ts > 0, "{what}: 4 MiB runs go after R2Ts");
             // run --store nvme-tcp://…, two I/O queues.
-            let io = IoOptions { threads: 2, qd: 4, ..IoOptions::default() };
+            let io = EngineOptions { threads: 2, qd: 4, ..EngineOptions::default() };
             let (g, s) = greedy(&m.dir, uri(&t), io, Some(4), &m.prompt, m.tokens.len()).unwrap();
             assert_eq!(g.tokens, m.tokens, "{what}");
             assert_eq!(g.stats.fallbacks, 0, "{what}");
@@ -120,11 +120,13 @@ fn a_target_that_goes_away_mid_run_falls_back_to_safetensors_counted() {
     let m = TierModel::picchio_c();
     let image = std::fs::read(m.image()).unwrap();
     let t = TargetModel::start(ModelConfig::memory(image, 512)).unwrap();
-    let io = IoOptions { threads: 1, qd: 4, ..IoOptions::default() };
+    let io = EngineOptions { threads: 1, qd: 4, ..EngineOptions::default() };
     let opts = picchio_runtime::run::SessionOptions {
         model: picchio_runtime::ModelDir::open(&m.dir).unwrap(),
         store: uri(&t),
-        io,
+        engine: io,
+        schedule: Default::default(),
+        verify: false,
         ecap: Some(1),
         max_seq: m.prompt.len() + m.tokens.len(),
         dense: picchio_runtime::model::DenseFormat::Stored,

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use loopdev::{mkfs_ext4, sparse_file, write_gpt_signature, DmDevice, LoopDevice, LoopOptions, Mounted};
 use picchio_core::StoreUri;
-use picchio_runtime::expert::store::{IoEngine, IoOptions};
+use picchio_runtime::expert::open::{EngineOptions, IoEngine};
 use picchio_runtime::image::pack::{PackOptions, PackReport};
 use picchio_runtime::image::verify::{verify_raw, FailureKind, VerifyOptions};
 use picchio_runtime::image::write::{WriteOptions, WriteTo};
@@ -33,8 +33,8 @@ fn c_prompt() -> Vec<u32> {
     ids(&reference_json(&fixture("qwen3_moe"), "reference.json"), "prompt_ids")
 }
 
-fn psync_direct() -> IoOptions {
-    IoOptions { engine: IoEngine::Psync, direct: true, threads: 2, ..IoOptions::default() }
+fn psync_direct() -> EngineOptions {
+    EngineOptions { engine: IoEngine::Psync, direct: true, threads: 2, ..EngineOptions::default() }
 }
 
 fn raw(dev: &Path, offset: u64) -> StoreUri {

@@ -18,7 +18,7 @@ fn a_short_index_read_names_the_store_and_the_offset() {
     let mut q = PsyncQueue::open(&img, PsyncOptions { threads: 1, direct: false }).unwrap();
     // Told the image is 16384 bytes (as a stale length would say): the index read comes up short.
     let opts = VerifyOptions { io_threads: 1, direct: false, progress: false };
-    let e = verify_queue(&mut q, "img.pf", 16384, None, &opts).unwrap_err();
+    let e = verify_queue(&mut q, "img.pf", 0, 16384, None, &opts).unwrap_err();
     let e = picchio_core::error::chain(&e).to_string();
     assert!(e.contains("img.pf: reading the index at offset 0x1000") && e.contains("short read"), "{e}");
 }

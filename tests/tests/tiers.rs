@@ -4,7 +4,7 @@
 
 use picchio_core::format::{index_sha256, Superblock};
 use picchio_core::StoreUri;
-use picchio_runtime::expert::store::{IoEngine, IoOptions};
+use picchio_runtime::expert::open::{EngineOptions, IoEngine};
 use picchio_runtime::image::pack::{pack, PackOptions};
 use picchio_tests::*;
 
@@ -22,11 +22,11 @@ fn picchio_c_directory_gives_picchio_c_tokens_through_every_store() {
     let total = 3 * 16;
     let mut runs = 0;
     for ecap in [1, 4, total] {
-        let (g, _) = greedy(&dir, StoreUri::Safetensors, IoOptions::default(), Some(ecap), &prompt, N).unwrap();
+        let (g, _) = greedy(&dir, StoreUri::Safetensors, EngineOptions::default(), Some(ecap), &prompt, N).unwrap();
         assert_eq!(g.tokens, PICCHIO_C_TOKENS, "safetensors ecap {ecap}");
         for direct in [false, true] {
             for threads in [1, 2, 4] {
-                let io = IoOptions { engine: IoEngine::Psync, direct, threads, ..IoOptions::default() };
+                let io = EngineOptions { engine: IoEngine::Psync, direct, threads, ..EngineOptions::default() };
                 let (g, s) = greedy(&dir, StoreUri::File(image.clone()), io, Some(ecap), &prompt, N).unwrap();
                 assert_eq!(g.tokens, PICCHIO_C_TOKENS, "file direct={direct} threads={threads} ecap={ecap}");
                 assert_eq!(g.stats.fallbacks, 0);
@@ -38,7 +38,7 @@ fn picchio_c_directory_gives_picchio_c_tokens_through_every_store() {
         }
     }
     // auto picks the image.
-    let (g, s) = greedy(&dir, StoreUri::Auto, IoOptions::default(), Some(4), &prompt, N).unwrap();
+    let (g, s) = greedy(&dir, StoreUri::Auto, EngineOptions::default(), Some(4), &prompt, N).unwrap();
     assert_eq!(g.tokens, PICCHIO_C_TOKENS);
     assert!(s.info.store.starts_with("file:"), "{}", s.info.store);
     eprintln!("{runs} file-store runs gave Picchio (C)'s tokens");
@@ -50,7 +50,7 @@ fn an_image_we_pack_from_the_picchio_c_directory_gives_the_same_tokens() {
     let img = tmp.path().join("ours.picchioflat");
     pack(&fixture("picchio_c/qwen3_moe"), &img, &PackOptions::default()).unwrap();
     let (g, _) =
-        greedy(&fixture("picchio_c/qwen3_moe"), StoreUri::File(img), IoOptions::default(), Some(8), &c_prompt(), N)
+        greedy(&fixture("picchio_c/qwen3_moe"), StoreUri::File(img), EngineOptions::default(), Some(8), &c_prompt(), N)
             .unwrap();
     assert_eq!(g.tokens, PICCHIO_C_TOKENS);
 }
@@ -77,8 +77,17 @@ fn run_copy(
     store: StoreUri,
     verify: bool,
 ) -> picchio_runtime::Result<picchio_runtime::run::Generation> {
-    let io = IoOptions { verify, ..IoOptions::default() };
-    greedy(tmp.path(), store, io, Some(8), &c_prompt(), N).map(|(g, _)| g)
+    let opts = picchio_runtime::run::SessionOptions {
+        model_dir: tmp.path().into(),
+        store,
+        engine: EngineOptions::default(),
+        schedule: Default::default(),
+        verify,
+        ecap: Some(8),
+        max_seq: c_prompt().len() + N,
+        dense: Default::default(),
+    };
+    greedy_with(&opts, &c_prompt(), N).map(|(g, _)| g)
 }
 
 fn file(tmp: &tempfile::TempDir) -> StoreUri {
@@ -122,9 +131,15 @@ fn a_prefix_store_serves_its_layers_and_falls_back_for_the_rest() {
     let tmp = scratch();
     let img = tmp.path().join("prefix.picchioflat");
     pack(&fixture("picchio_c/qwen3_moe"), &img, &PackOptions { layers: Some(1), ..Default::default() }).unwrap();
-    let (g, _) =
-        greedy(&fixture("picchio_c/qwen3_moe"), StoreUri::File(img), IoOptions::default(), Some(48), &c_prompt(), N)
-            .unwrap();
+    let (g, _) = greedy(
+        &fixture("picchio_c/qwen3_moe"),
+        StoreUri::File(img),
+        EngineOptions::default(),
+        Some(48),
+        &c_prompt(),
+        N,
+    )
+    .unwrap();
     assert_eq!(g.tokens, PICCHIO_C_TOKENS);
     assert!(g.stats.reads > 0 && g.stats.fallbacks > 0, "{:?}", g.stats);
     assert_eq!(g.stats.reads + g.stats.fallbacks, g.stats.cache_misses);
@@ -165,9 +180,10 @@ fn an_image_of_another_quantization_is_a_whole_store_mismatch() {
     let img = tmp.path().join("q3.picchioflat");
     pack(&q3, &img, &PackOptions { layers: None, progress: false, ..Default::default() }).unwrap();
     // The Picchio (C) directory is the same model in Q4: same dimensions, other payload size.
-    let e = greedy(&fixture("picchio_c/qwen3_moe"), StoreUri::File(img), IoOptions::default(), Some(8), &c_prompt(), 2)
-        .err()
-        .expect("a Q3 image must not open for a Q4 model")
-        .to_string();
+    let e =
+        greedy(&fixture("picchio_c/qwen3_moe"), StoreUri::File(img), EngineOptions::default(), Some(8), &c_prompt(), 2)
+            .err()
+            .expect("a Q3 image must not open for a Q4 model")
+            .to_string();
     assert!(e.contains("quantization") && e.contains("q3.picchioflat"), "{e}");
 }

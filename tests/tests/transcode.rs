@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use picchio_core::StoreUri;
-use picchio_runtime::expert::store::{IoEngine, IoOptions};
+use picchio_runtime::expert::open::{EngineOptions, IoEngine};
 use picchio_runtime::image::convert::{convert, ConvertOptions};
 use picchio_runtime::image::pack::{pack, PackOptions};
 use picchio_runtime::image::transcode::{transcode, TranscodeOptions};
@@ -160,14 +160,14 @@ fn none_to_q4_and_q3_equal_convert_from_the_checkpoint() {
     }
 }
 
-fn psync(direct: bool) -> IoOptions {
-    IoOptions { engine: IoEngine::Psync, direct, ..IoOptions::default() }
+fn psync(direct: bool) -> EngineOptions {
+    EngineOptions { engine: IoEngine::Psync, direct, ..EngineOptions::default() }
 }
 
 /// Greedy tokens of `dir` from safetensors and from an image packed into it (psync buffered and
 /// direct, io_uring where the kernel has it), which must all agree; returns them.
 fn tokens_on_every_tier(dir: &Path, prompt: &[u32], n: usize) -> Vec<u32> {
-    let (g, _) = greedy(dir, StoreUri::Safetensors, IoOptions::default(), Some(4), prompt, n).unwrap();
+    let (g, _) = greedy(dir, StoreUri::Safetensors, EngineOptions::default(), Some(4), prompt, n).unwrap();
     let image = dir.join("experts.picchioflat");
     pack(dir, &image, &PackOptions { progress: false, ..Default::default() }).unwrap();
     let mut ios = vec![psync(false), psync(true)];
@@ -177,7 +177,7 @@ fn tokens_on_every_tier(dir: &Path, prompt: &[u32], n: usize) -> Vec<u32> {
     #[cfg(not(target_os = "linux"))]
     let uring = false;
     if uring {
-        ios.push(IoOptions { engine: IoEngine::Uring, direct: true, ..IoOptions::default() });
+        ios.push(EngineOptions { engine: IoEngine::Uring, direct: true, ..EngineOptions::default() });
     } else {
         eprintln!("SKIPPED: io_uring unavailable (psync only)");
     }

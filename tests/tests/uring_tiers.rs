@@ -5,7 +5,8 @@
 //! registered-file variants. Skipped visibly where io_uring is unavailable.
 
 use picchio_core::StoreUri;
-use picchio_runtime::expert::store::{IoEngine, IoOptions};
+use picchio_runtime::expert::open::{EngineOptions, IoEngine};
+use picchio_runtime::model::DecodeSchedule;
 use picchio_tests::*;
 
 const N: usize = 16;
@@ -24,15 +25,25 @@ fn uring_unavailable() -> Option<String> {
     Some("io_uring is Linux-only".into())
 }
 
-fn check(io: IoOptions, ecap: usize, want_engine: &str) {
+fn check(io: EngineOptions, async_moe: bool, ecap: usize, want_engine: &str) {
     let dir = fixture("picchio_c/qwen3_moe");
     let image = StoreUri::File(dir.join("experts.picchioflat"));
-    let what = format!("{io:?} ecap {ecap}");
-    let (g, s) = greedy(&dir, image, io, Some(ecap), &c_prompt(), N).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let what = format!("{io:?} async_moe {async_moe} ecap {ecap}");
+    let opts = picchio_runtime::run::SessionOptions {
+        model_dir: dir.clone(),
+        store: image,
+        engine: io,
+        schedule: DecodeSchedule { async_moe, ..DecodeSchedule::default() },
+        verify: false,
+        ecap: Some(ecap),
+        max_seq: c_prompt().len() + N,
+        dense: Default::default(),
+    };
+    let (g, s) = greedy_with(&opts, &c_prompt(), N).unwrap_or_else(|e| panic!("{what}: {e}"));
     assert_eq!(g.tokens, PICCHIO_C_TOKENS, "{what}");
     assert_eq!(g.stats.fallbacks, 0, "{what}");
     assert_eq!(g.stats.reads, g.stats.cache_misses, "{what}: every miss is one store read");
-    assert_eq!(g.stats.async_moe, io.async_moe);
+    assert_eq!(g.stats.async_moe, async_moe);
     assert_eq!(s.info.engine, want_engine, "{what}");
 }
 
@@ -46,9 +57,9 @@ fn uring_at_every_depth_and_async_setting_gives_picchio_c_tokens() {
         for direct in [true, false] {
             for qd in [1, 4, 32] {
                 for async_moe in [true, false] {
-                    let io = IoOptions { engine: IoEngine::Uring, direct, qd, async_moe, ..IoOptions::default() };
+                    let io = EngineOptions { engine: IoEngine::Uring, direct, qd, ..EngineOptions::default() };
                     let mode = if direct { "direct" } else { "buffered" };
-                    check(io, ecap, &format!("uring({mode}, qd {qd}, fixed file)"));
+                    check(io, async_moe, ecap, &format!("uring({mode}, qd {qd}, fixed file)"));
                     runs += 1;
                 }
             }
@@ -62,10 +73,10 @@ fn uring_flags_give_picchio_c_tokens() {
     if let Some(why) = uring_unavailable() {
         panic!("io_uring unavailable here (kernel, sysctl or seccomp): {why}");
     }
-    let base = IoOptions { engine: IoEngine::Uring, qd: 8, ..IoOptions::default() };
-    check(IoOptions { register_files: false, ..base }, 4, "uring(direct, qd 8)");
+    let base = EngineOptions { engine: IoEngine::Uring, qd: 8, ..EngineOptions::default() };
+    check(EngineOptions { register_files: false, ..base }, true, 4, "uring(direct, qd 8)");
     let dir = fixture("picchio_c/qwen3_moe");
-    let sqpoll = IoOptions { sqpoll: true, ..base };
+    let sqpoll = EngineOptions { sqpoll: true, ..base };
     match greedy(&dir, StoreUri::File(dir.join("experts.picchioflat")), sqpoll, Some(4), &c_prompt(), N) {
         Ok((g, s)) => {
             assert_eq!(g.tokens, PICCHIO_C_TOKENS);
@@ -78,7 +89,7 @@ fn uring_flags_give_picchio_c_tokens() {
         }
     }
     // --iopoll either works or is refused naming the flag (a file on a disk without polled queues).
-    let iopoll = IoOptions { iopoll: true, ..base };
+    let iopoll = EngineOptions { iopoll: true, ..base };
     match greedy(&dir, StoreUri::File(dir.join("experts.picchioflat")), iopoll, Some(4), &c_prompt(), N) {
         Ok((g, _)) => assert_eq!(g.tokens, PICCHIO_C_TOKENS),
         Err(e) => assert!(e.to_string().contains("--iopoll"), "{e}"),
@@ -89,12 +100,12 @@ fn uring_flags_give_picchio_c_tokens() {
 fn psync_threads_still_give_picchio_c_tokens_and_uring_is_the_default() {
     for ecap in [1, 4] {
         for threads in [1, 2, 4] {
-            let io = IoOptions { engine: IoEngine::Psync, threads, ..IoOptions::default() };
-            check(io, ecap, &format!("psync(direct, {threads} thread{})", if threads == 1 { "" } else { "s" }));
+            let io = EngineOptions { engine: IoEngine::Psync, threads, ..EngineOptions::default() };
+            check(io, true, ecap, &format!("psync(direct, {threads} thread{})", if threads == 1 { "" } else { "s" }));
         }
     }
     let dir = fixture("picchio_c/qwen3_moe");
-    let (g, s) = greedy(&dir, StoreUri::Auto, IoOptions::default(), Some(4), &c_prompt(), N).unwrap();
+    let (g, s) = greedy(&dir, StoreUri::Auto, EngineOptions::default(), Some(4), &c_prompt(), N).unwrap();
     assert_eq!(g.tokens, PICCHIO_C_TOKENS);
     match uring_unavailable() {
         None => assert_eq!(s.info.engine, "uring(direct, qd 32, fixed file)"),

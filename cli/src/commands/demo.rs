@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use picchio_core::StoreUri;
-use picchio_runtime::expert::store::{IoOptions, DEFAULT_IMAGE};
+use picchio_runtime::expert::open::EngineOptions;
+use picchio_runtime::expert::store::DEFAULT_IMAGE;
 use picchio_runtime::image::convert::{convert, ConvertOptions};
 use picchio_runtime::image::pack::{pack, PackOptions};
 use picchio_runtime::image::synthetic::{
@@ -223,11 +224,13 @@ fn fixture(a: &Args, workdir: &Path, fixture: &Path) -> anyhow::Result<()> {
     let opts = SessionOptions {
         model: dir,
         store: StoreUri::File(model.join(DEFAULT_IMAGE)),
-        io: a.engine.apply(IoOptions {
+        engine: a.engine.apply(EngineOptions {
             direct: !a.buffered,
             threads: usize::from(a.io_threads),
-            ..IoOptions::default()
+            ..EngineOptions::default()
         }),
+        schedule: a.engine.schedule(),
+        verify: false,
         ecap: Some(ecap),
         max_seq: prompt.len().saturating_add(n),
         dense: a.compute.dense,
@@ -267,7 +270,7 @@ fn open_session(opts: &SessionOptions, tokenizer: Option<Tokenizer>) -> anyhow::
     match Session::open(opts, tokenizer) {
         Ok(s) => Ok(s),
         Err(e @ picchio_runtime::Error::Engine(picchio_blockdev::Error::DirectUnsupported { .. }))
-            if opts.io.direct =>
+            if opts.engine.direct =>
         {
             eprintln!(
                 "warning: {}; retrying with buffered reads (pass --buffered to skip this)",
@@ -275,7 +278,7 @@ fn open_session(opts: &SessionOptions, tokenizer: Option<Tokenizer>) -> anyhow::
             );
             let tokenizer = Tokenizer::from_dir(opts.model.path())?;
             let mut o = opts.clone();
-            o.io.direct = false;
+            o.engine.direct = false;
             Ok(Session::open(&o, tokenizer)?)
         }
         Err(e) => Err(e.into()),
@@ -293,11 +296,13 @@ fn synthetic(a: &Args, workdir: &Path, gb: f64) -> anyhow::Result<()> {
     let opts = SessionOptions {
         model: dir,
         store: StoreUri::File(image),
-        io: a.engine.apply(IoOptions {
+        engine: a.engine.apply(EngineOptions {
             direct: !a.buffered,
             threads: usize::from(a.io_threads),
-            ..IoOptions::default()
+            ..EngineOptions::default()
         }),
+        schedule: a.engine.schedule(),
+        verify: false,
         ecap: Some(ecap),
         max_seq: prompt.len().saturating_add(n),
         dense: a.compute.dense,

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use picchio_core::StoreUri;
 use picchio_runtime::chat::engine::Engine;
-use picchio_runtime::expert::store::IoOptions;
+use picchio_runtime::expert::open::EngineOptions;
 use picchio_runtime::image::record::find_model_dir;
 use picchio_runtime::model::tokenizer::Tokenizer;
 use picchio_runtime::run::{Session, SessionOptions};
@@ -46,12 +46,12 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
-    /// The I/O options of these arguments.
-    fn io(&self) -> IoOptions {
-        self.engine.apply(IoOptions {
+    /// The engine options of these arguments.
+    fn io(&self) -> EngineOptions {
+        self.engine.apply(EngineOptions {
             direct: !self.buffered,
             threads: usize::from(self.io_threads),
-            ..IoOptions::default()
+            ..EngineOptions::default()
         })
     }
 
@@ -94,7 +94,9 @@ impl ModelArgs {
         let opts = SessionOptions {
             model: dir,
             store: self.store.clone(),
-            io: self.io(),
+            engine: self.io(),
+            schedule: self.engine.schedule(),
+            verify: false,
             ecap: self.ecap,
             max_seq: ctx,
             dense: self.compute.dense,

@@ -4,12 +4,13 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use picchio_core::StoreUri;
-use picchio_runtime::expert::store::{IoEngine, IoOptions};
+use picchio_runtime::expert::open::{EngineOptions, IoEngine};
 use picchio_runtime::expert::usage::UsageOut;
 use picchio_runtime::model::prefill::DEFAULT_PREFILL_CHUNK;
 use picchio_runtime::model::sampler::SamplerOptions;
 use picchio_runtime::model::tokenizer::Tokenizer;
 use picchio_runtime::model::trace::{TraceHeader, TraceWriter};
+use picchio_runtime::model::DecodeSchedule;
 use picchio_runtime::run::{dump_logits, GenerateOptions, Session, SessionOptions};
 use picchio_runtime::ModelDir;
 
@@ -161,7 +162,7 @@ pub struct EngineArgs {
     pub iopoll: bool,
     /// uring: register the file with the ring (measurement switch; on by default).
     #[arg(long, hide = true, value_name = "BOOL", action = clap::ArgAction::Set,
-          default_value_t = IoOptions::default().register_files)]
+          default_value_t = EngineOptions::default().register_files)]
     pub register_files: bool,
     /// Compute each routed expert as soon as its read completes, while the layer's other reads are in
     /// flight (the default).
@@ -236,19 +237,21 @@ impl EngineArgs {
         }
     }
 
-    /// `io` with the engine, queue and MoE settings of these flags.
-    pub fn apply(&self, io: IoOptions) -> IoOptions {
-        IoOptions {
+    /// `io` with the engine and queue settings of these flags.
+    pub fn apply(&self, io: EngineOptions) -> EngineOptions {
+        EngineOptions {
             engine: self.io,
             qd: self.qd,
             sqpoll: self.sqpoll,
             iopoll: self.iopoll,
             register_files: self.register_files,
-            async_moe: !self.no_async_moe,
-            overlap: !self.no_overlap,
-            prefetch: self.prefetch,
             ..io
         }
+    }
+
+    /// The decode schedule of these flags (`--no-async-moe`, `--no-overlap`, `--prefetch`).
+    pub fn schedule(&self) -> DecodeSchedule {
+        DecodeSchedule { async_moe: !self.no_async_moe, overlap: !self.no_overlap, prefetch: self.prefetch }
     }
 }
 
@@ -310,12 +313,13 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
     let opts = SessionOptions {
         model,
         store: a.store.clone(),
-        io: a.engine.apply(IoOptions {
+        engine: a.engine.apply(EngineOptions {
             direct: !a.buffered,
             threads: usize::from(a.io_threads),
-            verify: a.verify,
-            ..IoOptions::default()
+            ..EngineOptions::default()
         }),
+        schedule: a.engine.schedule(),
+        verify: a.verify,
         ecap,
         max_seq,
         dense: a.compute.dense,

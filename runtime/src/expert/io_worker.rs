@@ -139,7 +139,8 @@ impl IoThread {
         // `Return`, and `loan` below (dropped on return and on unwinding alike; `f` cannot reach
         // it) does not let this function end before the thread has answered `Return` or is gone.
         // Meanwhile `loader` is not used here (its `&mut` is held by this call).
-        let ptr = unsafe { std::mem::transmute::<*mut (dyn ExpertLoader + '_), *mut (dyn ExpertLoader + 'static)>(ptr) };
+        let ptr =
+            unsafe { std::mem::transmute::<*mut (dyn ExpertLoader + '_), *mut (dyn ExpertLoader + 'static)>(ptr) };
         self.loan += 1;
         let stopped = self.cmds.send(Cmd::Lend(Lent(ptr), self.loan)).is_err();
         let mut loan = Loan { cmds: &self.cmds, returned: &self.returned, over: false };

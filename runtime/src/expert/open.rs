@@ -293,7 +293,12 @@ pub fn tcp_options(io: EngineOptions) -> picchio_nvme::TcpOptions {
 /// # Errors
 /// [`Error::NvmeTcp`] naming the store, with the initiator's error (address, step, status).
 #[cfg(target_os = "linux")]
-pub(crate) fn nvme_tcp_queue(addr: &str, subnqn: &str, nsid: u32, io: EngineOptions) -> Result<picchio_nvme::NvmeTcpQueue> {
+pub(crate) fn nvme_tcp_queue(
+    addr: &str,
+    subnqn: &str,
+    nsid: u32,
+    io: EngineOptions,
+) -> Result<picchio_nvme::NvmeTcpQueue> {
     let target = picchio_nvme::TcpTarget { addr: addr.into(), subnqn: subnqn.into(), nsid };
     let name = target.to_string();
     let mut q = picchio_nvme::NvmeTcpQueue::connect(target, tcp_options(io))

@@ -7,7 +7,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use picchio_core::loader::StoreDims;
-use picchio_core::{ExpertLoader, FallbackLoader, FlatStore, FlatStoreOptions, IoQueue, IoStats, StoreExpect, StoreUri};
+use picchio_core::{
+    ExpertLoader, FallbackLoader, FlatStore, FlatStoreOptions, IoQueue, IoStats, StoreExpect, StoreUri,
+};
 
 use crate::error::{Error, Result};
 use crate::expert::layout::ExpertLayout;

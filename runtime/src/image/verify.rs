@@ -387,7 +387,12 @@ pub fn verify_queue<Q: IoQueue + ?Sized>(
             }
             todo.pop_front();
             let buf = AlignedBuf::new(loc.padded_len as usize, bs as usize)?;
-            queue.submit(ReadReq { offset: ByteOffset(base + loc.offset), len: loc.padded_len, buf, tag: Tag(i as u64) });
+            queue.submit(ReadReq {
+                offset: ByteOffset(base + loc.offset),
+                len: loc.padded_len,
+                buf,
+                tag: Tag(i as u64),
+            });
             in_flight += 1;
             in_flight_bytes += u64::from(loc.padded_len);
         }

@@ -157,7 +157,13 @@ impl Step<'_> {
     /// normalised MLP input, the hidden state at hand), routed as `router` into `s.next_routing`,
     /// and the prediction handed to `io` for layer `l`'s fetch to read speculatively. Otherwise
     /// does nothing.
-    pub fn predict_next(&mut self, l: usize, router: RouterKind, next_router: Option<&RouterFn<'_>>, io: &mut Io<'_, '_>) {
+    pub fn predict_next(
+        &mut self,
+        l: usize,
+        router: RouterKind,
+        next_router: Option<&RouterFn<'_>>,
+        io: &mut Io<'_, '_>,
+    ) {
         let Io::Worker { predicted, prefetch: true, .. } = io else { return };
         let Some(next_router) = next_router else { return };
         if l + 1 >= self.cfg.num_hidden_layers || !self.cfg.is_moe_layer(l + 1) {

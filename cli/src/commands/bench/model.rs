@@ -11,7 +11,8 @@ use picchio_bench::decode::{prompt_of_len, run_decode, DecodeOptions};
 use picchio_bench::trace::{analyse, default_capacities, RoutingTrace, TraceHeader, TraceWriter};
 use picchio_bench::{self as bench, Report};
 use picchio_core::StoreUri;
-use picchio_runtime::expert::store::{IoOptions, DEFAULT_IMAGE};
+use picchio_runtime::expert::open::EngineOptions;
+use picchio_runtime::expert::store::DEFAULT_IMAGE;
 use picchio_runtime::model::tokenizer::Tokenizer;
 use picchio_runtime::run::{GenerateOptions, Session, SessionOptions};
 use picchio_runtime::ModelDir;
@@ -269,7 +270,9 @@ fn record_trace(a: &TraceArgs, model: &Path) -> anyhow::Result<()> {
     let opts = SessionOptions {
         model: dir,
         store: a.store.parse()?,
-        io: IoOptions::default(),
+        engine: EngineOptions::default(),
+        schedule: Default::default(),
+        verify: false,
         ecap: None,
         max_seq: prompt.len() + a.n,
         dense: picchio_runtime::model::DenseFormat::Stored,
@@ -330,7 +333,9 @@ pub fn cache(a: CacheArgs) -> anyhow::Result<()> {
     let opts = CacheOptions {
         model: dir,
         store: store.clone(),
-        io: a.engine.apply(IoOptions { threads: usize::from(a.io_threads), ..IoOptions::default() }),
+        engine: a.engine.apply(EngineOptions { threads: usize::from(a.io_threads), ..EngineOptions::default() }),
+        schedule: a.engine.schedule(),
+        verify: false,
         ecaps,
         modes,
         prompt,
@@ -398,11 +403,12 @@ pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
     let opts = DecodeOptions {
         model: dir,
         store: a.store.clone(),
-        io: a.engine.apply(IoOptions {
+        engine: a.engine.apply(EngineOptions {
             direct: !a.buffered,
             threads: usize::from(a.io_threads),
-            ..IoOptions::default()
+            ..EngineOptions::default()
         }),
+        schedule: a.engine.schedule(),
         ecaps,
         prompt,
         tokens: a.n,

@@ -1,7 +1,7 @@
 //! The one way from a store URI ([`StoreUri`]) and engine options ([`EngineOptions`]) to an engine
 //! reading its image: [`open_engine`], which returns the queue with the reader's lock on the target
 //! ([`Opened`]). The kernel engines (psync, io_uring, IOCP: [`IoEngine`]) are opened here too. This
-//! module is the bottom of opening: `picchio run` (through [`crate::expert::store::open_store`],
+//! module is the bottom of opening: `picchio run` (through [`super::store::open_store`],
 //! which builds the expert loader on it),
 //! `picchio verify`, the read-back of `pack` and `synth` ([`crate::image::write`]) and every
 //! `picchio bench` experiment open their queue here.
@@ -85,7 +85,7 @@ impl std::str::FromStr for IoEngine {
 /// device, how (page cache or not, threads, queue depth, io_uring flags), and the depth and
 /// queues of the NVMe engines. How a decode step schedules its expert reads is apart
 /// ([`crate::model::DecodeSchedule`]), and so is checking payload hashes (`verify` of
-/// [`crate::expert::store::open_flat`]).
+/// [`super::store::open_flat`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct EngineOptions {
     /// The kernel engine of `file:` and `raw:` stores (`--io`).
@@ -203,7 +203,7 @@ fn warn_uring_fallback(why: &str) {
 /// An engine opened on a store's image, with the reader's lock on its target.
 ///
 /// Whoever reads through `queue` keeps this value (or, having moved the queue out, its `lock`)
-/// for as long as it reads: [`crate::expert::store::flat_from`] moves both into the
+/// for as long as it reads: [`super::store::flat_from`] moves both into the
 /// [`picchio_core::FlatStore`] ([`picchio_core::FlatStore::with_guard`]), the one-shot readers
 /// (verify, the superblock read, pack's read-back, bench) read through `&mut *opened.queue`.
 /// Fields drop in declaration order: the queue (and a controller model behind it) before the lock.

@@ -286,16 +286,15 @@ impl Session {
         }
         let model = Model::load_as(&opts.model, opts.max_seq, opts.dense)?;
         let layout = model.layout().clone();
-        let (mut loader, mut info, io_stats) =
-            open_store(
-                &opts.store,
-                opts.model.path(),
-                cfg,
-                model.tensors().clone(),
-                &layout,
-                opts.engine,
-                opts.verify,
-            )?;
+        let (mut loader, mut info, io_stats) = open_store(
+            &opts.store,
+            opts.model.path(),
+            cfg,
+            model.tensors().clone(),
+            &layout,
+            opts.engine,
+            opts.verify,
+        )?;
         let total = cfg.moe_layers().len() * cfg.num_experts;
         let ecap = match opts.ecap {
             Some(0) => {

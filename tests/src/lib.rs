@@ -55,7 +55,7 @@ pub fn greedy(
 
 /// [`greedy`] with every session option given (`max_seq` at least `prompt.len() + n`).
 pub fn greedy_with(opts: &SessionOptions, prompt: &[u32], n: usize) -> picchio_runtime::Result<(Generation, Session)> {
-    let mut s = Session::open(opts, Tokenizer::from_dir(&opts.model_dir)?)?;
+    let mut s = Session::open(opts, Tokenizer::from_dir(opts.model.path())?)?;
     let g = s.generate(prompt, &GenerateOptions { max_new: n, keep_logits: true, ..Default::default() })?;
     Ok((g, s))
 }

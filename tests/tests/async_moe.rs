@@ -196,7 +196,7 @@ fn async_toggle_through_sessions_keeps_the_tokens_and_is_reported() {
     let dir = fixture("picchio_c/qwen3_moe");
     for async_moe in [true, false] {
         let opts = picchio_runtime::run::SessionOptions {
-            model_dir: dir.clone(),
+            model: picchio_runtime::ModelDir::open(&dir).unwrap(),
             store: picchio_core::StoreUri::File(dir.join("experts.picchioflat")),
             engine: EngineOptions::default(),
             schedule: DecodeSchedule { async_moe, ..DecodeSchedule::default() },

@@ -20,7 +20,7 @@ fn decoding_32_tokens_starts_no_thread() {
     // 33 tokens: the first comes from the prompt's logits, the other 32 from one decode step each.
     let n = 33;
     let opts = SessionOptions {
-        model_dir: dir.clone(),
+        model: picchio_runtime::ModelDir::open(&dir).unwrap(),
         store: StoreUri::File(dir.join("experts.picchioflat")),
         engine: EngineOptions { engine: IoEngine::Psync, direct: false, threads: 2, ..EngineOptions::default() },
         schedule: Default::default(),

@@ -78,7 +78,7 @@ fn run_copy(
     verify: bool,
 ) -> picchio_runtime::Result<picchio_runtime::run::Generation> {
     let opts = picchio_runtime::run::SessionOptions {
-        model_dir: tmp.path().into(),
+        model: picchio_runtime::ModelDir::open(tmp.path())?,
         store,
         engine: EngineOptions::default(),
         schedule: Default::default(),

@@ -30,7 +30,7 @@ fn check(io: EngineOptions, async_moe: bool, ecap: usize, want_engine: &str) {
     let image = StoreUri::File(dir.join("experts.picchioflat"));
     let what = format!("{io:?} async_moe {async_moe} ecap {ecap}");
     let opts = picchio_runtime::run::SessionOptions {
-        model_dir: dir.clone(),
+        model: picchio_runtime::ModelDir::open(&dir).unwrap(),
         store: image,
         engine: io,
         schedule: DecodeSchedule { async_moe, ..DecodeSchedule::default() },

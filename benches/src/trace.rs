@@ -427,6 +427,7 @@ pub fn analyse(path: &Path, trace: &RoutingTrace, capacities: &[usize]) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+    use picchio_runtime::model::moe::RoutingObserver;
     use proptest::prelude::*;
 
     /// One single-expert request per letter, all in layer 0.

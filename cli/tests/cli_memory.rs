@@ -11,7 +11,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use picchio_runtime::image::synthetic::{write_synthetic, SyntheticArch, SyntheticSpec, WriteSyntheticOptions};
+use picchio_runtime::image::synthetic_model::{write_synthetic, SyntheticArch, SyntheticSpec, WriteSyntheticOptions};
 
 /// A Qwen3-MoE-shaped random model: 3 layers × 64 experts of 884,736 B (170 MB of experts), hidden
 /// 1024, and a vocabulary of 32,768 (embeddings and lm_head 34 MB each, I8 with row scales).

@@ -203,7 +203,7 @@ pub enum Error {
         replace_with: Option<&'static str>,
     },
     /// A synthetic model's vocabulary is smaller than the tokenizer it would be given
-    /// ([`crate::image::synthetic::write_synthetic`]): ids the tokenizer produces would have no
+    /// ([`crate::image::synthetic_model::write_synthetic`]): ids the tokenizer produces would have no
     /// embedding row.
     #[error("{}: the tokenizer has {ids} ids but the synthetic model's vocabulary is {vocab}", path.display())]
     VocabBelowTokenizer {

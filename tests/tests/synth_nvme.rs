@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use picchio_nvme::sim::{Sim, SimConfig};
 use picchio_nvme::{HeapDma, NvmeQueue, NvmeQueueOptions};
-use picchio_runtime::image::synth::{synth, synth_to, Geometry, SynthOptions, SynthReport};
+use picchio_runtime::image::synthetic_image::{synth, synth_to, Geometry, SynthOptions, SynthReport};
 use picchio_runtime::image::write::{Plan, WriteOptions, WriteTo};
 
 /// `synth --out nvme:` onto the namespace `q` drives.

@@ -48,7 +48,7 @@ fn a_stop_request_ends_every_write_leaving_nothing_behind() {
     {
         use picchio_nvme::sim::SimConfig;
         use picchio_nvme::{HeapDma, NvmeQueue, NvmeQueueOptions};
-        use picchio_runtime::image::synth::{synth_to, Geometry, SynthOptions};
+        use picchio_runtime::image::synthetic_image::{synth_to, Geometry, SynthOptions};
         use picchio_runtime::image::write::{WriteOptions, WriteTo};
         // An earlier valid image on the namespace: after the interrupted write its superblock is gone.
         let ns = dir.path().join("ns");

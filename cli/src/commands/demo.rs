@@ -2,7 +2,7 @@
 //! fixture, runs its prompt with an expert cache smaller than the expert set (so experts really stream
 //! from the .picchioflat image), and checks the tokens against transformers' reference. With
 //! `--synthetic-gb N [--arch qwen3-30b-a3b|gpt-oss-20b]` it instead writes a random-weight model with
-//! that model's real layer shapes whose experts total N GB ([`picchio_runtime::image::synthetic`]).
+//! that model's real layer shapes whose experts total N GB ([`picchio_runtime::image::synthetic_model`]).
 
 use std::path::{Path, PathBuf};
 
@@ -12,7 +12,7 @@ use picchio_runtime::expert::open::EngineOptions;
 use picchio_runtime::expert::store::DEFAULT_IMAGE;
 use picchio_runtime::image::convert::{convert, ConvertOptions};
 use picchio_runtime::image::pack::{pack, PackOptions};
-use picchio_runtime::image::synthetic::{
+use picchio_runtime::image::synthetic_model::{
     is_written, write_synthetic, SyntheticArch, SyntheticSpec, WriteSyntheticOptions,
 };
 use picchio_runtime::model::tokenizer::Tokenizer;

@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use picchio_core::StoreUri;
 use picchio_runtime::expert::open::write_target;
-use picchio_runtime::image::synth::{synth, synth_to, Geometry, SynthOptions};
-use picchio_runtime::image::synthetic::{write_synthetic, SyntheticArch, SyntheticSpec, WriteSyntheticOptions};
+use picchio_runtime::image::synthetic_image::{synth, synth_to, Geometry, SynthOptions};
+use picchio_runtime::image::synthetic_model::{write_synthetic, SyntheticArch, SyntheticSpec, WriteSyntheticOptions};
 use picchio_runtime::image::write::{WriteOptions, WriteTo};
 
 /// Options of `picchio synth`.

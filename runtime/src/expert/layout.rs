@@ -247,8 +247,8 @@ mod tests {
         // gpt-oss-20b and -120b: hidden 2880, intermediate_size 2880.
         let l = ExpertLayout::new(QuantKind::Q4, 2880, 2880).unwrap().with_naming(ExpertNaming::Suffixed);
         assert_eq!(l.len(), 13_996_800);
-        assert_eq!(l.len() as u64, crate::image::synth::Geometry::gpt_oss_20b().expert_bytes);
-        assert_eq!(l.len() as u64, crate::image::synth::Geometry::gpt_oss_120b().expert_bytes);
+        assert_eq!(l.len() as u64, crate::image::synthetic_image::Geometry::gpt_oss_20b().expert_bytes);
+        assert_eq!(l.len() as u64, crate::image::synthetic_image::Geometry::gpt_oss_120b().expert_bytes);
         let n = l.names(23, 31);
         assert_eq!(
             (n.gate_up.as_str(), n.gate_up_qs.as_str(), n.down.as_str(), n.down_qs.as_str()),

@@ -395,7 +395,7 @@ pub(crate) fn check_paths(src: &Path, dst: &Path, overwrite: bool) -> Result<()>
 }
 
 /// The output being built: `.<name>.picchio-<tag>-<pid>` beside the destination (tag `convert`,
-/// `transcode`, or `synthetic` for [`crate::image::synthetic`]), removed on drop unless persisted.
+/// `transcode`, or `synthetic` for [`crate::image::synthetic_model`]), removed on drop unless persisted.
 pub(crate) struct TempDir {
     pub(crate) path: PathBuf,
     done: bool,

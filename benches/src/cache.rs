@@ -19,7 +19,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use picchio_core::StoreUri;
-use picchio_runtime::error::{Error, Result};
+use crate::error::{Error, Result};
 use picchio_runtime::expert::open::EngineOptions;
 use picchio_runtime::model::sampler::{Sampler, SamplerOptions};
 use picchio_runtime::model::DecodeSchedule;
@@ -52,7 +52,12 @@ impl std::str::FromStr for ReadMode {
         match s {
             "direct" => Ok(ReadMode::Direct),
             "buffered" => Ok(ReadMode::Buffered),
-            _ => Err(Error::Invalid(format!("read mode {s:?}: expected `direct` or `buffered`"))),
+            _ => Err(Error::BadOption {
+                experiment: None,
+                option: "read mode",
+                value: format!("{s:?}"),
+                expected: "expected `direct` or `buffered`".into(),
+            }),
         }
     }
 }
@@ -209,20 +214,30 @@ pub fn drop_page_cache(path: &Path) -> bool {
 /// Runs every (mode, capacity) point of `opts`, calling `progress(done, total)` after each.
 ///
 /// # Errors
-/// [`Error::Invalid`] for an empty capacity or mode list, a capacity of 0, an empty prompt or
-/// `tokens` < 2; session errors (model, store, engine); forward-pass errors.
+/// [`Error::NoValues`] for an empty capacity or mode list; [`Error::BadOption`] for a capacity of 0 or
+/// `tokens` < 2; [`Error::EmptyPrompt`]; [`Error::Runtime`] for session errors (model, store, engine); forward-pass errors.
 pub fn run_cache(opts: &CacheOptions, progress: &mut dyn FnMut(usize, usize)) -> Result<CacheResults> {
     if opts.ecaps.is_empty() || opts.modes.is_empty() {
-        return Err(Error::Invalid("bench cache: needs at least one --ecap and one read mode".into()));
+        return Err(Error::NoValues { options: "bench cache: --ecap and --reads", need: "need at least one value each" });
     }
     if opts.ecaps.contains(&0) {
-        return Err(Error::Invalid("--ecap 0: the expert cache needs room for at least 1 expert".into()));
+        return Err(Error::BadOption {
+            experiment: None,
+            option: "--ecap",
+            value: "0".into(),
+            expected: "the expert cache needs room for at least 1 expert".into(),
+        });
     }
     if opts.prompt.is_empty() {
-        return Err(Error::Invalid("bench cache: the prompt is empty".into()));
+        return Err(Error::EmptyPrompt { experiment: "cache" });
     }
     if opts.tokens < 2 {
-        return Err(Error::Invalid(format!("bench cache: -n {}: decode needs at least 2 tokens", opts.tokens)));
+        return Err(Error::BadOption {
+            experiment: Some("bench cache"),
+            option: "-n",
+            value: opts.tokens.to_string(),
+            expected: "decode needs at least 2 tokens".into(),
+        });
     }
     let mut ecaps = opts.ecaps.clone();
     ecaps.sort_unstable();

@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use picchio_core::StoreUri;
-use picchio_runtime::error::{Error, Result};
+use crate::error::{Error, Result};
 use picchio_runtime::expert::cache::PrefetchStats;
 use picchio_runtime::expert::open::EngineOptions;
 use picchio_runtime::model::DecodeSchedule;
@@ -175,17 +175,27 @@ pub fn prompt_of_len(n: usize, vocab: usize) -> Vec<u32> {
 /// Runs every capacity of `opts`, calling `progress(done, total)` after each point.
 ///
 /// # Errors
-/// [`Error::Invalid`] for no capacity, a capacity of 0, an empty prompt or `tokens` < 2; session,
+/// [`Error::NoValues`] for no capacity or a capacity of 0; [`Error::BadOption`] for an empty prompt or `tokens` < 2; session,
 /// warm-start and forward-pass errors.
 pub fn run_decode(opts: &DecodeOptions, progress: &mut dyn FnMut(usize, usize)) -> Result<DecodeResults> {
     if opts.ecaps.is_empty() || opts.ecaps.contains(&0) {
-        return Err(Error::Invalid("bench decode: needs capacities of at least 1 expert".into()));
+        return Err(Error::NoValues { options: "bench decode: --ecap", need: "needs capacities of at least 1 expert" });
     }
     if opts.prompt.is_empty() {
-        return Err(Error::Invalid("bench decode: the prompt is empty (--prompt-len 0)".into()));
+        return Err(Error::BadOption {
+            experiment: Some("bench decode"),
+            option: "--prompt-len",
+            value: "0".into(),
+            expected: "the prompt is empty".into(),
+        });
     }
     if opts.tokens < 2 {
-        return Err(Error::Invalid(format!("bench decode: -n {}: decode needs at least 2 tokens", opts.tokens)));
+        return Err(Error::BadOption {
+            experiment: Some("bench decode"),
+            option: "-n",
+            value: opts.tokens.to_string(),
+            expected: "decode needs at least 2 tokens".into(),
+        });
     }
     let mut ecaps = opts.ecaps.clone();
     ecaps.sort_unstable();

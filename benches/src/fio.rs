@@ -24,7 +24,7 @@ use std::process::Command;
 use serde::{Deserialize, Serialize};
 
 use super::measure::{Engine, LatencyUs, Stop};
-use picchio_runtime::error::{Error, Result};
+use crate::error::{Error, Result};
 
 /// fio's version when `fio` runs from `PATH` (`fio --version`), else `None`.
 pub fn version() -> Option<String> {
@@ -121,21 +121,20 @@ pub fn args(job: &FioJob<'_>) -> Option<Vec<String>> {
 /// Runs fio for `job` and parses its JSON.
 ///
 /// # Errors
-/// [`Error::Invalid`] when fio cannot start, exits non-zero (its stderr is quoted), reports a job
+/// [`Error::FioSpawn`] when fio cannot start, [`Error::FioFailed`] when it exits non-zero (its stderr is quoted), as [`parse`] when it reports a job
 /// error, or prints JSON without the fields used.
 pub fn run(job: &FioJob<'_>) -> Result<Option<FioResult>> {
     let Some(args) = args(job) else { return Ok(None) };
     let out =
-        Command::new("fio").args(&args).output().map_err(|e| Error::Invalid(format!("fio: cannot run it: {e}")))?;
+        Command::new("fio").args(&args).output().map_err(|cause| Error::FioSpawn { cause })?;
     let mut command = vec!["fio".to_string()];
     command.extend(args);
     if !out.status.success() {
-        return Err(Error::Invalid(format!(
-            "`{}` failed ({}): {}",
-            command.join(" "),
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        )));
+        return Err(Error::FioFailed {
+            command: command.join(" "),
+            status: out.status,
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
     }
     parse(&String::from_utf8_lossy(&out.stdout), command).map(Some)
 }
@@ -144,7 +143,7 @@ pub fn run(job: &FioJob<'_>) -> Result<Option<FioResult>> {
 /// notes before the JSON object; everything before the first `{` is skipped.
 ///
 /// # Errors
-/// [`Error::Invalid`] naming the missing field or the job's error code.
+/// [`Error::FioJson`], [`Error::FioField`] naming the missing field, [`Error::FioJob`] with the job's error code.
 pub fn parse(stdout: &str, command: Vec<String>) -> Result<FioResult> {
     #[derive(Deserialize)]
     struct Out {
@@ -175,10 +174,10 @@ pub fn parse(stdout: &str, command: Vec<String>) -> Result<FioResult> {
         percentile: std::collections::BTreeMap<String, u64>,
     }
     let json = stdout.find('{').map_or(stdout, |i| &stdout[i..]);
-    let o: Out = serde_json::from_str(json).map_err(|e| Error::Invalid(format!("fio JSON: {e}")))?;
-    let j = o.jobs.into_iter().next().ok_or_else(|| Error::Invalid("fio JSON: no job".into()))?;
+    let o: Out = serde_json::from_str(json).map_err(|cause| Error::FioJson { cause })?;
+    let j = o.jobs.into_iter().next().ok_or_else(|| Error::FioField { field: "jobs[0]".into() })?;
     if j.error != 0 {
-        return Err(Error::Invalid(format!("fio reported error {} ({})", j.error, command.join(" "))));
+        return Err(Error::FioJob { error: j.error.into(), command: command.join(" ") });
     }
     let r = j.read;
     let pct = |k: &str| -> Result<f64> {
@@ -186,7 +185,7 @@ pub fn parse(stdout: &str, command: Vec<String>) -> Result<FioResult> {
             .percentile
             .get(k)
             .map(|&v| v as f64 / 1000.0)
-            .ok_or_else(|| Error::Invalid(format!("fio JSON: read.lat_ns.percentile[{k}] missing")))
+            .ok_or_else(|| Error::FioField { field: format!("read.lat_ns.percentile[{k}]") })
     };
     Ok(FioResult {
         command,

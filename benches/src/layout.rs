@@ -26,7 +26,7 @@ use serde::{Deserialize, Serialize};
 
 use super::measure::{self, Engine, PointResult, PointSpec, Skipped, Stop, StoreLayout, UnitSource};
 use picchio_core::StoreUri;
-use picchio_runtime::error::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Options of [`run`] (recorded in the report's `flags`).
 #[derive(Clone, Debug, Serialize)]
@@ -84,7 +84,7 @@ impl Split {
     /// `e` experts.
     ///
     /// # Errors
-    /// [`Error::Invalid`] for another piece count.
+    /// [`Error::BadOption`] for another piece count.
     pub fn new(pieces: u32, h: u64, i: u64, e: u64) -> Result<Self> {
         let (w, s) = (h * i / 2, h * i / 16);
         let (names, bytes): (Vec<&str>, Vec<u64>) = match pieces {
@@ -104,9 +104,12 @@ impl Split {
                 vec![w, s, 2 * i, w, s, 2 * i, w, s, 2 * h],
             ),
             n => {
-                return Err(Error::Invalid(format!(
-                    "--pieces {n}: expected 3 (gate/up/down) or 9 (weight/scales/biases each)"
-                )))
+                return Err(Error::BadOption {
+                    experiment: None,
+                    option: "--pieces",
+                    value: n.to_string(),
+                    expected: "expected 3 (gate/up/down) or 9 (weight/scales/biases each)".into(),
+                })
             }
         };
         let read_bytes: Vec<u32> = bytes.iter().map(|&b| (b.div_ceil(4096) * 4096) as u32).collect();
@@ -213,13 +216,14 @@ pub fn run(store: &StoreUri, opts: &LayoutOptions, progress: &mut dyn FnMut(&Lay
         || opts.qds.contains(&0)
         || opts.threads.contains(&0)
     {
-        return Err(Error::Invalid(
-            "--qd, --threads and --pieces need at least one value; QD and threads at least 1".into(),
-        ));
+        return Err(Error::NoValues {
+            options: "--qd, --threads and --pieces",
+            need: "need at least one value; QD and threads at least 1",
+        });
     }
     let mut skipped = Vec::new();
     let engines = super::qd_sweep::engines(store, &opts.engines, &mut skipped);
-    let first = *engines.first().ok_or_else(|| Error::Invalid("no engine to run".into()))?;
+    let first = *engines.first().ok_or_else(|| Error::NoEngine { store: store.to_string() })?;
     let layout = StoreLayout::read(store, first)?;
     let sb = &layout.superblock;
     let (h, i) = (u64::from(sb.hidden), u64::from(sb.moe_inter / 2));
@@ -234,10 +238,11 @@ pub fn run(store: &StoreUri, opts: &LayoutOptions, progress: &mut dyn FnMut(&Lay
         splits.push(s);
     }
     if experts_per_layer == 0 {
-        return Err(Error::Invalid(format!(
-            "{store}: the data region ({region} bytes) is smaller than one expert of the split ({} bytes)",
-            splits.iter().map(|s| s.expert_bytes).max().unwrap_or(0)
-        )));
+        return Err(Error::SplitTooLarge {
+            store: store.to_string(),
+            region,
+            expert_bytes: splits.iter().map(|s| s.expert_bytes).max().unwrap_or(0),
+        });
     }
     let e = u64::from(experts_per_layer);
     // Recompute the gaps for the experts per layer actually used.

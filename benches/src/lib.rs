@@ -15,6 +15,7 @@
 pub mod cache;
 pub mod decode;
 pub mod env;
+pub mod error;
 pub mod fio;
 pub mod layout;
 pub mod measure;
@@ -31,7 +32,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
-use picchio_runtime::error::{Error, Result};
+use crate::error::{Error, Result};
 
 /// The schema identifier every report carries in `schema`. Bumped when a field changes meaning,
 /// unit or name (adding fields keeps it).
@@ -108,10 +109,10 @@ impl Run {
     /// and the environment (including the load average now).
     ///
     /// # Errors
-    /// [`Error::Invalid`] if `flags` does not serialize (a bug in the options type).
+    /// [`Error::FlagsJson`] if `flags` does not serialize (a bug in the options type).
     pub fn start(experiment: &str, flags: &impl Serialize, target: Option<&picchio_core::StoreUri>) -> Result<Self> {
         let flags =
-            serde_json::to_value(flags).map_err(|e| Error::Invalid(format!("bench {experiment}: flags: {e}")))?;
+            serde_json::to_value(flags).map_err(|cause| Error::FlagsJson { what: format!("bench {experiment}"), cause })?;
         Ok(Run {
             experiment: experiment.into(),
             started: SystemTime::now(),
@@ -157,7 +158,7 @@ impl<R: Serialize> Report<R> {
     /// file, a directory or a device node.
     ///
     /// # Errors
-    /// [`Error::Invalid`] when `path` may not be replaced; [`Error::Io`] naming the path.
+    /// [`Error::NotReplaced`] (and the other [`output::check_replaceable`] errors) when `path` may not be replaced; [`Error::Io`] naming the path.
     pub fn write_json(&self, path: &Path) -> Result<()> {
         output::check_replaceable(path, "--json", "a picchio-bench report", output::is_bench_report)?;
         let mut name = path.file_name().unwrap_or_default().to_os_string();
@@ -193,12 +194,12 @@ impl<R: Serialize> Report<R> {
 /// serialize to JSON objects; a key in both takes `resolved`'s value.
 ///
 /// # Errors
-/// [`Error::Invalid`] when either does not serialize to an object (a bug in the options type).
+/// [`Error::FlagsJson`] or [`Error::FlagsNotObject`] when either does not serialize to an object (a bug in the options type).
 pub fn flags(cli: &impl Serialize, resolved: &impl Serialize) -> Result<serde_json::Value> {
     let object = |v: serde_json::Result<serde_json::Value>| match v {
         Ok(serde_json::Value::Object(m)) => Ok(m),
-        Ok(other) => Err(Error::Invalid(format!("bench flags: {other} is not an object"))),
-        Err(e) => Err(Error::Invalid(format!("bench flags: {e}"))),
+        Ok(other) => Err(Error::FlagsNotObject { found: other.to_string() }),
+        Err(cause) => Err(Error::FlagsJson { what: "bench".into(), cause }),
     };
     let mut m = object(serde_json::to_value(cli))?;
     m.extend(object(serde_json::to_value(resolved))?);
@@ -209,7 +210,7 @@ pub fn flags(cli: &impl Serialize, resolved: &impl Serialize) -> Result<serde_js
 /// renderers are in [`plot`] (SVG via plotters).
 ///
 /// # Errors
-/// [`Error::Invalid`] when the experiment has no charts or its results lack a field a chart needs;
+/// As [`plot::render`]:
 /// [`Error::Io`] writing them.
 pub fn render_plots(report: &Report<serde_json::Value>, dir: &Path) -> Result<Vec<PathBuf>> {
     plot::render(report, dir)
@@ -219,15 +220,12 @@ pub fn render_plots(report: &Report<serde_json::Value>, dir: &Path) -> Result<Ve
 /// measurement is not lost to a refusal at the end.
 ///
 /// # Errors
-/// [`Error::Invalid`] naming the experiment.
+/// [`Error::NoCharts`] naming the experiment.
 pub fn check_plot_supported(experiment: &str) -> Result<()> {
     if plot::PLOTTED.contains(&experiment) {
         Ok(())
     } else {
-        Err(Error::Invalid(format!(
-            "--plot: no charts are drawn for `{experiment}` (charts exist for {})",
-            plot::PLOTTED.join(", ")
-        )))
+        Err(Error::NoCharts { experiment: experiment.into() })
     }
 }
 

@@ -21,7 +21,7 @@ use picchio_core::{AlignedBuf, ByteOffset, Completion, IoQueue, ReadReq, Tag};
 use serde::{Deserialize, Serialize};
 
 use picchio_core::StoreUri;
-use picchio_runtime::error::{Error, Result};
+use crate::error::{Error, Result};
 use picchio_runtime::expert::open::{EngineOptions, IoEngine, Opened};
 
 /// An I/O engine a bench point uses: a name in reports and on the command line, and the
@@ -79,7 +79,7 @@ impl Engine {
     /// an `nvme-sim:` store, `nvme` an `nvme:` one.
     ///
     /// # Errors
-    /// [`Error::Invalid`] naming the engine, the store and what it reads.
+    /// [`Error::EngineStore`] naming the engine, the store and what it reads.
     pub fn check_reads(self, store: &StoreUri) -> Result<()> {
         let ok = match (self.kernel, store) {
             (Some(_), StoreUri::File(_) | StoreUri::Raw { .. }) => true,
@@ -90,14 +90,16 @@ impl Engine {
         };
         match (ok, self.kernel) {
             (true, _) => Ok(()),
-            (false, Some(_)) => Err(Error::Invalid(format!("engine {self} reads a file or block device, not {store}"))),
-            (false, None) if self == Engine::NVME_SIM => {
-                Err(Error::Invalid(format!("engine nvme-sim needs an nvme-sim:PATH store, not {store}")))
-            }
-            (false, None) if self == Engine::NVME_TCP => Err(Error::Invalid(format!(
-                "engine nvme-tcp needs an nvme-tcp://HOST:PORT/NQN[/NSID] store, not {store}"
-            ))),
-            (false, None) => Err(Error::Invalid(format!("engine nvme needs an nvme:BDF store, not {store}"))),
+            (false, kernel) => Err(Error::EngineStore {
+                engine: self.to_string(),
+                needs: match kernel {
+                    Some(_) => "reads a file or block device",
+                    None if self == Engine::NVME_SIM => "needs an nvme-sim:PATH store",
+                    None if self == Engine::NVME_TCP => "needs an nvme-tcp://HOST:PORT/NQN[/NSID] store",
+                    None => "needs an nvme:BDF store",
+                },
+                store: store.to_string(),
+            }),
         }
     }
 
@@ -186,13 +188,23 @@ pub const DROP_INEFFECTIVE_ABOVE: f64 = 0.01;
 /// before any thread or queue is made.
 ///
 /// # Errors
-/// [`Error::Invalid`] naming the option, the value and the bound.
+/// [`Error::BadOption`] naming the option, the value and the bound.
 pub fn check_depth(threads: u32, qd: u32) -> Result<()> {
     if !(1..=MAX_THREADS).contains(&threads) {
-        return Err(Error::Invalid(format!("--threads {threads}: must be 1 to {MAX_THREADS} (a queue per thread)")));
+        return Err(Error::BadOption {
+            experiment: None,
+            option: "--threads",
+            value: threads.to_string(),
+            expected: format!("must be 1 to {MAX_THREADS} (a queue per thread)"),
+        });
     }
     if !(1..=MAX_QD).contains(&qd) {
-        return Err(Error::Invalid(format!("--qd {qd}: must be 1 to {MAX_QD} reads in flight per thread")));
+        return Err(Error::BadOption {
+            experiment: None,
+            option: "--qd",
+            value: qd.to_string(),
+            expected: format!("must be 1 to {MAX_QD} reads in flight per thread"),
+        });
     }
     Ok(())
 }
@@ -203,14 +215,13 @@ pub fn check_depth(threads: u32, qd: u32) -> Result<()> {
 /// memory.
 ///
 /// # Errors
-/// [`Error::Invalid`] naming the threads, depth, read size and the bytes needed and available.
+/// [`Error::BufferMemory`] naming the threads, depth, read size and the bytes needed and available.
 pub fn check_buffer_memory(threads: u32, qd: u32, max_read: u32, available: Option<u64>) -> Result<()> {
     let need = u64::from(threads) * u64::from(qd) * u64::from(max_read);
     match available {
-        Some(avail) if need > avail / 2 => Err(Error::Invalid(format!(
-            "{threads} threads × QD {qd} × {max_read}-byte reads need {need} bytes of read buffers, more than half \
-             of the {avail} bytes of memory available: use fewer --threads or a lower --qd"
-        ))),
+        Some(available) if need > available / 2 => {
+            Err(Error::BufferMemory { threads, qd, max_read, need, available })
+        }
         _ => Ok(()),
     }
 }
@@ -222,7 +233,7 @@ pub fn check_buffer_memory(threads: u32, qd: u32, max_read: u32, available: Opti
 /// inside it).
 ///
 /// # Errors
-/// [`Error::Invalid`] when the engine cannot read this kind of store; the engine's open errors.
+/// [`Error::EngineStore`] when the engine cannot read this kind of store; the engine's open errors.
 pub fn open(store: &StoreUri, engine: Engine, qd: u32) -> Result<Opened> {
     check_depth(1, qd)?;
     engine.check_reads(store)?;
@@ -245,7 +256,7 @@ impl StoreLayout {
     /// [`picchio_core::FlatStore::open`] checks them).
     ///
     /// # Errors
-    /// The engine's open errors; [`Error::Store`] for a bad superblock or index; [`Error::Invalid`]
+    /// The engine's open errors; [`Error::Store`] for a bad superblock or index; [`Error::NoUsableEntry`]
     /// for an image without a usable entry.
     pub fn read(store: &StoreUri, engine: Engine) -> Result<Self> {
         let opened = open(store, engine, 1)?;
@@ -261,7 +272,7 @@ impl StoreLayout {
             })
             .collect();
         if entries.is_empty() {
-            return Err(Error::Invalid(format!("{store}: the image has no usable entry to read")));
+            return Err(Error::NoUsableEntry { store: store.to_string() });
         }
         Ok(StoreLayout { superblock: sb, entries, image_len })
     }
@@ -285,9 +296,7 @@ impl StoreLayout {
             match std::fs::metadata(p) {
                 Ok(m) if m.is_file() => {}
                 Ok(_) => {
-                    return Err(Error::Invalid(format!(
-                        "{store}: is not a regular file (a .picchioflat image; for a block device use raw:)"
-                    )))
+                    return Err(Error::NotRegularFile { store: store.to_string() })
                 }
                 Err(e) => return Err(Error::io(p, "open the store")(e)),
             }
@@ -487,7 +496,7 @@ pub struct PointResult {
 /// `max_read` is the largest read a unit may contain (buffers are allocated up front).
 ///
 /// # Errors
-/// Opening the engine; [`Error::Invalid`] naming the offset and the cause when a read fails or
+/// Opening the engine; [`Error::PointRead`] naming the engine, the depth and the cause when a read fails or
 /// comes back short (a bench figure with failed reads in it would be wrong).
 pub fn run_point(
     store: &StoreUri,
@@ -524,11 +533,11 @@ pub fn run_point(
         });
         match spawned {
             Ok(h) => handles.push(h),
-            Err(e) => {
+            Err(cause) => {
                 // The threads already started are told not to measure, and end.
                 gate.open(false);
                 handles.into_iter().for_each(|h| drop(h.join()));
-                return Err(Error::Invalid(format!("bench: cannot start measuring thread {t}: {e}")));
+                return Err(Error::SpawnMeasure { index: t, cause });
             }
         }
     }
@@ -536,7 +545,7 @@ pub fn run_point(
     if !gate.wait_ready(&handles) {
         gate.open(false);
         handles.into_iter().for_each(|h| drop(h.join()));
-        return Err(Error::Invalid("bench: a measuring thread ended before the start".into()));
+        return Err(Error::MeasureThread { what: "ended before the start" });
     }
     let ru0 = rusage();
     let t0 = Instant::now();
@@ -552,7 +561,7 @@ pub fn run_point(
     let mut first_error = None;
     let mut queues = Vec::with_capacity(joined.len());
     for j in joined {
-        let (r, queue) = j.map_err(|_| Error::Invalid("bench: a measuring thread panicked".into()))?;
+        let (r, queue) = j.map_err(|_| Error::MeasureThread { what: "panicked" })?;
         queues.push(queue);
         match r {
             Ok(s) => {
@@ -567,7 +576,13 @@ pub fn run_point(
         }
     }
     if let Some(e) = first_error {
-        return Err(Error::Invalid(format!("{store}: {} at {}×QD {qd}: {e}", spec.engine, threads)));
+        return Err(Error::PointRead {
+            store: store.to_string(),
+            engine: spec.engine.to_string(),
+            threads,
+            qd,
+            reason: e,
+        });
     }
     let wall_s = end.duration_since(t0).as_secs_f64().max(1e-9);
     let (user_s, sys_s) = (ru1.0 - ru0.0, ru1.1 - ru0.1);

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use picchio_runtime::error::{Error, Result};
+use crate::error::{Error, Result};
 
 pub use picchio_runtime::output::{check_parent, check_replaceable};
 
@@ -29,15 +29,11 @@ pub fn is_bench_report(path: &Path) -> bool {
 /// so another name or a hard link of the store is refused too).
 ///
 /// # Errors
-/// As [`check_replaceable`]; [`Error::Invalid`] when `path` is the store.
+/// As [`check_replaceable`]; [`Error::ReportIsStore`] when `path` is the store.
 pub fn check_report_path(path: &Path, store: Option<&Path>) -> Result<()> {
     if let Some(store) = store {
         if same_file(path, store) {
-            return Err(Error::Invalid(format!(
-                "--json {}: is the store being measured ({}); choose another path",
-                path.display(),
-                store.display()
-            )));
+            return Err(Error::ReportIsStore { path: path.into(), store: store.into() });
         }
     }
     check_replaceable(path, "--json", "a picchio-bench report", is_bench_report)
@@ -67,11 +63,11 @@ pub fn same_file(a: &Path, b: &Path) -> bool {
 /// exists (only the last component is created, by [`create_plot_dir`]).
 ///
 /// # Errors
-/// [`Error::Invalid`] when `dir` exists and is not a directory, or its parent does not exist.
+/// [`Error::PlotDirNotDir`], [`Error::ParentNotDir`] or [`Error::ParentMissing`] when `dir` exists and is not a directory, or its parent does not exist.
 pub fn check_plot_dir(dir: &Path) -> Result<()> {
     match std::fs::metadata(dir) {
         Ok(m) if m.is_dir() => Ok(()),
-        Ok(_) => Err(Error::Invalid(format!("--plot {}: exists and is not a directory", dir.display()))),
+        Ok(_) => Err(Error::PlotDirNotDir { dir: dir.into() }),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => check_parent(dir, "--plot"),
         Err(e) => Err(Error::io(dir, "stat the --plot directory")(e)),
     }

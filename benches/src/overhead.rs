@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 use super::measure::{Skipped, SplitMix64};
 use super::null::NullQueue;
 use picchio_core::StoreUri;
-use picchio_runtime::error::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Options of [`run`] (recorded in the report's `flags`).
 #[derive(Clone, Debug, Serialize)]
@@ -52,30 +52,48 @@ impl OverheadOptions {
     /// returns the read range to use, a whole number of reads. Called before anything is measured.
     ///
     /// # Errors
-    /// [`Error::Invalid`] naming the option that is wrong: `--bs` zero or not a multiple of 4096,
+    /// [`Error::BadOption`] naming the option that is wrong: `--bs` zero or not a multiple of 4096,
     /// `--reads` zero, or `--range` smaller than one read or larger than the image (naming its size).
     pub fn resolve_range(&self, image_end: u64) -> Result<u64> {
         if self.bs == 0 || !self.bs.is_multiple_of(4096) {
-            return Err(Error::Invalid(format!("overhead: --bs {}: must be a positive multiple of 4096", self.bs)));
+            return Err(Error::BadOption {
+                experiment: Some("overhead"),
+                option: "--bs",
+                value: self.bs.to_string(),
+                expected: "must be a positive multiple of 4096".into(),
+            });
         }
         if self.reads == 0 {
-            return Err(Error::Invalid("overhead: --reads 0: must be positive".into()));
+            return Err(Error::BadOption {
+                experiment: Some("overhead"),
+                option: "--reads",
+                value: "0".into(),
+                expected: "must be positive".into(),
+            });
         }
         let range = match self.range {
             None => DEFAULT_RANGE.min(image_end),
             Some(r) if r > image_end => {
-                return Err(Error::Invalid(format!(
-                    "overhead: --range {r}: larger than the image ({image_end} bytes up to the end of its payload)"
-                )))
+                return Err(Error::BadOption {
+                    experiment: Some("overhead"),
+                    option: "--range",
+                    value: r.to_string(),
+                    expected: format!("larger than the image ({image_end} bytes up to the end of its payload)"),
+                })
             }
             Some(r) => r,
         };
         let bs = u64::from(self.bs);
         if range < bs {
-            return Err(Error::Invalid(format!(
-                "overhead: --range {range} is smaller than one read of --bs {bs} bytes{}",
-                if self.range.is_none() { " (the whole image)" } else { "" }
-            )));
+            return Err(Error::BadOption {
+                experiment: Some("overhead"),
+                option: "--range",
+                value: range.to_string(),
+                expected: format!(
+                    "smaller than one read of --bs {bs} bytes{}",
+                    if self.range.is_none() { " (the whole image)" } else { "" }
+                ),
+            });
         }
         Ok(range - range % bs)
     }
@@ -329,7 +347,7 @@ fn open_target(engine: &str, store: &StoreUri, range: u64) -> Result<std::result
                 let lba = if len.is_multiple_of(4096) { 4096 } else { 512 };
                 let qopts = NvmeQueueOptions { qd: 1, ..NvmeQueueOptions::default() };
                 let (queue, sim) = NvmeQueue::open_sim(SimConfig::single(&p, lba), &qopts)
-                    .map_err(Error::nvme(format!("nvme-sim:{}", p.display())))?;
+                    .map_err(picchio_runtime::Error::nvme(format!("nvme-sim:{}", p.display())))?;
                 let resident_before = warm(&p)?;
                 let mut seen = sim.stats().completions;
                 let wait = move || {
@@ -351,7 +369,12 @@ fn open_target(engine: &str, store: &StoreUri, range: u64) -> Result<std::result
             return Ok(Err("picchio-nvme is Linux-only".into()));
         }
         other => {
-            return Err(Error::Invalid(format!("overhead engine {other:?}: expected null, psync, uring or nvme-sim")))
+            return Err(Error::BadOption {
+                experiment: Some("overhead"),
+                option: "engine",
+                value: format!("{other:?}"),
+                expected: "expected null, psync, uring or nvme-sim".into(),
+            })
         }
     }))
 }
@@ -427,17 +450,9 @@ fn measure_engine(
         match c.result {
             Ok(n) if n == opts.bs => {}
             Ok(n) => {
-                return Err(Error::Invalid(format!(
-                    "overhead {engine}: short read at {offset:#x}: {n} of {} bytes",
-                    opts.bs
-                )))
+                return Err(Error::ShortRead { engine: engine.to_string(), offset, got: n, len: opts.bs })
             }
-            Err(e) => {
-                return Err(Error::Invalid(format!(
-                    "overhead {engine}: read at {offset:#x}: {}",
-                    picchio_core::error::chain(&e)
-                )))
-            }
+            Err(cause) => return Err(Error::OverheadRead { engine: engine.to_string(), offset, cause }),
         }
         buf = Some(c.buf);
         if i >= warmup {

@@ -24,7 +24,7 @@ use plotters::prelude::*;
 use serde_json::Value;
 
 use super::Report;
-use picchio_runtime::error::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Experiments [`render`] draws charts for.
 pub const PLOTTED: &[&str] = &["trace", "cache", "qd-sweep", "layout", "decode"];
@@ -33,15 +33,11 @@ pub const PLOTTED: &[&str] = &["trace", "cache", "qd-sweep", "layout", "decode"]
 /// [`super::output::create_plot_dir`]) and returns the files written.
 ///
 /// # Errors
-/// [`Error::Invalid`] when the experiment has no charts or its results lack a field a chart needs
-/// (naming it); [`Error::Io`] for the directory or a file.
+/// [`Error::NoCharts`] when the experiment has no charts; [`Error::ReportField`], [`Error::ReportShape`] or
+/// [`Error::NoDataPoints`] when its results lack what a chart needs (naming it); [`Error::Io`] for the directory or a file.
 pub fn render(report: &Report<Value>, dir: &Path) -> Result<Vec<PathBuf>> {
     if !PLOTTED.contains(&report.experiment.as_str()) {
-        return Err(Error::Invalid(format!(
-            "--plot: no charts are drawn for `{}` (charts exist for {})",
-            report.experiment,
-            PLOTTED.join(", ")
-        )));
+        return Err(Error::NoCharts { experiment: report.experiment.clone() });
     }
     super::output::create_plot_dir(dir)?;
     let r = &report.results;
@@ -224,7 +220,7 @@ impl LineChart<'_> {
             .map(|&(x, y)| (self.x_scale.to_axis(x), self.y_scale.to_axis(y)))
             .collect();
         if pts.is_empty() {
-            return Err(Error::Invalid(format!("{}: no data points to draw for {:?}", path.display(), self.title)));
+            return Err(Error::NoDataPoints { path: path.into(), title: self.title.to_string() });
         }
         let (mut x0, mut x1) = min_max(pts.iter().map(|p| p.0));
         if x1 - x0 < 1e-9 {
@@ -329,13 +325,13 @@ fn min_max(v: impl Iterator<Item = f64>) -> (f64, f64) {
 fn num(v: &Value, key: &str) -> Result<f64> {
     v.get(key)
         .and_then(Value::as_f64)
-        .ok_or_else(|| Error::Invalid(format!("report results: missing number `{key}` in {}", short(v))))
+        .ok_or_else(|| Error::ReportField { kind: "number", key: key.into(), found: short(v) })
 }
 
 fn arr<'a>(v: &'a Value, key: &str) -> Result<&'a Vec<Value>> {
     v.get(key)
         .and_then(Value::as_array)
-        .ok_or_else(|| Error::Invalid(format!("report results: missing array `{key}` in {}", short(v))))
+        .ok_or_else(|| Error::ReportField { kind: "array", key: key.into(), found: short(v) })
 }
 
 fn short(v: &Value) -> String {
@@ -503,7 +499,7 @@ fn decode_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
         if let Some(f) = p.get("floor_tok_s").and_then(Value::as_f64) {
             floor.push((pct, f));
         }
-        let sp = p.get("split").ok_or_else(|| Error::Invalid("decode report: a point has no `split`".into()))?;
+        let sp = p.get("split").ok_or_else(|| Error::ReportShape { report: "decode", what: "a point has no `split`" })?;
         for (xy, (key, _)) in split.iter_mut().zip(parts) {
             xy.push((pct, num(sp, key)?));
         }
@@ -651,7 +647,7 @@ fn layout_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
         out.push(path);
     }
     if out.is_empty() {
-        return Err(Error::Invalid("layout report: no points with `pieces` to draw".into()));
+        return Err(Error::ReportShape { report: "layout", what: "no points with `pieces` to draw" });
     }
     Ok(out)
 }

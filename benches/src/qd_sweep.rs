@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use super::fio::{self, FioJob, FioResult};
 use super::measure::{self, Engine, PointResult, PointSpec, Skipped, Stop, StoreLayout, UnitSource};
 use picchio_core::StoreUri;
-use picchio_runtime::error::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Options of [`run`] (recorded in the report's `flags`).
 #[derive(Clone, Debug, Serialize)]
@@ -126,13 +126,23 @@ pub(crate) fn plan(
         }
         Some(b) => {
             if b == 0 || !b.is_multiple_of(4096) {
-                return Err(Error::Invalid(format!("--bs {b}: must be a positive multiple of 4096 bytes")));
+                return Err(Error::BadOption {
+                    experiment: None,
+                    option: "--bs",
+                    value: b.to_string(),
+                    expected: "must be a positive multiple of 4096 bytes".into(),
+                });
             }
             let lo = layout.superblock.data_offset;
             let hi = layout.entries.iter().map(|&(o, l)| o + u64::from(l)).max().expect("non-empty");
             let candidates = (hi - lo) / u64::from(b);
             if candidates == 0 {
-                return Err(Error::Invalid(format!("--bs {b}: larger than the data region ({} bytes)", hi - lo)));
+                return Err(Error::BadOption {
+                    experiment: None,
+                    option: "--bs",
+                    value: b.to_string(),
+                    expected: format!("larger than the data region ({} bytes)", hi - lo),
+                });
             }
             let region =
                 Region { pattern: "bs-aligned offsets".into(), offset: lo, len: candidates * u64::from(b), candidates };
@@ -165,11 +175,11 @@ fn fio_target(store: &StoreUri) -> Option<(std::path::PathBuf, u64)> {
 /// listed in `skipped` and leaves that point's `fio` empty.
 pub fn run(store: &StoreUri, opts: &QdSweepOptions, progress: &mut dyn FnMut(&QdPoint)) -> Result<QdSweepResults> {
     if opts.qds.is_empty() || opts.threads.is_empty() || opts.qds.contains(&0) || opts.threads.contains(&0) {
-        return Err(Error::Invalid("--qd and --threads need at least one value, each at least 1".into()));
+        return Err(Error::NoValues { options: "--qd and --threads", need: "need at least one value, each at least 1" });
     }
     let mut skipped = Vec::new();
     let engines = engines(store, &opts.engines, &mut skipped);
-    let first = *engines.first().ok_or_else(|| Error::Invalid("no engine to run".into()))?;
+    let first = *engines.first().ok_or_else(|| Error::NoEngine { store: store.to_string() })?;
     let (_layout, bs, region, entries) = plan(store, first, opts.bs)?;
     let entries = entries.map(std::sync::Arc::new);
     let fio_version = if opts.fio { fio::version() } else { None };

@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use super::measure::{self, Engine, PointResult, PointSpec, Skipped, Stop, StoreLayout};
 use super::qd_sweep::read_source;
 use picchio_core::StoreUri;
-use picchio_runtime::error::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Options of [`run`] (recorded in the report's `flags`).
 #[derive(Clone, Debug, Serialize)]
@@ -128,7 +128,7 @@ fn plan(store: &StoreUri, skipped: &mut Vec<Skipped>) -> Vec<(&'static str, &'st
 /// Opening the store or an engine, a failed read.
 pub fn run(store: &StoreUri, opts: &TiersOptions, progress: &mut dyn FnMut(&TierRow)) -> Result<TiersResults> {
     if opts.threads == 0 || opts.qd == 0 {
-        return Err(Error::Invalid("--threads and --qd must be at least 1".into()));
+        return Err(Error::NoValues { options: "--threads and --qd", need: "must be at least 1" });
     }
     let mut skipped = Vec::new();
     let rows_plan = plan(store, &mut skipped);

@@ -35,7 +35,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use picchio_runtime::error::{Error, Result};
+use crate::error::{Error, Result};
 
 // The format's types and its writer are the runtime's (`picchio run --trace` writes it); this
 // module reads and analyses it.
@@ -56,12 +56,12 @@ impl RoutingTrace {
     /// numbers).
     ///
     /// # Errors
-    /// [`Error::Io`] naming the file; [`Error::Invalid`] naming the file, the line and what was
+    /// [`Error::Io`] naming the file; [`Error::TraceLine`] naming the file, the line and what was
     /// expected.
     pub fn read(path: &Path) -> Result<Self> {
         let f = File::open(path).map_err(Error::io(path, "open the trace"))?;
         let mut lines = BufReader::new(f).lines();
-        let bad = |n: usize, what: String| Error::Invalid(format!("{}: line {n}: {what}", path.display()));
+        let bad = |line: usize, what: String| Error::TraceLine { path: path.into(), line, what };
         let first = lines
             .next()
             .transpose()
@@ -325,14 +325,19 @@ pub fn default_capacities(header: &TraceHeader) -> Vec<usize> {
 /// `capacities` (sorted and deduplicated here).
 ///
 /// # Errors
-/// [`Error::Invalid`] when a capacity is 0 or the trace has no records.
+/// [`Error::BadOption`] when a capacity is 0, [`Error::EmptyTrace`] when the trace has no records.
 pub fn analyse(path: &Path, trace: &RoutingTrace, capacities: &[usize]) -> Result<TraceResults> {
     let h = &trace.header;
     if trace.records.is_empty() {
-        return Err(Error::Invalid(format!("{}: the trace has no routing records", path.display())));
+        return Err(Error::EmptyTrace { path: path.into() });
     }
     if capacities.contains(&0) {
-        return Err(Error::Invalid("--ecap: a capacity of 0 experts cannot hold anything".into()));
+        return Err(Error::BadOption {
+            experiment: None,
+            option: "--ecap",
+            value: "0".into(),
+            expected: "a capacity of 0 experts cannot hold anything".into(),
+        });
     }
     let k = h.top_k as f64;
     let e = h.num_experts;

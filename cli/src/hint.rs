@@ -10,12 +10,31 @@ pub(crate) fn hint(e: &anyhow::Error) -> Option<&'static str> {
     e.chain().find_map(|c| {
         if let Some(r) = c.downcast_ref::<picchio_runtime::Error>() {
             runtime(r)
+        } else if let Some(b) = c.downcast_ref::<picchio_bench::error::Error>() {
+            bench(b)
         } else if let Some(b) = c.downcast_ref::<picchio_blockdev::Error>() {
             blockdev(b)
         } else {
             c.downcast_ref::<QuantError>().and_then(quant)
         }
     })
+}
+
+/// The runtime error `c` is, or that a bench error passes through (transparent variants are not in
+/// the `source()` chain themselves).
+pub(crate) fn as_runtime<'a>(c: &'a (dyn std::error::Error + 'static)) -> Option<&'a picchio_runtime::Error> {
+    c.downcast_ref::<picchio_runtime::Error>()
+        .or_else(|| c.downcast_ref::<picchio_bench::error::Error>().and_then(picchio_bench::error::Error::runtime))
+}
+
+fn bench(e: &picchio_bench::error::Error) -> Option<&'static str> {
+    use picchio_bench::error::Error as E;
+    match e {
+        // Transparent variants: their inner error is not in the `source()` chain.
+        E::Runtime(r) => runtime(r),
+        E::Engine(b) => blockdev(b),
+        _ => None,
+    }
 }
 
 fn runtime(e: &picchio_runtime::Error) -> Option<&'static str> {

@@ -18,9 +18,8 @@ fn main() {
             eprintln!("hint: {h}");
         }
         // SIGINT/SIGTERM: everything was dropped (an nvme: controller shut down) on the way here.
-        let interrupted = e.chain().any(|c| {
-            matches!(c.downcast_ref::<picchio_runtime::Error>(), Some(picchio_runtime::Error::Interrupted { .. }))
-        });
+        let interrupted =
+            e.chain().any(|c| matches!(hint::as_runtime(c), Some(picchio_runtime::Error::Interrupted { .. })));
         std::process::exit(if interrupted { picchio_runtime::interrupt::exit_code() } else { 1 });
     }
 }

@@ -339,6 +339,371 @@ pub enum Error {
         #[source]
         cause: Option<Box<Error>>,
     },
+    /// A Hugging Face checkpoint given where a converted directory is needed (`picchio pack`,
+    /// `Model::load`): its experts are still in the checkpoint's layout.
+    #[error(
+        "{} is a Hugging Face checkpoint{}, not a converted directory: run `picchio convert` on it first{}",
+        dir.display(),
+        tensor.as_deref().map(|t| format!(" (it has `{t}`)")).unwrap_or_default(),
+        if *pack { " and pack the converted directory" } else { "" }
+    )]
+    NotConverted {
+        /// The directory.
+        dir: PathBuf,
+        /// The checkpoint tensor that shows it, when named.
+        tensor: Option<String>,
+        /// Whether `pack` refused it (the message then says to pack the converted directory).
+        pack: bool,
+    },
+    /// `picchio convert` given a directory it already wrote (it has a converted expert tensor).
+    #[error(
+        "{}: already a converted Picchio directory (it has `{tensor}`); convert reads a Hugging Face checkpoint",
+        dir.display()
+    )]
+    AlreadyConverted {
+        /// The directory.
+        dir: PathBuf,
+        /// The converted expert tensor found.
+        tensor: String,
+    },
+    /// A checkpoint layer with both fused and per-expert routed-expert tensors.
+    #[error("{}: tensor `{name}`: layer {layer} has both fused (`{fused}`) and per-expert expert tensors", path.display())]
+    MixedExpertTensors {
+        /// The file holding the per-expert tensor.
+        path: PathBuf,
+        /// The per-expert tensor.
+        name: String,
+        /// The layer.
+        layer: usize,
+        /// The fused tensor.
+        fused: String,
+    },
+    /// A routed-expert tensor that config.json does not account for.
+    #[error("{}: unexpected routed-expert tensor `{name}`: config.json ({config}) has no such expert", path.display())]
+    UnexpectedExpertTensor {
+        /// The file holding it.
+        path: PathBuf,
+        /// The tensor.
+        name: String,
+        /// The config keys that decide the experts, with their values.
+        config: String,
+    },
+    /// A layer's expert tensors were planned in a layout this architecture does not have (a bug).
+    #[error("layer {layer}: {source_layout} is not a {arch} expert layout")]
+    ExpertSourceArch {
+        /// The layer.
+        layer: usize,
+        /// The planned layout (`PerExpert`, `Fused`).
+        source_layout: String,
+        /// The architecture (`GPT-OSS`).
+        arch: &'static str,
+    },
+    /// An expert matrix handed to the quantizer has another number of weights than the layout.
+    #[error("expert {what} matrix has {len} weights, the layout needs {want}")]
+    ExpertMatrixLen {
+        /// `gate`, `up`, `down`.
+        what: &'static str,
+        /// Weights given.
+        len: usize,
+        /// Weights the layout needs (rows × cols).
+        want: usize,
+    },
+    /// A checkpoint weight that is NaN or infinite.
+    #[error("{}: tensor `{name}`{part}: weight {index} is {value} (a checkpoint's weights must be finite)", path.display())]
+    NonFiniteWeight {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        name: String,
+        /// The expert's part of a fused tensor (` expert 3`), or empty.
+        part: String,
+        /// The weight's index in the tensor (row-major).
+        index: usize,
+        /// Its value.
+        value: f32,
+    },
+    /// A written shard holds another number of tensor bytes than its plan (a bug in the writer).
+    #[error("{}: wrote {written} tensor bytes, planned {planned}", path.display())]
+    ShardBytes {
+        /// The shard.
+        path: PathBuf,
+        /// Bytes written.
+        written: u64,
+        /// Bytes planned.
+        planned: u64,
+    },
+    /// A tensor whose bytes do not match its dtype and shape (a synthetic model's writer).
+    #[error("{}: tensor `{name}` {dtype} {shape:?} needs {want} bytes (a multiple of 4), has {found}", path.display())]
+    TensorBytes {
+        /// The shard.
+        path: PathBuf,
+        /// The tensor.
+        name: String,
+        /// Its dtype.
+        dtype: String,
+        /// Its shape.
+        shape: Vec<usize>,
+        /// Bytes the dtype and shape need.
+        want: usize,
+        /// Bytes given.
+        found: usize,
+    },
+    /// A rayon pool of `threads` worker threads could not be started.
+    #[error("cannot start {threads} {what} threads")]
+    ThreadPool {
+        /// Threads asked for.
+        threads: usize,
+        /// `conversion`, `transcoding`.
+        what: &'static str,
+        /// rayon's error.
+        #[source]
+        cause: rayon::ThreadPoolBuildError,
+    },
+    /// An image of `layers × experts` entries, more than the index's u32 count holds.
+    #[error("{layers} layers × {experts} experts exceed u32 entries")]
+    TooManyEntries {
+        /// Layers to write.
+        layers: u64,
+        /// Experts per layer.
+        experts: u64,
+    },
+    /// A payload length that does not fit this machine's address space.
+    #[error("{bytes}-byte payloads do not fit this machine's memory")]
+    PayloadTooLarge {
+        /// The payload length.
+        bytes: u64,
+    },
+    /// `picchio convert`'s source is not a directory.
+    #[error("{}: not a directory (convert reads a model directory)", path.display())]
+    SourceNotDir {
+        /// The source path.
+        path: PathBuf,
+    },
+    /// A destination that is, is inside, or contains the source directory.
+    #[error("{}", overlap_message(dst, src, *overlap))]
+    DestinationOverlapsSource {
+        /// The destination.
+        dst: PathBuf,
+        /// The source directory.
+        src: PathBuf,
+        /// How they overlap.
+        overlap: Overlap,
+    },
+    /// A destination directory path that exists as something else.
+    #[error("destination {} exists and is not a directory", dst.display())]
+    DestinationNotDir {
+        /// The destination.
+        dst: PathBuf,
+    },
+    /// An existing synthetic-model destination that `picchio synth --model-out` did not write.
+    #[error(
+        "{}: exists and is not a synthetic model (no `picchio_synthetic` in its config.json): refusing to overwrite \
+         it; choose another directory",
+        dir.display()
+    )]
+    NotSynthetic {
+        /// The directory.
+        dir: PathBuf,
+    },
+    /// A directory without the tokenizer.json it is given for.
+    #[error("{}: no tokenizer.json", dir.display())]
+    NoTokenizer {
+        /// The directory.
+        dir: PathBuf,
+    },
+    /// An image output that exists and is not an image this command replaces.
+    #[error("{}: {what}; {command} will not replace it: remove it or choose another --out", path.display())]
+    NotReplaced {
+        /// The output path.
+        path: PathBuf,
+        /// The command (`pack`, `synth`).
+        command: String,
+        /// What the path is instead.
+        what: &'static str,
+    },
+    /// The output's file system has less free space than the write needs (checked before writing).
+    #[error(
+        "{}: writing it needs {needed} bytes ({:.2} GB) but its file system has {available} bytes ({:.2} GB) \
+         available: free space or choose another --out",
+        path.display(),
+        *needed as f64 / 1e9,
+        *available as f64 / 1e9
+    )]
+    NotEnoughSpace {
+        /// The output.
+        path: PathBuf,
+        /// Bytes the output needs.
+        needed: u64,
+        /// Bytes available (`statvfs`).
+        available: u64,
+    },
+    /// An NVMe controller to be written through the user-space driver is not bound to vfio-pci.
+    #[error(
+        "{target}: the controller is bound to {}, not vfio-pci: run `picchio nvme bind {bdf}` first (it refuses a \
+         controller with mounted namespaces); nothing was written",
+        driver.as_deref().map_or("no driver".to_string(), |d| format!("the `{d}` driver"))
+    )]
+    NotVfio {
+        /// The store (`nvme:0000:01:00.0/1`).
+        target: String,
+        /// The controller's PCI address.
+        bdf: String,
+        /// The driver it is bound to, if any.
+        driver: Option<String>,
+    },
+    /// A target another picchio process is writing.
+    #[error("{target} is being written by another picchio process{holders}; wait until it has finished")]
+    BeingWritten {
+        /// The image, device or namespace.
+        target: String,
+        /// ` (pid N)` when the lock holders are known, else empty.
+        holders: String,
+    },
+    /// A target another picchio process is reading, which a write would change under it.
+    #[error("{target} is being read by another picchio process{holders}; stop it or use --force")]
+    BeingRead {
+        /// The image, device or namespace.
+        target: String,
+        /// ` (pid N)` when the readers are known, else empty.
+        holders: String,
+    },
+    /// An image whose model record (in the superblock's reserved bytes) does not parse.
+    #[error(
+        "{image}: the model record in its superblock is damaged, so it names no model directory: give the converted \
+         directory with --model DIR (or set PICCHIO_MODEL); `picchio pack` writes the record again"
+    )]
+    RecordDamaged {
+        /// The image.
+        image: String,
+        /// The record's parse error.
+        #[source]
+        cause: picchio_core::Error,
+    },
+    /// The model directory an image records is gone (or changed), and none beside the image matches.
+    #[error(
+        "{image} was written for the model directory {} (config.json SHA-256 {sha256_8}…), which was not found: \
+         {why}. Give the converted directory with --model DIR (or set PICCHIO_MODEL)",
+        dir.display()
+    )]
+    RecordedModelMissing {
+        /// The image.
+        image: String,
+        /// The recorded directory.
+        dir: PathBuf,
+        /// The first 8 bytes of the recorded config.json SHA-256, in hex.
+        sha256_8: String,
+        /// What was looked at and found instead.
+        why: String,
+    },
+    /// An image without a model record, and no config.json beside it.
+    #[error(
+        "{image} records no model directory (an image written by Picchio (C), or packed before picchio recorded the \
+         model in the superblock): give the converted directory with --model DIR (or set PICCHIO_MODEL), or pack \
+         the image again"
+    )]
+    NoModelRecord {
+        /// The image.
+        image: String,
+    },
+    /// A model loaded with room for no position (`max_seq` 0).
+    #[error("{}: max_seq must be at least 1", dir.display())]
+    ZeroContext {
+        /// The model directory.
+        dir: PathBuf,
+    },
+    /// A forward pass at a position past the KV cache.
+    #[error("position {position} is beyond the context of {context} positions")]
+    BeyondContext {
+        /// The 0-based position asked for.
+        position: usize,
+        /// Positions the KV cache holds.
+        context: usize,
+    },
+    /// An expert cache whose slots hold another payload size than the model's experts.
+    #[error("the expert cache holds {cache}-byte payloads, this model's experts are {model} bytes")]
+    CachePayload {
+        /// The cache's payload length.
+        cache: usize,
+        /// The model's expert payload length.
+        model: usize,
+    },
+    /// An expert payload shorter than its layout.
+    #[error("expert payload of {len} bytes is shorter than the {quant} layout ({need} bytes)")]
+    PayloadShort {
+        /// Bytes in the payload.
+        len: usize,
+        /// The expert quantization.
+        quant: crate::quant::QuantKind,
+        /// Bytes the layout needs.
+        need: usize,
+    },
+    /// An f32 part of an expert payload that is not a 4-byte-aligned f32 array (a bug: slots are aligned).
+    #[error("expert payload: {what} at bytes {range:?} is not an f32 array")]
+    PayloadF32 {
+        /// The part (`gate_up scales`).
+        what: String,
+        /// Its byte range in the payload.
+        range: std::ops::Range<usize>,
+        /// bytemuck's error.
+        #[source]
+        cause: bytemuck::PodCastError,
+    },
+    /// A chat request for a model without a chat template.
+    #[error("{} has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja)", dir.display())]
+    NoChatTemplate {
+        /// The model directory.
+        dir: PathBuf,
+    },
+    /// A chat request with an empty stop string.
+    #[error("stop strings must not be empty (got {got:?})")]
+    EmptyStop {
+        /// The stop string given.
+        got: String,
+    },
+    /// A chat request's `max_tokens` of 0.
+    #[error("max_tokens must be at least 1")]
+    ZeroMaxTokens,
+    /// A chat request with no message.
+    #[error("the message list is empty: give at least one message")]
+    NoMessages,
+    /// A chat message with a role the templates do not know.
+    #[error("message {index} has role `{role}`; the roles are {}", crate::chat::template::ROLES.join(", "))]
+    UnknownRole {
+        /// 0-based message index.
+        index: usize,
+        /// The role given.
+        role: String,
+    },
+    /// A `tool` message that names no function and answers no earlier call.
+    #[error("{}", tool_message(*index, call_id.as_deref()))]
+    ToolMessage {
+        /// 0-based message index.
+        index: usize,
+        /// The `tool_call_id` it gives, which no earlier assistant message made; `None` when it
+        /// gives neither that nor a `name`.
+        call_id: Option<String>,
+    },
+    /// A tool call whose arguments do not serialize.
+    #[error("message {index}: tool call arguments")]
+    ToolCallArguments {
+        /// 0-based message index.
+        index: usize,
+        /// The JSON error.
+        #[source]
+        cause: serde_json::Error,
+    },
+    /// A `tools[i]` entry that cannot be rendered.
+    #[error("tools[{index}]: {why}")]
+    BadTool {
+        /// 0-based index in `tools`.
+        index: usize,
+        /// What is wrong.
+        why: String,
+    },
+    /// An MXFP4 tensor that cannot be dequantized; the [`crate::image::convert::mxfp4::Mxfp4Error`]
+    /// names it.
+    #[error(transparent)]
+    Mxfp4(#[from] crate::image::convert::mxfp4::Mxfp4Error),
     /// A user request cannot be satisfied (bad flag combination, empty prompt, ...).
     #[error("{0}")]
     Invalid(String),
@@ -369,6 +734,41 @@ fn context_overflow(needed: usize, context: usize, config: Option<&std::path::Pa
             c.display()
         ),
         None => format!("prompt + generated = {needed} tokens exceeds the context of {context} positions"),
+    }
+}
+
+/// How an output directory overlaps its source ([`Error::DestinationOverlapsSource`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Overlap {
+    /// The destination is the source.
+    Same,
+    /// The destination is inside the source.
+    Inside,
+    /// The destination contains the source.
+    Contains,
+}
+
+/// The message of [`Error::DestinationOverlapsSource`].
+fn overlap_message(dst: &std::path::Path, src: &std::path::Path, overlap: Overlap) -> String {
+    let (dst, src) = (dst.display(), src.display());
+    match overlap {
+        Overlap::Same => format!(
+            "destination {dst} is the source directory: convert never writes into its source; choose another \
+             destination"
+        ),
+        Overlap::Inside => format!(
+            "destination {dst} is inside the source directory {src}: convert never writes into its source; choose a \
+             destination outside it"
+        ),
+        Overlap::Contains => format!("destination {dst} contains the source directory {src}: choose another destination"),
+    }
+}
+
+/// The message of [`Error::ToolMessage`].
+fn tool_message(index: usize, call_id: Option<&str>) -> String {
+    match call_id {
+        Some(id) => format!("message {index} (tool) answers the call `{id}`, which no earlier assistant message made"),
+        None => format!("message {index} (tool) names no function: give its `name` or the `tool_call_id` it answers"),
     }
 }
 

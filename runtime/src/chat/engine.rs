@@ -150,6 +150,15 @@ pub fn is_bad_request(e: &Error) -> bool {
     matches!(
         e,
         Error::Invalid(_)
+            | Error::NoChatTemplate { .. }
+            | Error::EmptyStop { .. }
+            | Error::ZeroMaxTokens
+            | Error::NoMessages
+            | Error::UnknownRole { .. }
+            | Error::ToolMessage { .. }
+            | Error::ToolCallArguments { .. }
+            | Error::BadTool { .. }
+            | Error::BeyondContext { .. }
             | Error::EmptyPrompt
             | Error::OutOfVocabulary { .. }
             | Error::ContextOverflow { .. }
@@ -178,7 +187,7 @@ impl Engine {
     /// The prompt's ids: the rendered conversation, the tokenized text, or the ids.
     ///
     /// # Errors
-    /// [`Error::Invalid`] without a chat format or tokenizer; rendering errors.
+    /// [`Error::NoChatTemplate`] without a chat format; the tokenizer's and the rendering errors.
     pub fn prompt_ids(
         &self,
         prompt: &Prompt,
@@ -190,10 +199,7 @@ impl Engine {
             Prompt::Text(t) => self.session.encode(t),
             Prompt::Chat(messages) => {
                 let Some(f) = &self.format else {
-                    return Err(Error::Invalid(format!(
-                        "{} has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja)",
-                        self.session.model.dir().display()
-                    )));
+                    return Err(Error::NoChatTemplate { dir: self.session.model.dir().into() });
                 };
                 let text = f.render(messages, RenderOptions { add_generation_prompt: true, enable_thinking, tools })?;
                 self.session.encode(&text)
@@ -217,7 +223,7 @@ impl Engine {
         stop: &dyn Fn() -> bool,
     ) -> Result<Outcome> {
         if let Some(m) = req.stop.iter().find(|s| s.is_empty()) {
-            return Err(Error::Invalid(format!("stop strings must not be empty (got {m:?})")));
+            return Err(Error::EmptyStop { got: m.clone() });
         }
         req.sampler.check().map_err(Error::Invalid)?;
         let prompt_ids = self.prompt_ids(&req.prompt, req.enable_thinking, &req.tools)?;
@@ -226,7 +232,7 @@ impl Engine {
         }
         let ctx = self.context();
         let max_new = match req.max_tokens {
-            Some(0) => return Err(Error::Invalid("max_tokens must be at least 1".into())),
+            Some(0) => return Err(Error::ZeroMaxTokens),
             Some(n) => n,
             None if prompt_ids.len() >= ctx => {
                 return Err(Error::ContextOverflow { needed: prompt_ids.len() + 1, context: ctx, config: None })

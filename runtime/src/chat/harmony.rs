@@ -84,9 +84,10 @@ impl Harmony {
     /// `<|start|>assistant`.
     ///
     /// # Errors
-    /// [`Error::Invalid`] for an empty list, an unknown role, a tool that is not a function tool or
-    /// whose parameters use `oneOf` (not rendered here), or a `tool` message whose function is
-    /// unknown (no `name`, and no earlier tool call with its `tool_call_id`).
+    /// [`Error::NoMessages`] for an empty list, [`Error::UnknownRole`] for an unknown role,
+    /// [`Error::BadTool`] for a tool that is not a function tool or whose parameters use `oneOf` (not
+    /// rendered here), [`Error::ToolMessage`] for a `tool` message whose function is unknown (no
+    /// `name`, and no earlier tool call with its `tool_call_id`).
     pub fn render(&self, messages: &[Message], tools: &[Value], add_generation_prompt: bool) -> Result<String> {
         check_messages(messages)?;
         let functions = tools_section(tools)?;
@@ -116,14 +117,12 @@ impl Harmony {
                 "tool" => {
                     let name = match (&m.name, &m.tool_call_id) {
                         (Some(n), _) => n.clone(),
-                        (None, Some(id)) => calls.iter().find(|(c, _)| c == id).map(|(_, n)| n.clone()).ok_or_else(|| {
-                            Error::Invalid(format!("message {i} (tool) answers the call `{id}`, which no earlier assistant message made"))
-                        })?,
-                        (None, None) => {
-                            return Err(Error::Invalid(format!(
-                                "message {i} (tool) names no function: give its `name` or the `tool_call_id` it answers"
-                            )))
-                        }
+                        (None, Some(id)) => calls
+                            .iter()
+                            .find(|(c, _)| c == id)
+                            .map(|(_, n)| n.clone())
+                            .ok_or_else(|| Error::ToolMessage { index: i, call_id: Some(id.clone()) })?,
+                        (None, None) => return Err(Error::ToolMessage { index: i, call_id: None }),
                     };
                     let mut h = HMsg::new(&format!("functions.{name}"), m.content.clone()).on("commentary");
                     h.recipient = Some("assistant".into());
@@ -149,7 +148,7 @@ impl Harmony {
                         let args = match c.function.arguments.as_str() {
                             Some(s) => s.to_string(),
                             None => serde_json::to_string(&c.function.arguments)
-                                .map_err(|e| Error::Invalid(format!("message {i}: tool call arguments: {e}")))?,
+                                .map_err(|cause| Error::ToolCallArguments { index: i, cause })?,
                         };
                         let mut h = HMsg::new("assistant", args).on("commentary");
                         h.recipient = Some(format!("functions.{}", c.function.name));
@@ -198,7 +197,7 @@ impl Harmony {
 /// `//` comments and its JSON-schema parameters as the argument's type ([`schema_type`]).
 ///
 /// # Errors
-/// [`Error::Invalid`] for a tool that is not `{"type": "function", "function": {"name", ...}}`, or
+/// [`Error::BadTool`] for a tool that is not `{"type": "function", "function": {"name", ...}}`, or
 /// parameters that cannot be rendered.
 pub fn tools_section(tools: &[Value]) -> Result<Option<String>> {
     if tools.is_empty() {
@@ -206,7 +205,7 @@ pub fn tools_section(tools: &[Value]) -> Result<Option<String>> {
     }
     let mut parts = vec!["## functions\n".to_string(), "namespace functions {\n".to_string()];
     for (i, t) in tools.iter().enumerate() {
-        let bad = |why: &str| Error::Invalid(format!("tools[{i}]: {why}"));
+        let bad = |why: &str| Error::BadTool { index: i, why: why.into() };
         if get(t, "type").as_ref().and_then(Value::as_str).is_some_and(|k| k != "function") {
             return Err(bad("only function tools ({\"type\": \"function\", ...}) are supported"));
         }

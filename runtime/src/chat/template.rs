@@ -165,7 +165,7 @@ impl JinjaTemplate {
     /// Renders `messages` (checked by [`check_messages`]).
     ///
     /// # Errors
-    /// [`Error::Invalid`] for a bad message list; [`Error::Template`] naming the template line where
+    /// [`Error::NoMessages`] or [`Error::UnknownRole`] for a bad message list; [`Error::Template`] naming the template line where
     /// rendering failed (including the template's own `raise_exception`).
     /// A `developer` message is given to the template as `system`: OpenAI's developer role is the
     /// system role of models before it, and transformers' templates (Qwen3's) know only `system`
@@ -220,18 +220,14 @@ pub fn special_token(cfg: &serde_json::Value, key: &str) -> Option<String> {
 /// Refuses an empty message list and a role outside [`ROLES`].
 ///
 /// # Errors
-/// [`Error::Invalid`] naming the message.
+/// [`Error::NoMessages`]; [`Error::UnknownRole`] naming the message.
 pub fn check_messages(messages: &[Message]) -> Result<()> {
     if messages.is_empty() {
-        return Err(Error::Invalid("the message list is empty: give at least one message".into()));
+        return Err(Error::NoMessages);
     }
     for (i, m) in messages.iter().enumerate() {
         if !ROLES.contains(&m.role.as_str()) {
-            return Err(Error::Invalid(format!(
-                "message {i} has role `{}`; the roles are {}",
-                m.role,
-                ROLES.join(", ")
-            )));
+            return Err(Error::UnknownRole { index: i, role: m.role.clone() });
         }
     }
     Ok(())

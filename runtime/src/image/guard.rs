@@ -209,7 +209,7 @@ impl ReadLock {
     /// opened here, so a FIFO never blocks: the engine's open names what it is (no lock is taken).
     ///
     /// # Errors
-    /// [`Error::Io`] when `path` cannot be opened or locked; [`Error::Invalid`] naming the writer
+    /// [`Error::Io`] when `path` cannot be opened or locked; [`Error::BeingWritten`] naming the writer
     /// while a device is being written.
     pub fn acquire(path: &Path, name: &str, device: bool) -> Result<ReadLock> {
         let lockable = std::fs::metadata(path).map(|m| {
@@ -230,10 +230,7 @@ impl ReadLock {
         match file.try_lock_shared() {
             Ok(()) => {}
             Err(TryLockError::WouldBlock) if device => {
-                return Err(Error::Invalid(format!(
-                    "{name} is being written by another picchio process{}; wait until it has finished",
-                    by_whom(&lock_holders(&file))
-                )))
+                return Err(Error::BeingWritten { target: name.into(), holders: by_whom(&lock_holders(&file)) })
             }
             Err(TryLockError::WouldBlock) => {
                 file.lock_shared().map_err(Error::io(path, "take a shared (reader's) lock"))?;
@@ -260,11 +257,7 @@ pub fn lock_path(target: &Path) -> PathBuf {
 }
 
 fn busy_reader(what: &Path, pids: &[u32]) -> Error {
-    Error::Invalid(format!(
-        "{} is being read by another picchio process{}; stop it or use --force",
-        what.display(),
-        by_whom(pids)
-    ))
+    Error::BeingRead { target: what.display().to_string(), holders: by_whom(pids) }
 }
 
 impl WriteLock {
@@ -274,7 +267,7 @@ impl WriteLock {
     /// across the rename: it goes on reading the old bytes.
     ///
     /// # Errors
-    /// [`Error::Invalid`] naming the target and the other process; [`Error::Io`] when the lock file
+    /// [`Error::BeingWritten`] or [`Error::BeingRead`] naming the target and the other process; [`Error::Io`] when the lock file
     /// cannot be created or locked.
     pub fn file(target: &Path, force: bool) -> Result<WriteLock> {
         let lock = lock_path(target);
@@ -290,11 +283,10 @@ impl WriteLock {
             match file.try_lock() {
                 Ok(()) => {}
                 Err(TryLockError::WouldBlock) => {
-                    return Err(Error::Invalid(format!(
-                        "{} is being written by another picchio process{}; wait until it has finished",
-                        target.display(),
-                        by_whom(&lock_holders(&file))
-                    )))
+                    return Err(Error::BeingWritten {
+                        target: target.display().to_string(),
+                        holders: by_whom(&lock_holders(&file)),
+                    })
                 }
                 Err(TryLockError::Error(e)) => return Err(Error::io(&lock, "lock the writers' lock file")(e)),
             }
@@ -327,7 +319,7 @@ impl WriteLock {
     /// without the lock.
     ///
     /// # Errors
-    /// [`Error::Invalid`] naming the device and the readers; [`Error::Io`] when it cannot be opened.
+    /// [`Error::BeingRead`] naming the device and the readers; [`Error::Io`] when it cannot be opened.
     pub fn device(device: &Path, force: bool) -> Result<Option<WriteLock>> {
         let file = File::open(device).map_err(Error::io(device, "open to lock it for writing"))?;
         match file.try_lock() {

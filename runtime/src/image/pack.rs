@@ -138,23 +138,21 @@ impl Source {
             let hf = format!("model.layers.{l}.mlp.experts.0.gate_proj.weight");
             let fused = format!("model.layers.{l}.mlp.experts.gate_up_proj");
             if store.contains(&hf) || store.contains(&fused) {
-                return Err(Error::Invalid(format!(
-                    "{}: a Hugging Face checkpoint, not a converted directory: run `picchio convert` on it first \
-                     and pack the converted directory",
-                    model_dir.display()
-                )));
+                return Err(Error::NotConverted { dir: model_dir.into(), tensor: None, pack: true });
             }
         }
         let layout = ExpertLayout::detect(&store, &cfg)?;
         let n_layers = cfg.num_hidden_layers;
         let layers = opts.layers.unwrap_or(n_layers);
         if layers == 0 || layers > n_layers {
-            return Err(Error::Invalid(format!(
-                "--layers {layers}: the model has {n_layers} layers (use 1..={n_layers})"
-            )));
+            return Err(Error::BadOption {
+                option: "--layers",
+                value: layers.to_string(),
+                expected: format!("the model has {n_layers} layers (use 1..={n_layers})"),
+            });
         }
         let n_entries = u32::try_from(layers * cfg.num_experts)
-            .map_err(|_| Error::Invalid(format!("{layers} layers × {} experts exceed u32 entries", cfg.num_experts)))?;
+            .map_err(|_| Error::TooManyEntries { layers: layers as u64, experts: cfg.num_experts as u64 })?;
         let record = record_for(&model, &opts.record)?;
         Ok(Source {
             model_dir: model_dir.into(),
@@ -244,10 +242,10 @@ impl PayloadSource for Source {
 /// ([`pack_to`] a `file:` target).
 ///
 /// # Errors
-/// [`Error::Io`], [`Error::Config`], … from opening the directory; [`Error::Invalid`] for a
-/// Hugging Face checkpoint that was not converted, or `layers` out of range; [`Error::MissingTensor`],
+/// [`Error::Io`], [`Error::Config`], … from opening the directory; [`Error::NotConverted`] for a
+/// Hugging Face checkpoint that was not converted, [`Error::BadOption`] for `layers` out of range; [`Error::MissingTensor`],
 /// [`Error::TensorDtype`], [`Error::TensorShape`] for an expert tensor; [`Error::Store`] when writing
-/// the image fails; [`Error::Invalid`] when `out` exists and is not a `.picchioflat` image (see
+/// the image fails; [`Error::NotReplaced`] when `out` exists and is not a `.picchioflat` image (see
 /// [`crate::image::write::check_replaceable`]). On error no image (and no temporary file) is left at
 /// `out`, and an existing file there is unchanged.
 pub fn pack(model_dir: &Path, out: &Path, opts: &PackOptions) -> Result<PackReport> {

@@ -111,7 +111,8 @@ pub struct FoundModel {
 ///    session checks the image's dimensions against it).
 ///
 /// # Errors
-/// [`Error::Invalid`] naming the store and what was recorded (the path and the config.json
+/// [`Error::RecordedModelMissing`], [`Error::NoModelRecord`] or [`Error::RecordDamaged`] naming the
+/// store and what was recorded (the path and the config.json
 /// SHA-256 prefix, and why neither candidate matched), that nothing was, or which field of a damaged
 /// record is wrong, and suggesting
 /// `--model DIR`; the errors of [`read_superblock`]; [`Error::StoreNotAccepted`] for `auto` and
@@ -143,12 +144,7 @@ pub fn find_model_dir(uri: &StoreUri, io: EngineOptions) -> Result<FoundModel> {
         Ok(Some(rec)) => rec,
         // The experts are readable (the superblock reads a damaged record as none); only the way to
         // the model is lost.
-        Err(e) => {
-            return Err(Error::Invalid(format!(
-                "{name}: the model record in its superblock is damaged ({e}), so it names no model directory: give the \
-                 converted directory with --model DIR (or set PICCHIO_MODEL); `picchio pack` writes the record again"
-            )))
-        }
+        Err(cause) => return Err(Error::RecordDamaged { image: name, cause }),
         Ok(None) => return no_record(&name, beside),
     };
     let short = hex8(&rec.config_sha256);
@@ -172,11 +168,7 @@ pub fn find_model_dir(uri: &StoreUri, io: EngineOptions) -> Result<FoundModel> {
             None => {}
         }
     }
-    Err(Error::Invalid(format!(
-        "{name} was written for the model directory {} (config.json SHA-256 {short}…), which was not found: {why}. \
-         Give the converted directory with --model DIR (or set PICCHIO_MODEL)",
-        rec.dir.display()
-    )))
+    Err(Error::RecordedModelMissing { image: name, dir: rec.dir, sha256_8: short, why })
 }
 
 /// [`find_model_dir`] for an image without a record: the directory holding a file image (`beside`)
@@ -185,11 +177,7 @@ fn no_record(name: &str, beside: Option<PathBuf>) -> Result<FoundModel> {
     if let Some(dir) = beside.filter(|d| d.join("config.json").is_file()) {
         return Ok(FoundModel { dir, how: "the directory holding the image (the image records no model)" });
     }
-    Err(Error::Invalid(format!(
-        "{name} records no model directory (an image written by Picchio (C), or packed before picchio recorded \
-         the model in the superblock): give the converted directory with --model DIR (or set PICCHIO_MODEL), or \
-         pack the image again"
-    )))
+    Err(Error::NoModelRecord { image: name.into() })
 }
 
 /// The first 8 bytes of a digest in hex (16 characters).

@@ -76,15 +76,17 @@ impl Geometry {
     /// The named geometry of `--arch` (`qwen3-30b-a3b`, `gpt-oss-20b`, `gpt-oss-120b`).
     ///
     /// # Errors
-    /// [`Error::Invalid`] listing the names for anything else.
+    /// [`Error::BadOption`] listing the names for anything else.
     pub fn named(arch: &str) -> Result<Self> {
         match arch {
             "qwen3-30b-a3b" => Ok(Geometry::qwen3_30b_a3b()),
             "gpt-oss-20b" => Ok(Geometry::gpt_oss_20b()),
             "gpt-oss-120b" => Ok(Geometry::gpt_oss_120b()),
-            _ => Err(Error::Invalid(format!(
-                "--arch {arch}: expected qwen3-30b-a3b, gpt-oss-20b, gpt-oss-120b or custom"
-            ))),
+            _ => Err(Error::BadOption {
+                option: "--arch",
+                value: arch.to_string(),
+                expected: "expected qwen3-30b-a3b, gpt-oss-20b, gpt-oss-120b or custom".into(),
+            }),
         }
     }
 
@@ -92,7 +94,7 @@ impl Geometry {
     /// non-empty payload.
     ///
     /// # Errors
-    /// [`Error::Invalid`] naming the field.
+    /// [`Error::BadOption`] naming the field.
     pub fn check(&self) -> Result<()> {
         let d = &self.dims;
         for (name, v) in [
@@ -104,11 +106,15 @@ impl Geometry {
             ("--expert-bytes", self.expert_bytes),
         ] {
             if v == 0 {
-                return Err(Error::Invalid(format!("{name} must be at least 1")));
+                return Err(Error::BadOption { option: name, value: "0".into(), expected: "must be at least 1".into() });
             }
         }
         if d.topk > d.n_experts {
-            return Err(Error::Invalid(format!("--topk {} exceeds --experts {}", d.topk, d.n_experts)));
+            return Err(Error::BadOption {
+                option: "--topk",
+                value: d.topk.to_string(),
+                expected: format!("exceeds --experts {}", d.n_experts),
+            });
         }
         Ok(())
     }
@@ -175,13 +181,14 @@ impl SynthOptions {
         let d = self.geometry.dims;
         let layers = self.layers.unwrap_or(d.n_layers);
         if layers == 0 || layers > d.n_layers {
-            return Err(Error::Invalid(format!(
-                "--layers {layers}: the model has {} layers (use 1..={})",
-                d.n_layers, d.n_layers
-            )));
+            return Err(Error::BadOption {
+                option: "--layers",
+                value: layers.to_string(),
+                expected: format!("the model has {} layers (use 1..={})", d.n_layers, d.n_layers),
+            });
         }
         u32::try_from(u64::from(layers) * u64::from(d.n_experts))
-            .map_err(|_| Error::Invalid(format!("{layers} layers × {} experts exceed u32 entries", d.n_experts)))
+            .map_err(|_| Error::TooManyEntries { layers: u64::from(layers), experts: u64::from(d.n_experts) })
     }
 
     /// The size in bytes of the image to be written to `dest` — superblock and index blocks, then
@@ -189,8 +196,8 @@ impl SynthOptions {
     /// ([`picchio_core::format::plan_image_len`]) before anything is written.
     ///
     /// # Errors
-    /// As [`Geometry::check`]; [`Error::Invalid`] for `layers` out of range or more entries than a
-    /// u32 holds; [`Error::Store`] ([`picchio_core::Error::FormatLimit`]) for a payload over
+    /// As [`Geometry::check`]; [`Error::BadOption`] for `layers` out of range,
+    /// [`Error::TooManyEntries`] for more entries than a u32 holds; [`Error::Store`] ([`picchio_core::Error::FormatLimit`]) for a payload over
     /// [`picchio_core::format::MAX_PAYLOAD_LEN`], naming `dest`, the entry and the limit.
     pub fn plan(&self, dest: &Path) -> Result<u64> {
         let n = self.n_entries()?;
@@ -214,9 +221,8 @@ const BATCH_BYTES: usize = 256 << 20;
 /// temporary file.
 fn write_payloads<S: ImageSink>(mut w: FlatWriter<S>, opts: &SynthOptions, n_entries: u32) -> Result<Superblock> {
     let bar = progress::bar(u64::from(n_entries), "synth", !opts.progress);
-    let len = usize::try_from(opts.geometry.expert_bytes).map_err(|_| {
-        Error::Invalid(format!("{}-byte payloads do not fit this machine's memory", opts.geometry.expert_bytes))
-    })?;
+    let len = usize::try_from(opts.geometry.expert_bytes)
+        .map_err(|_| Error::PayloadTooLarge { bytes: opts.geometry.expert_bytes })?;
     // Two payloads per thread, but never gigabytes of buffers for huge payloads.
     let batch = (rayon::current_num_threads().max(1) * 2).min((BATCH_BYTES / len.max(1)).max(1));
     let mut bufs: Vec<Vec<u8>> = (0..batch.min(n_entries as usize)).map(|_| vec![0u8; len]).collect();
@@ -275,7 +281,7 @@ impl PayloadSource for Source<'_> {
 /// `file:` target.
 ///
 /// # Errors
-/// [`Error::Invalid`] for a bad geometry or `layers`, an `out` that may not be replaced
+/// [`Error::BadOption`] for a bad geometry or `layers`, [`Error::NotReplaced`] for an `out` that may not be replaced
 /// ([`crate::image::write::check_replaceable`]: only a missing path, an empty file or an earlier
 /// image), or a file system without room for the image ([`crate::image::write::check_free_space`]);
 /// [`Error::Store`] for a geometry over the format's limits ([`SynthOptions::plan`]) or when writing

@@ -103,7 +103,11 @@ impl std::str::FromStr for SyntheticArch {
     fn from_str(s: &str) -> Result<Self> {
         Self::ALL.into_iter().find(|a| a.name() == s).ok_or_else(|| {
             let names: Vec<_> = Self::ALL.iter().map(|a| a.name()).collect();
-            Error::Invalid(format!("unknown synthetic arch {s:?}: expected one of {}", names.join(", ")))
+            Error::BadOption {
+                option: "--arch",
+                value: format!("{s:?}"),
+                expected: format!("unknown synthetic arch: expected one of {}", names.join(", ")),
+            }
         })
     }
 }
@@ -417,11 +421,14 @@ fn write_shard(path: &Path, tensors: &[OwnedTensor]) -> Result<()> {
         .map(|(name, dtype, shape, bytes)| {
             let want = shape.iter().product::<usize>() * dtype.bitsize() / 8;
             if want != bytes.len() || bytes.len() % 4 != 0 {
-                return Err(Error::Invalid(format!(
-                    "{}: tensor `{name}` {dtype} {shape:?} needs {want} bytes (a multiple of 4), has {}",
-                    path.display(),
-                    bytes.len()
-                )));
+                return Err(Error::TensorBytes {
+                    path: path.into(),
+                    name: name.clone(),
+                    dtype: dtype.to_string(),
+                    shape: shape.clone(),
+                    want,
+                    found: bytes.len(),
+                });
             }
             Ok(OutTensor { name: name.clone(), dtype: *dtype, shape: shape.clone(), len: bytes.len() })
         })
@@ -452,7 +459,8 @@ fn write_shard(path: &Path, tensors: &[OwnedTensor]) -> Result<()> {
 /// [`crate::interrupt::install`]ed) stop between shards, removing the partial output.
 ///
 /// # Errors
-/// [`Error::Invalid`] when `dir` exists and is neither empty nor a synthetic model, or without room;
+/// [`Error::NotSynthetic`] when `dir` exists and is neither empty nor a synthetic model;
+/// [`Error::NotEnoughSpace`] without room;
 /// [`Error::VocabBelowTokenizer`] when the tokenizer has more ids than `spec.vocab` (before anything
 /// is written); [`Error::Io`] on write failures;
 /// [`Error::Interrupted`]; the pack errors.
@@ -460,11 +468,7 @@ pub fn write_synthetic(dir: &Path, spec: &SyntheticSpec, opts: &WriteSyntheticOp
     if std::fs::symlink_metadata(dir).is_ok() {
         let empty = std::fs::read_dir(dir).is_ok_and(|mut d| d.next().is_none());
         if !empty && synthetic_stamp(dir).is_none() {
-            return Err(Error::Invalid(format!(
-                "{}: exists and is not a synthetic model (no `picchio_synthetic` in its config.json): refusing to \
-                 overwrite it; choose another directory",
-                dir.display()
-            )));
+            return Err(Error::NotSynthetic { dir: dir.into() });
         }
     }
     let tokenizer_files = match &opts.tokenizer {
@@ -501,7 +505,7 @@ pub fn write_synthetic(dir: &Path, spec: &SyntheticSpec, opts: &WriteSyntheticOp
 /// The tokenizer files of `dir` to copy, after checking its vocabulary fits in `spec`'s.
 fn tokenizer_files(dir: &Path, spec: &SyntheticSpec) -> Result<Vec<PathBuf>> {
     let t = crate::model::tokenizer::Tokenizer::from_dir(dir)?
-        .ok_or_else(|| Error::Invalid(format!("{}: no tokenizer.json", dir.display())))?;
+        .ok_or_else(|| Error::NoTokenizer { dir: dir.into() })?;
     if t.vocab_size() > spec.vocab {
         return Err(Error::VocabBelowTokenizer {
             path: dir.join("tokenizer.json"),

@@ -244,7 +244,8 @@ fn transcode_matrix(
 ///
 /// # Errors
 /// - [`Error::TranscodeRefused`]: the directory's experts are already `to`, Q3 → Q4, or `to` is none.
-/// - [`Error::Invalid`]: `dst` is `src`, inside it or contains it; not enough free space.
+/// - [`Error::DestinationOverlapsSource`]: `dst` is `src`, inside it or contains it;
+///   [`Error::NotEnoughSpace`]: not enough free space.
 ///   [`Error::Exists`]: `dst` exists without `overwrite`.
 /// - [`Error::Config`], [`Error::MissingTensor`], [`Error::TensorDtype`], [`Error::TensorShape`]
 ///   (an expert tensor of the wrong dtype or size, naming file and tensor), [`Error::Io`],
@@ -354,7 +355,7 @@ pub fn transcode(src: &Path, dst: &Path, opts: &TranscodeOptions) -> Result<Tran
             Some(n) => rayon::ThreadPoolBuilder::new()
                 .num_threads(n.max(1))
                 .build()
-                .map_err(|e| Error::Invalid(format!("cannot start {n} transcoding threads: {e}")))?
+                .map_err(|cause| Error::ThreadPool { threads: n, what: "transcoding", cause })?
                 .install(write_all)?,
             None => write_all()?,
         };
@@ -431,7 +432,7 @@ fn write_file_items(
         }
     }
     if written != f.bytes {
-        return Err(Error::Invalid(format!("{}: wrote {written} tensor bytes, planned {}", path.display(), f.bytes)));
+        return Err(Error::ShardBytes { path: path.into(), written: written as u64, planned: f.bytes as u64 });
     }
     w.finish().map_err(Error::io(path, "write"))
 }

@@ -274,7 +274,7 @@ pub fn verify_store(uri: &picchio_core::StoreUri, model: Option<&Path>, opts: &V
 /// Nothing is written.
 ///
 /// # Errors
-/// [`Error::Invalid`] naming the store when the controller cannot be opened; otherwise as
+/// [`Error::Nvme`] naming the store when the controller cannot be opened; otherwise as
 /// [`verify_queue`].
 #[cfg(target_os = "linux")]
 pub fn verify_nvme(bdf: &str, nsid: u32, model: Option<&Path>, opts: &VerifyOptions) -> Result<VerifyReport> {

@@ -259,8 +259,8 @@ impl<S: ReportHead> std::fmt::Display for WriteReport<S> {
 ///
 /// # Errors
 /// The source's; [`Error::StoreNotAccepted`] for a URI that is not a place to write;
-/// [`Error::Invalid`] for a file that may not be replaced or has no room, a controller not bound to
-/// `vfio-pci`, raw or NVMe targets off Linux; [`Error::ReadBack`] when the read-back of a device or
+/// [`Error::NotReplaced`] for a file that may not be replaced, [`Error::NotEnoughSpace`] when it has
+/// no room, [`Error::NotVfio`] for a controller not bound to `vfio-pci`; [`Error::ReadBack`] when the read-back of a device or
 /// namespace does not give the image written (a read fails, or the bytes are not what was written);
 /// [`Error::Engine`] for a device refusal (not a block device, offset, too large, refused, busy);
 /// [`Error::Store`] when a write fails; [`Error::Interrupted`] after SIGINT/SIGTERM. After an error
@@ -299,16 +299,25 @@ pub fn write_image<P: PayloadSource>(
         }
         #[cfg(not(target_os = "linux"))]
         StoreUri::NvmeTcp { .. } => {
-            Err(Error::Invalid(format!("--out {uri}: the NVMe/TCP initiator (picchio-nvme) is Linux-only")))
+            Err(Error::StoreNotAccepted {
+                option: "--out",
+                uri: uri.to_string(),
+                reason: "the NVMe/TCP initiator (picchio-nvme) is Linux-only".into(),
+            })
         }
         #[cfg(not(target_os = "linux"))]
-        StoreUri::Raw { device, .. } => Err(Error::Invalid(format!(
-            "--out raw:{}: writing block devices is supported on Linux only",
-            device.display()
-        ))),
+        StoreUri::Raw { device, .. } => Err(Error::StoreNotAccepted {
+            option: "--out",
+            uri: format!("raw:{}", device.display()),
+            reason: "writing block devices is supported on Linux only".into(),
+        }),
         #[cfg(not(target_os = "linux"))]
         StoreUri::Nvme { .. } => {
-            Err(Error::Invalid(format!("--out {uri}: the user-space NVMe driver needs Linux VFIO")))
+            Err(Error::StoreNotAccepted {
+                option: "--out",
+                uri: uri.to_string(),
+                reason: "the user-space NVMe driver needs Linux VFIO".into(),
+            })
         }
         StoreUri::Auto | StoreUri::Safetensors | StoreUri::NvmeSim(_) => Err(Error::StoreNotAccepted {
             option: "--out",
@@ -454,7 +463,7 @@ fn read_back<Q: picchio_core::IoQueue + ?Sized, P: PayloadSource>(
 /// work instead of destroying a model file.
 ///
 /// # Errors
-/// [`Error::Invalid`] naming `out`, what it is and `command`; [`Error::Io`] when it exists but cannot
+/// [`Error::NotReplaced`] naming `out`, what it is and `command`; [`Error::Io`] when it exists but cannot
 /// be read.
 pub fn check_replaceable(out: &Path, command: &str) -> Result<()> {
     use std::io::Read;
@@ -463,12 +472,7 @@ pub fn check_replaceable(out: &Path, command: &str) -> Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
         Err(e) => return Err(Error::io(out, "stat the output path")(e)),
     };
-    let refuse = |what: &str| {
-        Err(Error::Invalid(format!(
-            "{}: {what}; {command} will not replace it: remove it or choose another --out",
-            out.display()
-        )))
-    };
+    let refuse = |what: &'static str| Err(Error::NotReplaced { path: out.into(), command: command.into(), what });
     if md.is_dir() {
         return refuse("is a directory, not a .picchioflat image");
     }
@@ -510,7 +514,7 @@ pub fn require_parent_dir(out: &Path) -> Result<()> {
 /// `statvfs` (Windows) nothing is checked and a full disk shows as the write error.
 ///
 /// # Errors
-/// [`Error::Invalid`] naming `out`, the bytes needed and the bytes available; [`Error::Io`] when the
+/// [`Error::NotEnoughSpace`] naming `out`, the bytes needed and the bytes available; [`Error::Io`] when the
 /// file system cannot be queried.
 pub fn check_free_space(out: &Path, needed: u64) -> Result<()> {
     require_parent_dir(out)?;
@@ -524,13 +528,7 @@ pub fn check_free_space(out: &Path, needed: u64) -> Result<()> {
         return Ok(());
     };
     if needed > available {
-        return Err(Error::Invalid(format!(
-            "{}: writing it needs {needed} bytes ({:.2} GB) but its file system has {available} bytes ({:.2} GB) \
-             available: free space or choose another --out",
-            out.display(),
-            needed as f64 / 1e9,
-            available as f64 / 1e9
-        )));
+        return Err(Error::NotEnoughSpace { path: out.into(), needed, available });
     }
     Ok(())
 }
@@ -683,15 +681,11 @@ impl std::fmt::Display for NvmeInspection {
 /// and the command that binds it.
 #[cfg(target_os = "linux")]
 pub fn require_vfio(sysfs: &Path, bdf: &str, name: &str) -> Result<()> {
-    let bdf = crate::nvme_admin::Bdf::parse(bdf).map_err(|e| Error::Invalid(format!("{name}: {e}")))?;
-    let ctrl = crate::nvme_admin::controller(sysfs, "", &bdf).map_err(|e| Error::Invalid(format!("{name}: {e}")))?;
+    let bdf = crate::nvme_admin::Bdf::parse(bdf).map_err(Error::admin(name))?;
+    let ctrl = crate::nvme_admin::controller(sysfs, "", &bdf).map_err(Error::admin(name))?;
     match ctrl.driver.as_deref() {
         Some("vfio-pci") => Ok(()),
-        other => Err(Error::Invalid(format!(
-            "{name}: the controller is bound to {}, not vfio-pci: run `picchio nvme bind {bdf}` first \
-             (it refuses a controller with mounted namespaces); nothing was written",
-            other.map_or("no driver".to_string(), |d| format!("the `{d}` driver"))
-        ))),
+        other => Err(Error::NotVfio { target: name.into(), bdf: bdf.to_string(), driver: other.map(str::to_string) }),
     }
 }
 

@@ -307,7 +307,8 @@ impl Model {
     /// again.
     ///
     /// # Errors
-    /// Those of the steps above, and [`Error::Invalid`] when `max_seq` is 0.
+    /// Those of the steps above, [`Error::ZeroContext`] when `max_seq` is 0, and [`Error::NotConverted`]
+    /// for a Hugging Face checkpoint.
     pub fn load(dir: &ModelDir, max_seq: usize) -> Result<Model> {
         Model::load_as(dir, max_seq, DenseFormat::Stored)
     }
@@ -321,7 +322,7 @@ impl Model {
     pub fn load_as(model: &ModelDir, max_seq: usize, dense: DenseFormat) -> Result<Model> {
         let dir = model.path();
         if max_seq == 0 {
-            return Err(Error::Invalid(format!("{}: max_seq must be at least 1", dir.display())));
+            return Err(Error::ZeroContext { dir: dir.into() });
         }
         let config = model.config().clone();
         let store = Arc::new(TensorStore::open(dir)?);
@@ -333,11 +334,11 @@ impl Model {
             ];
             let converted = ExpertTensorNames::with(ExpertNaming::for_arch(config.arch()), *l, 0).gate_up;
             if hf.iter().any(|n| store.contains(n)) && !store.contains(&converted) {
-                return Err(Error::Invalid(format!(
-                    "{} is a Hugging Face checkpoint (it has `{}`): convert it first with `picchio convert`",
-                    dir.display(),
-                    hf.iter().find(|n| store.contains(n)).map(String::as_str).unwrap_or_default()
-                )));
+                return Err(Error::NotConverted {
+                    dir: dir.into(),
+                    tensor: hf.iter().find(|n| store.contains(n)).cloned(),
+                    pack: false,
+                });
             }
         }
         let layout = ExpertLayout::detect(&store, &config)?;
@@ -510,9 +511,9 @@ impl Model {
     /// Before each chunk it checks [`crate::interrupt::requested`].
     ///
     /// # Errors
-    /// [`Error::EmptyPrompt`] for no tokens; [`Error::Invalid`] as [`Model::forward_traced`] (a token
-    /// outside the vocabulary, a position beyond the KV cache, a cache sized for another payload, an
-    /// expert that cannot be loaded); [`Error::Interrupted`] (`done` = tokens run, `unit` =
+    /// [`Error::EmptyPrompt`] for no tokens; as [`Model::forward_traced`] (a token outside the
+    /// vocabulary, a position beyond the KV cache, a cache sized for another payload, an expert that
+    /// cannot be loaded); [`Error::Interrupted`] (`done` = tokens run, `unit` =
     /// `prompt tokens`) after SIGINT/SIGTERM.
     pub fn prefill(
         &mut self,
@@ -545,22 +546,14 @@ impl Model {
             return Err(Error::EmptyPrompt);
         }
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-            return Err(Error::Invalid(format!("token id {bad} is outside the vocabulary ({})", cfg.vocab_size)));
+            return Err(Error::OutOfVocabulary { what: "token id", id: u64::from(bad), vocab: cfg.vocab_size });
         }
         let end = pos0.saturating_add(tokens.len());
         if end > self.state.max_seq {
-            return Err(Error::Invalid(format!(
-                "position {} is beyond the context of {} positions",
-                end - 1,
-                self.state.max_seq
-            )));
+            return Err(Error::BeyondContext { position: end - 1, context: self.state.max_seq });
         }
         if cache.payload_len() != self.layout.len() {
-            return Err(Error::Invalid(format!(
-                "the expert cache holds {}-byte payloads, this model's experts are {} bytes",
-                cache.payload_len(),
-                self.layout.len()
-            )));
+            return Err(Error::CachePayload { cache: cache.payload_len(), model: self.layout.len() });
         }
         let chunk = self.prefill_chunk.max(1);
         let interrupted = |done| Error::Interrupted {
@@ -632,8 +625,9 @@ impl Model {
     /// hidden states and router decisions of this position.
     ///
     /// # Errors
-    /// [`Error::Invalid`] when `token >= vocab_size`, `pos >= max_seq`, the cache was sized for
-    /// another payload, or an expert cannot be loaded (naming the expert; see [`ExpertCache::fetch`]).
+    /// [`Error::OutOfVocabulary`] when `token >= vocab_size`, [`Error::BeyondContext`] when
+    /// `pos >= max_seq`, [`Error::CachePayload`] when the cache was sized for another payload, or the
+    /// cache's error when an expert cannot be loaded (naming the expert; see [`ExpertCache::fetch`]).
     pub fn forward_traced(
         &mut self,
         token: u32,
@@ -645,17 +639,13 @@ impl Model {
         let cfg = &self.config;
         let s = &mut self.state;
         if token as usize >= cfg.vocab_size {
-            return Err(Error::Invalid(format!("token id {token} is outside the vocabulary ({})", cfg.vocab_size)));
+            return Err(Error::OutOfVocabulary { what: "token id", id: u64::from(token), vocab: cfg.vocab_size });
         }
         if pos >= s.max_seq {
-            return Err(Error::Invalid(format!("position {pos} is beyond the context of {} positions", s.max_seq)));
+            return Err(Error::BeyondContext { position: pos, context: s.max_seq });
         }
         if cache.payload_len() != self.layout.len() {
-            return Err(Error::Invalid(format!(
-                "the expert cache holds {}-byte payloads, this model's experts are {} bytes",
-                cache.payload_len(),
-                self.layout.len()
-            )));
+            return Err(Error::CachePayload { cache: cache.payload_len(), model: self.layout.len() });
         }
         let step = Step { cfg, layout: &self.layout, k: self.kernels, s, observer: &mut self.observer };
         let weights = &self.weights;

@@ -170,20 +170,16 @@ pub trait RoutingObserver: Send {
 /// `gate_up [2I, H]` (rows interleaved: 2i = gate row i, 2i+1 = up row i) and `down [H, I]`.
 ///
 /// # Errors
-/// [`Error::Invalid`] when `payload` is shorter than the layout or an f32 part is not 4-byte aligned
-/// (cache slots are 4096-aligned and every range starts at a multiple of 4, so this means a bug).
+/// [`Error::PayloadShort`] when `payload` is shorter than the layout, [`Error::PayloadF32`] when an f32
+/// part is not 4-byte aligned (cache slots are 4096-aligned and every range starts at a multiple of
+/// 4, so this means a bug).
 pub fn expert_mats<'a>(layout: &ExpertLayout, payload: &'a [u8]) -> Result<(MatRef<'a>, MatRef<'a>)> {
     if payload.len() < layout.len() {
-        return Err(Error::Invalid(format!(
-            "expert payload of {} bytes is shorter than the {} layout ({} bytes)",
-            payload.len(),
-            layout.quant,
-            layout.len()
-        )));
+        return Err(Error::PayloadShort { len: payload.len(), quant: layout.quant, need: layout.len() });
     }
     let f32s = |r: &std::ops::Range<usize>, what: &str| -> Result<&'a [f32]> {
         bytemuck::try_cast_slice(&payload[r.clone()])
-            .map_err(|e| Error::Invalid(format!("expert payload: {what} at bytes {r:?} is not an f32 array: {e}")))
+            .map_err(|cause| Error::PayloadF32 { what: what.into(), range: r.clone(), cause })
     };
     let mat = |w: &std::ops::Range<usize>, s: &std::ops::Range<usize>, what: &str| -> Result<MatRef<'a>> {
         Ok(match layout.quant {

@@ -72,12 +72,11 @@ pub(crate) fn plan(cfg: &Config, store: &TensorStore) -> Result<Plan> {
     b.finish(cfg, |name| {
         if name.starts_with("model.layers.") && name.contains(".mlp.experts") {
             let t = store.get(name)?;
-            return Err(Error::Invalid(format!(
-                "{}: unexpected routed-expert tensor `{name}`: config.json (num_local_experts {e}, num_hidden_layers \
-                 {}) has no such tensor",
-                t.path.display(),
-                cfg.num_hidden_layers
-            )));
+            return Err(Error::UnexpectedExpertTensor {
+                path: t.path.into(),
+                name: name.clone(),
+                config: format!("num_local_experts {e}, num_hidden_layers {}", cfg.num_hidden_layers),
+            });
         }
         Ok(())
     })
@@ -140,7 +139,7 @@ pub(crate) fn read_expert(
             (transpose(&gu_t, h, 2 * i), transpose(&d_t, i, h))
         }
         ExpertSource::PerExpert | ExpertSource::Fused => {
-            return Err(Error::Invalid(format!("layer {layer}: {source:?} is not a GPT-OSS expert layout")))
+            return Err(Error::ExpertSourceArch { layer, source_layout: format!("{source:?}"), arch: "GPT-OSS" })
         }
     };
     let (gate, up) = deinterleave(&gate_up, h);

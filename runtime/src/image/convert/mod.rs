@@ -36,7 +36,7 @@ use rayon::prelude::*;
 pub use plan::ExpertSource;
 pub use quantize::expert_payload;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Overlap, Result};
 use crate::expert::layout::{ExpertLayout, ExpertNaming};
 use crate::model::config::Config;
 use crate::model::safetensors::TensorStore;
@@ -159,8 +159,9 @@ impl std::fmt::Display for ConvertReport {
 /// Converts the Hugging Face checkpoint in `src` into a Picchio converted directory at `dst`.
 ///
 /// # Errors
-/// - [`Error::Invalid`]: `dst` is `src`, inside it, or contains it; the source is already
-///   converted; inconsistent expert tensors. [`Error::Exists`]: `dst` exists without `overwrite`.
+/// - [`Error::DestinationOverlapsSource`]: `dst` is `src`, inside it, or contains it;
+///   [`Error::AlreadyConverted`]: the source is already converted; [`Error::MixedExpertTensors`],
+///   [`Error::UnexpectedExpertTensor`]: inconsistent expert tensors. [`Error::Exists`]: `dst` exists without `overwrite`.
 /// - [`Error::Io`] (missing config.json or shard, write failures), [`Error::Config`],
 ///   [`Error::ConfigValue`] (also: Q4/Q3 with a width that is not a multiple of 64),
 ///   [`Error::UnsupportedModel`], [`Error::Safetensors`] (truncated file), [`Error::ShardIndex`],
@@ -235,7 +236,7 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions) -> Result<ConvertR
             Some(n) => rayon::ThreadPoolBuilder::new()
                 .num_threads(n.max(1))
                 .build()
-                .map_err(|e| Error::Invalid(format!("cannot start {n} conversion threads: {e}")))?
+                .map_err(|cause| Error::ThreadPool { threads: n, what: "conversion", cause })?
                 .install(write_all)?,
             None => write_all()?,
         };
@@ -320,7 +321,7 @@ fn write_shard(
         bar.inc(1);
     }
     if written != s.bytes {
-        return Err(Error::Invalid(format!("{}: wrote {written} tensor bytes, planned {}", path.display(), s.bytes)));
+        return Err(Error::ShardBytes { path: path.into(), written: written as u64, planned: s.bytes as u64 });
     }
     w.finish().map_err(Error::io(path, "write"))
 }
@@ -358,34 +359,24 @@ fn resolve(p: &Path) -> Result<PathBuf> {
 pub(crate) fn check_paths(src: &Path, dst: &Path, overwrite: bool) -> Result<()> {
     let meta = std::fs::metadata(src).map_err(Error::io(src, "open model directory"))?;
     if !meta.is_dir() {
-        return Err(Error::Invalid(format!("{}: not a directory (convert reads a model directory)", src.display())));
+        return Err(Error::SourceNotDir { path: src.into() });
     }
     let (s, d) = (resolve(src)?, resolve(dst)?);
-    if d == s {
-        return Err(Error::Invalid(format!(
-            "destination {} is the source directory: convert never writes into its source; choose another \
-             destination",
-            dst.display()
-        )));
-    }
-    if d.starts_with(&s) {
-        return Err(Error::Invalid(format!(
-            "destination {} is inside the source directory {}: convert never writes into its source; choose a \
-             destination outside it",
-            dst.display(),
-            src.display()
-        )));
-    }
-    if s.starts_with(&d) {
-        return Err(Error::Invalid(format!(
-            "destination {} contains the source directory {}: choose another destination",
-            dst.display(),
-            src.display()
-        )));
+    let overlap = if d == s {
+        Some(Overlap::Same)
+    } else if d.starts_with(&s) {
+        Some(Overlap::Inside)
+    } else if s.starts_with(&d) {
+        Some(Overlap::Contains)
+    } else {
+        None
+    };
+    if let Some(overlap) = overlap {
+        return Err(Error::DestinationOverlapsSource { dst: dst.into(), src: src.into(), overlap });
     }
     if let Ok(m) = std::fs::symlink_metadata(dst) {
         if !m.is_dir() {
-            return Err(Error::Invalid(format!("destination {} exists and is not a directory", dst.display())));
+            return Err(Error::DestinationNotDir { dst: dst.into() });
         }
         if !overwrite {
             return Err(Error::Exists { path: dst.into(), what: "destination", replace_with: Some("--force") });

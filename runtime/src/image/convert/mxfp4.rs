@@ -16,8 +16,82 @@
 //! the tensor and the element, and so is a scale that overflows f32 (a checkpoint's weights must be
 //! finite).
 
-use crate::error::{Error, Result};
+use std::path::PathBuf;
+
+use crate::error::Result;
 use crate::model::safetensors::TensorRef;
+
+/// An MXFP4 matrix that cannot be dequantized, naming the tensor (`what`: its file and name, and
+/// the expert) and the position; [`crate::Error::Mxfp4`] carries it.
+#[derive(Debug, thiserror::Error)]
+pub enum Mxfp4Error {
+    /// The input dimension is not a whole number of 32-input blocks.
+    #[error("{what}: {cols} inputs are not whole MXFP4 blocks of {MXFP4_BLOCK}")]
+    NotWholeBlocks {
+        /// The tensor.
+        what: String,
+        /// Inputs per row.
+        cols: usize,
+    },
+    /// Block and scale byte counts other than `[rows, cols]` needs.
+    #[error(
+        "{what}: {blocks} block bytes and {scales} scales for a [{rows}, {cols}] MXFP4 matrix (need {} and {})",
+        rows * cols / 2,
+        rows * cols.div_ceil(MXFP4_BLOCK)
+    )]
+    Bytes {
+        /// The tensor.
+        what: String,
+        /// Block bytes given.
+        blocks: usize,
+        /// Scale bytes given.
+        scales: usize,
+        /// Rows of the matrix.
+        rows: usize,
+        /// Inputs per row.
+        cols: usize,
+    },
+    /// An E8M0 scale of 0xFF, NaN in the OCP MX specification.
+    #[error("{what}: E8M0 scale 0xFF (NaN in the OCP MX specification) at row {row}, inputs {}..{}", inputs.start, inputs.end)]
+    NanScale {
+        /// The tensor.
+        what: String,
+        /// The row.
+        row: usize,
+        /// The 32 inputs the scale covers.
+        inputs: std::ops::Range<usize>,
+    },
+    /// A scale that makes a value overflow f32.
+    #[error("{what}: E8M0 scale {scale} overflows f32 at row {row}, input {input}")]
+    ScaleOverflow {
+        /// The tensor.
+        what: String,
+        /// The E8M0 byte.
+        scale: u8,
+        /// The row.
+        row: usize,
+        /// The input.
+        input: usize,
+    },
+    /// A scales tensor whose shape is not its blocks' without the last dimension.
+    #[error(
+        "{}: tensor `{name}` {shape:?} does not match its blocks `{blocks}` {blocks_shape:?} (one scale per 16-byte \
+         block)",
+        path.display()
+    )]
+    ScalesShape {
+        /// The file of the scales.
+        path: PathBuf,
+        /// The scales tensor.
+        name: String,
+        /// Its shape.
+        shape: Vec<usize>,
+        /// The blocks tensor.
+        blocks: String,
+        /// Its shape.
+        blocks_shape: Vec<usize>,
+    },
+}
 
 /// The FP4 E2M1 values of the 16 nibbles (OCP MX v1.0, table 5; transformers' `FP4_VALUES`).
 pub const FP4_E2M1: [f32; 16] =
@@ -34,42 +108,40 @@ pub const E8M0_NAN: u8 = 0xFF;
 /// in errors.
 ///
 /// # Errors
-/// [`Error::Invalid`] when `cols` is not a multiple of 32, a buffer has the wrong length, a scale is
-/// 0xFF (NaN) or a value overflows f32; the message names `what` and the row and column.
+/// [`crate::Error::Mxfp4`]: [`Mxfp4Error::NotWholeBlocks`] when `cols` is not a multiple of 32,
+/// [`Mxfp4Error::Bytes`] when a buffer has the wrong length, [`Mxfp4Error::NanScale`] for a scale of
+/// 0xFF (NaN), [`Mxfp4Error::ScaleOverflow`] when a value overflows f32; each names `what` and the
+/// row and column.
 pub fn dequantize(blocks: &[u8], scales: &[u8], rows: usize, cols: usize, what: &str) -> Result<Vec<f32>> {
     if !cols.is_multiple_of(MXFP4_BLOCK) {
-        return Err(Error::Invalid(format!("{what}: {cols} inputs are not whole MXFP4 blocks of {MXFP4_BLOCK}")));
+        return Err(Mxfp4Error::NotWholeBlocks { what: what.into(), cols }.into());
     }
     let groups = cols / MXFP4_BLOCK;
     if blocks.len() != rows * cols / 2 || scales.len() != rows * groups {
-        return Err(Error::Invalid(format!(
-            "{what}: {} block bytes and {} scales for a [{rows}, {cols}] MXFP4 matrix (need {} and {})",
-            blocks.len(),
-            scales.len(),
-            rows * cols / 2,
-            rows * groups
-        )));
+        return Err(Mxfp4Error::Bytes { what: what.into(), blocks: blocks.len(), scales: scales.len(), rows, cols }.into());
     }
     let mut out = Vec::with_capacity(rows * cols);
     for (g, (&s, block)) in scales.iter().zip(blocks.chunks_exact(MXFP4_BLOCK / 2)).enumerate() {
         if s == E8M0_NAN {
-            return Err(Error::Invalid(format!(
-                "{what}: E8M0 scale 0xFF (NaN in the OCP MX specification) at row {}, inputs {}..{}",
-                g / groups,
-                (g % groups) * MXFP4_BLOCK,
-                (g % groups + 1) * MXFP4_BLOCK
-            )));
+            return Err(Mxfp4Error::NanScale {
+                what: what.into(),
+                row: g / groups,
+                inputs: (g % groups) * MXFP4_BLOCK..(g % groups + 1) * MXFP4_BLOCK,
+            }
+            .into());
         }
         let scale = 2f64.powi(i32::from(s) - 127);
         for (j, &b) in block.iter().enumerate() {
             for (k, nibble) in [b & 0x0F, b >> 4].into_iter().enumerate() {
                 let v = (f64::from(FP4_E2M1[nibble as usize]) * scale) as f32;
                 if !v.is_finite() {
-                    return Err(Error::Invalid(format!(
-                        "{what}: E8M0 scale {s} overflows f32 at row {}, input {}",
-                        g / groups,
-                        (g % groups) * MXFP4_BLOCK + 2 * j + k
-                    )));
+                    return Err(Mxfp4Error::ScaleOverflow {
+                        what: what.into(),
+                        scale: s,
+                        row: g / groups,
+                        input: (g % groups) * MXFP4_BLOCK + 2 * j + k,
+                    }
+                    .into());
                 }
                 out.push(v);
             }
@@ -81,8 +153,9 @@ pub fn dequantize(blocks: &[u8], scales: &[u8], rows: usize, cols: usize, what: 
 /// Checks that `blocks` is U8 `[E, rows, cols/32, 16]` and `scales` is U8 `[E, rows, cols/32]`.
 ///
 /// # Errors
-/// [`Error::TensorDtype`] or [`Error::TensorShape`] naming the tensor and its file;
-/// [`Error::Invalid`] when `cols` is not a multiple of 32 or the two shapes disagree (naming both).
+/// [`crate::Error::TensorDtype`] or [`crate::Error::TensorShape`] naming the tensor and its file;
+/// [`Mxfp4Error::NotWholeBlocks`] when `cols` is not a multiple of 32, [`Mxfp4Error::ScalesShape`] when
+/// the two shapes disagree (naming both).
 pub fn check_pair(
     blocks: &TensorRef<'_>,
     scales: &TensorRef<'_>,
@@ -97,21 +170,21 @@ pub fn check_pair(
         }
     }
     if !cols.is_multiple_of(MXFP4_BLOCK) {
-        return Err(Error::Invalid(format!(
-            "{}: tensor `{}`: {cols} inputs are not whole MXFP4 blocks of {MXFP4_BLOCK}",
-            blocks.path.display(),
-            blocks.name
-        )));
+        return Err(Mxfp4Error::NotWholeBlocks {
+            what: format!("{}: tensor `{}`", blocks.path.display(), blocks.name),
+            cols,
+        }
+        .into());
     }
     if scales.shape.len() == 3 && blocks.shape.len() == 4 && scales.shape != &blocks.shape[..3] {
-        return Err(Error::Invalid(format!(
-            "{}: tensor `{}` {:?} does not match its blocks `{}` {:?} (one scale per 16-byte block)",
-            scales.path.display(),
-            scales.name,
-            scales.shape,
-            blocks.name,
-            blocks.shape
-        )));
+        return Err(Mxfp4Error::ScalesShape {
+            path: scales.path.into(),
+            name: scales.name.into(),
+            shape: scales.shape.to_vec(),
+            blocks: blocks.name.into(),
+            blocks_shape: blocks.shape.to_vec(),
+        }
+        .into());
     }
     blocks.expect_shape(&[experts, rows, cols / MXFP4_BLOCK, MXFP4_BLOCK / 2])?;
     scales.expect_shape(&[experts, rows, cols / MXFP4_BLOCK])?;

@@ -104,11 +104,7 @@ pub(crate) fn check(store: &TensorStore, name: &str, shape: &[usize]) -> Result<
 /// Fails when `store` already holds `converted` (a routed-expert tensor of a converted directory).
 pub(crate) fn refuse_converted(store: &TensorStore, converted: &str) -> Result<()> {
     if store.contains(converted) {
-        return Err(Error::Invalid(format!(
-            "{}: already a converted Picchio directory (it has `{converted}`); convert reads a Hugging Face \
-             checkpoint",
-            store.dir().display()
-        )));
+        return Err(Error::AlreadyConverted { dir: store.dir().into(), tensor: converted.into() });
     }
     Ok(())
 }
@@ -216,8 +212,9 @@ impl<'a> PlanBuilder<'a> {
 ///
 /// # Errors
 /// [`Error::MissingTensor`], [`Error::TensorShape`], [`Error::TensorDtype`] naming the file and
-/// tensor; [`Error::Invalid`] for a directory that is already converted, a layer with both expert
-/// layouts, or a routed-expert tensor that config.json does not account for.
+/// tensor; [`Error::AlreadyConverted`] for a directory that is already converted,
+/// [`Error::MixedExpertTensors`] for a layer with both expert layouts, or
+/// [`Error::UnexpectedExpertTensor`] for a routed-expert tensor that config.json does not account for.
 pub(crate) fn plan(cfg: &Config, store: &TensorStore) -> Result<Plan> {
     if cfg.arch() == crate::model::config::Arch::GptOss {
         return super::gpt_oss::plan(cfg, store);
@@ -251,10 +248,7 @@ pub(crate) fn plan(cfg: &Config, store: &TensorStore) -> Result<Plan> {
             check(store, &fd, &[e, h, i])?;
             if let Some(name) = (0..e).flat_map(|x| per_expert(l, x)).find(|n| store.contains(n)) {
                 let t = store.get(&name)?;
-                return Err(Error::Invalid(format!(
-                    "{}: tensor `{name}`: layer {l} has both fused (`{fgu}`) and per-expert expert tensors",
-                    t.path.display()
-                )));
+                return Err(Error::MixedExpertTensors { path: t.path.into(), name, layer: l, fused: fgu });
             }
             (ExpertSource::Fused, vec![fgu, fd])
         } else {
@@ -273,14 +267,14 @@ pub(crate) fn plan(cfg: &Config, store: &TensorStore) -> Result<Plan> {
     b.finish(cfg, |name| {
         if name.starts_with("model.layers.") && name.contains(".mlp.experts.") {
             let t = store.get(name)?;
-            return Err(Error::Invalid(format!(
-                "{}: unexpected routed-expert tensor `{name}`: config.json (num_experts {e}, num_hidden_layers {}, \
-                 mlp_only_layers {:?}, decoder_sparse_step {}) has no such expert",
-                t.path.display(),
-                cfg.num_hidden_layers,
-                cfg.mlp_only_layers,
-                cfg.decoder_sparse_step
-            )));
+            return Err(Error::UnexpectedExpertTensor {
+                path: t.path.into(),
+                name: name.clone(),
+                config: format!(
+                    "num_experts {e}, num_hidden_layers {}, mlp_only_layers {:?}, decoder_sparse_step {}",
+                    cfg.num_hidden_layers, cfg.mlp_only_layers, cfg.decoder_sparse_step
+                ),
+            });
         }
         Ok(())
     })

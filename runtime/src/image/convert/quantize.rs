@@ -18,13 +18,13 @@ use crate::quant::quantize;
 /// row `2i + 1` = up row `i`.
 ///
 /// # Errors
-/// [`Error::Invalid`] when a matrix length does not match the layout; [`Error::Quant`] when the
+/// [`Error::ExpertMatrixLen`] when a matrix length does not match the layout; [`Error::Quant`] when the
 /// layout's widths are not whole 64-wide groups for Q4/Q3.
 pub fn expert_payload(layout: &ExpertLayout, gate: &[f32], up: &[f32], down: &[f32]) -> Result<Vec<u8>> {
     let (h, i) = (layout.hidden, layout.inter);
     for (what, len, want) in [("gate", gate.len(), i * h), ("up", up.len(), i * h), ("down", down.len(), h * i)] {
         if len != want {
-            return Err(Error::Invalid(format!("expert {what} matrix has {len} weights, the layout needs {want}")));
+            return Err(Error::ExpertMatrixLen { what, len, want });
         }
     }
     let mut gate_up = Vec::with_capacity(2 * i * h);
@@ -53,12 +53,13 @@ pub(crate) fn widen(t: &TensorRef<'_>, bytes: &[u8], what: &str) -> Result<Vec<f
         _ => return Err(t.dtype_error("F32, BF16 or F16")),
     };
     if let Some(k) = v.iter().position(|x| !x.is_finite()) {
-        return Err(Error::Invalid(format!(
-            "{}: tensor `{}`{what}: weight {k} is {} (a checkpoint's weights must be finite)",
-            t.path.display(),
-            t.name,
-            v[k]
-        )));
+        return Err(Error::NonFiniteWeight {
+            path: t.path.into(),
+            name: t.name.into(),
+            part: what.into(),
+            index: k,
+            value: v[k],
+        });
     }
     Ok(v)
 }

@@ -18,7 +18,6 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use picchio_core::StoreUri;
 use crate::error::{Error, Result};
 use picchio_runtime::expert::open::EngineOptions;
 use picchio_runtime::model::sampler::{Sampler, SamplerOptions};
@@ -218,7 +217,10 @@ pub fn drop_page_cache(path: &Path) -> bool {
 /// `tokens` < 2; [`Error::EmptyPrompt`]; [`Error::Runtime`] for session errors (model, store, engine); forward-pass errors.
 pub fn run_cache(opts: &CacheOptions, progress: &mut dyn FnMut(usize, usize)) -> Result<CacheResults> {
     if opts.ecaps.is_empty() || opts.modes.is_empty() {
-        return Err(Error::NoValues { options: "bench cache: --ecap and --reads", need: "need at least one value each" });
+        return Err(Error::NoValues {
+            options: "bench cache: --ecap and --reads",
+            need: "need at least one value each",
+        });
     }
     if opts.ecaps.contains(&0) {
         return Err(Error::BadOption {

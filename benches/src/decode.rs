@@ -16,8 +16,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use picchio_core::StoreUri;
 use crate::error::{Error, Result};
+use picchio_core::StoreUri;
 use picchio_runtime::expert::cache::PrefetchStats;
 use picchio_runtime::expert::open::EngineOptions;
 use picchio_runtime::model::DecodeSchedule;

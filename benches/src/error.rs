@@ -80,7 +80,9 @@ pub enum Error {
         store: String,
     },
     /// The layout experiment's split of one expert does not fit the image's data region.
-    #[error("{store}: the data region ({region} bytes) is smaller than one expert of the split ({expert_bytes} bytes)")]
+    #[error(
+        "{store}: the data region ({region} bytes) is smaller than one expert of the split ({expert_bytes} bytes)"
+    )]
     SplitTooLarge {
         /// The store.
         store: String,
@@ -351,7 +353,12 @@ mod tests {
             Error::SpawnMeasure { index: 3, cause: busy() },
             Error::OverheadRead { engine: "psync".into(), offset: 0x2000, cause: busy() },
             Error::FioSpawn { cause: busy() },
-            Error::ParentMissing { option: "--json".into(), path: "/no/r.json".into(), parent: "/no".into(), cause: busy() },
+            Error::ParentMissing {
+                option: "--json".into(),
+                path: "/no/r.json".into(),
+                parent: "/no".into(),
+                cause: busy(),
+            },
         ];
         for e in &errors {
             let src = e.source().expect("the cause is the source").to_string();
@@ -379,8 +386,12 @@ mod tests {
         };
         assert_eq!(e.to_string(), "--bs 100: must be a positive multiple of 4096 bytes");
         assert!(e.source().is_none());
-        let e =
-            Error::BadOption { experiment: Some("overhead"), option: "--reads", value: "0".into(), expected: "must be positive".into() };
+        let e = Error::BadOption {
+            experiment: Some("overhead"),
+            option: "--reads",
+            value: "0".into(),
+            expected: "must be positive".into(),
+        };
         assert_eq!(e.to_string(), "overhead: --reads 0: must be positive");
         let e = Error::NoValues { options: "--qd and --threads", need: "need at least one value, each at least 1" };
         assert_eq!(e.to_string(), "--qd and --threads need at least one value, each at least 1");
@@ -417,7 +428,8 @@ mod tests {
         let e = Error::from(r);
         assert_eq!(e.to_string(), want);
         assert!(matches!(e.runtime(), Some(picchio_runtime::Error::EmptyPrompt)));
-        let b = picchio_blockdev::Error::Stat { path: "/f".into(), cause: std::io::Error::from_raw_os_error(libc::EIO) };
+        let b =
+            picchio_blockdev::Error::Stat { path: "/f".into(), cause: std::io::Error::from_raw_os_error(libc::EIO) };
         let e = Error::from(b);
         assert!(chain(&e).to_string().starts_with("/f: fstat: "), "{}", chain(&e));
         assert!(e.runtime().is_none());

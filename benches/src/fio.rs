@@ -125,8 +125,7 @@ pub fn args(job: &FioJob<'_>) -> Option<Vec<String>> {
 /// error, or prints JSON without the fields used.
 pub fn run(job: &FioJob<'_>) -> Result<Option<FioResult>> {
     let Some(args) = args(job) else { return Ok(None) };
-    let out =
-        Command::new("fio").args(&args).output().map_err(|cause| Error::FioSpawn { cause })?;
+    let out = Command::new("fio").args(&args).output().map_err(|cause| Error::FioSpawn { cause })?;
     let mut command = vec!["fio".to_string()];
     command.extend(args);
     if !out.status.success() {
@@ -177,7 +176,7 @@ pub fn parse(stdout: &str, command: Vec<String>) -> Result<FioResult> {
     let o: Out = serde_json::from_str(json).map_err(|cause| Error::FioJson { cause })?;
     let j = o.jobs.into_iter().next().ok_or_else(|| Error::FioField { field: "jobs[0]".into() })?;
     if j.error != 0 {
-        return Err(Error::FioJob { error: j.error.into(), command: command.join(" ") });
+        return Err(Error::FioJob { error: j.error, command: command.join(" ") });
     }
     let r = j.read;
     let pct = |k: &str| -> Result<f64> {

@@ -25,8 +25,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::measure::{self, Engine, PointResult, PointSpec, Skipped, Stop, StoreLayout, UnitSource};
-use picchio_core::StoreUri;
 use crate::error::{Error, Result};
+use picchio_core::StoreUri;
 
 /// Options of [`run`] (recorded in the report's `flags`).
 #[derive(Clone, Debug, Serialize)]

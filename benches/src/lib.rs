@@ -111,8 +111,8 @@ impl Run {
     /// # Errors
     /// [`Error::FlagsJson`] if `flags` does not serialize (a bug in the options type).
     pub fn start(experiment: &str, flags: &impl Serialize, target: Option<&picchio_core::StoreUri>) -> Result<Self> {
-        let flags =
-            serde_json::to_value(flags).map_err(|cause| Error::FlagsJson { what: format!("bench {experiment}"), cause })?;
+        let flags = serde_json::to_value(flags)
+            .map_err(|cause| Error::FlagsJson { what: format!("bench {experiment}"), cause })?;
         Ok(Run {
             experiment: experiment.into(),
             started: SystemTime::now(),

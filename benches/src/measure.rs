@@ -20,7 +20,6 @@ use hdrhistogram::Histogram;
 use picchio_core::{AlignedBuf, ByteOffset, Completion, IoQueue, ReadReq, Tag};
 use serde::{Deserialize, Serialize};
 
-use picchio_core::StoreUri;
 use crate::error::{Error, Result};
 use picchio_runtime::expert::open::{EngineOptions, IoEngine, Opened};
 
@@ -219,9 +218,7 @@ pub fn check_depth(threads: u32, qd: u32) -> Result<()> {
 pub fn check_buffer_memory(threads: u32, qd: u32, max_read: u32, available: Option<u64>) -> Result<()> {
     let need = u64::from(threads) * u64::from(qd) * u64::from(max_read);
     match available {
-        Some(available) if need > available / 2 => {
-            Err(Error::BufferMemory { threads, qd, max_read, need, available })
-        }
+        Some(available) if need > available / 2 => Err(Error::BufferMemory { threads, qd, max_read, need, available }),
         _ => Ok(()),
     }
 }
@@ -295,9 +292,7 @@ impl StoreLayout {
         if let StoreUri::File(p) | StoreUri::NvmeSim(p) = store {
             match std::fs::metadata(p) {
                 Ok(m) if m.is_file() => {}
-                Ok(_) => {
-                    return Err(Error::NotRegularFile { store: store.to_string() })
-                }
+                Ok(_) => return Err(Error::NotRegularFile { store: store.to_string() }),
                 Err(e) => return Err(Error::io(p, "open the store")(e)),
             }
         }

@@ -23,8 +23,8 @@ use serde::{Deserialize, Serialize};
 
 use super::measure::{Skipped, SplitMix64};
 use super::null::NullQueue;
-use picchio_core::StoreUri;
 use crate::error::{Error, Result};
+use picchio_core::StoreUri;
 
 /// Options of [`run`] (recorded in the report's `flags`).
 #[derive(Clone, Debug, Serialize)]
@@ -449,9 +449,7 @@ fn measure_engine(
         let c = out.pop().expect("one completion");
         match c.result {
             Ok(n) if n == opts.bs => {}
-            Ok(n) => {
-                return Err(Error::ShortRead { engine: engine.to_string(), offset, got: n, len: opts.bs })
-            }
+            Ok(n) => return Err(Error::ShortRead { engine: engine.to_string(), offset, got: n, len: opts.bs }),
             Err(cause) => return Err(Error::OverheadRead { engine: engine.to_string(), offset, cause }),
         }
         buf = Some(c.buf);

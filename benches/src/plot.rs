@@ -220,7 +220,7 @@ impl LineChart<'_> {
             .map(|&(x, y)| (self.x_scale.to_axis(x), self.y_scale.to_axis(y)))
             .collect();
         if pts.is_empty() {
-            return Err(Error::NoDataPoints { path: path.into(), title: self.title.to_string() });
+            return Err(Error::NoDataPoints { path: path.into(), title: self.title.clone() });
         }
         let (mut x0, mut x1) = min_max(pts.iter().map(|p| p.0));
         if x1 - x0 < 1e-9 {
@@ -323,15 +323,19 @@ fn min_max(v: impl Iterator<Item = f64>) -> (f64, f64) {
 
 /// `v[key]` as f64, or an error naming the field.
 fn num(v: &Value, key: &str) -> Result<f64> {
-    v.get(key)
-        .and_then(Value::as_f64)
-        .ok_or_else(|| Error::ReportField { kind: "number", key: key.into(), found: short(v) })
+    v.get(key).and_then(Value::as_f64).ok_or_else(|| Error::ReportField {
+        kind: "number",
+        key: key.into(),
+        found: short(v),
+    })
 }
 
 fn arr<'a>(v: &'a Value, key: &str) -> Result<&'a Vec<Value>> {
-    v.get(key)
-        .and_then(Value::as_array)
-        .ok_or_else(|| Error::ReportField { kind: "array", key: key.into(), found: short(v) })
+    v.get(key).and_then(Value::as_array).ok_or_else(|| Error::ReportField {
+        kind: "array",
+        key: key.into(),
+        found: short(v),
+    })
 }
 
 fn short(v: &Value) -> String {
@@ -499,7 +503,8 @@ fn decode_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
         if let Some(f) = p.get("floor_tok_s").and_then(Value::as_f64) {
             floor.push((pct, f));
         }
-        let sp = p.get("split").ok_or_else(|| Error::ReportShape { report: "decode", what: "a point has no `split`" })?;
+        let sp =
+            p.get("split").ok_or_else(|| Error::ReportShape { report: "decode", what: "a point has no `split`" })?;
         for (xy, (key, _)) in split.iter_mut().zip(parts) {
             xy.push((pct, num(sp, key)?));
         }

@@ -11,8 +11,8 @@ use serde::{Deserialize, Serialize};
 
 use super::fio::{self, FioJob, FioResult};
 use super::measure::{self, Engine, PointResult, PointSpec, Skipped, Stop, StoreLayout, UnitSource};
-use picchio_core::StoreUri;
 use crate::error::{Error, Result};
+use picchio_core::StoreUri;
 
 /// Options of [`run`] (recorded in the report's `flags`).
 #[derive(Clone, Debug, Serialize)]
@@ -175,7 +175,10 @@ fn fio_target(store: &StoreUri) -> Option<(std::path::PathBuf, u64)> {
 /// listed in `skipped` and leaves that point's `fio` empty.
 pub fn run(store: &StoreUri, opts: &QdSweepOptions, progress: &mut dyn FnMut(&QdPoint)) -> Result<QdSweepResults> {
     if opts.qds.is_empty() || opts.threads.is_empty() || opts.qds.contains(&0) || opts.threads.contains(&0) {
-        return Err(Error::NoValues { options: "--qd and --threads", need: "need at least one value, each at least 1" });
+        return Err(Error::NoValues {
+            options: "--qd and --threads",
+            need: "need at least one value, each at least 1",
+        });
     }
     let mut skipped = Vec::new();
     let engines = engines(store, &opts.engines, &mut skipped);

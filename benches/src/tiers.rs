@@ -14,8 +14,8 @@ use serde::{Deserialize, Serialize};
 
 use super::measure::{self, Engine, PointResult, PointSpec, Skipped, Stop, StoreLayout};
 use super::qd_sweep::read_source;
-use picchio_core::StoreUri;
 use crate::error::{Error, Result};
+use picchio_core::StoreUri;
 
 /// Options of [`run`] (recorded in the report's `flags`).
 #[derive(Clone, Debug, Serialize)]

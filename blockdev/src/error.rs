@@ -14,11 +14,37 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// Everything that can go wrong while opening a target or reading from it.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// The options ask for something impossible (e.g. zero I/O threads).
-    #[error("invalid I/O options: {message}")]
-    InvalidOptions {
-        /// What is wrong and what would be accepted.
-        message: String,
+    /// An engine option is outside the range the engine accepts (zero worker threads, a queue
+    /// depth over the limit). `option` names the options field (`PsyncOptions::threads`), not a
+    /// command-line flag: the binary maps it to its flag.
+    #[error("invalid I/O options: {option} = {value}, expected {min}..={max}")]
+    OptionOutOfRange {
+        /// The field, as `Type::field`.
+        option: &'static str,
+        /// The value given.
+        value: u64,
+        /// The smallest value accepted.
+        min: u64,
+        /// The largest value accepted.
+        max: u64,
+    },
+    /// `UringOptions::iopoll` without `UringOptions::direct`: completions are polled from the
+    /// device, which only unbuffered reads reach.
+    #[error(
+        "invalid I/O options: UringOptions::iopoll polls the device for completions and needs direct (O_DIRECT) \
+         reads (UringOptions::direct)"
+    )]
+    IopollNeedsDirect,
+    /// The buffer of the one-block read that checks polled completions could not be allocated.
+    #[error("{}: allocating the {len}-byte io_uring iopoll probe buffer", path.display())]
+    IopollProbeBuffer {
+        /// The file or device.
+        path: PathBuf,
+        /// Bytes asked for (one logical block).
+        len: u32,
+        /// The buffer error.
+        #[source]
+        cause: picchio_core::Error,
     },
     /// `open(2)` failed.
     #[error("{}: opening for {mode} reads", path.display())]
@@ -165,14 +191,15 @@ pub enum Error {
         #[source]
         cause: Option<io::Error>,
     },
-    /// An io_uring option (`--sqpoll`, `--iopoll`, registered files) is refused by the kernel or the
-    /// device.
-    #[error("{}: io_uring {flag}: {reason}", path.display())]
+    /// An io_uring option ([`crate::UringOptions`]'s `sqpoll`, `iopoll`, `register_files`) is
+    /// refused by the kernel or the device.
+    #[error("{}: io_uring {option}: {reason}", path.display())]
     UringOption {
         /// The file or device.
         path: PathBuf,
-        /// The option, spelled as on the command line (`--sqpoll`, `--iopoll`, `register_files`).
-        flag: &'static str,
+        /// The option, as [`crate::UringOptions`] names it (`sqpoll`, `iopoll`, `sqpoll and iopoll`,
+        /// `register_files`).
+        option: &'static str,
         /// What failed and what to do instead.
         reason: String,
         /// The OS error (or the failed probe read's error).
@@ -378,9 +405,10 @@ impl Error {
         let kind = match &self {
             Error::Read { cause, .. } | Error::Write { cause, .. } | Error::Sync { cause, .. } => cause.kind(),
             Error::UnalignedWrite { .. } | Error::WritePastImage { .. } => io::ErrorKind::InvalidInput,
-            Error::Misaligned { .. } | Error::BufferTooSmall { .. } | Error::InvalidOptions { .. } => {
-                io::ErrorKind::InvalidInput
-            }
+            Error::Misaligned { .. }
+            | Error::BufferTooSmall { .. }
+            | Error::OptionOutOfRange { .. }
+            | Error::IopollNeedsDirect => io::ErrorKind::InvalidInput,
             Error::PastEnd { .. } => io::ErrorKind::UnexpectedEof,
             _ => io::ErrorKind::Other,
         };
@@ -452,6 +480,31 @@ mod tests {
             picchio_core::error::chain(&io).to_string(),
             format!("/dev/loop9: read of 1 bytes at offset 0x0: {os}")
         );
+    }
+
+    /// Option errors name the options field, never a command-line flag (the binary maps them).
+    #[test]
+    fn option_errors_name_the_options_field_not_a_flag() {
+        let e = Error::OptionOutOfRange { option: "UringOptions::qd", value: 0, min: 1, max: 256 };
+        assert_eq!(e.to_string(), "invalid I/O options: UringOptions::qd = 0, expected 1..=256");
+        assert_eq!(e.into_io().kind(), io::ErrorKind::InvalidInput);
+        let e = Error::IopollNeedsDirect;
+        assert!(e.to_string().contains("UringOptions::iopoll") && e.to_string().contains("UringOptions::direct"));
+        let e =
+            Error::UringOption { path: "/d".into(), option: "iopoll", reason: "turn iopoll off".into(), cause: None };
+        assert_eq!(e.to_string(), "/d: io_uring iopoll: turn iopoll off");
+        let cause = picchio_core::AlignedBuf::new(4096, 3).unwrap_err();
+        let want = cause.to_string();
+        let e = Error::IopollProbeBuffer { path: "/d".into(), len: 4096, cause };
+        assert_eq!(e.to_string(), "/d: allocating the 4096-byte io_uring iopoll probe buffer");
+        assert_eq!(e.source().map(|s| s.to_string()), Some(want));
+        for e in [
+            Error::OptionOutOfRange { option: "PsyncOptions::threads", value: 0, min: 1, max: 256 },
+            Error::IopollNeedsDirect,
+            Error::UringOption { path: "/d".into(), option: "sqpoll", reason: "r".into(), cause: None },
+        ] {
+            assert!(!e.to_string().contains("--"), "{e} names a flag");
+        }
     }
 
     #[test]

@@ -134,13 +134,16 @@ impl IocpQueue {
     /// port.
     ///
     /// # Errors
-    /// [`Error::InvalidOptions`] for a `qd` outside 1..=[`IocpOptions::MAX_QD`]; [`Error::Open`];
+    /// [`Error::OptionOutOfRange`] for a `qd` outside 1..=[`IocpOptions::MAX_QD`]; [`Error::Open`];
     /// [`Error::Stat`], [`Error::UnsupportedTarget`] (directories, devices); [`Error::CompletionPort`].
     pub fn open(path: impl AsRef<Path>, opts: IocpOptions) -> Result<Self> {
         let path = path.as_ref();
         if opts.qd == 0 || opts.qd > IocpOptions::MAX_QD {
-            return Err(Error::InvalidOptions {
-                message: format!("--qd must be between 1 and {} (got {})", IocpOptions::MAX_QD, opts.qd),
+            return Err(Error::OptionOutOfRange {
+                option: "IocpOptions::qd",
+                value: u64::from(opts.qd),
+                min: 1,
+                max: u64::from(IocpOptions::MAX_QD),
             });
         }
         let file = win::open_overlapped(path)?;
@@ -388,7 +391,7 @@ mod tests {
         let (_d, path, _) = file_with(8192);
         for qd in [0, IocpOptions::MAX_QD + 1] {
             let e = IocpQueue::open(&path, IocpOptions::qd(qd)).unwrap_err();
-            assert!(e.to_string().contains("--qd must be between 1 and 256"), "{e}");
+            assert!(e.to_string().contains("IocpOptions::qd") && e.to_string().contains("expected 1..=256"), "{e}");
         }
         let q = IocpQueue::open(&path, IocpOptions::default()).unwrap();
         assert_eq!(q.describe(), "iocp(direct, qd 32)");

@@ -126,22 +126,18 @@ impl PsyncQueue {
     /// Opens `path` (a regular file or a block device) read-only and starts `opts.threads` workers.
     ///
     /// # Errors
-    /// [`Error::InvalidOptions`] for zero threads or more than [`MAX_THREADS`]; [`Error::Open`]; [`Error::DirectUnsupported`] when
+    /// [`Error::OptionOutOfRange`] for zero threads or more than [`MAX_THREADS`]; [`Error::Open`]; [`Error::DirectUnsupported`] when
     /// the file system refuses `O_DIRECT` (e.g. tmpfs on older kernels: use `--buffered`);
     /// [`Error::Stat`], [`Error::Ioctl`], [`Error::UnsupportedTarget`] while probing;
     /// [`Error::Spawn`].
     pub fn open(path: impl AsRef<Path>, opts: PsyncOptions) -> Result<Self> {
         let path = path.as_ref();
-        if opts.threads == 0 {
-            return Err(Error::InvalidOptions { message: "--io-threads must be at least 1 (got 0)".into() });
-        }
-        if opts.threads > MAX_THREADS {
-            return Err(Error::InvalidOptions {
-                message: format!(
-                    "{}: {} psync worker threads requested; at most {MAX_THREADS} (one OS thread per read in flight)",
-                    path.display(),
-                    opts.threads
-                ),
+        if !(1..=MAX_THREADS).contains(&opts.threads) {
+            return Err(Error::OptionOutOfRange {
+                option: "PsyncOptions::threads",
+                value: opts.threads as u64,
+                min: 1,
+                max: MAX_THREADS as u64,
             });
         }
         let file = sys::open(path, opts.direct)?;
@@ -386,7 +382,7 @@ mod tests {
     fn too_many_threads_is_refused_before_any_starts() {
         let (_d, path, _) = file_with(10);
         let e = PsyncQueue::open(&path, PsyncOptions::buffered(100_000)).unwrap_err();
-        assert!(matches!(e, Error::InvalidOptions { .. }), "{e}");
+        assert!(matches!(e, Error::OptionOutOfRange { option: "PsyncOptions::threads", value: 100_000, .. }), "{e}");
         assert!(e.to_string().contains("100000") && e.to_string().contains("256"), "{e}");
         assert_eq!(PsyncQueue::open(&path, PsyncOptions::buffered(MAX_THREADS)).unwrap().threads(), MAX_THREADS);
     }
@@ -395,7 +391,7 @@ mod tests {
     fn zero_threads_is_refused() {
         let (_d, path, _) = file_with(10);
         let e = PsyncQueue::open(&path, PsyncOptions::buffered(0)).unwrap_err();
-        assert!(e.to_string().contains("--io-threads must be at least 1"), "{e}");
+        assert_eq!(e.to_string(), "invalid I/O options: PsyncOptions::threads = 0, expected 1..=256");
     }
 
     #[test]

@@ -217,10 +217,11 @@ impl UringQueue {
     /// here rather than at the first expert.
     ///
     /// # Errors
-    /// [`Error::InvalidOptions`] for `qd` outside 1..=256 or `iopoll` without `direct`;
+    /// [`Error::OptionOutOfRange`] for `qd` outside 1..=256; [`Error::IopollNeedsDirect`] for `iopoll`
+    /// without `direct`;
     /// [`Error::UringUnavailable`] (see [`UringQueue::probe`]); [`Error::Open`];
     /// [`Error::DirectUnsupported`]; [`Error::Stat`], [`Error::Ioctl`], [`Error::UnsupportedTarget`]
-    /// while probing the target; [`Error::UringOption`] naming `--sqpoll`, `--iopoll` or
+    /// while probing the target; [`Error::UringOption`] naming `sqpoll`, `iopoll` or
     /// `register_files` when the kernel or device refuses it.
     pub fn open(path: impl AsRef<Path>, opts: UringOptions) -> Result<Self> {
         Self::open_with_idle(path.as_ref(), opts, SQPOLL_IDLE_MS)
@@ -230,12 +231,15 @@ impl UringQueue {
     /// between submissions with 1 ms).
     fn open_with_idle(path: &Path, opts: UringOptions, sqpoll_idle_ms: u32) -> Result<Self> {
         if !(1..=MAX_QD).contains(&opts.qd) {
-            return Err(Error::InvalidOptions { message: format!("--qd must be in 1..={MAX_QD} (got {})", opts.qd) });
+            return Err(Error::OptionOutOfRange {
+                option: "UringOptions::qd",
+                value: u64::from(opts.qd),
+                min: 1,
+                max: u64::from(MAX_QD),
+            });
         }
         if opts.iopoll && !opts.direct {
-            return Err(Error::InvalidOptions {
-                message: "--iopoll polls the device for completions and needs O_DIRECT reads: drop --buffered".into(),
-            });
+            return Err(Error::IopollNeedsDirect);
         }
         UringQueue::probe()?;
         let file = sys::open(path, opts.direct)?;
@@ -251,7 +255,7 @@ impl UringQueue {
         if opts.register_files {
             ring.submitter().register_files(&[file.as_raw_fd()]).map_err(|cause| Error::UringOption {
                 path: path.into(),
-                flag: "register_files",
+                option: "register_files",
                 reason: "IORING_REGISTER_FILES failed".into(),
                 cause: Some(cause),
             })?;
@@ -334,14 +338,16 @@ impl UringQueue {
     }
 
     /// Reads one block at offset 0 and turns the `EOPNOTSUPP`/`EINVAL` of a device without polled
-    /// queues into an error naming `--iopoll`.
+    /// queues into an error naming `iopoll`.
     fn check_iopoll(&mut self) -> Result<()> {
         let len = self.block_size();
         if self.size < u64::from(len) {
             return Ok(()); // nothing to read: the first real read reports it
         }
-        let buf = AlignedBuf::new(len as usize, len as usize).map_err(|e| Error::InvalidOptions {
-            message: format!("allocating the --iopoll probe buffer: {}", picchio_core::error::chain(&e)),
+        let buf = AlignedBuf::new(len as usize, len as usize).map_err(|cause| Error::IopollProbeBuffer {
+            path: self.path.clone(),
+            len,
+            cause,
         })?;
         self.submit(ReadReq { offset: picchio_core::ByteOffset(0), len, buf, tag: Tag(u64::MAX) });
         let mut out = Vec::with_capacity(1);
@@ -356,11 +362,11 @@ impl UringQueue {
         let reason = match os {
             Some(libc::EOPNOTSUPP | libc::EINVAL) => {
                 "the device has no polled I/O queues (NVMe needs the nvme.poll_queues=N module parameter, \
-                 and a file system must pass polled reads through); drop --iopoll"
+                 and a file system must pass polled reads through); turn iopoll off"
             }
-            _ => "the first polled read failed; drop --iopoll",
+            _ => "the first polled read failed; turn iopoll off",
         };
-        Err(Error::UringOption { path: self.path.clone(), flag: "--iopoll", reason: reason.into(), cause: Some(e) })
+        Err(Error::UringOption { path: self.path.clone(), option: "iopoll", reason: reason.into(), cause: Some(e) })
     }
 
     /// Checks a request before it can reach the kernel; the error says what is wrong with it.
@@ -725,20 +731,20 @@ fn build_ring(path: &Path, opts: &UringOptions, sqpoll_idle_ms: u32) -> Result<I
     }
     b.build(entries).map_err(|cause| {
         let errno = cause.raw_os_error();
-        let (flag, reason) = match (opts.sqpoll, opts.iopoll, errno) {
+        let (option, reason) = match (opts.sqpoll, opts.iopoll, errno) {
             (true, _, Some(libc::EPERM)) => (
-                "--sqpoll",
+                "sqpoll",
                 "not permitted: before Linux 5.11 an SQPOLL ring needs CAP_SYS_ADMIN (5.13+: CAP_SYS_NICE \
-                 only to pin the thread); run as root or drop --sqpoll",
+                 only to pin the thread); run as root or turn sqpoll off",
             ),
-            (true, false, _) => ("--sqpoll", "the kernel refused an SQPOLL ring; drop --sqpoll"),
-            (false, true, _) => ("--iopoll", "the kernel refused an IOPOLL ring; drop --iopoll"),
-            (true, true, _) => ("--sqpoll --iopoll", "the kernel refused this ring; drop one of the flags"),
+            (true, false, _) => ("sqpoll", "the kernel refused an SQPOLL ring; turn sqpoll off"),
+            (false, true, _) => ("iopoll", "the kernel refused an IOPOLL ring; turn iopoll off"),
+            (true, true, _) => ("sqpoll and iopoll", "the kernel refused this ring; turn one of them off"),
             (false, false, _) => {
                 return Error::UringUnavailable { reason: setup_reason(errno, disabled_sysctl()), cause: Some(cause) }
             }
         };
-        Error::UringOption { path: path.into(), flag, reason: reason.into(), cause: Some(cause) }
+        Error::UringOption { path: path.into(), option, reason: reason.into(), cause: Some(cause) }
     })
 }
 
@@ -876,11 +882,15 @@ mod tests {
     fn options_are_checked() {
         for qd in [0, MAX_QD + 1] {
             let e = UringQueue::open("/nonexistent", UringOptions::direct(qd)).unwrap_err();
-            assert!(e.to_string().contains("--qd must be in 1..=256"), "{e}");
+            assert_eq!(e.to_string(), format!("invalid I/O options: UringOptions::qd = {qd}, expected 1..=256"));
         }
         let opts = UringOptions { iopoll: true, ..UringOptions::buffered(4) };
         let e = UringQueue::open("/nonexistent", opts).unwrap_err();
-        assert!(e.to_string().contains("--iopoll") && e.to_string().contains("--buffered"), "{e}");
+        assert!(matches!(e, Error::IopollNeedsDirect), "{e}");
+        assert!(
+            e.to_string().contains("UringOptions::iopoll") && e.to_string().contains("UringOptions::direct"),
+            "{e}"
+        );
     }
 
     #[test]

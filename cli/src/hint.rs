@@ -57,6 +57,16 @@ fn blockdev(e: &picchio_blockdev::Error) -> Option<&'static str> {
     match e {
         E::DirectUnsupported { .. } => Some("pass --buffered to read through the page cache"),
         E::UringUnavailable { .. } => Some("use --io psync"),
+        // The library names its options; these are the flags that set them.
+        E::OptionOutOfRange { option: "PsyncOptions::threads", .. } => Some("pass --io-threads in the range above"),
+        E::OptionOutOfRange { option: "UringOptions::qd" | "IocpOptions::qd", .. } => {
+            Some("pass --qd in the range above")
+        }
+        E::IopollNeedsDirect => Some("drop --buffered (direct reads are the default) or drop --iopoll"),
+        E::UringOption { option: "sqpoll", .. } => Some("drop --sqpoll (or run as root)"),
+        E::UringOption { option: "iopoll", .. } => Some("drop --iopoll"),
+        E::UringOption { option: "sqpoll and iopoll", .. } => Some("drop --sqpoll or --iopoll"),
+        E::UringOption { option: "register_files", .. } => Some("pass --register-files false"),
         E::Refused { hint, .. } if !hint.contains("never") => Some("pass --force to write it anyway"),
         _ => None,
     }
@@ -146,5 +156,38 @@ mod tests {
         let e = picchio_runtime::Error::VocabBelowTokenizer { path: "/t/tokenizer.json".into(), ids: 300, vocab: 8 };
         let h = hint_of(e).unwrap();
         assert!(h.contains("--vocab") && h.contains("--no-tokenizer"), "{h}");
+    }
+
+    /// blockdev names its options (`UringOptions::qd`, `iopoll`); the hint names the flag that sets it.
+    #[test]
+    fn engine_options_get_the_flag_that_sets_them() {
+        use picchio_blockdev::Error as B;
+        let range = |option| B::OptionOutOfRange { option, value: 0, min: 1, max: 256 };
+        assert!(hint_of(range("PsyncOptions::threads")).unwrap().contains("--io-threads"));
+        assert!(hint_of(picchio_runtime::Error::Engine(range("UringOptions::qd"))).unwrap().contains("--qd"));
+        assert!(hint_of(B::IopollNeedsDirect).unwrap().contains("--buffered"));
+        let refused = |option| B::UringOption { path: "/f".into(), option, reason: "r".into(), cause: None };
+        assert!(hint_of(refused("sqpoll")).unwrap().contains("--sqpoll"));
+        assert!(hint_of(refused("iopoll")).unwrap().contains("--iopoll"));
+        assert!(hint_of(refused("register_files")).unwrap().contains("--register-files false"));
+    }
+
+    /// A bench error passes library errors through transparently: their hints (and the exit status
+    /// of an interrupt) are found through it.
+    #[test]
+    fn bench_errors_show_the_hints_of_what_they_wrap() {
+        use picchio_bench::error::Error as Bench;
+        let e = Bench::from(picchio_runtime::Error::BadOption {
+            option: "--ecap",
+            value: "0".into(),
+            expected: "≥ 1".into(),
+        });
+        assert!(hint_of(e).unwrap().contains("--ecap"));
+        let direct = picchio_blockdev::Error::DirectUnsupported { path: "/f".into(), reason: "r".into(), cause: None };
+        assert!(hint_of(Bench::from(direct)).unwrap().contains("--buffered"));
+        assert_eq!(hint_of(Bench::EmptyPrompt { experiment: "cache" }), None);
+        let stop = picchio_runtime::Error::Interrupted { signal: "SIGINT".into(), done: 1, wanted: 2, unit: "tokens" };
+        let e = anyhow::Error::new(Bench::from(stop)).context("picchio bench decode");
+        assert!(e.chain().any(|c| matches!(as_runtime(c), Some(picchio_runtime::Error::Interrupted { .. }))));
     }
 }

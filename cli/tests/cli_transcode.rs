@@ -76,7 +76,9 @@ fn transcode_refuses_a_no_op_and_q3_to_q4_naming_the_directory() {
 
 #[test]
 fn sigint_during_transcode_exits_130_and_leaves_no_temporary_directory() {
-    use picchio_runtime::image::synthetic_model::{write_synthetic, SyntheticArch, SyntheticSpec, WriteSyntheticOptions};
+    use picchio_runtime::image::synthetic_model::{
+        write_synthetic, SyntheticArch, SyntheticSpec, WriteSyntheticOptions,
+    };
     let tmp = scratch();
     // 128 experts of Qwen3-30B-A3B's size (340 MB of Q4): seconds of transcoding, where the fixture
     // takes milliseconds. A small vocabulary (no tokenizer) keeps the dense part small.

@@ -638,14 +638,13 @@ pub enum Error {
         need: usize,
     },
     /// An f32 part of an expert payload that is not a 4-byte-aligned f32 array (a bug: slots are aligned).
-    #[error("expert payload: {what} at bytes {range:?} is not an f32 array")]
+    #[error("expert payload: {what} at bytes {range:?} is not an f32 array: {cause}")]
     PayloadF32 {
         /// The part (`gate_up scales`).
         what: String,
         /// Its byte range in the payload.
         range: std::ops::Range<usize>,
-        /// bytemuck's error.
-        #[source]
+        /// bytemuck's error (in the message: it is not a `std::error::Error` here).
         cause: bytemuck::PodCastError,
     },
     /// A chat request for a model without a chat template.
@@ -760,7 +759,9 @@ fn overlap_message(dst: &std::path::Path, src: &std::path::Path, overlap: Overla
             "destination {dst} is inside the source directory {src}: convert never writes into its source; choose a \
              destination outside it"
         ),
-        Overlap::Contains => format!("destination {dst} contains the source directory {src}: choose another destination"),
+        Overlap::Contains => {
+            format!("destination {dst} contains the source directory {src}: choose another destination")
+        }
     }
 }
 
@@ -883,5 +884,91 @@ mod tests {
         );
         let e = Error::OutOfVocabulary { what: "prompt id", id: 9, vocab: 8 };
         assert_eq!(e.to_string(), "prompt id 9 is outside the vocabulary (size 8)");
+    }
+
+    /// The variants that replaced `Invalid(String)` carry their fields and say what the strings said
+    /// (CLI tests match parts of these messages).
+    #[test]
+    fn typed_variants_name_the_path_the_fields_and_the_fix() {
+        let e = Error::BeyondContext { position: 40, context: 40 };
+        assert_eq!(e.to_string(), "position 40 is beyond the context of 40 positions");
+        let e = Error::NotConverted {
+            dir: "/hf".into(),
+            tensor: Some("model.layers.0.mlp.experts.gate_up_proj".into()),
+            pack: false,
+        };
+        assert_eq!(
+            e.to_string(),
+            "/hf is a Hugging Face checkpoint (it has `model.layers.0.mlp.experts.gate_up_proj`), not a converted \
+             directory: run `picchio convert` on it first"
+        );
+        let e = Error::NotConverted { dir: "/hf".into(), tensor: None, pack: true };
+        assert!(e.to_string().ends_with("first and pack the converted directory"), "{e}");
+        let e = Error::AlreadyConverted { dir: "/c".into(), tensor: "t".into() };
+        assert!(e.to_string().starts_with("/c: already a converted Picchio directory (it has `t`)"), "{e}");
+        let overlap = |overlap| Error::DestinationOverlapsSource { dst: "/s/o".into(), src: "/s".into(), overlap };
+        assert!(overlap(Overlap::Same).to_string().contains("is the source directory"));
+        assert!(overlap(Overlap::Inside).to_string().contains("/s/o is inside the source directory /s"));
+        assert!(overlap(Overlap::Contains).to_string().contains("contains the source directory /s"));
+        let e = Error::BeingRead { target: "/i.pf".into(), holders: " (pid 7)".into() };
+        assert_eq!(e.to_string(), "/i.pf is being read by another picchio process (pid 7); stop it or use --force");
+        let e = Error::BeingWritten { target: "/i.pf".into(), holders: String::new() };
+        assert_eq!(e.to_string(), "/i.pf is being written by another picchio process; wait until it has finished");
+        let e = Error::NotReplaced { path: "/m/config.json".into(), command: "pack".into(), what: "is not an image" };
+        assert_eq!(
+            e.to_string(),
+            "/m/config.json: is not an image; pack will not replace it: remove it or choose another --out"
+        );
+        let e = Error::NotEnoughSpace { path: "/o".into(), needed: 2_000_000_000, available: 1_000_000_000 };
+        assert!(
+            e.to_string().contains("needs 2000000000 bytes (2.00 GB)") && e.to_string().contains("(1.00 GB)"),
+            "{e}"
+        );
+        let e = Error::NotVfio {
+            target: "nvme:0000:01:00.0/1".into(),
+            bdf: "0000:01:00.0".into(),
+            driver: Some("nvme".into()),
+        };
+        assert!(
+            e.to_string().contains("bound to the `nvme` driver, not vfio-pci: run `picchio nvme bind 0000:01:00.0`"),
+            "{e}"
+        );
+        let e = Error::CachePayload { cache: 4096, model: 8192 };
+        assert_eq!(e.to_string(), "the expert cache holds 4096-byte payloads, this model's experts are 8192 bytes");
+        let e = Error::TooManyEntries { layers: 1 << 20, experts: 1 << 20 };
+        assert_eq!(e.to_string(), "1048576 layers × 1048576 experts exceed u32 entries");
+        let e = Error::UnknownRole { index: 0, role: "wizard".into() };
+        assert!(e.to_string().starts_with("message 0 has role `wizard`; the roles are system, "), "{e}");
+        let e = Error::ToolMessage { index: 2, call_id: Some("c1".into()) };
+        assert!(e.to_string().contains("answers the call `c1`, which no earlier assistant message made"), "{e}");
+        let e = Error::ToolMessage { index: 2, call_id: None };
+        assert!(e.to_string().contains("message 2 (tool) names no function"), "{e}");
+        let e = Error::ShardBytes { path: "/o/model-1.safetensors".into(), written: 10, planned: 12 };
+        assert_eq!(e.to_string(), "/o/model-1.safetensors: wrote 10 tensor bytes, planned 12");
+    }
+
+    /// The new variants that keep a cause keep it as `source()` only.
+    #[test]
+    fn typed_variants_keep_their_cause_as_the_source() {
+        let json = || serde_json::from_str::<u32>("{").unwrap_err();
+        let damaged = picchio_core::Error::BadMagic { source_name: "img".into(), found: "x".into() };
+        let errors = [
+            Error::RecordDamaged { image: "/i.pf".into(), cause: damaged },
+            Error::ToolCallArguments { index: 1, cause: json() },
+        ];
+        for e in &errors {
+            let src = e.source().expect("the cause is the source").to_string();
+            assert!(!e.to_string().contains(&src), "{e} repeats its source {src}");
+            assert_eq!(picchio_core::error::chain(e).to_string(), format!("{e}: {src}"));
+        }
+        assert!(errors[0].to_string().starts_with("/i.pf: the model record in its superblock is damaged"));
+        assert_eq!(errors[1].to_string(), "message 1: tool call arguments");
+        let cause = bytemuck::try_cast_slice::<u8, f32>(&[0u8; 3]).unwrap_err();
+        let e = Error::PayloadF32 { what: "gate_up scales".into(), range: 1..5, cause };
+        assert_eq!(e.to_string(), format!("expert payload: gate_up scales at bytes 1..5 is not an f32 array: {cause}"));
+        assert!(e.source().is_none());
+        // A transparent MXFP4 error shows its own message.
+        let m = crate::image::convert::mxfp4::Mxfp4Error::NotWholeBlocks { what: "t".into(), cols: 48 };
+        assert_eq!(Error::from(m).to_string(), "t: 48 inputs are not whole MXFP4 blocks of 32");
     }
 }

@@ -192,21 +192,22 @@ pub fn decide(findings: &[Finding], force: bool) -> Decision {
 }
 
 /// Writes the findings as `\n  found: …` lines, each with its verdict, or `\n  found: nothing
-/// (<nothing>)` — the listing `pack --out raw:|nvme:` prints before writing.
+/// (<nothing>)` — the listing `pack --out raw:|nvme:` prints before writing. `force` is how the
+/// caller names the override of [`Inspection::permit`] in the verdicts (`` `force` `` here; the
+/// binary's flag, `--force`, in its plan).
 ///
 /// # Errors
 /// The formatter's.
-pub fn write_findings(f: &mut fmt::Formatter<'_>, findings: &[Finding], nothing: &str) -> fmt::Result {
+pub fn write_findings(f: &mut fmt::Formatter<'_>, findings: &[Finding], nothing: &str, force: &str) -> fmt::Result {
     if findings.is_empty() {
         return write!(f, "\n  found: nothing ({nothing})");
     }
     for finding in findings {
-        let verdict = match finding.verdict() {
-            Verdict::Note => "",
-            Verdict::Refuse => " [refused without --force]",
-            Verdict::RefuseAlways => " [refused, even with --force]",
-        };
-        write!(f, "\n  found: {finding}{verdict}")?;
+        match finding.verdict() {
+            Verdict::Note => write!(f, "\n  found: {finding}")?,
+            Verdict::Refuse => write!(f, "\n  found: {finding} [refused without {force}]")?,
+            Verdict::RefuseAlways => write!(f, "\n  found: {finding} [refused, even with {force}]")?,
+        }
     }
     Ok(())
 }
@@ -325,23 +326,45 @@ impl Inspection {
     }
 }
 
+impl Inspection {
+    /// The plan (target, byte and LBA range, findings with their verdicts) with the override of
+    /// [`Inspection::permit`] named `force` in the verdicts, as the caller's users know it (the
+    /// binary passes `--force`). `Display` names it `` `force` ``.
+    pub fn plan<'a>(&'a self, force: &'a str) -> impl fmt::Display + 'a {
+        PlanDisplay { inspection: self, force }
+    }
+}
+
 impl fmt::Display for Inspection {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let t = &self.target;
+        write!(f, "{}", self.plan("`force`"))
+    }
+}
+
+/// [`Inspection::plan`].
+struct PlanDisplay<'a> {
+    inspection: &'a Inspection,
+    force: &'a str,
+}
+
+impl fmt::Display for PlanDisplay<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let this = self.inspection;
+        let t = &this.target;
         let lbs = t.device.logical_block;
         let base = t.base().0;
-        let end = base.saturating_add(self.image_len);
+        let end = base.saturating_add(this.image_len);
         writeln!(f, "{}: {}", t.uri(), t.device)?;
         write!(
             f,
             "  writes {} bytes ({}): device bytes {base:#x}..{end:#x}, LBA {}..{} of {} × {lbs} B",
-            self.image_len,
-            human(self.image_len),
+            this.image_len,
+            human(this.image_len),
             t.start.0,
             end.div_ceil(u64::from(lbs)),
             t.device.lbas(),
         )?;
-        write_findings(f, &self.findings, "no mount, swap, holder, partition table or known signature")
+        write_findings(f, &this.findings, "no mount, swap, holder, partition table or known signature", self.force)
     }
 }
 
@@ -451,16 +474,19 @@ mod tests {
         let s = e.to_string();
         assert!(s.contains("1052672 bytes") && s.contains("1048576 bytes"), "{s}");
         // The plan names the device, the byte and LBA range, and each finding with its verdict.
-        let plan = insp(vec![sig, root], 8192).to_string();
+        let plan = insp(vec![sig.clone(), root], 8192).to_string();
         for want in [
             "raw:/dev/fake: /dev/fake (loop9, 7:9), loop device over /x.img",
             "writes 8192 bytes",
             "LBA 0..16 of 2048 × 512 B",
-            "[refused without --force]",
-            "[refused, even with --force]",
+            "[refused without `force`]",
+            "[refused, even with `force`]",
         ] {
             assert!(plan.contains(want), "{want:?} in {plan}");
         }
+        // The binary's plan names its flag.
+        let plan = insp(vec![sig.clone()], 8192);
+        assert!(plan.plan("--force").to_string().contains("[refused without --force]"), "{}", plan.plan("--force"));
         assert!(insp(vec![], 4096).to_string().contains("found: nothing"));
     }
 }

@@ -106,7 +106,11 @@ impl Geometry {
             ("--expert-bytes", self.expert_bytes),
         ] {
             if v == 0 {
-                return Err(Error::BadOption { option: name, value: "0".into(), expected: "must be at least 1".into() });
+                return Err(Error::BadOption {
+                    option: name,
+                    value: "0".into(),
+                    expected: "must be at least 1".into(),
+                });
             }
         }
         if d.topk > d.n_experts {

@@ -504,8 +504,7 @@ pub fn write_synthetic(dir: &Path, spec: &SyntheticSpec, opts: &WriteSyntheticOp
 
 /// The tokenizer files of `dir` to copy, after checking its vocabulary fits in `spec`'s.
 fn tokenizer_files(dir: &Path, spec: &SyntheticSpec) -> Result<Vec<PathBuf>> {
-    let t = crate::model::tokenizer::Tokenizer::from_dir(dir)?
-        .ok_or_else(|| Error::NoTokenizer { dir: dir.into() })?;
+    let t = crate::model::tokenizer::Tokenizer::from_dir(dir)?.ok_or_else(|| Error::NoTokenizer { dir: dir.into() })?;
     if t.vocab_size() > spec.vocab {
         return Err(Error::VocabBelowTokenizer {
             path: dir.join("tokenizer.json"),

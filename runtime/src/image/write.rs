@@ -114,7 +114,7 @@ impl std::fmt::Display for Plan<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             #[cfg(target_os = "linux")]
-            Plan::Raw(i) => write!(f, "{i}"),
+            Plan::Raw(i) => write!(f, "{}", i.plan("--force")),
             #[cfg(target_os = "linux")]
             Plan::Nvme(i) => write!(f, "{i}"),
             #[cfg(not(target_os = "linux"))]
@@ -298,13 +298,11 @@ pub fn write_image<P: PayloadSource>(
             write_nvme(&mut queue, &name, src, opts, announce, t0)
         }
         #[cfg(not(target_os = "linux"))]
-        StoreUri::NvmeTcp { .. } => {
-            Err(Error::StoreNotAccepted {
-                option: "--out",
-                uri: uri.to_string(),
-                reason: "the NVMe/TCP initiator (picchio-nvme) is Linux-only".into(),
-            })
-        }
+        StoreUri::NvmeTcp { .. } => Err(Error::StoreNotAccepted {
+            option: "--out",
+            uri: uri.to_string(),
+            reason: "the NVMe/TCP initiator (picchio-nvme) is Linux-only".into(),
+        }),
         #[cfg(not(target_os = "linux"))]
         StoreUri::Raw { device, .. } => Err(Error::StoreNotAccepted {
             option: "--out",
@@ -312,13 +310,11 @@ pub fn write_image<P: PayloadSource>(
             reason: "writing block devices is supported on Linux only".into(),
         }),
         #[cfg(not(target_os = "linux"))]
-        StoreUri::Nvme { .. } => {
-            Err(Error::StoreNotAccepted {
-                option: "--out",
-                uri: uri.to_string(),
-                reason: "the user-space NVMe driver needs Linux VFIO".into(),
-            })
-        }
+        StoreUri::Nvme { .. } => Err(Error::StoreNotAccepted {
+            option: "--out",
+            uri: uri.to_string(),
+            reason: "the user-space NVMe driver needs Linux VFIO".into(),
+        }),
         StoreUri::Auto | StoreUri::Safetensors | StoreUri::NvmeSim(_) => Err(Error::StoreNotAccepted {
             option: "--out",
             uri: uri.to_string(),
@@ -673,7 +669,7 @@ impl std::fmt::Display for NvmeInspection {
             self.image_len.div_ceil(lbs),
             ns.blocks
         )?;
-        picchio_blockdev::raw::write_findings(f, &self.findings, "no partition table or known signature")
+        picchio_blockdev::raw::write_findings(f, &self.findings, "no partition table or known signature", "--force")
     }
 }
 

@@ -178,8 +178,11 @@ pub fn expert_mats<'a>(layout: &ExpertLayout, payload: &'a [u8]) -> Result<(MatR
         return Err(Error::PayloadShort { len: payload.len(), quant: layout.quant, need: layout.len() });
     }
     let f32s = |r: &std::ops::Range<usize>, what: &str| -> Result<&'a [f32]> {
-        bytemuck::try_cast_slice(&payload[r.clone()])
-            .map_err(|cause| Error::PayloadF32 { what: what.into(), range: r.clone(), cause })
+        bytemuck::try_cast_slice(&payload[r.clone()]).map_err(|cause| Error::PayloadF32 {
+            what: what.into(),
+            range: r.clone(),
+            cause,
+        })
     };
     let mat = |w: &std::ops::Range<usize>, s: &std::ops::Range<usize>, what: &str| -> Result<MatRef<'a>> {
         Ok(match layout.quant {

@@ -118,7 +118,9 @@ pub fn dequantize(blocks: &[u8], scales: &[u8], rows: usize, cols: usize, what: 
     }
     let groups = cols / MXFP4_BLOCK;
     if blocks.len() != rows * cols / 2 || scales.len() != rows * groups {
-        return Err(Mxfp4Error::Bytes { what: what.into(), blocks: blocks.len(), scales: scales.len(), rows, cols }.into());
+        return Err(
+            Mxfp4Error::Bytes { what: what.into(), blocks: blocks.len(), scales: scales.len(), rows, cols }.into()
+        );
     }
     let mut out = Vec::with_capacity(rows * cols);
     for (g, (&s, block)) in scales.iter().zip(blocks.chunks_exact(MXFP4_BLOCK / 2)).enumerate() {

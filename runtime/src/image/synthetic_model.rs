@@ -104,9 +104,9 @@ impl std::str::FromStr for SyntheticArch {
         Self::ALL.into_iter().find(|a| a.name() == s).ok_or_else(|| {
             let names: Vec<_> = Self::ALL.iter().map(|a| a.name()).collect();
             Error::BadOption {
-                option: "--arch",
+                option: "synthetic arch",
                 value: format!("{s:?}"),
-                expected: format!("unknown synthetic arch: expected one of {}", names.join(", ")),
+                expected: format!("expected one of {}", names.join(", ")),
             }
         })
     }

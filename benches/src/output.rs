@@ -36,7 +36,7 @@ pub fn check_report_path(path: &Path, store: Option<&Path>) -> Result<()> {
             return Err(Error::ReportIsStore { path: path.into(), store: store.into() });
         }
     }
-    check_replaceable(path, "--json", "a picchio-bench report", is_bench_report)
+    Ok(check_replaceable(path, "--json", "a picchio-bench report", is_bench_report)?)
 }
 
 /// Whether `a` and `b` name the same existing file (same device and inode; elsewhere, the same
@@ -68,7 +68,7 @@ pub fn check_plot_dir(dir: &Path) -> Result<()> {
     match std::fs::metadata(dir) {
         Ok(m) if m.is_dir() => Ok(()),
         Ok(_) => Err(Error::PlotDirNotDir { dir: dir.into() }),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => check_parent(dir, "--plot"),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(check_parent(dir, "--plot")?),
         Err(e) => Err(Error::io(dir, "stat the --plot directory")(e)),
     }
 }

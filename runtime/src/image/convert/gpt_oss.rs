@@ -74,7 +74,7 @@ pub(crate) fn plan(cfg: &Config, store: &TensorStore) -> Result<Plan> {
             let t = store.get(name)?;
             return Err(Error::UnexpectedExpertTensor {
                 path: t.path.into(),
-                name: name.clone(),
+                name: name.to_string(),
                 config: format!("num_local_experts {e}, num_hidden_layers {}", cfg.num_hidden_layers),
             });
         }

@@ -269,7 +269,7 @@ pub(crate) fn plan(cfg: &Config, store: &TensorStore) -> Result<Plan> {
             let t = store.get(name)?;
             return Err(Error::UnexpectedExpertTensor {
                 path: t.path.into(),
-                name: name.clone(),
+                name: name.to_string(),
                 config: format!(
                     "num_experts {e}, num_hidden_layers {}, mlp_only_layers {:?}, decoder_sparse_step {}",
                     cfg.num_hidden_layers, cfg.mlp_only_layers, cfg.decoder_sparse_step

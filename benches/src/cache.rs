@@ -19,6 +19,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use picchio_core::StoreUri;
 use picchio_runtime::expert::open::EngineOptions;
 use picchio_runtime::model::sampler::{Sampler, SamplerOptions};
 use picchio_runtime::model::DecodeSchedule;

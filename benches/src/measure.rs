@@ -21,6 +21,7 @@ use picchio_core::{AlignedBuf, ByteOffset, Completion, IoQueue, ReadReq, Tag};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use picchio_core::StoreUri;
 use picchio_runtime::expert::open::{EngineOptions, IoEngine, Opened};
 
 /// An I/O engine a bench point uses: a name in reports and on the command line, and the
@@ -234,7 +235,7 @@ pub fn check_buffer_memory(threads: u32, qd: u32, max_read: u32, available: Opti
 pub fn open(store: &StoreUri, engine: Engine, qd: u32) -> Result<Opened> {
     check_depth(1, qd)?;
     engine.check_reads(store)?;
-    picchio_runtime::expert::open::open_engine(store, engine.io_options(qd))
+    Ok(picchio_runtime::expert::open::open_engine(store, engine.io_options(qd))?)
 }
 
 /// The image's geometry as the bench reads it: the superblock and every usable entry.

@@ -261,7 +261,7 @@ fn open_buffered(
         uring_fallback: false,
         ..Default::default()
     };
-    picchio_runtime::expert::open::open_engine(&StoreUri::File(p.into()), io)
+    Ok(picchio_runtime::expert::open::open_engine(&StoreUri::File(p.into()), io)?)
 }
 
 fn open_target(engine: &str, store: &StoreUri, range: u64) -> Result<std::result::Result<Target, String>> {

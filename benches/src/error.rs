@@ -308,15 +308,22 @@ pub enum Error {
         /// The path given.
         dir: PathBuf,
     },
-    /// Opening a model, session or store through the runtime failed (its error names it).
+    /// Opening a model, session or store through the runtime failed (its error names it). Boxed:
+    /// the runtime's error is large, and every bench `Result` would carry its size.
     #[error(transparent)]
-    Runtime(#[from] picchio_runtime::Error),
+    Runtime(Box<picchio_runtime::Error>),
     /// The expert store failed as a whole (bad header, index hash, dimensions).
     #[error(transparent)]
     Store(#[from] picchio_core::Error),
     /// An I/O engine could not open its target.
     #[error(transparent)]
     Engine(#[from] picchio_blockdev::Error),
+}
+
+impl From<picchio_runtime::Error> for Error {
+    fn from(e: picchio_runtime::Error) -> Error {
+        Error::Runtime(Box::new(e))
+    }
 }
 
 impl Error {
@@ -329,7 +336,7 @@ impl Error {
     /// The runtime error inside, when this is one passed through ([`Error::Runtime`]).
     pub fn runtime(&self) -> Option<&picchio_runtime::Error> {
         match self {
-            Error::Runtime(r) => Some(r),
+            Error::Runtime(r) => Some(r.as_ref()),
             _ => None,
         }
     }

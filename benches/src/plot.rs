@@ -503,8 +503,7 @@ fn decode_charts(r: &Value, dir: &Path, sub: &str) -> Result<Vec<PathBuf>> {
         if let Some(f) = p.get("floor_tok_s").and_then(Value::as_f64) {
             floor.push((pct, f));
         }
-        let sp =
-            p.get("split").ok_or_else(|| Error::ReportShape { report: "decode", what: "a point has no `split`" })?;
+        let sp = p.get("split").ok_or(Error::ReportShape { report: "decode", what: "a point has no `split`" })?;
         for (xy, (key, _)) in split.iter_mut().zip(parts) {
             xy.push((pct, num(sp, key)?));
         }

@@ -42,9 +42,9 @@ pub enum Error {
         path: PathBuf,
         /// Bytes asked for (one logical block).
         len: u32,
-        /// The buffer error.
+        /// The buffer error (boxed: it would make every blockdev and runtime `Result` larger).
         #[source]
-        cause: picchio_core::Error,
+        cause: Box<picchio_core::Error>,
     },
     /// `open(2)` failed.
     #[error("{}: opening for {mode} reads", path.display())]
@@ -495,7 +495,7 @@ mod tests {
         assert_eq!(e.to_string(), "/d: io_uring iopoll: turn iopoll off");
         let cause = picchio_core::AlignedBuf::new(4096, 3).unwrap_err();
         let want = cause.to_string();
-        let e = Error::IopollProbeBuffer { path: "/d".into(), len: 4096, cause };
+        let e = Error::IopollProbeBuffer { path: "/d".into(), len: 4096, cause: Box::new(cause) };
         assert_eq!(e.to_string(), "/d: allocating the 4096-byte io_uring iopoll probe buffer");
         assert_eq!(e.source().map(|s| s.to_string()), Some(want));
         for e in [

@@ -347,7 +347,7 @@ impl UringQueue {
         let buf = AlignedBuf::new(len as usize, len as usize).map_err(|cause| Error::IopollProbeBuffer {
             path: self.path.clone(),
             len,
-            cause,
+            cause: Box::new(cause),
         })?;
         self.submit(ReadReq { offset: picchio_core::ByteOffset(0), len, buf, tag: Tag(u64::MAX) });
         let mut out = Vec::with_capacity(1);

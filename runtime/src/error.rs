@@ -575,9 +575,9 @@ pub enum Error {
     RecordDamaged {
         /// The image.
         image: String,
-        /// The record's parse error.
+        /// The record's parse error (boxed: it would make every runtime `Result` larger).
         #[source]
-        cause: picchio_core::Error,
+        cause: Box<picchio_core::Error>,
     },
     /// The model directory an image records is gone (or changed), and none beside the image matches.
     #[error(
@@ -953,7 +953,7 @@ mod tests {
         let json = || serde_json::from_str::<u32>("{").unwrap_err();
         let damaged = picchio_core::Error::BadMagic { source_name: "img".into(), found: "x".into() };
         let errors = [
-            Error::RecordDamaged { image: "/i.pf".into(), cause: damaged },
+            Error::RecordDamaged { image: "/i.pf".into(), cause: Box::new(damaged) },
             Error::ToolCallArguments { index: 1, cause: json() },
         ];
         for e in &errors {

@@ -144,7 +144,7 @@ pub fn find_model_dir(uri: &StoreUri, io: EngineOptions) -> Result<FoundModel> {
         Ok(Some(rec)) => rec,
         // The experts are readable (the superblock reads a damaged record as none); only the way to
         // the model is lost.
-        Err(cause) => return Err(Error::RecordDamaged { image: name, cause }),
+        Err(cause) => return Err(Error::RecordDamaged { image: name, cause: Box::new(cause) }),
         Ok(None) => return no_record(&name, beside),
     };
     let short = hex8(&rec.config_sha256);

@@ -432,7 +432,7 @@ fn write_file_items(
         }
     }
     if written != f.bytes {
-        return Err(Error::ShardBytes { path: path.into(), written: written as u64, planned: f.bytes as u64 });
+        return Err(Error::ShardBytes { path: path.into(), written, planned: f.bytes });
     }
     w.finish().map_err(Error::io(path, "write"))
 }

@@ -321,7 +321,7 @@ fn write_shard(
         bar.inc(1);
     }
     if written != s.bytes {
-        return Err(Error::ShardBytes { path: path.into(), written: written as u64, planned: s.bytes as u64 });
+        return Err(Error::ShardBytes { path: path.into(), written, planned: s.bytes });
     }
     w.finish().map_err(Error::io(path, "write"))
 }

@@ -165,3 +165,29 @@ put("chat_template", "template_list", b"\x00" + json.dumps({
                       {"name": "default", "template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
                                                       "{% if add_generation_prompt %}<assistant>{% endif %}"}]}).encode())
 put("chat_template", "raise_exception", b"\x01{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}")
+
+# --- gguf: gguf-py's tiny GGUF and its split halves (tests/fixtures/gguf), and hand-made headers:
+# nested arrays, a big-endian version, a huge count, an F32 tensor with general.alignment 64.
+for name in ["tiny.gguf", "tiny-split-00001-of-00002.gguf", "tiny-split-00002-of-00002.gguf"]:
+    put("gguf", name.replace(".gguf", ""), fixture("gguf", name))
+
+
+def gguf_str(s):
+    return struct.pack("<Q", len(s)) + s
+
+
+def gguf(version, tensors, kvs, endian="<"):
+    return b"GGUF" + struct.pack(endian + "IQQ", version, len(tensors), len(kvs)) + b"".join(kvs) + b"".join(tensors)
+
+
+nested = gguf_str(b"nested") + struct.pack("<IIQ", 9, 9, 2) + struct.pack("<IQ", 4, 1) + struct.pack("<I", 7) \
+    + struct.pack("<IQ", 8, 1) + gguf_str(b"x")
+put("gguf", "nested_arrays", gguf(3, [], [nested]))
+put("gguf", "big_endian", gguf(3, [], [nested], endian=">"))
+put("gguf", "huge_kv_count", b"GGUF" + struct.pack("<IQQ", 3, 0, 1 << 62))
+align = gguf_str(b"general.alignment") + struct.pack("<II", 4, 64)
+f32 = gguf_str(b"w") + struct.pack("<IQQIQ", 2, 4, 2, 0, 0)
+q8 = gguf_str(b"q") + struct.pack("<IQIQ", 1, 32, 8, 64)
+head = gguf(2, [f32, q8], [align])
+head += bytes(-len(head) % 64)
+put("gguf", "v2_aligned_64", head + struct.pack("<8f", *range(8)) + bytes(32) + b"\x00\x3c" + bytes(range(32)))

@@ -240,6 +240,10 @@ pub enum Error {
     /// A quantization check failed (shape or name); the [`crate::quant::QuantError`] names it.
     #[error(transparent)]
     Quant(#[from] crate::quant::QuantError),
+    /// Dequantizing GGUF tensor bytes failed (an unsupported type or a length that is not whole
+    /// blocks); the [`crate::kernels::ggml::DequantError`] names the type and lengths.
+    #[error(transparent)]
+    Dequant(#[from] crate::kernels::ggml::DequantError),
     /// The NVMe driver failed on `target` (the driver's error is the `source()`). Linux only, as the
     /// driver is.
     #[cfg(target_os = "linux")]

@@ -5,7 +5,10 @@
 //! index_offset          n_entries × 24-byte [`ExpertLoc`], addressed by layer * n_experts + expert
 //! data_offset           one payload per expert, (layer, expert) order, each padded to BLOCK_SIZE
 //! ```
+//!
+//! [`gguf`] reads llama.cpp's GGUF model files (a model source; nothing here writes them).
 
+pub mod gguf;
 mod index;
 mod model_record;
 mod superblock;

@@ -61,6 +61,7 @@ use crate::quant::{GROUP_SIZE, Q3_GROUP_BYTES, Q4_GROUP_BYTES};
 
 mod block;
 mod dense;
+pub mod ggml;
 mod idot;
 mod norm;
 mod q3;

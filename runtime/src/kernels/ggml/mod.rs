@@ -1,0 +1,134 @@
+//! Dequantization of ggml's block types, as stored in GGUF files: scalar reference functions that
+//! equal gguf-py's `gguf.quants.dequantize` bit for bit (checked against fixtures it wrote:
+//! `tests/fixtures/gguf/dequant/`, test `picchio-tests` `gguf::dequantize_equals_gguf_py_bit_for_bit`).
+//!
+//! Every value is computed with the f32 operations, in the order, that gguf-py's numpy code uses
+//! (numpy computes in f32 and never fuses a multiply and an add; neither does Rust without
+//! `mul_add`). Where ggml's C (`dequantize_row_*` in `ggml-quants.c`) orders them differently it
+//! is noted at the function. One file per family: [`legacy`] (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0),
+//! [`kquants`] (Q2_K … Q6_K), [`floats`] (F32, F16, BF16, MXFP4).
+
+use picchio_core::format::gguf::GgmlType;
+
+pub mod floats;
+pub mod kquants;
+pub mod legacy;
+
+/// Why [`dequantize`] refused its input.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DequantError {
+    /// A type without a dequantizer here (the I-quants, ternary, NVFP4, Q1_0, integer types,
+    /// F64, and the activation types Q8_1/Q8_K).
+    #[error("dequantizing {ty}: not supported (supported: {})", SUPPORTED.map(|t| t.name()).join(", "))]
+    Unsupported {
+        /// The type.
+        ty: GgmlType,
+    },
+    /// The input is not a whole number of blocks.
+    #[error("dequantizing {ty}: {bytes} bytes are not a whole number of {block_bytes}-byte blocks")]
+    PartialBlock {
+        /// The type.
+        ty: GgmlType,
+        /// Input length in bytes.
+        bytes: usize,
+        /// Bytes per block.
+        block_bytes: u32,
+    },
+    /// The output's length differs from the input's element count.
+    #[error("dequantizing {ty}: {bytes} bytes hold {expected} values, the output has {found}")]
+    OutputLen {
+        /// The type.
+        ty: GgmlType,
+        /// Input length in bytes.
+        bytes: usize,
+        /// Values the input holds.
+        expected: usize,
+        /// Length of the output.
+        found: usize,
+    },
+}
+
+/// The types [`dequantize`] accepts.
+pub const SUPPORTED: [GgmlType; 14] = {
+    use GgmlType::*;
+    [F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4]
+};
+
+/// Writes the values of `bytes`, whole blocks of type `ty` as stored in a GGUF, to `out`
+/// (`out.len()` = blocks × the type's block elements), in ggml's element order.
+///
+/// # Errors
+/// [`DequantError::Unsupported`] for a type not in [`SUPPORTED`]; [`DequantError::PartialBlock`]
+/// when `bytes.len()` is not a multiple of the block size; [`DequantError::OutputLen`] when `out`
+/// has another length than the values `bytes` holds.
+pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), DequantError> {
+    use GgmlType::*;
+    let run: fn(&[u8], &mut [f32]) = match ty {
+        F32 => floats::f32s,
+        F16 => floats::f16s,
+        BF16 => floats::bf16s,
+        MXFP4 => floats::mxfp4,
+        Q8_0 => legacy::q8_0,
+        Q4_0 => |b, y| legacy::LegacyBlock::Q4_0.dequantize(b, y),
+        Q4_1 => |b, y| legacy::LegacyBlock::Q4_1.dequantize(b, y),
+        Q5_0 => |b, y| legacy::LegacyBlock::Q5_0.dequantize(b, y),
+        Q5_1 => |b, y| legacy::LegacyBlock::Q5_1.dequantize(b, y),
+        Q2_K => kquants::q2_k,
+        Q3_K => kquants::q3_k,
+        Q4_K => |b, y| kquants::q4_k_q5_k(false, b, y),
+        Q5_K => |b, y| kquants::q4_k_q5_k(true, b, y),
+        Q6_K => kquants::q6_k,
+        _ => return Err(DequantError::Unsupported { ty }),
+    };
+    let (block_bytes, block_elems) = (ty.block_bytes(), ty.block_elems() as usize);
+    if bytes.len() % block_bytes as usize != 0 {
+        return Err(DequantError::PartialBlock { ty, bytes: bytes.len(), block_bytes });
+    }
+    let expected = bytes.len() / block_bytes as usize * block_elems;
+    if out.len() != expected {
+        return Err(DequantError::OutputLen { ty, bytes: bytes.len(), expected, found: out.len() });
+    }
+    run(bytes, out);
+    Ok(())
+}
+
+/// The little-endian u16 at byte `at` of `b`.
+fn le16(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([b[at], b[at + 1]])
+}
+
+/// The f16 at byte `at` of `b`, widened exactly ([`floats::f16_to_f32`]).
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    floats::f16_to_f32(le16(b, at))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lengths_and_types_are_checked() {
+        let mut out = [0f32; 64];
+        assert_eq!(
+            dequantize(GgmlType::Q8_0, &[0; 33], &mut out[..32]),
+            Err(DequantError::PartialBlock { ty: GgmlType::Q8_0, bytes: 33, block_bytes: 34 })
+        );
+        let e = dequantize(GgmlType::Q8_0, &[0; 68], &mut out[..63]).unwrap_err();
+        assert_eq!(e.to_string(), "dequantizing Q8_0: 68 bytes hold 64 values, the output has 63");
+        let e = dequantize(GgmlType::IQ4_XS, &[0; 136], &mut [0f32; 256]).unwrap_err();
+        assert_eq!(e, DequantError::Unsupported { ty: GgmlType::IQ4_XS });
+        assert!(e.to_string().contains("supported: F32, F16, BF16, Q8_0"), "{e}");
+        dequantize(GgmlType::Q4_K, &[], &mut []).unwrap();
+    }
+
+    /// Every supported type decodes a block of zero bytes to zeros (all its scales are +0).
+    #[test]
+    fn zero_blocks_are_zero() {
+        for ty in SUPPORTED {
+            let (bb, be) = (ty.block_bytes() as usize, ty.block_elems() as usize);
+            let mut out = vec![f32::NAN; 2 * be];
+            dequantize(ty, &vec![0; 2 * bb], &mut out).unwrap();
+            assert!(out.iter().all(|&v| v == 0.0), "{ty}: {out:?}");
+        }
+    }
+}

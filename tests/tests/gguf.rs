@@ -65,7 +65,12 @@ fn check_value(key: &str, got: &Value, want: &Json) {
 
 fn check_array(a: &Array, sub: &str, v: &Json) -> bool {
     let w = v.as_array().unwrap();
-    let ints = |got: Vec<i128>| got == w.iter().map(|x| x.as_i64().map_or_else(|| i128::from(x.as_u64().unwrap()), i128::from)).collect::<Vec<_>>();
+    let ints = |got: Vec<i128>| {
+        got == w
+            .iter()
+            .map(|x| x.as_i64().map_or_else(|| i128::from(x.as_u64().unwrap()), i128::from))
+            .collect::<Vec<_>>()
+    };
     match (sub, a) {
         ("UINT8", Array::U8(x)) => ints(x.iter().map(|&e| e.into()).collect()),
         ("INT8", Array::I8(x)) => ints(x.iter().map(|&e| e.into()).collect()),

@@ -34,12 +34,12 @@ pub enum GgufError {
         len: u64,
     },
     /// The file does not start with `GGUF`.
-    #[error("{path}: not a GGUF file: bad magic at offset 0x0: expected \"GGUF\", found {found:?}")]
+    #[error("{path}: not a GGUF file: bad magic at offset 0x0: expected \"GGUF\", found \"{found}\"")]
     BadMagic {
         /// The file.
         path: PathBuf,
-        /// The first (up to) four bytes.
-        found: Vec<u8>,
+        /// The first (up to) four bytes, ASCII-escaped.
+        found: String,
     },
     /// The version field reads as 2 or 3 only when byte-swapped: a big-endian GGUF.
     #[error("{path}: big-endian GGUF (version field at offset 0x4 is {version} byte-swapped): only little-endian files are read")]
@@ -188,7 +188,9 @@ pub enum GgufError {
         block: u32,
     },
     /// A tensor's offset (relative to the data section) is not a multiple of the alignment.
-    #[error("{path}: tensor `{tensor}`: offset {offset:#x} (at {at:#x}) is not a multiple of the alignment {alignment}")]
+    #[error(
+        "{path}: tensor `{tensor}`: offset {offset:#x} (at {at:#x}) is not a multiple of the alignment {alignment}"
+    )]
     Misaligned {
         /// The file.
         path: PathBuf,

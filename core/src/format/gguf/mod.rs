@@ -360,7 +360,11 @@ impl<R: Read> Reader<R> {
         let at = self.pos;
         let mut bytes = vec![0u8; n as usize];
         self.fill(&mut bytes, what)?;
-        String::from_utf8(bytes).map_err(|_| GgufError::NotUtf8 { path: self.path.clone(), what: what.to_string(), offset: at })
+        String::from_utf8(bytes).map_err(|_| GgufError::NotUtf8 {
+            path: self.path.clone(),
+            what: what.to_string(),
+            offset: at,
+        })
     }
 
     fn value_type(&mut self, what: &dyn std::fmt::Display) -> Result<ValueType> {
@@ -416,7 +420,12 @@ impl<R: Read> Reader<R> {
     fn array_value(&mut self, key: &str, depth: u32) -> Result<Array> {
         let start = self.pos;
         if depth >= MAX_ARRAY_DEPTH {
-            return Err(GgufError::TooDeep { path: self.path.clone(), key: key.to_owned(), offset: start, max: MAX_ARRAY_DEPTH });
+            return Err(GgufError::TooDeep {
+                path: self.path.clone(),
+                key: key.to_owned(),
+                offset: start,
+                max: MAX_ARRAY_DEPTH,
+            });
         }
         let what = format!("elements of key `{key}`");
         let ty = self.value_type(&what)?;
@@ -449,7 +458,10 @@ impl<R: Read> Reader<R> {
         let got = self.len.min(4) as usize;
         self.fill(&mut magic[..got], &"magic")?;
         if got < 4 || magic != GGUF_MAGIC {
-            return Err(GgufError::BadMagic { path: self.path.clone(), found: magic[..got].escape_ascii().to_string() });
+            return Err(GgufError::BadMagic {
+                path: self.path.clone(),
+                found: magic[..got].escape_ascii().to_string(),
+            });
         }
         let version_bytes: [u8; 4] = self.array(&"version")?;
         let version = u32::from_le_bytes(version_bytes);
@@ -481,7 +493,9 @@ impl<R: Read> Reader<R> {
         let alignment = match keys.get("general.alignment").map(|&i| &metadata[i].1) {
             None => DEFAULT_ALIGNMENT,
             Some(Value::U32(a)) if a.is_power_of_two() => u64::from(*a),
-            Some(Value::U32(a)) => return Err(GgufError::BadAlignment { path: self.path.clone(), found: a.to_string() }),
+            Some(Value::U32(a)) => {
+                return Err(GgufError::BadAlignment { path: self.path.clone(), found: a.to_string() })
+            }
             Some(v) => return Err(GgufError::BadAlignment { path: self.path.clone(), found: v.type_name() }),
         };
 
@@ -515,7 +529,13 @@ impl<R: Read> Reader<R> {
             }
             let n_bytes = self.tensor_bytes(&name, &dims, ty)?;
             if offset % alignment != 0 {
-                return Err(GgufError::Misaligned { path: self.path.clone(), tensor: name, offset, at: offset_at, alignment });
+                return Err(GgufError::Misaligned {
+                    path: self.path.clone(),
+                    tensor: name,
+                    offset,
+                    at: offset_at,
+                    alignment,
+                });
             }
             names.insert(name.clone(), infos.len());
             infos.push((name, dims, ty, offset, n_bytes));
@@ -527,7 +547,13 @@ impl<R: Read> Reader<R> {
             let start = data_offset.saturating_add(offset);
             let end = start.saturating_add(n_bytes);
             if end > self.len {
-                return Err(GgufError::TensorPastEnd { path: self.path.clone(), tensor: name, start, end, len: self.len });
+                return Err(GgufError::TensorPastEnd {
+                    path: self.path.clone(),
+                    tensor: name,
+                    start,
+                    end,
+                    len: self.len,
+                });
             }
             tensors.push(TensorInfo { name, dims, ty, offset, range: start..end });
         }
@@ -547,7 +573,8 @@ impl<R: Read> Reader<R> {
 
     /// The byte size of a tensor of `dims` and `ty`, refusing overflow and partial blocks.
     fn tensor_bytes(&self, name: &str, dims: &[u64], ty: GgmlType) -> Result<u64> {
-        let overflow = || GgufError::DimsOverflow { path: self.path.clone(), tensor: name.to_owned(), dims: dims.to_vec() };
+        let overflow =
+            || GgufError::DimsOverflow { path: self.path.clone(), tensor: name.to_owned(), dims: dims.to_vec() };
         let n_elems = dims.iter().try_fold(1u64, |n, &d| n.checked_mul(d)).filter(|&n| n <= i64::MAX as u64);
         let n_elems = n_elems.ok_or_else(overflow)?;
         let block = ty.block_elems();
@@ -636,7 +663,8 @@ pub(crate) mod tests {
         let f = parse(&b).unwrap();
         assert_eq!(f.version(), 3);
         assert_eq!(f.alignment(), 32);
-        let header_len = 24 + (8 + 20 + 4 + 8 + 8) + (8 + 20 + 4 + 4) + (8 + 1 + 4 + 16 + 4 + 8) + (8 + 1 + 4 + 8 + 4 + 8);
+        let header_len =
+            24 + (8 + 20 + 4 + 8 + 8) + (8 + 20 + 4 + 4) + (8 + 1 + 4 + 16 + 4 + 8) + (8 + 1 + 4 + 8 + 4 + 8);
         assert_eq!(f.header_len(), header_len);
         assert_eq!(f.data_offset(), header_len.div_ceil(32) * 32);
         let a = f.tensor("a").unwrap();
@@ -712,7 +740,7 @@ pub(crate) mod tests {
         }
         // A string length of 2^63.
         let mut b = Builder::header(3, 0, 1);
-        b.u64(1 << 63);
+        b.u64(1 << 63).u64(0);
         let e = parse(&b).unwrap_err();
         assert!(matches!(&e, GgufError::TooLarge { offset: 0x18, .. }), "{e}");
         // An array of 2^40 u32.
@@ -747,6 +775,7 @@ pub(crate) mod tests {
         // Not UTF-8.
         let mut b = Builder::header(3, 0, 1);
         b.u64(2).b.extend_from_slice(&[0xff, 0xfe]);
+        b.u32(0).b.push(0); // a u8 value, so that the key/value count fits
         assert!(matches!(parse(&b), Err(GgufError::NotUtf8 { offset: 0x20, .. })));
         // A bool of 2.
         let mut b = Builder::header(3, 0, 1);

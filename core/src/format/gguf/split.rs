@@ -158,10 +158,10 @@ impl GgufModel {
     /// # Errors
     /// [`GgufError::MissingTensor`] naming the tensor and the (first) file.
     pub fn tensor(&self, name: &str) -> Result<&ModelTensor> {
-        self.names.get(name).map(|&i| &self.tensors[i]).ok_or_else(|| GgufError::MissingTensor {
-            path: self.files[0].path().to_owned(),
-            tensor: name.to_owned(),
-        })
+        self.names
+            .get(name)
+            .map(|&i| &self.tensors[i])
+            .ok_or_else(|| GgufError::MissingTensor { path: self.files[0].path().to_owned(), tensor: name.to_owned() })
     }
 
     /// The path of the file holding `t`.
@@ -185,7 +185,14 @@ mod tests {
                 .map(|n| PathBuf::from(format!("/m/Qwen3-30B-A3B-Q4_K_M-{n}-of-00003.gguf")))
                 .to_vec()
         );
-        for bad in ["m.gguf", "m-1-of-2.gguf", "m-00003-of-00002.gguf", "m-00000-of-00002.gguf", "-00001-of-00002.gguf", "m-00001-of-00002.bin"] {
+        for bad in [
+            "m.gguf",
+            "m-1-of-2.gguf",
+            "m-00003-of-00002.gguf",
+            "m-00000-of-00002.gguf",
+            "-00001-of-00002.gguf",
+            "m-00001-of-00002.bin",
+        ] {
             assert_eq!(split_paths(Path::new(bad)), None, "{bad}");
         }
     }

@@ -214,7 +214,10 @@ mod tests {
             let id: u32 = f[0].parse().unwrap();
             let ty = GgmlType::from_id(id).unwrap_or_else(|| panic!("gguf-py has id {id} ({})", f[1]));
             let tr = ty.traits();
-            assert_eq!((tr.name, tr.block_elems.to_string().as_str(), tr.block_bytes.to_string().as_str()), (f[1], f[2], f[3]));
+            assert_eq!(
+                (tr.name, tr.block_elems.to_string().as_str(), tr.block_bytes.to_string().as_str()),
+                (f[1], f[2], f[3])
+            );
             n += 1;
         }
         assert_eq!(n, GGML_TYPES.len(), "gguf-py and this table list the same types");

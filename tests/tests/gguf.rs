@@ -136,7 +136,10 @@ fn the_tiny_gguf_reads_as_gguf_py_wrote_it() {
         let r = &t.info.range;
         let mut out = vec![0f32; t.info.n_elems() as usize];
         dequantize(t.info.ty, &bytes[r.start as usize..r.end as usize], &mut out).unwrap();
-        assert!(out.iter().all(|v| v.is_finite()), "{}", t.info.name);
+        // The float tensors hold infinities and NaNs on purpose; the block types' scales are finite.
+        if !matches!(t.info.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
+            assert!(out.iter().all(|v| v.is_finite()), "{}", t.info.name);
+        }
     }
 }
 
@@ -183,7 +186,9 @@ fn damaged_copies_are_refused_with_the_offset() {
     let bytes = std::fs::read(gguf_fixture("tiny.gguf")).unwrap();
     let f = GgufFile::open(gguf_fixture("tiny.gguf")).unwrap();
     let (header_len, data) = (f.header_len() as usize, f.data_offset() as usize);
-    for cut in [0, 3, 7, 20, 24, 100, header_len / 2, header_len - 1, data + 1, bytes.len() - 1] {
+    // gguf-py pads the file after the last tensor: cut inside that tensor.
+    let last_end = f.tensors().iter().map(|t| t.range.end).max().unwrap() as usize;
+    for cut in [0, 3, 7, 20, 24, 100, header_len / 2, header_len - 1, data + 1, last_end - 1] {
         let e = refused(&bytes[..cut]);
         let text = e.to_string();
         assert!(text.starts_with("damaged.gguf: "), "{text}");

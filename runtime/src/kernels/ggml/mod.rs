@@ -4,9 +4,15 @@
 //!
 //! Every value is computed with the f32 operations, in the order, that gguf-py's numpy code uses
 //! (numpy computes in f32 and never fuses a multiply and an add; neither does Rust without
-//! `mul_add`). Where ggml's C (`dequantize_row_*` in `ggml-quants.c`) orders them differently it
-//! is noted at the function. One file per family: [`legacy`] (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0),
-//! [`kquants`] (Q2_K … Q6_K), [`floats`] (F32, F16, BF16, MXFP4).
+//! `mul_add`). The order turns out not to matter: a block's f16 scale has 11 significant bits and
+//! its integer factors at most 14, so every product is exact in f32 (Q6_K's `d·sc·q` may round
+//! once, but from an exact `d·sc`), and the only rounding is the final add of the minimum. So
+//! ggml's C (`dequantize_row_*` in `ggml-quants.c`), which orders some products differently and may
+//! be compiled with fused multiply-adds, gives the same bits; they differ only on F16 NaNs (ggml's
+//! conversion quiets a signalling NaN, numpy and [`floats::f16_to_f32`] keep it).
+//!
+//! One file per family: [`legacy`] (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), [`kquants`] (Q2_K … Q6_K),
+//! [`floats`] (F32, F16, BF16, MXFP4).
 
 use picchio_core::format::gguf::GgmlType;
 

@@ -528,7 +528,7 @@ impl<R: Read> Reader<R> {
                 return Err(GgufError::DuplicateTensor { path: self.path.clone(), tensor: name, offset: at });
             }
             let n_bytes = self.tensor_bytes(&name, &dims, ty)?;
-            if offset % alignment != 0 {
+            if !offset.is_multiple_of(alignment) {
                 return Err(GgufError::Misaligned {
                     path: self.path.clone(),
                     tensor: name,
@@ -578,7 +578,7 @@ impl<R: Read> Reader<R> {
         let n_elems = dims.iter().try_fold(1u64, |n, &d| n.checked_mul(d)).filter(|&n| n <= i64::MAX as u64);
         let n_elems = n_elems.ok_or_else(overflow)?;
         let block = ty.block_elems();
-        if dims[0] % u64::from(block) != 0 {
+        if !dims[0].is_multiple_of(u64::from(block)) {
             return Err(GgufError::PartialBlock {
                 path: self.path.clone(),
                 tensor: name.to_owned(),

@@ -170,7 +170,7 @@ impl GgmlType {
     /// the size overflows a `u64`.
     pub fn bytes_for(self, n_elems: u64) -> Option<u64> {
         let tr = self.traits();
-        if n_elems % u64::from(tr.block_elems) != 0 {
+        if !n_elems.is_multiple_of(u64::from(tr.block_elems)) {
             return None;
         }
         (n_elems / u64::from(tr.block_elems)).checked_mul(u64::from(tr.block_bytes))

@@ -87,7 +87,7 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), Deq
         _ => return Err(DequantError::Unsupported { ty }),
     };
     let (block_bytes, block_elems) = (ty.block_bytes(), ty.block_elems() as usize);
-    if bytes.len() % block_bytes as usize != 0 {
+    if !bytes.len().is_multiple_of(block_bytes as usize) {
         return Err(DequantError::PartialBlock { ty, bytes: bytes.len(), block_bytes });
     }
     let expected = bytes.len() / block_bytes as usize * block_elems;

@@ -638,15 +638,12 @@ impl NvmeQueue {
 }
 
 impl crate::sink::FlushSteps for NvmeQueue {
-    fn queue_flush(&mut self, buf: AlignedBuf) {
-        self.reqs.clear_flush();
+    type Transport = Pcie;
+    fn requests(&mut self) -> &mut Requests<Pcie> {
+        &mut self.reqs
+    }
+    fn enqueue_flush(&mut self, buf: AlignedBuf) {
         self.enqueue(Op::Flush, Tag(u64::MAX), buf, 0, 0);
-    }
-    fn take_flush_outcome(&mut self) -> Option<io::Result<()>> {
-        self.reqs.take_flush().map(|r| r.map(|_| ()))
-    }
-    fn hold_back(&mut self, held: Vec<Completion>) {
-        self.reqs.hold_back(held);
     }
 }
 

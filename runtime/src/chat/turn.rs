@@ -103,17 +103,7 @@ impl Session {
         on_token: &mut dyn FnMut(u32) -> ControlFlow<()>,
         stop: &mut dyn FnMut() -> bool,
     ) -> Result<Turn> {
-        let vocab = self.model.config().vocab_size;
-        if prompt.is_empty() {
-            return Err(Error::EmptyPrompt);
-        }
-        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
-            return Err(Error::OutOfVocabulary { what: "prompt id", id: u64::from(bad), vocab });
-        }
-        let needed = prompt.len().saturating_add(opts.max_new);
-        if needed > self.model.max_seq() {
-            return Err(Error::ContextOverflow { needed, context: self.model.max_seq(), config: None });
-        }
+        crate::run::check_prompt(&self.model, prompt, opts.max_new)?;
         let start = (self.cache.hits(), self.cache.misses(), self.io_stats.snapshot());
         let (pf0, wait0) = (self.cache.prefetch_stats(), self.cache.io_wait_ns());
         let t0 = Instant::now();

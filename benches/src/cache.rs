@@ -241,7 +241,8 @@ pub fn run_cache(opts: &CacheOptions, progress: &mut dyn FnMut(usize, usize)) ->
     for &mode in &opts.modes {
         for &ecap in &ecaps {
             let engine = EngineOptions { direct: mode == ReadMode::Direct, ..opts.engine };
-            let base = point_options(&opts.model, &opts.store, engine, opts.schedule, ecap, opts.prompt.len() + opts.tokens);
+            let base =
+                point_options(&opts.model, &opts.store, engine, opts.schedule, ecap, opts.prompt.len() + opts.tokens);
             let (mut s, total) = open_point(&SessionOptions { verify: opts.verify, ..base })?;
             let cfg = s.model.config();
             // Session::open refuses an ecap above `total` ("only N routed experts").

@@ -1,8 +1,8 @@
 //! The `decode` experiment (`picchio bench decode`): where a decode token's time goes, and how far
 //! it is from the I/O floor, at each expert-cache budget. Each point is one real generation
-//! ([`Session::generate`]: chunked prefill of the prompt, then greedy decode) on a fresh session
-//! whose cache starts empty (or warm from a usage profile, `--warm-from`), the image's pages
-//! dropped from the page cache first.
+//! ([`picchio_runtime::run::Session::generate`]: chunked prefill of the prompt, then greedy
+//! decode) on a fresh session whose cache starts empty (or warm from a usage profile,
+//! `--warm-from`), the image's pages dropped from the page cache first.
 //!
 //! Per point it reports prefill and decode tok/s, the decode step's time split (attention, router,
 //! expert compute, exposed I/O wait, lm_head, the rest: [`DecodeSplit`]), expert reads and bytes
@@ -22,7 +22,7 @@ use picchio_runtime::expert::cache::PrefetchStats;
 use picchio_runtime::expert::open::EngineOptions;
 use picchio_runtime::model::DecodeSchedule;
 use picchio_runtime::model::DenseFormat;
-use picchio_runtime::run::{DecodeSplit, GenerateOptions, Session, SessionOptions};
+use picchio_runtime::run::{DecodeSplit, GenerateOptions, SessionOptions};
 use picchio_runtime::ModelDir;
 
 use crate::cache::{decode_points, drop_page_cache, open_point, point_options};
@@ -194,7 +194,8 @@ pub fn run_decode(opts: &DecodeOptions, progress: &mut dyn FnMut(usize, usize)) 
     let mut shape = None;
     let mut rss_reset = true;
     for &ecap in &ecaps {
-        let base = point_options(&opts.model, &opts.store, opts.engine, opts.schedule, ecap, opts.prompt.len() + opts.tokens);
+        let base =
+            point_options(&opts.model, &opts.store, opts.engine, opts.schedule, ecap, opts.prompt.len() + opts.tokens);
         rss_reset &= reset_peak_rss();
         let (mut s, total) = open_point(&SessionOptions { dense: opts.dense, ..base })?;
         s.model.set_prefill_chunk(opts.prefill_chunk)?;

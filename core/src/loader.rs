@@ -890,7 +890,8 @@ mod tests {
             recheck_every: 1,
             ..Default::default()
         };
-        let mut store = FlatStore::open(q, "raw:mem@12288", opts).unwrap().with_guard(Dropped("guard", dropped.clone()));
+        let mut store =
+            FlatStore::open(q, "raw:mem@12288", opts).unwrap().with_guard(Dropped("guard", dropped.clone()));
         let sb = store.superblock().clone();
         assert_eq!(*asked.lock().unwrap(), [base, base + sb.index_offset], "superblock and index at base + offset");
         let mut got = Vec::new();

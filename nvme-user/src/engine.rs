@@ -138,7 +138,7 @@ enum DataPath {
 
 /// What the PCIe transport keeps with a request.
 #[derive(Debug)]
-struct Pcie {
+pub(crate) struct Pcie {
     /// IOVA of the buffer when mapped (direct path).
     iova: Option<Iova>,
     /// The buffer is a pool slot: (index into `NvmeQueue::slot_pools`, offset in its region).

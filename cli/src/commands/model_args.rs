@@ -42,7 +42,7 @@ pub struct ModelArgs {
 impl ModelArgs {
     /// The engine options of these arguments.
     fn io(&self) -> EngineOptions {
-self.engine.options()
+        self.engine.options()
     }
 
     /// The model directory: `--model` (or $PICCHIO_MODEL), else the one the `--store` image names

@@ -148,7 +148,13 @@ fn identify(bdf: &Bdf) -> anyhow::Result<()> {
         if id.mdts == 0 { "no limit".to_string() } else { format!("max transfer {} bytes", ctrlr.max_transfer()) }
     );
     for ns in ctrlr.namespaces() {
-        println!("  namespace {}: LBA size {} B, {} blocks, {}", ns.nsid, ns.lba_size, ns.blocks, picchio_core::human_bytes(ns.bytes()));
+        println!(
+            "  namespace {}: LBA size {} B, {} blocks, {}",
+            ns.nsid,
+            ns.lba_size,
+            ns.blocks,
+            picchio_core::human_bytes(ns.bytes())
+        );
     }
     // Dropping the controller shuts it down (CC.SHN) and releases the VFIO device.
     drop(ctrlr);

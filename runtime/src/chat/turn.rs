@@ -6,7 +6,7 @@
 use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::model::sampler::{Sampler, SamplerOptions};
 use crate::run::{RunStats, Session};
 
@@ -76,9 +76,10 @@ impl Session {
     /// run), and [`Session::kv_ids`] says so.
     ///
     /// # Errors
-    /// [`Error::EmptyPrompt`], [`Error::OutOfVocabulary`], [`Error::ContextOverflow`] when prompt +
-    /// `max_new` exceed the KV cache (nothing is run); [`Error::Interrupted`] after SIGINT/SIGTERM
-    /// during the prefill; forward-pass errors (the KV record is then cut to what is valid).
+    /// [`crate::Error::EmptyPrompt`], [`crate::Error::OutOfVocabulary`],
+    /// [`crate::Error::ContextOverflow`] when prompt + `max_new` exceed the KV cache (nothing is run);
+    /// [`crate::Error::Interrupted`] after SIGINT/SIGTERM during the prefill; forward-pass errors (the
+    /// KV record is then cut to what is valid).
     pub fn complete(
         &mut self,
         prompt: &[u32],
@@ -104,6 +105,7 @@ impl Session {
         stop: &mut dyn FnMut() -> bool,
     ) -> Result<Turn> {
         crate::run::check_prompt(&self.model, prompt, opts.max_new)?;
+        let vocab = self.model.config().vocab_size;
         let start = (self.cache.hits(), self.cache.misses(), self.io_stats.snapshot());
         let (pf0, wait0) = (self.cache.prefetch_stats(), self.cache.io_wait_ns());
         let t0 = Instant::now();

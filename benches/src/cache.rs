@@ -234,36 +234,17 @@ pub fn run_cache(opts: &CacheOptions, progress: &mut dyn FnMut(usize, usize)) ->
     if opts.prompt.is_empty() {
         return Err(Error::EmptyPrompt { experiment: "cache" });
     }
-    if opts.tokens < 2 {
-        return Err(Error::BadOption {
-            experiment: Some("bench cache"),
-            option: "-n",
-            value: opts.tokens.to_string(),
-            expected: "decode needs at least 2 tokens".into(),
-        });
-    }
-    let mut ecaps = opts.ecaps.clone();
-    ecaps.sort_unstable();
-    ecaps.dedup();
-    let image = image_file(&opts.store, opts.model.path());
+    let (ecaps, image) = decode_points("bench cache", &opts.ecaps, opts.tokens, &opts.store, &opts.model)?;
     let total_points = ecaps.len() * opts.modes.len();
     let mut points = Vec::with_capacity(total_points);
     let mut shape = None;
     for &mode in &opts.modes {
         for &ecap in &ecaps {
-            let session_opts = SessionOptions {
-                model: opts.model.clone(),
-                store: opts.store.clone(),
-                engine: EngineOptions { direct: mode == ReadMode::Direct, ..opts.engine },
-                schedule: opts.schedule,
-                verify: opts.verify,
-                ecap: Some(ecap),
-                max_seq: opts.prompt.len() + opts.tokens,
-                dense: picchio_runtime::model::DenseFormat::Stored,
-            };
-            let mut s = Session::open(&session_opts, None)?;
+            let engine = EngineOptions { direct: mode == ReadMode::Direct, ..opts.engine };
+            let base =
+                point_options(&opts.model, &opts.store, engine, opts.schedule, ecap, opts.prompt.len() + opts.tokens);
+            let (mut s, total) = open_point(&SessionOptions { verify: opts.verify, ..base })?;
             let cfg = s.model.config();
-            let total = cfg.moe_layers().len() * cfg.num_experts;
             // Session::open refuses an ecap above `total` ("only N routed experts").
             shape.get_or_insert_with(|| {
                 (
@@ -387,6 +368,67 @@ pub fn ecaps_for_percents(total: usize, percents: &[f64]) -> Vec<usize> {
     v.sort_unstable();
     v.dedup();
     v
+}
+
+/// The checks and order of points shared by `bench cache` and `bench decode` (`experiment`): refuses
+/// `tokens` < 2, and returns the capacities `ecaps` sorted, each once, with the image file whose
+/// pages a point drops ([`image_file`]).
+///
+/// # Errors
+/// [`Error::BadOption`] for `tokens` < 2.
+pub(crate) fn decode_points(
+    experiment: &'static str,
+    ecaps: &[usize],
+    tokens: usize,
+    store: &StoreUri,
+    model: &ModelDir,
+) -> Result<(Vec<usize>, Option<std::path::PathBuf>)> {
+    if tokens < 2 {
+        return Err(Error::BadOption {
+            experiment: Some(experiment),
+            option: "-n",
+            value: tokens.to_string(),
+            expected: "decode needs at least 2 tokens".into(),
+        });
+    }
+    let mut ecaps = ecaps.to_vec();
+    ecaps.sort_unstable();
+    ecaps.dedup();
+    Ok((ecaps, image_file(store, model.path())))
+}
+
+/// The session options of one point: `model` on `store` read with `engine` and `schedule`, an
+/// expert cache of `ecap` experts, `max_seq` positions; no payload verification, the stored dense
+/// format.
+pub(crate) fn point_options(
+    model: &ModelDir,
+    store: &StoreUri,
+    engine: EngineOptions,
+    schedule: DecodeSchedule,
+    ecap: usize,
+    max_seq: usize,
+) -> SessionOptions {
+    SessionOptions {
+        model: model.clone(),
+        store: store.clone(),
+        engine,
+        schedule,
+        verify: false,
+        ecap: Some(ecap),
+        max_seq,
+        dense: picchio_runtime::model::DenseFormat::Stored,
+    }
+}
+
+/// Opens the session of one point, with the routed experts of its MoE layers in all.
+///
+/// # Errors
+/// [`Error::Runtime`] for session errors (model, store, engine).
+pub(crate) fn open_point(opts: &SessionOptions) -> Result<(Session, usize)> {
+    let s = Session::open(opts, None)?;
+    let cfg = s.model.config();
+    let total = cfg.moe_layers().len() * cfg.num_experts;
+    Ok((s, total))
 }
 
 /// The image file a run over `store` reads (`file:PATH`, or `auto`'s `model_dir/experts.picchioflat`

@@ -1,8 +1,8 @@
 //! The `decode` experiment (`picchio bench decode`): where a decode token's time goes, and how far
 //! it is from the I/O floor, at each expert-cache budget. Each point is one real generation
-//! ([`Session::generate`]: chunked prefill of the prompt, then greedy decode) on a fresh session
-//! whose cache starts empty (or warm from a usage profile, `--warm-from`), the image's pages
-//! dropped from the page cache first.
+//! ([`picchio_runtime::run::Session::generate`]: chunked prefill of the prompt, then greedy
+//! decode) on a fresh session whose cache starts empty (or warm from a usage profile,
+//! `--warm-from`), the image's pages dropped from the page cache first.
 //!
 //! Per point it reports prefill and decode tok/s, the decode step's time split (attention, router,
 //! expert compute, exposed I/O wait, lm_head, the rest: [`DecodeSplit`]), expert reads and bytes
@@ -22,10 +22,10 @@ use picchio_runtime::expert::cache::PrefetchStats;
 use picchio_runtime::expert::open::EngineOptions;
 use picchio_runtime::model::DecodeSchedule;
 use picchio_runtime::model::DenseFormat;
-use picchio_runtime::run::{DecodeSplit, GenerateOptions, Session, SessionOptions};
+use picchio_runtime::run::{DecodeSplit, GenerateOptions, SessionOptions};
 use picchio_runtime::ModelDir;
 
-use crate::cache::drop_page_cache;
+use crate::cache::{decode_points, drop_page_cache, open_point, point_options};
 
 /// What `picchio bench decode` runs.
 #[derive(Clone, Debug, Serialize)]
@@ -189,40 +189,20 @@ pub fn run_decode(opts: &DecodeOptions, progress: &mut dyn FnMut(usize, usize)) 
             expected: "the prompt is empty".into(),
         });
     }
-    if opts.tokens < 2 {
-        return Err(Error::BadOption {
-            experiment: Some("bench decode"),
-            option: "-n",
-            value: opts.tokens.to_string(),
-            expected: "decode needs at least 2 tokens".into(),
-        });
-    }
-    let mut ecaps = opts.ecaps.clone();
-    ecaps.sort_unstable();
-    ecaps.dedup();
-    let image = crate::cache::image_file(&opts.store, opts.model.path());
+    let (ecaps, image) = decode_points("bench decode", &opts.ecaps, opts.tokens, &opts.store, &opts.model)?;
     let mut points = Vec::with_capacity(ecaps.len());
     let mut shape = None;
     let mut rss_reset = true;
     for &ecap in &ecaps {
-        let session_opts = SessionOptions {
-            model: opts.model.clone(),
-            store: opts.store.clone(),
-            engine: opts.engine,
-            schedule: opts.schedule,
-            verify: false,
-            ecap: Some(ecap),
-            max_seq: opts.prompt.len() + opts.tokens,
-            dense: opts.dense,
-        };
+        let base =
+            point_options(&opts.model, &opts.store, opts.engine, opts.schedule, ecap, opts.prompt.len() + opts.tokens);
         rss_reset &= reset_peak_rss();
-        let mut s = Session::open(&session_opts, None)?;
+        let (mut s, total) = open_point(&SessionOptions { dense: opts.dense, ..base })?;
         s.model.set_prefill_chunk(opts.prefill_chunk)?;
         if opts.idot {
             s.model.set_kernels(s.model.kernels().with_idot(true));
         }
         let cfg = s.model.config();
-        let total = cfg.moe_layers().len() * cfg.num_experts;
         shape.get_or_insert_with(|| {
             (
                 s.info.store.clone(),

@@ -190,23 +190,17 @@ pub const DROP_INEFFECTIVE_ABOVE: f64 = 0.01;
 /// # Errors
 /// [`Error::BadOption`] naming the option, the value and the bound.
 pub fn check_depth(threads: u32, qd: u32) -> Result<()> {
-    if !(1..=MAX_THREADS).contains(&threads) {
-        return Err(Error::BadOption {
+    let within = |option: &'static str, value: u32, max: u32, what: &str| match (1..=max).contains(&value) {
+        true => Ok(()),
+        false => Err(Error::BadOption {
             experiment: None,
-            option: "--threads",
-            value: threads.to_string(),
-            expected: format!("must be 1 to {MAX_THREADS} (a queue per thread)"),
-        });
-    }
-    if !(1..=MAX_QD).contains(&qd) {
-        return Err(Error::BadOption {
-            experiment: None,
-            option: "--qd",
-            value: qd.to_string(),
-            expected: format!("must be 1 to {MAX_QD} reads in flight per thread"),
-        });
-    }
-    Ok(())
+            option,
+            value: value.to_string(),
+            expected: format!("must be 1 to {max} {what}"),
+        }),
+    };
+    within("--threads", threads, MAX_THREADS, "(a queue per thread)")?;
+    within("--qd", qd, MAX_QD, "reads in flight per thread")
 }
 
 /// Checks that a point's read buffers — `threads × qd × max_read` bytes, allocated before the

@@ -5,7 +5,7 @@
 //! calibrated against `CLOCK_MONOTONIC` (Rust's `Instant`) over 100 ms at start); elsewhere with
 //! `Instant` itself. What each row's `complete` includes:
 //!
-//! * `null` — [`NullQueue`]: nothing but the `IoQueue` calls (dynamic dispatch, moving the request
+//! * `null` — [`null_queue`]: nothing but the `IoQueue` calls (dynamic dispatch, moving the request
 //!   and completion). The floor under every engine.
 //! * `nvme-sim` — our NVMe driver against the controller model: the wait for the model to post the
 //!   CQE is **not** timed (spun on outside the clock, as `picchio-nvme`'s `sim_cost` example does), so
@@ -22,7 +22,7 @@ use picchio_core::{AlignedBuf, ByteOffset, Completion, IoQueue, ReadReq, Tag};
 use serde::{Deserialize, Serialize};
 
 use super::measure::{Skipped, SplitMix64};
-use super::null::NullQueue;
+use super::null::null_queue;
 use crate::error::{Error, Result};
 use picchio_core::StoreUri;
 
@@ -284,49 +284,33 @@ fn open_target(engine: &str, store: &StoreUri, range: u64) -> Result<std::result
     };
     Ok(Ok(match engine {
         "null" => Target {
-            queue: Box::new(NullQueue::new()),
+            queue: Box::new(null_queue()),
             _lock: None,
             complete_includes: "the IoQueue calls only (NullQueue completes at submit)",
             wait_device: None,
             resident_before: None,
         },
-        "psync" => {
+        "psync" | "uring" => {
+            use picchio_runtime::expert::open::IoEngine;
+            if engine == "uring" && !cfg!(target_os = "linux") {
+                return Ok(Err("io_uring is Linux-only".into()));
+            }
             let p = match file() {
                 Ok(p) => p,
                 Err(e) => return Ok(Err(e)),
             };
-            let resident_before = warm(&p)?;
-            let o = open_buffered(&p, picchio_runtime::expert::open::IoEngine::Psync)?;
-            Target {
-                queue: o.queue,
-                _lock: o.lock,
-                complete_includes: "handing the read to the worker thread and back, and the kernel's page-cache copy",
-                wait_device: None,
-                resident_before,
-            }
-        }
-        "uring" => {
-            #[cfg(target_os = "linux")]
-            {
-                let p = match file() {
-                    Ok(p) => p,
-                    Err(e) => return Ok(Err(e)),
-                };
+            let (io, complete_includes) = if engine == "psync" {
+                (IoEngine::Psync, "handing the read to the worker thread and back, and the kernel's page-cache copy")
+            } else {
+                #[cfg(target_os = "linux")]
                 if let Err(e) = picchio_blockdev::UringQueue::probe() {
                     return Ok(Err(picchio_core::error::chain(&e).to_string()));
                 }
-                let resident_before = warm(&p)?;
-                let o = open_buffered(&p, picchio_runtime::expert::open::IoEngine::Uring)?;
-                Target {
-                    queue: o.queue,
-                    _lock: o.lock,
-                    complete_includes: "io_uring_enter (submit + wait) and the kernel's page-cache copy",
-                    wait_device: None,
-                    resident_before,
-                }
-            }
-            #[cfg(not(target_os = "linux"))]
-            return Ok(Err("io_uring is Linux-only".into()));
+                (IoEngine::Uring, "io_uring_enter (submit + wait) and the kernel's page-cache copy")
+            };
+            let resident_before = warm(&p)?;
+            let o = open_buffered(&p, io)?;
+            Target { queue: o.queue, _lock: o.lock, complete_includes, wait_device: None, resident_before }
         }
         "nvme-sim" => {
             #[cfg(target_os = "linux")]

@@ -63,6 +63,18 @@ pub struct TiersResults {
     pub skipped: Vec<Skipped>,
 }
 
+/// The rows of the kernel's three paths over one file or device `s`: psync buffered, psync O_DIRECT
+/// and io_uring (only when `uring_ok`), with their `(tier, name)`s in that order.
+fn kernel_rows(
+    s: &StoreUri,
+    names: [(&'static str, &'static str); 3],
+    uring_ok: bool,
+) -> Vec<(&'static str, &'static str, StoreUri, Engine)> {
+    let engines = [Engine::PSYNC_BUFFERED, Engine::PSYNC_DIRECT, Engine::URING];
+    let n = if uring_ok { 3 } else { 2 };
+    names.into_iter().zip(engines).take(n).map(|((tier, name), e)| (tier, name, s.clone(), e)).collect()
+}
+
 /// The (tier, name, store, engine) rows for `store`.
 fn plan(store: &StoreUri, skipped: &mut Vec<Skipped>) -> Vec<(&'static str, &'static str, StoreUri, Engine)> {
     let uring_ok = {
@@ -77,17 +89,12 @@ fn plan(store: &StoreUri, skipped: &mut Vec<Skipped>) -> Vec<(&'static str, &'st
     let mut rows = Vec::new();
     match store {
         StoreUri::File(p) | StoreUri::NvmeSim(p) => {
-            let f = StoreUri::File(p.clone());
-            rows.push((
-                "S1",
-                "page cache (psync, buffered; cache dropped before the row)",
-                f.clone(),
-                Engine::PSYNC_BUFFERED,
-            ));
-            rows.push(("S2", "O_DIRECT file (psync)", f.clone(), Engine::PSYNC_DIRECT));
-            if uring_ok {
-                rows.push(("S3", "io_uring (O_DIRECT, registered file)", f, Engine::URING));
-            }
+            let kernel = [
+                ("S1", "page cache (psync, buffered; cache dropped before the row)"),
+                ("S2", "O_DIRECT file (psync)"),
+                ("S3", "io_uring (O_DIRECT, registered file)"),
+            ];
+            rows.extend(kernel_rows(&StoreUri::File(p.clone()), kernel, uring_ok));
             if cfg!(target_os = "linux") {
                 rows.push((
                     "S5",
@@ -101,16 +108,12 @@ fn plan(store: &StoreUri, skipped: &mut Vec<Skipped>) -> Vec<(&'static str, &'st
             skipped.push(Skipped { what: "S4 tier".into(), reason: "needs a raw:/dev/X store".into() });
         }
         StoreUri::Raw { .. } => {
-            rows.push((
-                "S4",
-                "raw block device, psync buffered (cache dropped before the row)",
-                store.clone(),
-                Engine::PSYNC_BUFFERED,
-            ));
-            rows.push(("S4", "raw block device, psync O_DIRECT", store.clone(), Engine::PSYNC_DIRECT));
-            if uring_ok {
-                rows.push(("S4", "raw block device, io_uring O_DIRECT", store.clone(), Engine::URING));
-            }
+            let kernel = [
+                ("S4", "raw block device, psync buffered (cache dropped before the row)"),
+                ("S4", "raw block device, psync O_DIRECT"),
+                ("S4", "raw block device, io_uring O_DIRECT"),
+            ];
+            rows.extend(kernel_rows(store, kernel, uring_ok));
         }
         StoreUri::Nvme { .. } => rows.push(("S5", "our NVMe driver over VFIO", store.clone(), Engine::NVME)),
         StoreUri::NvmeTcp { .. } => {

@@ -21,7 +21,7 @@ pub mod uri;
 pub use buf::{AlignedBuf, BufPool};
 pub use error::{Error, Result};
 pub use format::{ExpertLoc, FlatWriter, Superblock, BLOCK_SIZE};
-pub use io::{ByteOffset, Completion, IoQueue, ReadReq, SlotAllocator, Tag};
+pub use io::{ByteOffset, Completion, InstantQueue, IoQueue, ReadReq, SlotAllocator, Tag};
 pub use loader::{
     ExpertKey, ExpertLoader, FallbackLoader, FlatStore, FlatStoreOptions, LoadError, Loaded, StoreExpect,
 };

@@ -819,7 +819,6 @@ mod tests {
     }
 
     use crate::format::{FlatWriter, ImageSink};
-    use crate::io::{Completion, ReadReq};
     use std::sync::Mutex;
 
     /// An image written into memory.
@@ -848,56 +847,23 @@ mod tests {
         }
     }
 
-    /// A queue over bytes in memory that records the offsets it was asked for and, when dropped,
+    /// A queue over `bytes` that records the offsets it was asked for in `asked` and, when dropped,
     /// writes `queue` to `dropped`.
-    struct Mem {
-        bytes: Vec<u8>,
-        done: Vec<Completion>,
-        asked: Arc<Mutex<Vec<u64>>>,
-        dropped: Arc<Mutex<Vec<&'static str>>>,
+    fn mem(bytes: Vec<u8>, asked: Arc<Mutex<Vec<u64>>>, dropped: Arc<Mutex<Vec<&'static str>>>) -> impl IoQueue {
+        let on_drop = Dropped("queue", dropped);
+        crate::InstantQueue::new(512, "mem", move |req| {
+            let _ = &on_drop;
+            asked.lock().unwrap().push(req.offset.0);
+            crate::io::read_from_memory(&bytes, req)
+        })
     }
 
-    impl IoQueue for Mem {
-        fn block_size(&self) -> u32 {
-            512
-        }
-        fn submit(&mut self, mut req: ReadReq) {
-            let at = req.offset.0;
-            self.asked.lock().unwrap().push(at);
-            let end = at.saturating_add(u64::from(req.len));
-            let result = if end <= self.bytes.len() as u64 {
-                req.buf.as_mut_slice()[..req.len as usize].copy_from_slice(&self.bytes[at as usize..end as usize]);
-                Ok(req.len)
-            } else {
-                Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "past the end"))
-            };
-            self.done.push(Completion { tag: req.tag, buf: req.buf, result, latency_ns: 0 });
-        }
-        fn reap(&mut self, _min: usize, out: &mut Vec<Completion>) -> usize {
-            let n = self.done.len();
-            out.append(&mut self.done);
-            n
-        }
-        fn in_flight(&self) -> usize {
-            self.done.len()
-        }
-        fn describe(&self) -> String {
-            "mem".into()
-        }
-    }
+    /// Writes its name to its list when dropped.
+    struct Dropped(&'static str, Arc<Mutex<Vec<&'static str>>>);
 
-    impl Drop for Mem {
+    impl Drop for Dropped {
         fn drop(&mut self) {
-            self.dropped.lock().unwrap().push("queue");
-        }
-    }
-
-    /// Writes `guard` to its list when dropped.
-    struct Guard(Arc<Mutex<Vec<&'static str>>>);
-
-    impl Drop for Guard {
-        fn drop(&mut self) {
-            self.0.lock().unwrap().push("guard");
+            self.1.lock().unwrap().push(self.0);
         }
     }
 
@@ -916,7 +882,7 @@ mod tests {
         let mut target = vec![0xEE; base as usize];
         target.extend_from_slice(&sink.bytes);
         let (asked, dropped) = (Arc::new(Mutex::new(Vec::new())), Arc::new(Mutex::new(Vec::new())));
-        let q = Mem { bytes: target, done: Vec::new(), asked: asked.clone(), dropped: dropped.clone() };
+        let q = mem(target, asked.clone(), dropped.clone());
         let opts = FlatStoreOptions {
             base_offset: base,
             image_len: sink.bytes.len() as u64,
@@ -924,7 +890,8 @@ mod tests {
             recheck_every: 1,
             ..Default::default()
         };
-        let mut store = FlatStore::open(q, "raw:mem@12288", opts).unwrap().with_guard(Guard(dropped.clone()));
+        let mut store =
+            FlatStore::open(q, "raw:mem@12288", opts).unwrap().with_guard(Dropped("guard", dropped.clone()));
         let sb = store.superblock().clone();
         assert_eq!(*asked.lock().unwrap(), [base, base + sb.index_offset], "superblock and index at base + offset");
         let mut got = Vec::new();

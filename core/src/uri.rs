@@ -72,6 +72,8 @@ impl std::str::FromStr for StoreUri {
 
     fn from_str(s: &str) -> Result<Self> {
         let bad = |message: String| Error::BadUri { uri: s.into(), message };
+        // The part after a scheme that names a file or device: refused when empty, saying what it needs.
+        let named = |p: &str, needs: &str| if p.is_empty() { Err(bad(needs.into())) } else { Ok(PathBuf::from(p)) };
         if s == "auto" {
             return Ok(StoreUri::Auto);
         }
@@ -79,10 +81,7 @@ impl std::str::FromStr for StoreUri {
             return Ok(StoreUri::Safetensors);
         }
         if let Some(p) = s.strip_prefix("file:") {
-            if p.is_empty() {
-                return Err(bad("file: needs a path, e.g. file:model/experts.picchioflat".into()));
-            }
-            return Ok(StoreUri::File(p.into()));
+            return Ok(StoreUri::File(named(p, "file: needs a path, e.g. file:model/experts.picchioflat")?));
         }
         if let Some(rest) = s.strip_prefix("raw:") {
             let (dev, offset) = match rest.rsplit_once('@') {
@@ -91,19 +90,13 @@ impl std::str::FromStr for StoreUri {
                 }
                 None => (rest, 0),
             };
-            if dev.is_empty() {
-                return Err(bad("raw: needs a device, e.g. raw:/dev/nvme1n1p2".into()));
-            }
-            return Ok(StoreUri::Raw { device: dev.into(), offset });
+            return Ok(StoreUri::Raw { device: named(dev, "raw: needs a device, e.g. raw:/dev/nvme1n1p2")?, offset });
         }
         if let Some(rest) = s.strip_prefix("nvme-tcp:") {
             return parse_nvme_tcp(rest).map_err(bad);
         }
         if let Some(p) = s.strip_prefix("nvme-sim:") {
-            if p.is_empty() {
-                return Err(bad("nvme-sim: needs the image file, e.g. nvme-sim:e.picchioflat".into()));
-            }
-            return Ok(StoreUri::NvmeSim(p.into()));
+            return Ok(StoreUri::NvmeSim(named(p, "nvme-sim: needs the image file, e.g. nvme-sim:e.picchioflat")?));
         }
         if let Some(rest) = s.strip_prefix("nvme:") {
             let (bdf, nsid) = match rest.split_once('/') {

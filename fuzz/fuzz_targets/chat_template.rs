@@ -26,9 +26,7 @@ const QWEN3_TOKENIZER_CONFIG: &[u8] = include_bytes!("../../tests/fixtures/qwen3
 fn config() -> &'static Config {
     static CFG: OnceLock<Config> = OnceLock::new();
     CFG.get_or_init(|| {
-        let dir = picchio_fuzz::scratch_dir().join("chat_config");
-        std::fs::create_dir_all(&dir).expect("scratch");
-        picchio_fuzz::put(&dir, "config.json", CONFIG.as_bytes());
+        let dir = picchio_fuzz::scratch_with("chat_config", "config.json", CONFIG.as_bytes());
         Config::from_dir(&dir).expect("the fixed config parses")
     })
 }

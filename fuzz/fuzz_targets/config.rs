@@ -8,9 +8,7 @@ use libfuzzer_sys::fuzz_target;
 use picchio_runtime::Config;
 
 fuzz_target!(|text: &[u8]| {
-    let dir = picchio_fuzz::scratch_dir().join("config");
-    std::fs::create_dir_all(&dir).expect("scratch");
-    picchio_fuzz::put(&dir, "config.json", text);
+    let dir = picchio_fuzz::scratch_with("config", "config.json", text);
     let Ok(cfg) = Config::from_dir(&dir) else { return };
     let _ = (cfg.arch(), cfg.head_dim(), cfg.rope_theta(), cfg.rope(), cfg.swiglu_limit(), cfg.eos_ids());
     let moe = cfg.moe_layers();

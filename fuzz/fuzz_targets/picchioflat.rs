@@ -9,7 +9,7 @@
 use libfuzzer_sys::fuzz_target;
 use picchio_core::loader::{FlatStore, FlatStoreOptions, StoreDims, StoreExpect};
 use picchio_core::{AlignedBuf, ExpertLoader};
-use picchio_fuzz::MemQueue;
+use picchio_fuzz::mem_queue;
 
 fuzz_target!(|image: &[u8]| {
     let image_len = image.len() as u64;
@@ -24,7 +24,7 @@ fuzz_target!(|image: &[u8]| {
     ];
     for expect in expects {
         let opts = FlatStoreOptions { base_offset: 0, image_len, verify: true, expect, recheck_every: 0 };
-        let Ok(mut store) = FlatStore::open(MemQueue::new(image), "fuzz.picchioflat", opts) else { continue };
+        let Ok(mut store) = FlatStore::open(mem_queue(image), "fuzz.picchioflat", opts) else { continue };
         let sb = store.superblock().clone();
         // Each layer that has entries, every expert of it (as the runtime requests a layer's top-k).
         let n_layers = sb.n_entries.div_ceil(sb.n_experts);
@@ -42,7 +42,7 @@ fuzz_target!(|image: &[u8]| {
     }
     let opts = picchio_runtime::image::verify::VerifyOptions { io_threads: 1, direct: false, progress: false };
     let _ = picchio_runtime::image::verify::verify_queue(
-        &mut MemQueue::new(image),
+        &mut mem_queue(image),
         "fuzz.picchioflat",
         0,
         image_len,

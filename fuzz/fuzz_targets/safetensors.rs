@@ -8,9 +8,7 @@ use libfuzzer_sys::fuzz_target;
 use picchio_runtime::model::safetensors::TensorStore;
 
 fuzz_target!(|file: &[u8]| {
-    let dir = picchio_fuzz::scratch_dir().join("single");
-    std::fs::create_dir_all(&dir).expect("scratch");
-    picchio_fuzz::put(&dir, "model.safetensors", file);
+    let dir = picchio_fuzz::scratch_with("single", "model.safetensors", file);
     let Ok(store) = TensorStore::open(&dir) else { return };
     let names: Vec<String> = store.names().map(str::to_owned).collect();
     for name in &names {

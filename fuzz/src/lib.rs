@@ -1,53 +1,16 @@
-//! Helpers shared by the fuzz targets: an in-memory [`IoQueue`] (the image targets read through the
-//! same `IoQueue` interface as every engine) and a per-process scratch directory (the safetensors and
-//! config targets go through the real directory loaders).
+//! Helpers shared by the fuzz targets: an in-memory [`IoQueue`](picchio_core::IoQueue) (the image
+//! targets read through the same `IoQueue` interface as every engine) and a per-process scratch
+//! directory (the safetensors and config targets go through the real directory loaders).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use picchio_core::io::{ByteOffset, Completion, IoQueue, ReadReq};
+use picchio_core::io::{read_from_memory, InstantQueue, ReadReq};
 
-/// A queue over bytes in memory: a read inside them completes with the bytes, one running past
-/// the end completes with `UnexpectedEof` (as a block device or a file read with O_DIRECT does).
-pub struct MemQueue<'a> {
-    bytes: &'a [u8],
-    done: Vec<Completion>,
-}
-
-impl<'a> MemQueue<'a> {
-    /// A queue reading `bytes`.
-    pub fn new(bytes: &'a [u8]) -> Self {
-        MemQueue { bytes, done: Vec::new() }
-    }
-}
-
-impl IoQueue for MemQueue<'_> {
-    fn block_size(&self) -> u32 {
-        4096
-    }
-    fn submit(&mut self, mut req: ReadReq) {
-        let ByteOffset(at) = req.offset;
-        let end = at.checked_add(u64::from(req.len));
-        let result = match end {
-            Some(end) if end <= self.bytes.len() as u64 && req.len as usize <= req.buf.len() => {
-                req.buf.as_mut_slice()[..req.len as usize].copy_from_slice(&self.bytes[at as usize..end as usize]);
-                Ok(req.len)
-            }
-            _ => Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "past the end")),
-        };
-        self.done.push(Completion { tag: req.tag, buf: req.buf, result, latency_ns: 0 });
-    }
-    fn reap(&mut self, _min: usize, out: &mut Vec<Completion>) -> usize {
-        let n = self.done.len();
-        out.append(&mut self.done);
-        n
-    }
-    fn in_flight(&self) -> usize {
-        self.done.len()
-    }
-    fn describe(&self) -> String {
-        "mem".into()
-    }
+/// A queue over `bytes` (block size 4096): a read inside them completes with the bytes, one running
+/// past the end completes with `UnexpectedEof` (as a block device or a file read with O_DIRECT does).
+pub fn mem_queue(bytes: &[u8]) -> InstantQueue<impl FnMut(&mut ReadReq) -> std::io::Result<u32> + Send + '_> {
+    InstantQueue::new(4096, "mem", move |req: &mut ReadReq| read_from_memory(bytes, req))
 }
 
 /// A directory private to this process, removed when it exits normally (libFuzzer's `-runs` and
@@ -56,6 +19,15 @@ impl IoQueue for MemQueue<'_> {
 pub fn scratch_dir() -> &'static Path {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
     DIR.get_or_init(|| tempfile::Builder::new().prefix("picchio-fuzz-").tempdir().expect("scratch dir")).path()
+}
+
+/// The scratch subdirectory `sub` (created when missing) holding `bytes` as its file `name` (a
+/// model directory of one file, for the loaders that read a directory).
+pub fn scratch_with(sub: &str, name: &str, bytes: &[u8]) -> PathBuf {
+    let dir = scratch_dir().join(sub);
+    std::fs::create_dir_all(&dir).expect("scratch");
+    put(&dir, name, bytes);
+    dir
 }
 
 /// Writes `bytes` to `dir/name`, replacing the file.

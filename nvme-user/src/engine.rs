@@ -138,7 +138,7 @@ enum DataPath {
 
 /// What the PCIe transport keeps with a request.
 #[derive(Debug)]
-struct Pcie {
+pub(crate) struct Pcie {
     /// IOVA of the buffer when mapped (direct path).
     iova: Option<Iova>,
     /// The buffer is a pool slot: (index into `NvmeQueue::slot_pools`, offset in its region).
@@ -638,15 +638,12 @@ impl NvmeQueue {
 }
 
 impl crate::sink::FlushSteps for NvmeQueue {
-    fn queue_flush(&mut self, buf: AlignedBuf) {
-        self.reqs.clear_flush();
+    type Transport = Pcie;
+    fn requests(&mut self) -> &mut Requests<Pcie> {
+        &mut self.reqs
+    }
+    fn enqueue_flush(&mut self, buf: AlignedBuf) {
         self.enqueue(Op::Flush, Tag(u64::MAX), buf, 0, 0);
-    }
-    fn take_flush_outcome(&mut self) -> Option<io::Result<()>> {
-        self.reqs.take_flush().map(|r| r.map(|_| ()))
-    }
-    fn hold_back(&mut self, held: Vec<Completion>) {
-        self.reqs.hold_back(held);
     }
 }
 

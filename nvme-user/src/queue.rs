@@ -451,6 +451,14 @@ mod tests {
         }
     }
 
+    /// I/O queue pair 1 of `entries` entries in heap DMA memory, on a fake BAR (returned too, to
+    /// inspect the doorbell writes).
+    fn fake_pair(entries: u16) -> (Arc<FakeBar>, QueuePair) {
+        let bar = Arc::new(FakeBar::default());
+        let q = QueuePair::new(bar.clone(), &HeapDma::new(), 1, entries, 0).unwrap();
+        (bar, q)
+    }
+
     /// Posts a CQE the way a device would (raw write into the CQ ring).
     fn post(q: &mut QueuePair, slot: u16, cid: u16, sqhd: u16, phase: bool) {
         let c = Completion { dw0: 0, dw1: 0, sqhd, sqid: q.qid, cid, status: Status::SUCCESS.to_field(phase) };
@@ -459,9 +467,7 @@ mod tests {
 
     #[test]
     fn submit_builds_in_place_and_rings_once_per_batch() {
-        let bar = Arc::new(FakeBar::default());
-        let dma = HeapDma::new();
-        let mut q = QueuePair::new(bar.clone(), &dma, 1, 4, 0).unwrap();
+        let (bar, mut q) = fake_pair(4);
         assert_eq!(q.capacity(), 3);
         let a = q.alloc_cid().unwrap();
         let b = q.alloc_cid().unwrap();
@@ -481,9 +487,7 @@ mod tests {
 
     #[test]
     fn poll_by_phase_wraps_and_rejects_unknown_cid() {
-        let bar = Arc::new(FakeBar::default());
-        let dma = HeapDma::new();
-        let mut q = QueuePair::new(bar.clone(), &dma, 1, 4, 0).unwrap();
+        let (_, mut q) = fake_pair(4);
         let mut seen = vec![];
         for round in 0..3u16 {
             let cids: Vec<Cid> = (0..3).map(|_| q.alloc_cid().unwrap()).collect();
@@ -513,9 +517,7 @@ mod tests {
 
     #[test]
     fn timeouts_keep_cid_until_late_completion() {
-        let bar = Arc::new(FakeBar::default());
-        let dma = HeapDma::new();
-        let mut q = QueuePair::new(bar, &dma, 1, 2, 0).unwrap();
+        let (_, mut q) = fake_pair(2);
         let c = q.alloc_cid().unwrap();
         // SAFETY: the fake BAR is no device; nothing executes the command.
         unsafe { q.submit(c, 7, |_| {}) }.unwrap();
@@ -534,9 +536,7 @@ mod tests {
 
     #[test]
     fn reset_rings_frees_every_tracker_and_restarts_the_phase() {
-        let bar = Arc::new(FakeBar::default());
-        let dma = HeapDma::new();
-        let mut q = QueuePair::new(bar, &dma, 1, 4, 0).unwrap();
+        let (_, mut q) = fake_pair(4);
         let (sq, cq) = (q.sq_iova(), q.cq_iova());
         // Two commands complete (CQ slots 0 and 1 now hold entries with phase 1), two stay outstanding.
         for round in 0..2u16 {
@@ -579,9 +579,7 @@ mod tests {
 
     #[test]
     fn prps_use_the_trackers_list_page() {
-        let bar = Arc::new(FakeBar::default());
-        let dma = HeapDma::new();
-        let mut q = QueuePair::new(bar, &dma, 1, 4, 0).unwrap();
+        let (_, mut q) = fake_pair(4);
         let c = q.alloc_cid().unwrap();
         let p = q.prps(c, &[(Iova(0x10_0000), 4 * 4096)]).unwrap();
         let list = &q.trackers[usize::from(c.0)].prp_list;

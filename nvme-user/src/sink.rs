@@ -13,7 +13,7 @@ use picchio_core::{AlignedBuf, ByteOffset, Completion, IoQueue, Tag, BLOCK_SIZE}
 
 use crate::ctrlr::Namespace;
 use crate::engine::NvmeQueue;
-use crate::request::WriteReq;
+use crate::request::{Requests, WriteReq};
 
 /// A queue that can also write its namespace: the VFIO driver's [`NvmeQueue`] and the NVMe/TCP
 /// initiator's [`crate::tcp::NvmeTcpQueue`]. What [`NvmeSink`] and the image writer need.
@@ -37,20 +37,20 @@ pub trait NvmWriteQueue: IoQueue {
     fn transport(&self) -> &'static str;
 }
 
-/// What an NVM Flush needs of a queue beyond [`IoQueue`]: how it queues the Flush command and keeps
-/// its outcome, and how it puts held completions back. The VFIO driver's [`NvmeQueue`] and the
-/// NVMe/TCP initiator's [`crate::tcp::NvmeTcpQueue`] implement it; [`flush_after_in_flight`] is the
-/// one flush procedure over both.
+/// What an NVM Flush needs of a queue beyond [`IoQueue`]: its requests, which keep the Flush's
+/// outcome and take held completions back, and how it queues the Flush command. The VFIO driver's
+/// [`NvmeQueue`] and the NVMe/TCP initiator's [`crate::tcp::NvmeTcpQueue`] implement it;
+/// [`flush_after_in_flight`] is the one flush procedure over both.
 pub(crate) trait FlushSteps: IoQueue {
-    /// Forgets the outcome of an earlier Flush and queues an NVM Flush (opcode 00h, NVM command set
-    /// §3.2.2) of the namespace, with `buf` (4 KiB, no data moves) as its request buffer. The queue
-    /// records the outcome where [`FlushSteps::take_flush_outcome`] finds it: when the command
-    /// completes, or at once when it cannot be issued.
-    fn queue_flush(&mut self, buf: AlignedBuf);
-    /// The recorded outcome of the Flush queued last (taken), or `None` while it is in flight.
-    fn take_flush_outcome(&mut self) -> Option<io::Result<()>>;
-    /// Puts `held` back ahead of any other completion, so that the next [`IoQueue::reap`] returns them.
-    fn hold_back(&mut self, held: Vec<Completion>);
+    /// The transport's part of each request.
+    type Transport;
+    /// The queue's requests: a Flush's outcome is recorded there, and held completions go back there
+    /// ahead of any other, so that the next [`IoQueue::reap`] returns them.
+    fn requests(&mut self) -> &mut Requests<Self::Transport>;
+    /// Queues an NVM Flush (opcode 00h, NVM command set §3.2.2) of the namespace, with `buf` (4 KiB,
+    /// no data moves) as its request buffer. Its outcome is recorded in [`FlushSteps::requests`]
+    /// when the command completes, or at once when it cannot be issued.
+    fn enqueue_flush(&mut self, buf: AlignedBuf);
 }
 
 /// Waits until every command submitted to `q` so far has completed, then issues an NVM Flush and
@@ -72,20 +72,21 @@ pub(crate) fn flush_after_in_flight<Q: FlushSteps>(q: &mut Q) -> io::Result<()> 
     let buf = match AlignedBuf::new(4096, 4096) {
         Ok(b) => b,
         Err(e) => {
-            q.hold_back(held);
+            q.requests().hold_back(held);
             return Err(io::Error::new(io::ErrorKind::OutOfMemory, picchio_core::error::chain(&e).to_string()));
         }
     };
-    q.queue_flush(buf);
+    q.requests().clear_flush();
+    q.enqueue_flush(buf);
     let outcome = loop {
-        if let Some(outcome) = q.take_flush_outcome() {
-            break outcome;
+        if let Some(outcome) = q.requests().take_flush() {
+            break outcome.map(|_| ());
         }
         // Nothing else is in flight: this returns once the Flush has completed (or the queue gave
         // up on it), keeping any completion that arrives meanwhile.
         q.reap(1, &mut held);
     };
-    q.hold_back(held);
+    q.requests().hold_back(held);
     outcome
 }
 

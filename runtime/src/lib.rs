@@ -29,5 +29,12 @@ pub mod run;
 pub mod sys;
 
 pub use error::{Error, Result};
+
+/// The vendored test fixture `name` (a directory or file under the checkout's `tests/fixtures/`),
+/// for the unit tests of every module.
+#[cfg(test)]
+pub(crate) fn fixture(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(name)
+}
 pub use model::config::Config;
 pub use model::dir::ModelDir;

@@ -477,10 +477,7 @@ pub(crate) fn plan_with(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn fixture(name: &str) -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(name)
-    }
+    use crate::fixture;
 
     #[test]
     fn budgets_parse_in_decimal_and_binary_units_and_percent() {

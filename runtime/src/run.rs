@@ -466,17 +466,7 @@ impl Session {
     /// # Errors
     /// As [`Session::generate`], [`Error::Interrupted`] excepted.
     pub fn generate_until_interrupted(&mut self, prompt_ids: &[u32], opts: &GenerateOptions) -> Result<Generation> {
-        let vocab = self.model.config().vocab_size;
-        if prompt_ids.is_empty() {
-            return Err(Error::EmptyPrompt);
-        }
-        if let Some(&bad) = prompt_ids.iter().find(|&&t| t as usize >= vocab) {
-            return Err(Error::OutOfVocabulary { what: "prompt id", id: u64::from(bad), vocab });
-        }
-        let needed = prompt_ids.len().saturating_add(opts.max_new);
-        if needed > self.model.max_seq() {
-            return Err(Error::ContextOverflow { needed, context: self.model.max_seq(), config: None });
-        }
+        check_prompt(&self.model, prompt_ids, opts.max_new)?;
         let eos = if opts.stop_at_eos { self.stop_ids.clone() } else { Vec::new() };
         // Positions from 0: whatever the KV cache held is overwritten.
         self.kv.clear();
@@ -617,6 +607,27 @@ impl Session {
     pub fn decode(&self, ids: &[u32]) -> Result<Option<String>> {
         self.tokenizer.as_ref().map(|t| t.decode(ids)).transpose()
     }
+}
+
+/// Checks a prompt before a generation of up to `max_new` tokens on `model`: not empty, every id
+/// below the vocabulary, and prompt + `max_new` positions within the model's KV cache.
+///
+/// # Errors
+/// [`Error::EmptyPrompt`], [`Error::OutOfVocabulary`] naming the first id out of range,
+/// [`Error::ContextOverflow`] with the positions needed and held.
+pub(crate) fn check_prompt(model: &Model, prompt: &[u32], max_new: usize) -> Result<()> {
+    let vocab = model.config().vocab_size;
+    if prompt.is_empty() {
+        return Err(Error::EmptyPrompt);
+    }
+    if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+        return Err(Error::OutOfVocabulary { what: "prompt id", id: u64::from(bad), vocab });
+    }
+    let needed = prompt.len().saturating_add(max_new);
+    if needed > model.max_seq() {
+        return Err(Error::ContextOverflow { needed, context: model.max_seq(), config: None });
+    }
+    Ok(())
 }
 
 /// Writes `logits` `[rows, vocab]` as a safetensors file with one F32 tensor `logits`

@@ -8,7 +8,6 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use picchio_core::StoreUri;
-use picchio_runtime::expert::open::EngineOptions;
 use picchio_runtime::expert::store::DEFAULT_IMAGE;
 use picchio_runtime::image::convert::{convert, ConvertOptions};
 use picchio_runtime::image::pack::{pack, PackOptions};
@@ -47,12 +46,6 @@ pub struct Args {
     /// Tokens to generate [default: the reference's 16 for the fixture, 32 for --synthetic-gb].
     #[arg(short = 'n', long, value_name = "N")]
     pub n: Option<usize>,
-    /// Reader threads.
-    #[arg(long, value_name = "N", default_value_t = 2, value_parser = super::int_in::<u16>(1, Some(256)))]
-    pub io_threads: u16,
-    /// Read through the page cache instead of O_DIRECT.
-    #[arg(long)]
-    pub buffered: bool,
     #[command(flatten)]
     pub engine: super::run::EngineArgs,
     #[command(flatten)]
@@ -221,23 +214,8 @@ fn fixture(a: &Args, workdir: &Path, fixture: &Path) -> anyhow::Result<()> {
     let cfg = dir.config();
     let total = cfg.moe_layers().len() * cfg.num_experts;
     let ecap = demo_ecap(a, &dir, total, 25.0, prompt.len().saturating_add(n))?;
-    let opts = SessionOptions {
-        model: dir,
-        store: StoreUri::File(model.join(DEFAULT_IMAGE)),
-        engine: a.engine.apply(EngineOptions {
-            direct: !a.buffered,
-            threads: usize::from(a.io_threads),
-            ..EngineOptions::default()
-        }),
-        schedule: a.engine.schedule(),
-        verify: false,
-        ecap: Some(ecap),
-        max_seq: prompt.len().saturating_add(n),
-        dense: a.compute.dense,
-    };
-    let mut s = open_session(&opts, Some(tokenizer))?;
-    s.model.set_prefill_chunk(a.engine.prefill_chunk(false)?)?;
-    a.compute.apply(&mut s.model);
+    let store = StoreUri::File(model.join(DEFAULT_IMAGE));
+    let mut s = demo_session(a, dir, store, ecap, prompt.len().saturating_add(n), Some(tokenizer))?;
     let g = s.generate(&prompt, &GenerateOptions { max_new: n, ..Default::default() })?;
     let text = s.decode(&g.tokens)?.unwrap_or_default();
     let matches = g.tokens == want[..n.min(want.len())] && n <= want.len();
@@ -265,6 +243,32 @@ fn fixture(a: &Args, workdir: &Path, fixture: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The demo's session: `dir`'s model on `store` with the reading, scheduling and compute flags of
+/// `a`, an expert cache of `ecap` experts and `max_seq` positions (opened as [`open_session`] does).
+fn demo_session(
+    a: &Args,
+    dir: ModelDir,
+    store: StoreUri,
+    ecap: usize,
+    max_seq: usize,
+    tokenizer: Option<Tokenizer>,
+) -> anyhow::Result<Session> {
+    let opts = SessionOptions {
+        model: dir,
+        store,
+        engine: a.engine.options(),
+        schedule: a.engine.schedule(),
+        verify: false,
+        ecap: Some(ecap),
+        max_seq,
+        dense: a.compute.dense,
+    };
+    let mut s = open_session(&opts, tokenizer)?;
+    s.model.set_prefill_chunk(a.engine.prefill_chunk(false)?)?;
+    a.compute.apply(&mut s.model);
+    Ok(s)
+}
+
 /// Opens with O_DIRECT and, if the file system refuses it (tmpfs), retries buffered with a warning.
 fn open_session(opts: &SessionOptions, tokenizer: Option<Tokenizer>) -> anyhow::Result<Session> {
     match Session::open(opts, tokenizer) {
@@ -290,26 +294,11 @@ fn synthetic(a: &Args, workdir: &Path, gb: f64) -> anyhow::Result<()> {
     let n = a.n.unwrap_or(32);
     let total = spec.layers * spec.experts;
     // A fixed pseudo-random prompt of 16 ids.
-    let prompt: Vec<u32> = (0..16u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 7) % spec.vocab as u32).collect();
+    let prompt = picchio_bench::decode::prompt_of_len(16, spec.vocab);
     let dir = ModelDir::open(&model)?;
     let ecap = demo_ecap(a, &dir, total, 10.0, prompt.len().saturating_add(n))?;
-    let opts = SessionOptions {
-        model: dir,
-        store: StoreUri::File(image),
-        engine: a.engine.apply(EngineOptions {
-            direct: !a.buffered,
-            threads: usize::from(a.io_threads),
-            ..EngineOptions::default()
-        }),
-        schedule: a.engine.schedule(),
-        verify: false,
-        ecap: Some(ecap),
-        max_seq: prompt.len().saturating_add(n),
-        dense: a.compute.dense,
-    };
-    let mut s = open_session(&opts, Tokenizer::from_dir(&model)?)?;
-    s.model.set_prefill_chunk(a.engine.prefill_chunk(false)?)?;
-    a.compute.apply(&mut s.model);
+    let tokenizer = Tokenizer::from_dir(&model)?;
+    let mut s = demo_session(a, dir, StoreUri::File(image), ecap, prompt.len().saturating_add(n), tokenizer)?;
     let g = s.generate(&prompt, &GenerateOptions { max_new: n, ..Default::default() })?;
     let ids = g.tokens.iter().map(u32::to_string).collect::<Vec<_>>().join(" ");
     // With the model's tokenizer, also the text of the ids (random weights: not language).
@@ -334,7 +323,7 @@ fn report(a: &Args, what: &str, text: &str, g: &picchio_runtime::run::Generation
         "{} tokens at {:.2} tok/s decode (prefill {:.0} ms, decode {:.0} ms)\n\
          expert cache: {} of {} experts; {} hits, {} misses ({:.1}% hit rate)\n\
          read {:.1} MB in {} expert reads at {:.0} MB/s while in flight ({:.0} ms), {:.0} ms of exposed I/O wait, \
-         from {} via {}{}; {} fallbacks; peak RSS {:.0} MB",
+         {}",
         st.generated_tokens,
         st.decode_tok_s,
         st.prefill_ms,
@@ -349,11 +338,7 @@ fn report(a: &Args, what: &str, text: &str, g: &picchio_runtime::run::Generation
         st.read_mb_s,
         st.read_span_ms,
         st.read_wait_ms,
-        st.store,
-        st.engine,
-        if st.async_moe { ", async MoE" } else { "" },
-        st.fallbacks,
-        st.peak_rss_bytes as f64 / 1e6
+        super::run::source_summary(st)
     );
     Ok(())
 }

@@ -26,12 +26,6 @@ pub struct ModelArgs {
     /// image file).
     #[arg(long, value_name = "URI", default_value = "auto")]
     pub store: StoreUri,
-    /// Read flat stores through the page cache instead of O_DIRECT.
-    #[arg(long)]
-    pub buffered: bool,
-    /// Reader threads of the psync engine; for an nvme-tcp:// store, the I/O queues (TCP connections).
-    #[arg(long, value_name = "N", default_value_t = 2, value_parser = super::int_in::<u16>(1, Some(256)))]
-    pub io_threads: u16,
     #[command(flatten)]
     pub engine: super::run::EngineArgs,
     #[command(flatten)]
@@ -48,11 +42,7 @@ pub struct ModelArgs {
 impl ModelArgs {
     /// The engine options of these arguments.
     fn io(&self) -> EngineOptions {
-        self.engine.apply(EngineOptions {
-            direct: !self.buffered,
-            threads: usize::from(self.io_threads),
-            ..EngineOptions::default()
-        })
+        self.engine.options()
     }
 
     /// The model directory: `--model` (or $PICCHIO_MODEL), else the one the `--store` image names

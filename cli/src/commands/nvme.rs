@@ -67,21 +67,6 @@ fn mountinfo() -> anyhow::Result<String> {
     std::fs::read_to_string("/proc/self/mountinfo").context("cannot read /proc/self/mountinfo")
 }
 
-fn human(n: u64) -> String {
-    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = n as f64;
-    let mut i = 0;
-    while v >= 1024.0 && i + 1 < U.len() {
-        v /= 1024.0;
-        i += 1;
-    }
-    if i == 0 {
-        format!("{n} B")
-    } else {
-        format!("{v:.1} {}", U[i])
-    }
-}
-
 fn print_table(list: &[ControllerInfo]) {
     println!("{:<14} {:<10} {:<10} {:<6} NAMESPACES", "BDF", "ID", "DRIVER", "GROUP");
     for c in list {
@@ -89,7 +74,7 @@ fn print_table(list: &[ControllerInfo]) {
             .namespaces
             .iter()
             .map(|n| {
-                let mut s = format!("{} {}", n.block.name, human(n.block.size));
+                let mut s = format!("{} {}", n.block.name, picchio_core::human_bytes(n.block.size));
                 let mounts: Vec<String> = std::iter::once(&n.block)
                     .chain(&n.partitions)
                     .flat_map(|b| {
@@ -163,7 +148,13 @@ fn identify(bdf: &Bdf) -> anyhow::Result<()> {
         if id.mdts == 0 { "no limit".to_string() } else { format!("max transfer {} bytes", ctrlr.max_transfer()) }
     );
     for ns in ctrlr.namespaces() {
-        println!("  namespace {}: LBA size {} B, {} blocks, {}", ns.nsid, ns.lba_size, ns.blocks, human(ns.bytes()));
+        println!(
+            "  namespace {}: LBA size {} B, {} blocks, {}",
+            ns.nsid,
+            ns.lba_size,
+            ns.blocks,
+            picchio_core::human_bytes(ns.bytes())
+        );
     }
     // Dropping the controller shuts it down (CC.SHN) and releases the VFIO device.
     drop(ctrlr);

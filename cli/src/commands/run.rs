@@ -11,7 +11,7 @@ use picchio_runtime::model::sampler::SamplerOptions;
 use picchio_runtime::model::tokenizer::Tokenizer;
 use picchio_runtime::model::trace::{TraceHeader, TraceWriter};
 use picchio_runtime::model::DecodeSchedule;
-use picchio_runtime::run::{dump_logits, GenerateOptions, Session, SessionOptions};
+use picchio_runtime::run::{dump_logits, GenerateOptions, RunStats, Session, SessionOptions};
 use picchio_runtime::ModelDir;
 
 /// Options of `picchio run`.
@@ -33,12 +33,6 @@ pub struct Args {
     /// Read flat stores with O_DIRECT, bypassing the page cache (the default).
     #[arg(long, conflicts_with = "buffered")]
     pub direct: bool,
-    /// Read flat stores through the page cache (for file systems without O_DIRECT, or warm-cache runs).
-    #[arg(long)]
-    pub buffered: bool,
-    /// Reader threads of the psync engine.
-    #[arg(long, value_name = "N", default_value_t = 2, value_parser = super::int_in::<u16>(1, Some(256)))]
-    pub io_threads: u16,
     #[command(flatten)]
     pub engine: EngineArgs,
     #[command(flatten)]
@@ -140,9 +134,17 @@ impl SamplingArgs {
     }
 }
 
-/// Engine and MoE scheduling options shared by `run` and `demo`.
+/// Engine and MoE scheduling options shared by `run`, `demo`, `chat`, `serve`, `bench cache` and
+/// `bench decode`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct EngineArgs {
+    /// Read flat stores through the page cache instead of O_DIRECT (for file systems without
+    /// O_DIRECT, or warm-cache runs; `bench cache`: measure buffered reads only, as --reads buffered).
+    #[arg(long)]
+    pub buffered: bool,
+    /// Reader threads of the psync engine; for an nvme-tcp:// store, the I/O queues (TCP connections).
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = super::int_in::<u16>(1, Some(256)))]
+    pub io_threads: u16,
     /// I/O engine for flat stores: `uring` (io_uring, Linux; the default there, falling back to psync
     /// with a warning where io_uring is unavailable), `psync` (a pool of --io-threads pread threads),
     /// or `iocp` (overlapped I/O with a completion port; Windows, its default there).
@@ -237,15 +239,17 @@ impl EngineArgs {
         }
     }
 
-    /// `io` with the engine and queue settings of these flags.
-    pub fn apply(&self, io: EngineOptions) -> EngineOptions {
+    /// The engine options of these flags.
+    pub fn options(&self) -> EngineOptions {
         EngineOptions {
             engine: self.io,
+            direct: !self.buffered,
+            threads: usize::from(self.io_threads),
             qd: self.qd,
             sqpoll: self.sqpoll,
             iopoll: self.iopoll,
             register_files: self.register_files,
-            ..io
+            ..EngineOptions::default()
         }
     }
 
@@ -253,6 +257,20 @@ impl EngineArgs {
     pub fn schedule(&self) -> DecodeSchedule {
         DecodeSchedule { async_moe: !self.no_async_moe, overlap: !self.no_overlap, prefetch: self.prefetch }
     }
+}
+
+/// The end of the stats line `run` and `demo` print: where the experts came from, through which
+/// engine, the fallbacks to safetensors and the peak RSS
+/// (`from STORE via ENGINE[, async MoE]; N fallbacks; peak RSS M MB`).
+pub(super) fn source_summary(st: &RunStats) -> String {
+    format!(
+        "from {} via {}{}; {} fallbacks; peak RSS {:.0} MB",
+        st.store,
+        st.engine,
+        if st.async_moe { ", async MoE" } else { "" },
+        st.fallbacks,
+        st.peak_rss_bytes as f64 / 1e6
+    )
 }
 
 pub fn exec(a: Args) -> anyhow::Result<()> {
@@ -313,11 +331,7 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
     let opts = SessionOptions {
         model,
         store: a.store.clone(),
-        engine: a.engine.apply(EngineOptions {
-            direct: !a.buffered,
-            threads: usize::from(a.io_threads),
-            ..EngineOptions::default()
-        }),
+        engine: a.engine.options(),
         schedule: a.engine.schedule(),
         verify: a.verify,
         ecap,
@@ -372,8 +386,7 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
         };
         eprintln!(
             "{} tokens{stopped}, {:.2} tok/s decode (prefill {:.0} ms); cache {} hits / {} misses (capacity {}); \
-             {:.1} MB read ({:.0} MB/s while in flight, {:.0} ms of exposed I/O wait) from {} via {}{}; \
-             {} fallbacks; peak RSS {:.0} MB",
+             {:.1} MB read ({:.0} MB/s while in flight, {:.0} ms of exposed I/O wait) {}",
             st.generated_tokens,
             st.decode_tok_s,
             st.prefill_ms,
@@ -383,11 +396,7 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
             st.bytes_read as f64 / 1e6,
             st.read_mb_s,
             st.read_wait_ms,
-            st.store,
-            st.engine,
-            if st.async_moe { ", async MoE" } else { "" },
-            st.fallbacks,
-            st.peak_rss_bytes as f64 / 1e6
+            source_summary(st)
         );
     }
     match usage_saved {

@@ -47,6 +47,18 @@ pub(crate) fn le_u64(b: &[u8], o: usize) -> u64 {
     u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"))
 }
 
+/// The field checks' error for the store `source_name`: `bad(field, offset, expected, found)` is
+/// the [`crate::Error::BadField`] naming the field, its byte offset, and the value expected and found.
+pub(crate) fn bad_field(source_name: &str) -> impl Fn(&'static str, usize, String, u64) -> crate::Error + '_ {
+    move |field, offset, expected, found| crate::Error::BadField {
+        source_name: source_name.into(),
+        field,
+        offset: offset as u64,
+        expected,
+        found,
+    }
+}
+
 /// Rounds `n` up to a multiple of `to` (a power of two or any non-zero value).
 pub const fn round_up(n: u64, to: u64) -> u64 {
     n.div_ceil(to) * to

@@ -90,13 +90,7 @@ impl ModelRecord {
             return Ok(None);
         }
         let u32_at = |o: usize| super::le_u32(block, o);
-        let bad = |field: &'static str, offset: usize, expected: String, found: u64| Error::BadField {
-            source_name: source_name.into(),
-            field,
-            offset: offset as u64,
-            expected,
-            found,
-        };
+        let bad = super::bad_field(source_name);
         let version = u32_at(off::VERSION);
         if version != MODEL_RECORD_VERSION {
             return Err(bad("model_record.version", off::VERSION, format!("{MODEL_RECORD_VERSION}"), version.into()));

@@ -176,13 +176,7 @@ impl Superblock {
             index_sha256,
             model: None,
         };
-        let bad = |field: &'static str, offset: usize, expected: String, found: u64| Error::BadField {
-            source_name: source_name.into(),
-            field,
-            offset: offset as u64,
-            expected,
-            found,
-        };
+        let bad = super::bad_field(source_name);
         if sb.version != VERSION {
             return Err(bad("version", off::VERSION, format!("{VERSION}"), sb.version.into()));
         }

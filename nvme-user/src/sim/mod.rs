@@ -493,13 +493,7 @@ impl Model {
         let cq = self.cqs[cqid].as_mut().expect("checked by caller");
         cqe.status = status.to_field(cq.phase);
         let addr = cq.base + u64::from(cq.tail) * 16;
-        let mut b = [0u8; 16];
-        b[0..4].copy_from_slice(&cqe.dw0.to_le_bytes());
-        b[4..8].copy_from_slice(&cqe.dw1.to_le_bytes());
-        b[8..10].copy_from_slice(&cqe.sqhd.to_le_bytes());
-        b[10..12].copy_from_slice(&cqe.sqid.to_le_bytes());
-        b[12..14].copy_from_slice(&cqe.cid.to_le_bytes());
-        b[14..16].copy_from_slice(&cqe.status.to_le_bytes());
+        let b = cqe.to_bytes();
         // Everything but the status first, then the status half-word with the phase tag.
         let ok = dma_copy(&shared.registry, addr, Dma::ToHost(&b[..14])) && {
             std::sync::atomic::fence(Ordering::Release);

@@ -269,6 +269,17 @@ impl Completion {
     pub const fn status(&self) -> Status {
         Status::from_field(self.status)
     }
+    /// The 16-byte entry as the controller writes it (§4.6, little-endian dwords).
+    pub fn to_bytes(&self) -> [u8; 16] {
+        let mut b = [0u8; 16];
+        b[0..4].copy_from_slice(&self.dw0.to_le_bytes());
+        b[4..8].copy_from_slice(&self.dw1.to_le_bytes());
+        b[8..10].copy_from_slice(&self.sqhd.to_le_bytes());
+        b[10..12].copy_from_slice(&self.sqid.to_le_bytes());
+        b[12..14].copy_from_slice(&self.cid.to_le_bytes());
+        b[14..16].copy_from_slice(&self.status.to_le_bytes());
+        b
+    }
 }
 
 #[cfg(test)]

@@ -45,54 +45,67 @@ const fn set32(v: u32, lo: u32, width: u32, x: u32) -> u32 {
     (v & !mask) | ((x << lo) & mask)
 }
 
+/// The bit fields of a register type `$reg` whose value is read with `$bits` (`bits32`, `bits64`):
+/// per field, a getter of the spec's name returning bits `lo .. lo + width` (`bool` for a flag),
+/// and for a field given a setter, `with_…` returning the register with the field replaced.
+macro_rules! reg_fields {
+    ($reg:ident, $bits:ident {
+        $( $(#[$doc:meta])* $name:ident: $t:ident = $lo:literal, $width:literal $(, $setter:ident($arg:ty))?; )*
+    }) => {
+        impl $reg {
+            $(
+                $(#[$doc])*
+                pub const fn $name(self) -> $t {
+                    reg_fields!(@get $t, $bits(self.0, $lo, $width))
+                }
+                $(
+                    #[doc = concat!("Sets [`", stringify!($reg), "::", stringify!($name), "`].")]
+                    pub const fn $setter(self, v: $arg) -> $reg {
+                        $reg(set32(self.0, $lo, $width, v as u32))
+                    }
+                )?
+            )*
+        }
+    };
+    (@get bool, $v:expr) => {
+        $v != 0
+    };
+    (@get $t:ident, $v:expr) => {
+        $v as $t
+    };
+}
+
 /// CAP — Controller Capabilities (§3.1.4.1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Cap(pub u64);
 
-impl Cap {
+reg_fields!(Cap, bits64 {
     /// MQES, bits 15:0: Maximum Queue Entries Supported, 0-based.
-    pub const fn mqes(self) -> u16 {
-        bits64(self.0, 0, 16) as u16
-    }
+    mqes: u16 = 0, 16;
     /// CQR, bit 16: Contiguous Queues Required.
-    pub const fn cqr(self) -> bool {
-        bits64(self.0, 16, 1) != 0
-    }
+    cqr: bool = 16, 1;
     /// AMS, bits 18:17: Arbitration Mechanism Supported.
-    pub const fn ams(self) -> u8 {
-        bits64(self.0, 17, 2) as u8
-    }
+    ams: u8 = 17, 2;
     /// TO, bits 31:24: worst-case time for CSTS.RDY to change after CC.EN changes, in 500 ms units.
-    pub const fn to(self) -> u8 {
-        bits64(self.0, 24, 8) as u8
-    }
+    to: u8 = 24, 8;
+    /// DSTRD, bits 35:32: Doorbell Stride, the stride is `4 << DSTRD` bytes.
+    dstrd: u8 = 32, 4;
+    /// NSSRS, bit 36: NVM Subsystem Reset Supported.
+    nssrs: bool = 36, 1;
+    /// CSS, bits 44:37: Command Sets Supported (bit 0 of the field: NVM command set).
+    css: u8 = 37, 8;
+    /// BPS, bit 45: Boot Partition Support.
+    bps: bool = 45, 1;
+    /// MPSMIN, bits 51:48: minimum memory page size is `2^(12 + MPSMIN)`.
+    mpsmin: u8 = 48, 4;
+    /// MPSMAX, bits 55:52: maximum memory page size is `2^(12 + MPSMAX)`.
+    mpsmax: u8 = 52, 4;
+});
+
+impl Cap {
     /// TO as a duration (at least 500 ms, so a 0 field still waits).
     pub fn timeout(self) -> std::time::Duration {
         std::time::Duration::from_millis(500 * u64::from(self.to().max(1)))
-    }
-    /// DSTRD, bits 35:32: Doorbell Stride, the stride is `4 << DSTRD` bytes.
-    pub const fn dstrd(self) -> u8 {
-        bits64(self.0, 32, 4) as u8
-    }
-    /// NSSRS, bit 36: NVM Subsystem Reset Supported.
-    pub const fn nssrs(self) -> bool {
-        bits64(self.0, 36, 1) != 0
-    }
-    /// CSS, bits 44:37: Command Sets Supported (bit 0 of the field: NVM command set).
-    pub const fn css(self) -> u8 {
-        bits64(self.0, 37, 8) as u8
-    }
-    /// BPS, bit 45: Boot Partition Support.
-    pub const fn bps(self) -> bool {
-        bits64(self.0, 45, 1) != 0
-    }
-    /// MPSMIN, bits 51:48: minimum memory page size is `2^(12 + MPSMIN)`.
-    pub const fn mpsmin(self) -> u8 {
-        bits64(self.0, 48, 4) as u8
-    }
-    /// MPSMAX, bits 55:52: maximum memory page size is `2^(12 + MPSMAX)`.
-    pub const fn mpsmax(self) -> u8 {
-        bits64(self.0, 52, 4) as u8
     }
     /// Builds a CAP value (used by the sim model).
     pub const fn build(mqes: u16, cqr: bool, to: u8, dstrd: u8, css: u8, mpsmin: u8, mpsmax: u8) -> Cap {
@@ -110,20 +123,14 @@ impl Cap {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Vs(pub u32);
 
-impl Vs {
+reg_fields!(Vs, bits32 {
     /// MJR, bits 31:16: major version.
-    pub const fn mjr(self) -> u16 {
-        bits32(self.0, 16, 16) as u16
-    }
+    mjr: u16 = 16, 16;
     /// MNR, bits 15:8: minor version.
-    pub const fn mnr(self) -> u8 {
-        bits32(self.0, 8, 8) as u8
-    }
+    mnr: u8 = 8, 8;
     /// TER, bits 7:0: tertiary version.
-    pub const fn ter(self) -> u8 {
-        bits32(self.0, 0, 8) as u8
-    }
-}
+    ter: u8 = 0, 8;
+});
 
 impl std::fmt::Display for Vs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -147,60 +154,22 @@ pub enum Shn {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Cc(pub u32);
 
-impl Cc {
+reg_fields!(Cc, bits32 {
     /// EN, bit 0: Enable.
-    pub const fn en(self) -> bool {
-        bits32(self.0, 0, 1) != 0
-    }
-    /// Sets EN.
-    pub const fn with_en(self, en: bool) -> Cc {
-        Cc(set32(self.0, 0, 1, en as u32))
-    }
+    en: bool = 0, 1, with_en(bool);
     /// CSS, bits 6:4: I/O Command Set Selected (000b: NVM).
-    pub const fn css(self) -> u8 {
-        bits32(self.0, 4, 3) as u8
-    }
-    /// Sets CSS.
-    pub const fn with_css(self, css: u8) -> Cc {
-        Cc(set32(self.0, 4, 3, css as u32))
-    }
+    css: u8 = 4, 3, with_css(u8);
     /// MPS, bits 10:7: Memory Page Size is `2^(12 + MPS)`.
-    pub const fn mps(self) -> u8 {
-        bits32(self.0, 7, 4) as u8
-    }
-    /// Sets MPS.
-    pub const fn with_mps(self, mps: u8) -> Cc {
-        Cc(set32(self.0, 7, 4, mps as u32))
-    }
+    mps: u8 = 7, 4, with_mps(u8);
     /// AMS, bits 13:11: Arbitration Mechanism Selected (000b: round robin).
-    pub const fn ams(self) -> u8 {
-        bits32(self.0, 11, 3) as u8
-    }
+    ams: u8 = 11, 3;
     /// SHN, bits 15:14: Shutdown Notification.
-    pub const fn shn(self) -> u8 {
-        bits32(self.0, 14, 2) as u8
-    }
-    /// Sets SHN.
-    pub const fn with_shn(self, shn: Shn) -> Cc {
-        Cc(set32(self.0, 14, 2, shn as u32))
-    }
+    shn: u8 = 14, 2, with_shn(Shn);
     /// IOSQES, bits 19:16: I/O Submission Queue Entry Size, `2^IOSQES` bytes (6 → 64 B).
-    pub const fn iosqes(self) -> u8 {
-        bits32(self.0, 16, 4) as u8
-    }
-    /// Sets IOSQES.
-    pub const fn with_iosqes(self, v: u8) -> Cc {
-        Cc(set32(self.0, 16, 4, v as u32))
-    }
+    iosqes: u8 = 16, 4, with_iosqes(u8);
     /// IOCQES, bits 23:20: I/O Completion Queue Entry Size, `2^IOCQES` bytes (4 → 16 B).
-    pub const fn iocqes(self) -> u8 {
-        bits32(self.0, 20, 4) as u8
-    }
-    /// Sets IOCQES.
-    pub const fn with_iocqes(self, v: u8) -> Cc {
-        Cc(set32(self.0, 20, 4, v as u32))
-    }
-}
+    iocqes: u8 = 20, 4, with_iocqes(u8);
+});
 
 /// CSTS.SHST values (§3.1.4.6): shutdown status.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -218,27 +187,20 @@ pub enum Shst {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Csts(pub u32);
 
-impl Csts {
+reg_fields!(Csts, bits32 {
     /// RDY, bit 0: Ready.
-    pub const fn rdy(self) -> bool {
-        bits32(self.0, 0, 1) != 0
-    }
+    rdy: bool = 0, 1;
     /// CFS, bit 1: Controller Fatal Status.
-    pub const fn cfs(self) -> bool {
-        bits32(self.0, 1, 1) != 0
-    }
+    cfs: bool = 1, 1;
     /// SHST, bits 3:2: Shutdown Status (raw).
-    pub const fn shst(self) -> u8 {
-        bits32(self.0, 2, 2) as u8
-    }
+    shst: u8 = 2, 2;
     /// NSSRO, bit 4: NVM Subsystem Reset Occurred.
-    pub const fn nssro(self) -> bool {
-        bits32(self.0, 4, 1) != 0
-    }
+    nssro: bool = 4, 1;
     /// PP, bit 5: Processing Paused.
-    pub const fn pp(self) -> bool {
-        bits32(self.0, 5, 1) != 0
-    }
+    pp: bool = 5, 1;
+});
+
+impl Csts {
     /// Builds a CSTS value (used by the sim model).
     pub const fn build(rdy: bool, cfs: bool, shst: Shst) -> Csts {
         Csts((rdy as u32) | ((cfs as u32) << 1) | ((shst as u32) << 2))
@@ -249,15 +211,14 @@ impl Csts {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Aqa(pub u32);
 
-impl Aqa {
+reg_fields!(Aqa, bits32 {
     /// ASQS, bits 11:0: Admin Submission Queue Size, 0-based.
-    pub const fn asqs(self) -> u16 {
-        bits32(self.0, 0, 12) as u16
-    }
+    asqs: u16 = 0, 12;
     /// ACQS, bits 27:16: Admin Completion Queue Size, 0-based.
-    pub const fn acqs(self) -> u16 {
-        bits32(self.0, 16, 12) as u16
-    }
+    acqs: u16 = 16, 12;
+});
+
+impl Aqa {
     /// Builds AQA from entry counts (not 0-based; each 2..=4096).
     pub const fn from_entries(sq_entries: u16, cq_entries: u16) -> Aqa {
         Aqa(set32(set32(0, 0, 12, sq_entries as u32 - 1), 16, 12, cq_entries as u32 - 1))

@@ -232,26 +232,13 @@ impl Conn {
     /// CPDA, data and data digest as negotiated.
     fn send_pdu(&mut self, t: u8, extra_flags: u8, specific: &[u8], data: Option<&[u8]>, step: &str) -> TcpResult<()> {
         let hlen = CH_LEN + specific.len();
-        let hd = if self.hdgst { DIGEST_LEN } else { 0 };
-        let (pdo, dlen, dd) = match data {
-            Some(d) => {
-                let align = (usize::from(self.cpda) + 1) * 4;
-                ((hlen + hd).div_ceil(align) * align, d.len(), if self.ddgst { DIGEST_LEN } else { 0 })
-            }
-            None => (0, 0, 0),
-        };
-        let plen = if data.is_some() { pdo + dlen + dd } else { hlen + hd };
-        let mut f = extra_flags;
-        if self.hdgst {
-            f |= flags::HDGSTF;
-        }
-        if data.is_some() && self.ddgst {
-            f |= flags::DDGSTF;
-        }
+        let align = (usize::from(self.cpda) + 1) * 4;
+        let ch = CommonHeader::framed(t, extra_flags, hlen, data.map(<[u8]>::len), align, (self.hdgst, self.ddgst));
+        let pdo = usize::from(ch.pdo);
         let mut tx = std::mem::take(&mut self.tx);
         tx.clear();
         tx.resize(hlen, 0);
-        CommonHeader { pdu_type: t, flags: f, hlen: hlen as u8, pdo: pdo as u8, plen: plen as u32 }.write(&mut tx);
+        ch.write(&mut tx);
         tx[CH_LEN..hlen].copy_from_slice(specific);
         if self.hdgst {
             let d = pdu::crc32c(&tx[..hlen]);
@@ -317,14 +304,7 @@ impl Conn {
             return Err(bad(format!("HLEN {} (expected 24)", h.hlen)));
         }
         let hd = if self.hdgst { DIGEST_LEN } else { 0 };
-        if (h.flags & flags::HDGSTF != 0) != self.hdgst {
-            return Err(bad(format!(
-                "FLAGS {:#04x}: HDGSTF {} but header digests are {}",
-                h.flags,
-                on(h.flags & flags::HDGSTF != 0),
-                on(self.hdgst)
-            )));
-        }
+        digest_flag(h.flags, flags::HDGSTF, "HDGSTF", self.hdgst, "header").map_err(&bad)?;
         let hlen_total = (pdu::HLEN_24 + hd) as u32;
         if h.plen < hlen_total {
             return Err(bad(format!("PLEN {} is shorter than its header ({hlen_total} bytes)", h.plen)));
@@ -355,14 +335,7 @@ impl Conn {
             }
             _ => {
                 let d = DataHeader::parse(&hb);
-                if (h.flags & flags::DDGSTF != 0) != self.ddgst {
-                    return Err(bad(format!(
-                        "FLAGS {:#04x}: DDGSTF {} but data digests are {}",
-                        h.flags,
-                        on(h.flags & flags::DDGSTF != 0),
-                        on(self.ddgst)
-                    )));
-                }
+                digest_flag(h.flags, flags::DDGSTF, "DDGSTF", self.ddgst, "data").map_err(&bad)?;
                 if h.flags & flags::SUCCESS != 0 && h.flags & flags::LAST_PDU == 0 {
                     return Err(bad(format!("FLAGS {:#04x}: SUCCESS without LAST_PDU", h.flags)));
                 }
@@ -479,6 +452,16 @@ impl Conn {
             }
         }
     }
+}
+
+/// Checks that the digest flag `flag` (named `name`) of a PDU's `FLAGS` is set exactly when `kind`
+/// (`header`, `data`) digests were negotiated (`negotiated`); else what is wrong.
+fn digest_flag(flags: u8, flag: u8, name: &str, negotiated: bool, kind: &str) -> Result<(), String> {
+    let set = flags & flag != 0;
+    if set == negotiated {
+        return Ok(());
+    }
+    Err(format!("FLAGS {flags:#04x}: {name} {} but {kind} digests are {}", on(set), on(negotiated)))
 }
 
 fn on(b: bool) -> &'static str {

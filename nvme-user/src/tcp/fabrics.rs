@@ -230,6 +230,21 @@ impl DiscoveryEntry {
     /// Bytes of one entry.
     pub const LEN: usize = 1024;
 
+    /// The entry of an NVM subsystem `subnqn` reached over TCP on IPv4 at `traddr`:`trsvcid`
+    /// (TRTYPE 3, ADRFAM 1, SUBTYPE 2), port 1, any controller (CNTLID FFFFh: dynamic).
+    pub fn tcp_ipv4_nvm(traddr: &str, trsvcid: &str, subnqn: &str) -> DiscoveryEntry {
+        DiscoveryEntry {
+            trtype: 3,
+            adrfam: 1,
+            subtype: 2,
+            portid: 1,
+            cntlid: 0xFFFF,
+            trsvcid: trsvcid.into(),
+            subnqn: subnqn.into(),
+            traddr: traddr.into(),
+        }
+    }
+
     /// Decodes one 1024-byte entry.
     pub fn parse(b: &[u8]) -> DiscoveryEntry {
         DiscoveryEntry {
@@ -330,16 +345,7 @@ mod tests {
         let b = d.encode();
         assert_eq!((&b[256..262], le16(&b, 16)), (&b"nqn.20"[..], 0xFFFF));
         assert_eq!(ConnectData::parse(&b), d);
-        let e = DiscoveryEntry {
-            trtype: 3,
-            adrfam: 1,
-            subtype: 2,
-            portid: 1,
-            cntlid: 0xFFFF,
-            trsvcid: "4420".into(),
-            subnqn: "nqn.x".into(),
-            traddr: "127.0.0.1".into(),
-        };
+        let e = DiscoveryEntry::tcp_ipv4_nvm("127.0.0.1", "4420", "nqn.x");
         let b = e.encode();
         assert_eq!((&b[32..36], &b[512..521]), (&b"4420"[..], &b"127.0.0.1"[..]));
         assert_eq!(DiscoveryEntry::parse(&b), e);

@@ -19,7 +19,7 @@ use crate::spec::regs::Shst;
 use crate::spec::{self, Cap, Cc, Command, Completion, Csts, LbaFormat, Status, StatusCodeType};
 
 use super::fabrics::{self, ConnectData, DiscoveryEntry};
-use super::pdu::{self, flags, pdu_type, CommonHeader, DataHeader, IcReq, IcResp, TermReq, CH_LEN, DIGEST_LEN};
+use super::pdu::{self, flags, pdu_type, CommonHeader, DataHeader, IcReq, IcResp, TermReq, CH_LEN};
 use super::queue::TcpTarget;
 
 /// What backs the model's namespace.
@@ -455,22 +455,11 @@ impl Session {
     /// Sends a PDU with digests as negotiated; `corrupt_h`/`corrupt_d` break the digests.
     fn send(&mut self, t: u8, fl: u8, specific: &[u8], data: Option<&[u8]>, corrupt: (bool, bool)) -> R {
         let hlen = CH_LEN + specific.len();
-        let hd = if self.hdgst { DIGEST_LEN } else { 0 };
-        let align = 4;
-        let (pdo, dlen, dd) = match data {
-            Some(d) => ((hlen + hd).div_ceil(align) * align, d.len(), if self.ddgst { DIGEST_LEN } else { 0 }),
-            None => (0, 0, 0),
-        };
-        let plen = if data.is_some() { pdo + dlen + dd } else { hlen + hd };
-        let mut f = fl;
-        if self.hdgst {
-            f |= flags::HDGSTF;
-        }
-        if data.is_some() && self.ddgst {
-            f |= flags::DDGSTF;
-        }
+        // Data at the next dword (HPDA 0, what our host asks for).
+        let ch = CommonHeader::framed(t, fl, hlen, data.map(<[u8]>::len), 4, (self.hdgst, self.ddgst));
+        let pdo = usize::from(ch.pdo);
         let mut b = vec![0u8; hlen];
-        CommonHeader { pdu_type: t, flags: f, hlen: hlen as u8, pdo: pdo as u8, plen: plen as u32 }.write(&mut b);
+        ch.write(&mut b);
         b[CH_LEN..].copy_from_slice(specific);
         if self.hdgst {
             let d = pdu::crc32c(&b) ^ u32::from(corrupt.0);
@@ -504,12 +493,12 @@ impl Session {
             if self.take_fault(|f| *f == Fault::ShortPdu).is_some() {
                 let mut b = [0u8; 24];
                 CommonHeader { pdu_type: pdu_type::CAPSULE_RESP, flags: 0, hlen: 24, pdo: 0, plen: 20 }.write(&mut b);
-                b[8..24].copy_from_slice(&pdu::cqe_bytes(&cqe));
+                b[8..24].copy_from_slice(&cqe.to_bytes());
                 return self.s.write_all(&b);
             }
             corrupt.0 = self.hdgst && self.take_fault(|f| *f == Fault::BadHeaderDigest).is_some();
         }
-        self.send(pdu_type::CAPSULE_RESP, 0, &pdu::cqe_bytes(&cqe), None, corrupt)
+        self.send(pdu_type::CAPSULE_RESP, 0, &cqe.to_bytes(), None, corrupt)
     }
 
     fn data_hdr(cccid: u16, ttag: u16, offset: u32, length: u32) -> [u8; 16] {
@@ -822,16 +811,7 @@ impl Session {
                 let mut log = vec![0u8; 2048];
                 log[0..8].copy_from_slice(&1u64.to_le_bytes());
                 log[8..16].copy_from_slice(&1u64.to_le_bytes());
-                let e = DiscoveryEntry {
-                    trtype: 3,
-                    adrfam: 1,
-                    subtype: 2,
-                    portid: 1,
-                    cntlid: 0xFFFF,
-                    trsvcid: self.sh.port.to_string(),
-                    subnqn: self.sh.cfg.subnqn.clone(),
-                    traddr: "127.0.0.1".into(),
-                };
+                let e = DiscoveryEntry::tcp_ipv4_nvm("127.0.0.1", &self.sh.port.to_string(), &self.sh.cfg.subnqn);
                 log[1024..2048].copy_from_slice(&e.encode());
                 let want = (numd * 4) as usize;
                 let mut out = vec![0u8; want];

@@ -113,6 +113,29 @@ impl CommonHeader {
     pub fn parse(b: &[u8; CH_LEN]) -> CommonHeader {
         CommonHeader { pdu_type: b[0], flags: b[1], hlen: b[2], pdo: b[3], plen: le32(b, 4) }
     }
+    /// The header of a PDU of type `t` (with its type's `flags`) whose header is `hlen` bytes, with
+    /// `data` bytes of data (`None`: no data part), the digests as negotiated (`(header, data)`)
+    /// and the data starting at a multiple of `align` bytes (the receiver's PDA + 1 dwords): FLAGS
+    /// gets HDGSTF and DDGSTF, PDO the data's offset, PLEN the whole PDU.
+    pub fn framed(t: u8, flags: u8, hlen: usize, data: Option<usize>, align: usize, digests: (bool, bool)) -> Self {
+        let (hdgst, ddgst) = digests;
+        let hd = if hdgst { DIGEST_LEN } else { 0 };
+        let (pdo, plen) = match data {
+            Some(dlen) => {
+                let pdo = (hlen + hd).div_ceil(align) * align;
+                (pdo, pdo + dlen + if ddgst { DIGEST_LEN } else { 0 })
+            }
+            None => (0, hlen + hd),
+        };
+        let mut f = flags;
+        if hdgst {
+            f |= self::flags::HDGSTF;
+        }
+        if data.is_some() && ddgst {
+            f |= self::flags::DDGSTF;
+        }
+        CommonHeader { pdu_type: t, flags: f, hlen: hlen as u8, pdo: pdo as u8, plen: plen as u32 }
+    }
     /// Encodes into `b[..8]`.
     pub fn write(&self, b: &mut [u8]) {
         b[0] = self.pdu_type;
@@ -133,70 +156,66 @@ pub(crate) fn le64(b: &[u8], o: usize) -> u64 {
     u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"))
 }
 
-/// ICReq (§3.6.2.2): the host's connection parameters.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct IcReq {
-    /// PFV, bytes 9:8.
-    pub pfv: u16,
+/// Declares ICReq or ICResp: both are 128-byte PDUs with PFV at bytes 9:8, a PDU data alignment at
+/// byte 10, DGST at byte 11 (bit 0 HDGST_ENABLE, bit 1 DDGST_ENABLE) and a dword at bytes 15:12;
+/// the alignment and the dword are named as the spec names them for each direction.
+macro_rules! ic_pdu {
+    (
+        $(#[$doc:meta])* $name:ident = $pdu_type:expr;
+        $(#[$pda_doc:meta])* $pda:ident;
+        $(#[$dword_doc:meta])* $dword:ident;
+    ) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        pub struct $name {
+            /// PFV, bytes 9:8.
+            pub pfv: u16,
+            $(#[$pda_doc])*
+            pub $pda: u8,
+            /// DGST bit 0, HDGST_ENABLE: header digests are used on this connection.
+            pub hdgst: bool,
+            /// DGST bit 1, DDGST_ENABLE: data digests are used.
+            pub ddgst: bool,
+            $(#[$dword_doc])*
+            pub $dword: u32,
+        }
+
+        impl $name {
+            /// The 128-byte PDU.
+            pub fn encode(&self) -> [u8; IC_HLEN] {
+                let mut b = [0u8; IC_HLEN];
+                CommonHeader { pdu_type: $pdu_type, flags: 0, hlen: IC_HLEN as u8, pdo: 0, plen: IC_HLEN as u32 }
+                    .write(&mut b);
+                b[8..10].copy_from_slice(&self.pfv.to_le_bytes());
+                b[10] = self.$pda;
+                b[11] = u8::from(self.hdgst) | (u8::from(self.ddgst) << 1);
+                b[12..16].copy_from_slice(&self.$dword.to_le_bytes());
+                b
+            }
+            /// Decodes the 128-byte PDU.
+            pub fn parse(b: &[u8]) -> $name {
+                $name { pfv: le16(b, 8), $pda: b[10], hdgst: b[11] & 1 != 0, ddgst: b[11] & 2 != 0, $dword: le32(b, 12) }
+            }
+        }
+    };
+}
+
+ic_pdu! {
+    /// ICReq (§3.6.2.2): the host's connection parameters.
+    IcReq = pdu_type::IC_REQ;
     /// HPDA, byte 10: host PDU data alignment, in dwords minus one, for the data of C2H PDUs (0..=31).
-    pub hpda: u8,
-    /// DGST, byte 11: bit 0 HDGST_ENABLE, bit 1 DDGST_ENABLE.
-    pub hdgst: bool,
-    /// DDGST_ENABLE.
-    pub ddgst: bool,
+    hpda;
     /// MAXR2T, bytes 15:12: outstanding R2Ts per command, 0-based.
-    pub maxr2t: u32,
+    maxr2t;
 }
 
-impl IcReq {
-    /// The 128-byte PDU.
-    pub fn encode(&self) -> [u8; IC_HLEN] {
-        let mut b = [0u8; IC_HLEN];
-        CommonHeader { pdu_type: pdu_type::IC_REQ, flags: 0, hlen: IC_HLEN as u8, pdo: 0, plen: IC_HLEN as u32 }
-            .write(&mut b);
-        b[8..10].copy_from_slice(&self.pfv.to_le_bytes());
-        b[10] = self.hpda;
-        b[11] = u8::from(self.hdgst) | (u8::from(self.ddgst) << 1);
-        b[12..16].copy_from_slice(&self.maxr2t.to_le_bytes());
-        b
-    }
-    /// Decodes a 128-byte PDU (the model target's side).
-    pub fn parse(b: &[u8]) -> IcReq {
-        IcReq { pfv: le16(b, 8), hpda: b[10], hdgst: b[11] & 1 != 0, ddgst: b[11] & 2 != 0, maxr2t: le32(b, 12) }
-    }
-}
-
-/// ICResp (§3.6.2.3): the controller's connection parameters.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct IcResp {
-    /// PFV, bytes 9:8.
-    pub pfv: u16,
+ic_pdu! {
+    /// ICResp (§3.6.2.3): the controller's connection parameters.
+    IcResp = pdu_type::IC_RESP;
     /// CPDA, byte 10: controller PDU data alignment, in dwords minus one, for the data of H2C PDUs.
-    pub cpda: u8,
-    /// DGST bit 0: header digests are used on this connection.
-    pub hdgst: bool,
-    /// DGST bit 1: data digests are used.
-    pub ddgst: bool,
+    cpda;
     /// MAXH2CDATA, bytes 15:12: the most data bytes in one H2CData PDU (at least 4096).
-    pub maxh2cdata: u32,
-}
-
-impl IcResp {
-    /// The 128-byte PDU.
-    pub fn encode(&self) -> [u8; IC_HLEN] {
-        let mut b = [0u8; IC_HLEN];
-        CommonHeader { pdu_type: pdu_type::IC_RESP, flags: 0, hlen: IC_HLEN as u8, pdo: 0, plen: IC_HLEN as u32 }
-            .write(&mut b);
-        b[8..10].copy_from_slice(&self.pfv.to_le_bytes());
-        b[10] = self.cpda;
-        b[11] = u8::from(self.hdgst) | (u8::from(self.ddgst) << 1);
-        b[12..16].copy_from_slice(&self.maxh2cdata.to_le_bytes());
-        b
-    }
-    /// Decodes the 128-byte PDU.
-    pub fn parse(b: &[u8]) -> IcResp {
-        IcResp { pfv: le16(b, 8), cpda: b[10], hdgst: b[11] & 1 != 0, ddgst: b[11] & 2 != 0, maxh2cdata: le32(b, 12) }
-    }
+    maxh2cdata;
 }
 
 /// The PDU-specific header of C2HData, H2CData (§3.6.2.7/§3.6.2.8) and R2T (§3.6.2.9): CCCID,
@@ -305,19 +324,7 @@ pub fn sqe_parse(b: &[u8]) -> Command {
     }
 }
 
-/// The 16-byte CQE as bytes.
-pub fn cqe_bytes(c: &Completion) -> [u8; 16] {
-    let mut b = [0u8; 16];
-    b[0..4].copy_from_slice(&c.dw0.to_le_bytes());
-    b[4..8].copy_from_slice(&c.dw1.to_le_bytes());
-    b[8..10].copy_from_slice(&c.sqhd.to_le_bytes());
-    b[10..12].copy_from_slice(&c.sqid.to_le_bytes());
-    b[12..14].copy_from_slice(&c.cid.to_le_bytes());
-    b[14..16].copy_from_slice(&c.status.to_le_bytes());
-    b
-}
-
-/// The CQE from 16 bytes.
+/// The CQE from 16 bytes (the inverse of [`Completion::to_bytes`]).
 pub fn cqe_parse(b: &[u8]) -> Completion {
     Completion {
         dw0: le32(b, 0),
@@ -395,7 +402,7 @@ mod tests {
         assert_eq!(sqe_parse(&b), c);
         assert_eq!(sgl::get(&c), (0x5A, 0, 8192));
         let cqe = Completion { dw0: 1, dw1: 2, sqhd: 3, sqid: 4, cid: 5, status: 6 };
-        assert_eq!(cqe_parse(&cqe_bytes(&cqe)), cqe);
+        assert_eq!(cqe_parse(&cqe.to_bytes()), cqe);
     }
 
     #[test]

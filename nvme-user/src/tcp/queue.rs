@@ -663,16 +663,13 @@ fn establish(target: &TcpTarget, opts: &TcpOptions) -> TcpResult<(Assoc, Control
 }
 
 impl crate::sink::FlushSteps for NvmeTcpQueue {
-    fn queue_flush(&mut self, buf: AlignedBuf) {
+    type Transport = ();
+    fn requests(&mut self) -> &mut Requests<()> {
+        &mut self.reqs
+    }
+    fn enqueue_flush(&mut self, buf: AlignedBuf) {
         self.stats.flushes += 1;
-        self.reqs.clear_flush();
         self.enqueue(Op::Flush, Tag(u64::MAX), buf, 0, 0);
-    }
-    fn take_flush_outcome(&mut self) -> Option<io::Result<()>> {
-        self.reqs.take_flush().map(|r| r.map(|_| ()))
-    }
-    fn hold_back(&mut self, held: Vec<Completion>) {
-        self.reqs.hold_back(held);
     }
 }
 

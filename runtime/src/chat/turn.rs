@@ -6,7 +6,7 @@
 use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::model::sampler::{Sampler, SamplerOptions};
 use crate::run::{RunStats, Session};
 
@@ -76,9 +76,10 @@ impl Session {
     /// run), and [`Session::kv_ids`] says so.
     ///
     /// # Errors
-    /// [`Error::EmptyPrompt`], [`Error::OutOfVocabulary`], [`Error::ContextOverflow`] when prompt +
-    /// `max_new` exceed the KV cache (nothing is run); [`Error::Interrupted`] after SIGINT/SIGTERM
-    /// during the prefill; forward-pass errors (the KV record is then cut to what is valid).
+    /// [`crate::Error::EmptyPrompt`], [`crate::Error::OutOfVocabulary`],
+    /// [`crate::Error::ContextOverflow`] when prompt + `max_new` exceed the KV cache (nothing is run);
+    /// [`crate::Error::Interrupted`] after SIGINT/SIGTERM during the prefill; forward-pass errors (the
+    /// KV record is then cut to what is valid).
     pub fn complete(
         &mut self,
         prompt: &[u32],
@@ -103,17 +104,8 @@ impl Session {
         on_token: &mut dyn FnMut(u32) -> ControlFlow<()>,
         stop: &mut dyn FnMut() -> bool,
     ) -> Result<Turn> {
+        crate::run::check_prompt(&self.model, prompt, opts.max_new)?;
         let vocab = self.model.config().vocab_size;
-        if prompt.is_empty() {
-            return Err(Error::EmptyPrompt);
-        }
-        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
-            return Err(Error::OutOfVocabulary { what: "prompt id", id: u64::from(bad), vocab });
-        }
-        let needed = prompt.len().saturating_add(opts.max_new);
-        if needed > self.model.max_seq() {
-            return Err(Error::ContextOverflow { needed, context: self.model.max_seq(), config: None });
-        }
         let start = (self.cache.hits(), self.cache.misses(), self.io_stats.snapshot());
         let (pf0, wait0) = (self.cache.prefetch_stats(), self.cache.io_wait_ns());
         let t0 = Instant::now();

@@ -1084,14 +1084,24 @@ mod tests {
         assert_eq!(u32::from_le_bytes(p[4..8].try_into().unwrap()), experts[i]);
     }
 
-    fn fetch(c: &mut ExpertCache, l: &mut FakeLoader, layer: u32, experts: &[u32]) -> Result<Vec<usize>> {
+    /// One fetch of `experts` of `layer` (`run` calls the cache with the compute callback), checking
+    /// each payload; returns the indices in compute order.
+    fn computed(
+        layer: u32,
+        experts: &[u32],
+        run: impl FnOnce(&mut dyn FnMut(usize, &[u8]) -> Result<()>) -> Result<()>,
+    ) -> Result<Vec<usize>> {
         let mut seen = Vec::new();
-        c.fetch(layer, experts, l, &mut |i, p| {
+        run(&mut |i, p| {
             check_payload(layer, experts, i, p);
             seen.push(i);
             Ok(())
         })?;
         Ok(seen)
+    }
+
+    fn fetch(c: &mut ExpertCache, l: &mut FakeLoader, layer: u32, experts: &[u32]) -> Result<Vec<usize>> {
+        computed(layer, experts, |compute| c.fetch(layer, experts, l, compute))
     }
 
     #[test]
@@ -1201,13 +1211,7 @@ mod tests {
         experts: &[u32],
         prefetch: Option<(u32, &[u32])>,
     ) -> Result<Vec<usize>> {
-        let mut seen = Vec::new();
-        c.fetch_overlapped(layer, experts, io, prefetch, &mut |i, p| {
-            check_payload(layer, experts, i, p);
-            seen.push(i);
-            Ok(())
-        })?;
-        Ok(seen)
+        computed(layer, experts, |compute| c.fetch_overlapped(layer, experts, io, prefetch, compute))
     }
 
     #[test]

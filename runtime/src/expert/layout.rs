@@ -87,25 +87,16 @@ impl ExpertTensorNames {
 
     /// Names for `(layer, expert)` in `naming`'s spelling.
     pub fn with(naming: ExpertNaming, layer: usize, expert: usize) -> Self {
-        match naming {
-            ExpertNaming::PerExpert => {
-                let p = format!("model.layers.{layer}.mlp.experts.{expert}");
-                ExpertTensorNames {
-                    gate_up: format!("{p}.gate_up_proj"),
-                    gate_up_qs: format!("{p}.gate_up_proj.qs"),
-                    down: format!("{p}.down_proj"),
-                    down_qs: format!("{p}.down_proj.qs"),
-                }
-            }
-            ExpertNaming::Suffixed => {
-                let p = format!("model.layers.{layer}.mlp.experts");
-                ExpertTensorNames {
-                    gate_up: format!("{p}.gate_up_proj.{expert}"),
-                    gate_up_qs: format!("{p}.gate_up_proj.{expert}.qs"),
-                    down: format!("{p}.down_proj.{expert}"),
-                    down_qs: format!("{p}.down_proj.{expert}.qs"),
-                }
-            }
+        // `model.layers.L.mlp.experts.E.gate_up_proj` or `model.layers.L.mlp.experts.gate_up_proj.E`.
+        let (p, e) = match naming {
+            ExpertNaming::PerExpert => (format!("model.layers.{layer}.mlp.experts.{expert}"), String::new()),
+            ExpertNaming::Suffixed => (format!("model.layers.{layer}.mlp.experts"), format!(".{expert}")),
+        };
+        ExpertTensorNames {
+            gate_up: format!("{p}.gate_up_proj{e}"),
+            gate_up_qs: format!("{p}.gate_up_proj{e}.qs"),
+            down: format!("{p}.down_proj{e}"),
+            down_qs: format!("{p}.down_proj{e}.qs"),
         }
     }
 }

@@ -18,7 +18,6 @@
 //! announcing and reading back as it does for `picchio synth`.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use picchio_core::format::{plan_image_len, ImageSink};
 use picchio_core::loader::StoreDims;
@@ -86,29 +85,23 @@ pub struct Packed {
 }
 
 impl ReportHead for Packed {
-    fn fmt_head(
-        &self,
-        f: &mut std::fmt::Formatter<'_>,
-        dest: &str,
-        sb: &Superblock,
-        bytes: u64,
-        elapsed: Duration,
-    ) -> std::fmt::Result {
+    fn fmt_head(r: &WriteReport<Packed>, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (dest, sb, bytes, elapsed) = (&r.dest, &r.superblock, r.bytes, r.elapsed);
         let layers = sb.image_layers();
-        writeln!(f, "packed {} -> {dest}", self.model_dir.display())?;
+        writeln!(f, "packed {} -> {dest}", r.model_dir.display())?;
         write!(
             f,
             "  {} experts ({}, {} bytes each) from {layers} of {} layers",
-            self.experts, self.quant, self.payload_len, sb.n_layers
+            r.experts, r.quant, r.payload_len, sb.n_layers
         )?;
         if layers < sb.n_layers {
             write!(f, " (prefix store: later layers are served from safetensors)")?;
         }
-        if self.placeholders > 0 {
-            write!(f, "; {} dense-MLP layer slots hold the placeholder", self.placeholders)?;
+        if r.placeholders > 0 {
+            write!(f, "; {} dense-MLP layer slots hold the placeholder", r.placeholders)?;
         }
         write!(f, "\n  {} entries, {} bytes, {:.2?}", sb.n_entries, bytes, elapsed)?;
-        if let Some(rss) = self.peak_rss {
+        if let Some(rss) = r.peak_rss {
             write!(f, "; peak RSS {:.1} MB ({rss} bytes)", rss as f64 / 1e6)?;
         }
         Ok(())

@@ -21,7 +21,6 @@
 //! are resident tensors, not part of the payload).
 
 use std::path::Path;
-use std::time::Duration;
 
 use picchio_core::format::{plan_image_len, ImageSink};
 use picchio_core::loader::StoreDims;
@@ -151,20 +150,14 @@ pub struct Synthesized {
 }
 
 impl ReportHead for Synthesized {
-    fn fmt_head(
-        &self,
-        f: &mut std::fmt::Formatter<'_>,
-        dest: &str,
-        sb: &Superblock,
-        bytes: u64,
-        elapsed: Duration,
-    ) -> std::fmt::Result {
+    fn fmt_head(r: &WriteReport<Synthesized>, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (dest, sb, bytes, elapsed) = (&r.dest, &r.superblock, r.bytes, r.elapsed);
         let layers = sb.image_layers();
         writeln!(f, "synthesized {dest}")?;
         writeln!(
             f,
             "  {} entries ({layers} of {} layers × {} experts) of {} bytes (seeded random, seed {})",
-            sb.n_entries, sb.n_layers, sb.n_experts, self.expert_bytes, self.seed
+            sb.n_entries, sb.n_layers, sb.n_experts, r.expert_bytes, r.seed
         )?;
         write!(
             f,

@@ -105,13 +105,7 @@ impl std::fmt::Display for TranscodeReport {
             self.experts, self.from, self.payload_len.0, self.to, self.payload_len.1
         )?;
         writeln!(f, "  dense tensors copied: {}", self.dense_tensors)?;
-        writeln!(
-            f,
-            "  {} weight file(s), {} tensor bytes; copied {}",
-            self.files.len(),
-            self.total_size,
-            self.copied.join(", ")
-        )?;
+        crate::image::fmt_files(f, self.files.len(), "weight file", self.total_size, &self.copied)?;
         if !self.images_not_copied.is_empty() {
             writeln!(
                 f,
@@ -345,20 +339,12 @@ pub fn transcode(src: &Path, dst: &Path, opts: &TranscodeOptions) -> Result<Tran
         let tmp = TempDir::create(dst, "transcode")?;
         let n_items: usize = files.iter().map(|f| f.items.len()).sum();
         let bar = progress::bar(n_items as u64, "transcode", !opts.progress);
-        let write_all = || -> Result<usize> {
+        let threads = crate::image::on_threads(opts.threads, "transcoding", || {
             for (f, h) in files.iter().zip(&headers) {
                 write_file_items(&tmp.path.join(&f.name), f, h, &store, &from, to.quant, &bar)?;
             }
-            Ok(rayon::current_num_threads())
-        };
-        let threads = match opts.threads {
-            Some(n) => rayon::ThreadPoolBuilder::new()
-                .num_threads(n.max(1))
-                .build()
-                .map_err(|cause| Error::ThreadPool { threads: n, what: "transcoding", cause })?
-                .install(write_all)?,
-            None => write_all()?,
-        };
+            Ok(())
+        })?;
         bar.finish_and_clear();
         if src.join("model.safetensors.index.json").is_file() {
             let mut map = BTreeMap::new();

@@ -48,19 +48,13 @@ pub trait PayloadSource {
 }
 
 /// The first lines of a [`WriteReport`]: what the source wrote.
-pub trait ReportHead {
-    /// Writes them (no trailing newline) for the image `dest` of `bytes` bytes written in `elapsed`.
+pub trait ReportHead: Sized {
+    /// Writes them (no trailing newline) for `report`: its image (`dest`, `superblock`, `bytes`
+    /// written in `elapsed`) and this summary (`report.summary`).
     ///
     /// # Errors
     /// The formatter's.
-    fn fmt_head(
-        &self,
-        f: &mut std::fmt::Formatter<'_>,
-        dest: &str,
-        sb: &Superblock,
-        bytes: u64,
-        elapsed: Duration,
-    ) -> std::fmt::Result;
+    fn fmt_head(report: &WriteReport<Self>, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result;
 }
 
 /// Where [`write_image`] writes.
@@ -207,7 +201,7 @@ impl<S> WriteReport<S> {
 
 impl<S: ReportHead> std::fmt::Display for WriteReport<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.summary.fmt_head(f, &self.dest, &self.superblock, self.bytes, self.elapsed)?;
+        S::fmt_head(self, f)?;
         match &self.written {
             Written::File => Ok(()),
             #[cfg(target_os = "linux")]

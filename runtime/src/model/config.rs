@@ -734,10 +734,7 @@ fn with_expected(e: Error) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn fixture(name: &str) -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(name)
-    }
+    use crate::fixture;
 
     #[test]
     fn reads_hub_spelling() {
@@ -807,24 +804,16 @@ mod tests {
         assert_eq!(c.layer_types, [LayerType::Sliding, LayerType::Full, LayerType::Sliding, LayerType::Full]);
         assert_eq!((c.attention_window(0), c.attention_window(1)), (Some(8), None));
         assert_eq!(c.swiglu_limit(), 7.0);
-        let r = c.rope();
-        assert_eq!(r.theta, 150000.0);
-        let RopeScaling::Yarn {
-            factor,
-            beta_fast,
-            beta_slow,
-            original_max_position_embeddings,
-            truncate,
-            attention_factor,
-        } = r.scaling
-        else {
-            panic!("{r:?}")
+        // attention_factor: 0.1 ln(factor) + 1, computed exactly as the config does.
+        let yarn = RopeScaling::Yarn {
+            factor: 32.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            original_max_position_embeddings: 4096.0,
+            truncate: false,
+            attention_factor: 0.1 * 32f64.ln() + 1.0,
         };
-        assert_eq!(
-            (factor, beta_fast, beta_slow, original_max_position_embeddings, truncate),
-            (32.0, 32.0, 1.0, 4096.0, false)
-        );
-        assert!((attention_factor - (0.1 * 32f64.ln() + 1.0)).abs() < 1e-15);
+        assert_eq!(c.rope(), RopeConfig { theta: 150000.0, scaling: yarn });
         assert_eq!(Config::from_dir(&fixture("gpt_oss_bf16")).unwrap(), c);
     }
 

@@ -62,10 +62,7 @@ impl ModelDir {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn fixture(name: &str) -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(name)
-    }
+    use crate::fixture;
 
     #[test]
     fn open_reads_the_config_and_hashes_the_bytes_it_parsed() {

@@ -101,34 +101,11 @@ pub struct LayerWeights {
 }
 
 /// The resident weights of a GPT-OSS model (everything but the routed experts' matrices).
-#[derive(Clone, Debug)]
-pub struct Weights {
-    /// `model.embed_tokens.weight` `[V, H]`.
-    pub embed_tokens: Matrix,
-    /// `model.layers.N.*`.
-    pub layers: Vec<LayerWeights>,
-    /// `model.norm.weight` `[H]`.
-    pub norm: Vec<f32>,
-    /// `lm_head.weight` `[V, H]`; `None` when tied.
-    pub lm_head: Option<Matrix>,
-}
+pub type Weights = super::ModelWeights<LayerWeights>;
 
-impl Weights {
-    /// Reads every resident tensor of a converted GPT-OSS directory, checking each shape.
-    ///
-    /// # Errors
-    /// [`crate::Error::MissingTensor`], [`crate::Error::TensorShape`], [`crate::Error::TensorDtype`],
-    /// naming tensor and file.
-    pub fn load(store: &TensorStore, cfg: &Config) -> Result<Weights> {
-        Weights::load_as(store, cfg, DenseFormat::Stored)
-    }
-
-    /// [`Weights::load`] with the attention projections kept in `dense` ([`DenseFormat`]; the router
-    /// stays as stored).
-    ///
-    /// # Errors
-    /// As [`Weights::load`].
-    pub fn load_as(store: &TensorStore, cfg: &Config, dense: DenseFormat) -> Result<Weights> {
+impl super::DecoderLayer for LayerWeights {
+    /// The attention projections are kept in `dense`; the router stays as stored.
+    fn load_layers(store: &TensorStore, cfg: &Config, dense: DenseFormat) -> Result<Vec<LayerWeights>> {
         let (h, hd, e, i) = (cfg.hidden_size, cfg.head_dim(), cfg.num_experts, cfg.moe_intermediate_size);
         let (qd, kvd) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
         let bias = cfg.attention_bias;
@@ -150,22 +127,12 @@ impl Weights {
                 down_bias: matrix_f32(store, &format!("{p}.mlp.experts.down_proj_bias"), e, h)?,
             });
         }
-        let lm_head = if cfg.tie_word_embeddings && !store.contains("lm_head.weight") {
-            None
-        } else {
-            Some(Matrix::load(store, "lm_head.weight", cfg.vocab_size, h)?)
-        };
-        Ok(Weights {
-            embed_tokens: Matrix::load(store, "model.embed_tokens.weight", cfg.vocab_size, h)?,
-            layers,
-            norm: vector(store, "model.norm.weight", h)?,
-            lm_head,
-        })
+        Ok(layers)
     }
 
-    /// The output projection `[V, H]`: lm_head, or embed_tokens when tied.
-    pub fn lm_head(&self) -> &Matrix {
-        self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
+    /// Tied when the config says so and the directory has no `lm_head.weight` of its own.
+    fn tied(store: &TensorStore, cfg: &Config) -> bool {
+        cfg.tie_word_embeddings && !store.contains("lm_head.weight")
     }
 }
 

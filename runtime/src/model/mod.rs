@@ -23,6 +23,7 @@ pub mod sampler;
 pub mod state;
 pub mod tokenizer;
 pub mod trace;
+pub mod weights;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -45,6 +46,7 @@ use crate::model::safetensors::TensorStore;
 pub use matrix::{DenseFormat, Matrix};
 pub use qwen3_moe::{LayerWeights, Mlp, Weights};
 pub use state::{RunState, StepTimers, Trace};
+pub use weights::{DecoderLayer, ModelWeights};
 
 /// How a MoE layer turns router logits into its top-k routing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -302,9 +304,9 @@ pub struct Model {
 impl Model {
     /// Loads the model of a converted directory (or a Picchio (C) one) opened with its config
     /// ([`ModelDir::open`]): the safetensors files ([`TensorStore::open`]), the expert payload
-    /// layout ([`ExpertLayout::detect`]) and every resident tensor ([`qwen3_moe::Weights::load`],
-    /// [`gpt_oss::Weights::load`]); the run state holds `max_seq` positions. config.json is not read
-    /// again.
+    /// layout ([`ExpertLayout::detect`]) and every resident tensor ([`ModelWeights::load_as`] with
+    /// the architecture's [`DecoderLayer`]); the run state holds `max_seq` positions. config.json is
+    /// not read again.
     ///
     /// # Errors
     /// Those of the steps above, [`Error::ZeroContext`] when `max_seq` is 0, and [`Error::NotConverted`]

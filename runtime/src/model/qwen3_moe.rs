@@ -82,32 +82,11 @@ pub struct LayerWeights {
 }
 
 /// The resident (dense) weights of a Qwen3-MoE model, fetched by Hugging Face tensor name.
-#[derive(Clone, Debug)]
-pub struct Weights {
-    /// `model.embed_tokens.weight` `[V, H]`.
-    pub embed_tokens: Matrix,
-    /// `model.layers.N.*`, one per decoder layer.
-    pub layers: Vec<LayerWeights>,
-    /// `model.norm.weight` `[H]`.
-    pub norm: Vec<f32>,
-    /// `lm_head.weight` `[V, H]`; `None` when `tie_word_embeddings` (embed_tokens is used).
-    pub lm_head: Option<Matrix>,
-}
+pub type Weights = super::ModelWeights<LayerWeights>;
 
-impl Weights {
-    /// Reads every resident tensor of `cfg`'s model from `store`, checking each shape.
-    ///
-    /// # Errors
-    /// [`Error::MissingTensor`](crate::Error::MissingTensor), [`Error::TensorShape`](crate::Error::TensorShape), [`Error::TensorDtype`](crate::Error::TensorDtype), naming tensor and file.
-    pub fn load(store: &TensorStore, cfg: &Config) -> Result<Weights> {
-        Weights::load_as(store, cfg, DenseFormat::Stored)
-    }
-
-    /// [`Weights::load`] with the attention and dense-MLP projections kept in `dense` ([`DenseFormat`]).
-    ///
-    /// # Errors
-    /// As [`Weights::load`].
-    pub fn load_as(store: &TensorStore, cfg: &Config, dense: DenseFormat) -> Result<Weights> {
+impl super::DecoderLayer for LayerWeights {
+    /// The attention and dense-MLP projections are kept in `dense`.
+    fn load_layers(store: &TensorStore, cfg: &Config, dense: DenseFormat) -> Result<Vec<LayerWeights>> {
         let (h, hd) = (cfg.hidden_size, cfg.head_dim());
         let (qd, kvd) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
@@ -136,22 +115,7 @@ impl Weights {
                 mlp,
             });
         }
-        let lm_head = if cfg.tie_word_embeddings {
-            None
-        } else {
-            Some(Matrix::load(store, "lm_head.weight", cfg.vocab_size, h)?)
-        };
-        Ok(Weights {
-            embed_tokens: Matrix::load(store, "model.embed_tokens.weight", cfg.vocab_size, h)?,
-            layers,
-            norm: vector(store, "model.norm.weight", h)?,
-            lm_head,
-        })
-    }
-
-    /// The output projection `[V, H]`: lm_head, or embed_tokens when tied.
-    pub fn lm_head(&self) -> &Matrix {
-        self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
+        Ok(layers)
     }
 }
 
@@ -356,12 +320,8 @@ pub(crate) fn prefill_chunk(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fixture;
     use crate::model::{dir::ModelDir, Model};
-    use std::path::{Path, PathBuf};
-
-    fn fixture(name: &str) -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(name)
-    }
 
     #[test]
     fn loads_picchio_c_directory_with_i8_embeddings() {

@@ -361,10 +361,7 @@ impl TensorRef<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn fixture(name: &str) -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(name)
-    }
+    use crate::fixture;
 
     /// A one-file model directory holding `bytes` as model.safetensors.
     fn dir_with(bytes: &[u8]) -> tempfile::TempDir {

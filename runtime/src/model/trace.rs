@@ -205,11 +205,17 @@ mod tests {
         }
     }
 
-    #[test]
-    fn an_unfinished_trace_leaves_no_file_and_keeps_the_previous_one() {
+    /// A scratch directory, the trace path `t.jsonl` in it, and the header of 8 experts, top-2, MoE
+    /// layers 0 and 2.
+    fn scratch_trace() -> (tempfile::TempDir, std::path::PathBuf, TraceHeader) {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("t.jsonl");
-        let h = header(8, 2, vec![0, 2]);
+        (dir, p, header(8, 2, vec![0, 2]))
+    }
+
+    #[test]
+    fn an_unfinished_trace_leaves_no_file_and_keeps_the_previous_one() {
+        let (dir, p, h) = scratch_trace();
         // Nothing at the path: a writer dropped before finish (a failed or interrupted run) leaves
         // neither the target nor its temporary file.
         let mut w = TraceWriter::create(&p, &h).unwrap();
@@ -232,9 +238,7 @@ mod tests {
 
     #[test]
     fn records_are_one_json_line_each_after_the_header() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("t.jsonl");
-        let h = header(8, 2, vec![0, 2]);
+        let (dir, p, h) = scratch_trace();
         let mut w = TraceWriter::create(&p, &h).unwrap();
         w.routed(2, 5, &[7, 0], &[0.600_000_1, 0.399_999_9]);
         w.finish().unwrap();

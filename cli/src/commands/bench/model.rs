@@ -105,12 +105,6 @@ pub struct CacheArgs {
     /// Read modes to measure at each capacity: direct (O_DIRECT), buffered (page cache).
     #[arg(long, value_name = "MODE,...", value_delimiter = ',', default_value = "direct,buffered")]
     pub reads: Vec<ReadMode>,
-    /// Measure buffered reads only (the same as --reads buffered).
-    #[arg(long)]
-    pub buffered: bool,
-    /// Reader threads of the psync engine.
-    #[arg(long, value_name = "N", default_value_t = 2, value_parser = super::int_in::<u16>(1, Some(256)))]
-    pub io_threads: u16,
     #[command(flatten)]
     pub engine: EngineArgs,
     /// The prompt as comma-separated token ids [default: 16 fixed pseudo-random ids].
@@ -149,12 +143,6 @@ pub struct DecodeArgs {
     /// Tokens to generate per point (decode figures are over the n - 1 forward passes after the first).
     #[arg(short = 'n', long = "max-new-tokens", value_name = "N", default_value_t = 32)]
     pub n: usize,
-    /// Read the image through the page cache instead of O_DIRECT.
-    #[arg(long)]
-    pub buffered: bool,
-    /// Reader threads of the psync engine.
-    #[arg(long, value_name = "N", default_value_t = 2, value_parser = super::int_in::<u16>(1, Some(256)))]
-    pub io_threads: u16,
     #[command(flatten)]
     pub engine: EngineArgs,
     /// Warm each point's expert cache from this usage profile (`picchio run --usage-out`) before
@@ -183,9 +171,31 @@ pub struct PlotArgs {
     pub out: PathBuf,
 }
 
+/// The expert-cache capacities `bench cache` and `bench decode` measure on a model of `total`
+/// routed experts: `--ecap`, else `--cache-percent` of `total` (`default_percents` when neither is
+/// given).
+///
+/// # Errors
+/// A percentage outside (0, 100].
+fn capacities(
+    ecap: Option<&[usize]>,
+    cache_percent: Option<&[f64]>,
+    total: usize,
+    default_percents: &[f64],
+) -> anyhow::Result<Vec<usize>> {
+    if let Some(e) = ecap {
+        return Ok(e.to_vec());
+    }
+    let p = cache_percent.unwrap_or(default_percents);
+    if let Some(bad) = p.iter().find(|p| !(**p > 0.0 && **p <= 100.0)) {
+        bail!("--cache-percent must be in (0, 100], got {bad}");
+    }
+    Ok(ecaps_for_percents(total, p))
+}
+
 /// A fixed pseudo-random prompt of 16 ids below `vocab` (the one `picchio demo --synthetic-gb` uses).
 fn default_prompt(vocab: usize) -> Vec<u32> {
-    (0..16u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 7) % vocab as u32).collect()
+    prompt_of_len(16, vocab)
 }
 
 /// `picchio bench trace`.
@@ -301,7 +311,7 @@ pub fn cache(a: CacheArgs) -> anyhow::Result<()> {
     if a.reads.is_empty() {
         bail!("--reads needs at least one of direct, buffered");
     }
-    let modes = if a.buffered { vec![ReadMode::Buffered] } else { a.reads.clone() };
+    let modes = if a.engine.buffered { vec![ReadMode::Buffered] } else { a.reads.clone() };
     let (model, store) = match (&a.model, a.synthetic_gb) {
         (Some(m), _) => (m.clone(), a.store.clone()),
         (None, Some(gb)) => {
@@ -319,21 +329,12 @@ pub fn cache(a: CacheArgs) -> anyhow::Result<()> {
     let dir = ModelDir::open(&model)?;
     let cfg = dir.config();
     let total = cfg.moe_layers().len() * cfg.num_experts;
-    let ecaps = match (&a.ecap, &a.cache_percent) {
-        (Some(e), _) => e.clone(),
-        (None, p) => {
-            let p = p.clone().unwrap_or_else(|| vec![5.0, 10.0, 25.0, 50.0, 100.0]);
-            if let Some(bad) = p.iter().find(|p| !(**p > 0.0 && **p <= 100.0)) {
-                bail!("--cache-percent must be in (0, 100], got {bad}");
-            }
-            ecaps_for_percents(total, &p)
-        }
-    };
+    let ecaps = capacities(a.ecap.as_deref(), a.cache_percent.as_deref(), total, &[5.0, 10.0, 25.0, 50.0, 100.0])?;
     let prompt = a.prompt_ids.clone().unwrap_or_else(|| default_prompt(cfg.vocab_size));
     let opts = CacheOptions {
         model: dir,
         store: store.clone(),
-        engine: a.engine.apply(EngineOptions { threads: usize::from(a.io_threads), ..EngineOptions::default() }),
+        engine: a.engine.options(),
         schedule: a.engine.schedule(),
         verify: false,
         ecaps,
@@ -389,25 +390,12 @@ pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
     let dir = ModelDir::open(&a.model)?;
     let cfg = dir.config();
     let total = cfg.moe_layers().len() * cfg.num_experts;
-    let ecaps = match (&a.ecap, &a.cache_percent) {
-        (Some(e), _) => e.clone(),
-        (None, p) => {
-            let p = p.clone().unwrap_or_else(|| vec![10.0, 50.0, 100.0]);
-            if let Some(bad) = p.iter().find(|p| !(**p > 0.0 && **p <= 100.0)) {
-                bail!("--cache-percent must be in (0, 100], got {bad}");
-            }
-            ecaps_for_percents(total, &p)
-        }
-    };
+    let ecaps = capacities(a.ecap.as_deref(), a.cache_percent.as_deref(), total, &[10.0, 50.0, 100.0])?;
     let prompt = prompt_of_len(a.prompt_len, cfg.vocab_size);
     let opts = DecodeOptions {
         model: dir,
         store: a.store.clone(),
-        engine: a.engine.apply(EngineOptions {
-            direct: !a.buffered,
-            threads: usize::from(a.io_threads),
-            ..EngineOptions::default()
-        }),
+        engine: a.engine.options(),
         schedule: a.engine.schedule(),
         ecaps,
         prompt,

@@ -145,13 +145,7 @@ impl std::fmt::Display for ConvertReport {
         if !self.passthrough.is_empty() {
             writeln!(f, "  not used by the model, copied unchanged: {}", self.passthrough.join(", "))?;
         }
-        writeln!(
-            f,
-            "  {} shard(s), {} tensor bytes; copied {}",
-            self.shards.len(),
-            self.total_size,
-            self.copied.join(", ")
-        )?;
+        crate::image::fmt_files(f, self.shards.len(), "shard", self.total_size, &self.copied)?;
         write!(f, "  {:.2?} on {} thread(s)", self.elapsed, self.threads)
     }
 }
@@ -225,21 +219,13 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions) -> Result<ConvertR
         let tmp = TempDir::create(dst, "convert")?;
         let n_tensors: usize = shards.iter().map(|s| s.tensors.len()).sum();
         let bar = progress::bar(n_tensors as u64, "convert", !opts.progress);
-        let write_all = || -> Result<usize> {
+        let threads = crate::image::on_threads(opts.threads, "conversion", || {
             for (k, s) in shards.iter().enumerate() {
                 let path = tmp.path.join(shard::shard_name(k, shards.len()));
                 write_shard(&path, s, &store, &layout, &plan.sources, cfg.num_experts, &bar)?;
             }
-            Ok(rayon::current_num_threads())
-        };
-        let threads = match opts.threads {
-            Some(n) => rayon::ThreadPoolBuilder::new()
-                .num_threads(n.max(1))
-                .build()
-                .map_err(|cause| Error::ThreadPool { threads: n, what: "conversion", cause })?
-                .install(write_all)?,
-            None => write_all()?,
-        };
+            Ok(())
+        })?;
         bar.finish_and_clear();
         let index = tmp.path.join("model.safetensors.index.json");
         write_file(&index, shard::index_json(&shards).as_bytes())?;

@@ -62,6 +62,40 @@ pub fn synth_one_layer(vocab: u32) -> Vec<String> {
     args.map(String::from).into_iter().chain([vocab.to_string(), "--no-tokenizer".into()]).collect()
 }
 
+/// Starts `picchio ARGS` in `dir` (stdin closed, stdout and stderr piped), polls until
+/// `writing(pid)` says its write is under way, sends it `signal` (`libc::SIGINT`, ...) and waits for
+/// its output. Each wait is bounded by the test kit's hang limit (a hang fails the test naming
+/// `args[0]`; not a timing assertion).
+#[cfg(unix)]
+pub fn signal_once_writing(dir: &Path, args: &[&str], writing: impl Fn(u32) -> bool, signal: libc::c_int) -> Output {
+    use picchio_testkit::bin::{wait_bounded, HANG_LIMIT};
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_picchio"))
+        .args(args)
+        .current_dir(dir)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start picchio");
+    let pid = child.id();
+    if !picchio_testkit::wait_until(HANG_LIMIT, || writing(pid)) {
+        // SAFETY: signals our own child, not yet reaped.
+        unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+        panic!("picchio {} never started writing in {HANG_LIMIT:?}", args[0]);
+    }
+    // SAFETY: signals our own child, which is still running (not reaped).
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, signal) }, 0);
+    wait_bounded(child, HANG_LIMIT).expect("the signalled process exits")
+}
+
+/// The names in `dir`, sorted.
+pub fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> =
+        std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    v.sort();
+    v
+}
+
 /// `args` as the `&str`s [`picchio`] takes.
 pub fn strs(args: &[String]) -> Vec<&str> {
     args.iter().map(String::as_str).collect()
@@ -78,6 +112,14 @@ pub fn ok(args: &[&str]) -> String {
     let o = picchio(args);
     assert!(o.status.success(), "picchio {} failed", args.join(" "));
     String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Asserts that `text` (a command's output) contains each of `parts`; a failure names the first part
+/// missing and shows `text`.
+pub fn assert_contains_all(text: &str, parts: &[&str]) {
+    for part in parts {
+        assert!(text.contains(part), "no {part:?} in:\n{text}");
+    }
 }
 
 /// Asserts that `written` (the first bytes of what `picchio pack DIR` wrote, at least as long as

@@ -96,6 +96,37 @@ pub fn names(dir: &Path) -> Vec<String> {
     v
 }
 
+/// `CMD... --model MODEL --store STORE REST...`: the arguments of `picchio CMD` on `model` with its
+/// experts read from `store`.
+pub fn on_model<'a>(cmd: &[&'a str], model: &'a Path, store: &'a str, rest: &[&'a str]) -> Vec<&'a str> {
+    let model = model.to_str().expect("a UTF-8 model path");
+    [cmd, &["--model", model, "--store", store][..], rest].concat()
+}
+
+/// A JSON file's value (a `--json` report).
+pub fn read_json(path: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: not JSON ({e})", path.display()))
+}
+
+/// How many elements of the SVG document at `path` have one of `tags`, after asserting that it
+/// parses as XML and its root is `<svg>` (the message names the file).
+pub fn svg_count(path: &Path, tags: &[&str]) -> usize {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let doc = roxmltree::Document::parse(&text).unwrap_or_else(|e| panic!("{}: not XML: {e}", path.display()));
+    assert_eq!(doc.root_element().tag_name().name(), "svg", "{}", path.display());
+    doc.descendants().filter(|n| tags.contains(&n.tag_name().name())).count()
+}
+
+/// Runs `picchio ARGS --json DIR/NAME.json --plot DIR/NAME-plots` (a `picchio bench` run with its
+/// report and charts), asserts it succeeded, and returns its stdout, its report and the charts'
+/// directory.
+pub fn bench_with_report(args: &[&str], dir: &Path, name: &str) -> (String, serde_json::Value, PathBuf) {
+    let (json, plots) = (dir.join(format!("{name}.json")), dir.join(format!("{name}-plots")));
+    let out = ok(&[args, &["--json", json.to_str().unwrap(), "--plot", plots.to_str().unwrap()][..]].concat());
+    (out, read_json(&json), plots)
+}
+
 /// `args` as the `&str`s [`picchio`] takes.
 pub fn strs(args: &[String]) -> Vec<&str> {
     args.iter().map(String::as_str).collect()

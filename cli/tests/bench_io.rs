@@ -172,7 +172,8 @@ fn qd_sweep_report_is_consistent_and_fio_sits_beside_it() {
     let test = "qd_sweep_report_is_consistent_and_fio_sits_beside_it";
     let s = &store();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let args = ["bench", "qd-sweep", "--store", s.to_str().unwrap(), "--qd", "1,4", "--threads", "1,2", "--bytes", "2M"];
+    let args =
+        ["bench", "qd-sweep", "--store", s.to_str().unwrap(), "--qd", "1,4", "--threads", "1,2", "--bytes", "2M"];
     let (stdout, r, plots) = bench_with_report(&args, dir.path(), "qd");
     check_envelope(&r, "qd-sweep", s);
     for chart in ["qd-sweep-throughput.svg", "qd-sweep-latency.svg"] {

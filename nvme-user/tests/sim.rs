@@ -485,7 +485,12 @@ fn init_timeout_names_the_state() {
 /// A `.picchioflat` image in `dir` of `n_layers` × 4 experts (hidden 64, top-2, MoE intermediate
 /// 128) with payloads of `payload_len(i)` bytes, seeded `seed`: its path, dimensions, payloads and
 /// length in bytes.
-fn image(dir: &Path, n_layers: u32, seed: u64, payload_len: impl Fn(usize) -> usize) -> (PathBuf, StoreDims, Vec<Vec<u8>>, u64) {
+fn image(
+    dir: &Path,
+    n_layers: u32,
+    seed: u64,
+    payload_len: impl Fn(usize) -> usize,
+) -> (PathBuf, StoreDims, Vec<Vec<u8>>, u64) {
     let path = dir.join("experts.picchioflat");
     let dims = StoreDims { hidden: 64, n_layers, n_experts: 4, topk: 2, moe_inter: 128 };
     let payloads = write_image(&path, dims, seed, payload_len);
@@ -677,7 +682,7 @@ impl ExpertLoader for MemLoader {
 fn flat_store_over_nvme_falls_back_for_the_reads_a_fault_failed() {
     use picchio_core::{FallbackLoader, IoStats};
     let dir = tempfile::tempdir().unwrap();
-    let (path, dims, payloads, image_len) = image(dir.path(), 4, 31, |i| 20_000 + i * 9_000);
+    let (path, _, payloads, image_len) = image(dir.path(), 4, 31, |i| 20_000 + i * 9_000);
     // Hung command → Abort; dropped completion → Abort fails → reset; CFS → reset.
     let faults: [fn(u64) -> Fault; 3] = [Fault::io_hold, Fault::io_drop, Fault::io_fatal];
     for (layer, fault) in faults.into_iter().enumerate() {

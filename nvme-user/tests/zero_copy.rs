@@ -319,7 +319,11 @@ fn a_controller_that_never_stops_leaks_the_slots_it_may_still_write() {
         let mut alloc = q.slot_allocator(3, 8192).unwrap();
         let pool = q.slot_pools()[0].clone();
         let idle = alloc.alloc(8192).unwrap();
-        submit_held(&mut q, &sim, ReadReq { offset: ByteOffset(0), len: 8192, buf: alloc.alloc(8192).unwrap(), tag: Tag(1) });
+        submit_held(
+            &mut q,
+            &sim,
+            ReadReq { offset: ByteOffset(0), len: 8192, buf: alloc.alloc(8192).unwrap(), tag: Tag(1) },
+        );
         if stop_first {
             flag.store(true, Ordering::Relaxed);
             let mut got = vec![];

@@ -100,10 +100,7 @@ fn pack_writes_flushes_and_reads_back_then_the_runtime_gives_each_models_tokens(
         assert!(commands.0 > 0 && commands.1 >= 3, "writes and flushes: {:?}", commands);
         assert!(verify.is_clean() && verify.entries == m.entries, "{what}");
         let disk = std::fs::read(&ns).unwrap();
-        assert!(
-            disk[..image.len()] == image[..],
-            "{what}: the namespace holds the file tier's image byte for byte"
-        );
+        assert!(disk[..image.len()] == image[..], "{what}: the namespace holds the file tier's image byte for byte");
         assert!(disk[image.len()..] == junk[image.len()..], "nothing written past the image");
         assert_eq!(run_model(m, &ns, lba), m.tokens, "{what}");
         // Re-packing over our own image is not refused (an earlier image is only noted).

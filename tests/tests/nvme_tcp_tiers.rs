@@ -50,7 +50,7 @@ fn pack_onto_nvme_tcp_then_run_gives_the_file_tiers_tokens() {
         let (commands, verify) = (report.nvme_commands().unwrap(), report.verify().unwrap());
         assert!(commands.0 > 0 && commands.1 >= 3, "{what}: writes and flushes {commands:?}");
         assert!(verify.is_clean() && verify.entries == m.entries, "{what}");
-        assert_eq!(&t.contents()[..image.len()], &image[..], "{what}: the namespace holds the image");
+        assert_eq!(&t.contents()[..image.len()], image, "{what}: the namespace holds the image");
         assert!(t.stats().r2ts > 0, "{what}: 4 MiB runs go after R2Ts");
         // run --store nvme-tcp://…, two I/O queues.
         let io = EngineOptions { threads: 2, qd: 4, ..EngineOptions::default() };

@@ -143,7 +143,10 @@ fn qwen3_moe_text_chunked_prefill_equals_token_by_token() {
 #[test]
 fn gpt_oss_mxfp4_chunked_prefill_equals_token_by_token() {
     // sliding_window 8 < the 12-token prompt: the window and the sinks are crossed inside a chunk
-    check_fixture("gpt_oss_mxfp4", &[(QuantKind::Q4, Some("reference_q4.json")), (QuantKind::F32, Some("reference.json"))]);
+    check_fixture(
+        "gpt_oss_mxfp4",
+        &[(QuantKind::Q4, Some("reference_q4.json")), (QuantKind::F32, Some("reference.json"))],
+    );
 }
 
 #[test]

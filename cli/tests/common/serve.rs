@@ -77,7 +77,8 @@ impl Served {
         let mut ids = tok.encode(text).unwrap();
         ids.push(tok.token_to_id("<|im_end|>").unwrap());
         let list: Vec<String> = ids.iter().map(u32::to_string).collect();
-        let served = Served::start_env(model, &["--ctx", "512"], &[("PICCHIO_SERVE_TEST_MOCK_SAMPLED_IDS", &list.join(","))]);
+        let served =
+            Served::start_env(model, &["--ctx", "512"], &[("PICCHIO_SERVE_TEST_MOCK_SAMPLED_IDS", &list.join(","))]);
         (served, ids)
     }
 

@@ -151,8 +151,7 @@ fn an_image_written_at_an_lba_reads_back_and_nothing_outside_it_changes() {
 #[ignore = "needs root: losetup (CI runs ignored tests as root)"]
 fn signatures_partitions_and_mounts_are_refused_and_force_overrides_only_ours() {
     let test = "signatures_partitions_and_mounts_are_refused_and_force_overrides_only_ours";
-    loopdev::require_root(test);
-    loopdev::require_tool(test, "mkfs.ext4", &["-V"]);
+    loopdev::require_root_and_tools(test, &["mkfs.ext4"]);
     let dir = scratch();
     let opts = LoopOptions::default();
 
@@ -319,18 +318,14 @@ fn kernel_read_errors_from_a_cut_backing_file_fail_only_those_experts() {
 #[test]
 #[ignore = "needs root and device-mapper in the kernel (dmsetup); CI skips it: run by hand"]
 fn device_mapper_error_target_fails_only_the_mapped_experts() {
-    let test = "device_mapper_error_target_fails_only_the_mapped_experts";
-    loopdev::require_root(test);
-    DmDevice::require(test);
+    DmDevice::require("device_mapper_error_target_fails_only_the_mapped_experts");
     let dir = scratch();
     let file = patterned(dir.path(), "dm.img", 4 * MIB);
     let lo = LoopDevice::attach(&file, LoopOptions::default()).unwrap();
     let target = RawTarget::open(&lo.dev, ByteOffset(0)).unwrap();
     write_image(&target, false).unwrap();
     // Sectors 0..40 (bytes 0..20480) linear, 40..8192 error: experts 2.. fail.
-    let name = format!("picchio-test-{}", std::process::id());
-    let table = format!("0 40 linear {} 0\n40 8152 error\n", lo.dev.display());
-    let dm = DmDevice::create(dir.path(), &name, &table).unwrap();
+    let dm = DmDevice::linear_then_error(dir.path(), "test", &lo.dev, 40, 8192).unwrap();
     let dm_path = dm.dev.clone();
     let q = PsyncQueue::open(&dm_path, PsyncOptions::direct(2)).unwrap();
     let opts = FlatStoreOptions { base_offset: 0, image_len: 4 * MIB, verify: true, expect: None, recheck_every: 0 };
@@ -357,10 +352,7 @@ fn device_mapper_error_target_fails_only_the_mapped_experts() {
 fn blkid_names_what_it_finds_and_what_our_scan_misses_is_refused() {
     use picchio_blockdev::raw::BlkidProbe;
     let test = "blkid_names_what_it_finds_and_what_our_scan_misses_is_refused";
-    loopdev::require_root(test);
-    for tool in ["blkid", "mkfs.ext4", "mkfs.minix"] {
-        loopdev::require_tool(test, tool, &["-V"]);
-    }
+    loopdev::require_root_and_tools(test, &["blkid", "mkfs.ext4", "mkfs.minix"]);
     let dir = scratch();
     let file = sparse_file(&dir.path().join("ext4.img"), 16 * MIB);
     let lo = LoopDevice::attach_for_test(test, &file, LoopOptions::default());

@@ -44,6 +44,13 @@ impl Image {
         Superblock::decode(&bytes, "t", bytes.len() as u64).unwrap()
     }
 
+    /// The index as written: entry `layer * 4 + expert` locates expert `(layer, expert)`.
+    fn locs(&self) -> Vec<picchio_core::ExpertLoc> {
+        let sb = self.superblock();
+        let bytes = std::fs::read(&self.path).unwrap();
+        decode_index(&bytes[sb.index_offset as usize..(sb.index_offset + sb.index_len) as usize])
+    }
+
     fn write_at(&self, offset: u64, bytes: &[u8]) {
         let mut f = OpenOptions::new().write(true).open(&self.path).unwrap();
         f.seek(SeekFrom::Start(offset)).unwrap();
@@ -176,9 +183,7 @@ fn index_hash_mismatch_is_rejected_at_open() {
 fn truncated_image_rejects_the_cut_experts_only() {
     for (opts, dir) in engines("truncated_image_rejects_the_cut_experts_only") {
         let img = Image::assorted(dir.path());
-        let sb = img.superblock();
-        let bytes = std::fs::read(&img.path).unwrap();
-        let locs = decode_index(&bytes[sb.index_offset as usize..(sb.index_offset + sb.index_len) as usize]);
+        let locs = img.locs();
         // Cut in the middle of expert (1, 2)'s payload, at an unaligned length.
         let cut = locs[6].offset + 1000;
         std::fs::OpenOptions::new().write(true).open(&img.path).unwrap().set_len(cut).unwrap();
@@ -221,9 +226,8 @@ fn misaligned_entry_fails_alone() {
 fn verify_catches_a_flipped_payload_byte() {
     for (opts, dir) in engines("verify_catches_a_flipped_payload_byte") {
         let img = Image::assorted(dir.path());
-        let sb = img.superblock();
+        let loc = img.locs()[9];
         let bytes = std::fs::read(&img.path).unwrap();
-        let loc = decode_index(&bytes[sb.index_offset as usize..(sb.index_offset + sb.index_len) as usize])[9];
         img.write_at(loc.offset + 17, &[bytes[(loc.offset + 17) as usize] ^ 0x80]); // (layer 2, expert 1)
 
         let mut store = open_store(&img.path, opts, true, None).unwrap();

@@ -6,7 +6,7 @@
 
 mod common;
 #[cfg_attr(not(target_os = "linux"), allow(unused_imports))] // the Linux-only cases use the rest
-use common::{image, model, ok, picchio, private_model, scratch};
+use common::{bench_with_report, image, model, ok, on_model, picchio, private_model, read_json, scratch, svg_count};
 
 use std::path::Path;
 
@@ -17,13 +17,13 @@ fn u(v: &Value) -> u64 {
     v.as_u64().unwrap_or_else(|| panic!("not a count: {v}"))
 }
 
-fn svg_ok(path: &Path) {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let doc = roxmltree::Document::parse(&text).unwrap_or_else(|e| panic!("{}: not XML: {e}", path.display()));
-    assert_eq!(doc.root_element().tag_name().name(), "svg");
-    let texts = doc.descendants().filter(|n| n.tag_name().name() == "text").count();
-    let marks = doc.descendants().filter(|n| n.tag_name().name() == "circle").count();
-    assert!(texts > 4 && marks >= 4, "{}: {texts} texts, {marks} point marks", path.display());
+/// Asserts that each of the charts `names` in `dir` is valid SVG with its axes' labels and marks.
+fn charts_ok(dir: &Path, names: &[&str]) {
+    for name in names {
+        let path = dir.join(name);
+        let (texts, marks) = (svg_count(&path, &["text"]), svg_count(&path, &["circle"]));
+        assert!(texts > 4 && marks >= 4, "{}: {texts} texts, {marks} point marks", path.display());
+    }
 }
 
 const PROMPT: &str = "1,2,3,4,5";
@@ -31,19 +31,10 @@ const PROMPT: &str = "1,2,3,4,5";
 #[test]
 fn cache_sweep_is_consistent_and_matches_the_trace_simulation() {
     let dir = scratch();
-    let json = dir.path().join("c.json");
-    let plots = dir.path().join("plots");
-    let m = model();
-    let store = image();
+    let (m, store) = (model(), image());
     // psync with one thread completes reads in request order: the runtime's LRU order is then the
     // simulation's, so misses can be compared exactly.
-    let out = ok(&[
-        "bench",
-        "cache",
-        "--model",
-        m.to_str().unwrap(),
-        "--store",
-        &store,
+    let rest = [
         "--ecap",
         "48,1,12,4",
         "--reads",
@@ -56,13 +47,9 @@ fn cache_sweep_is_consistent_and_matches_the_trace_simulation() {
         PROMPT,
         "-n",
         "10",
-        "--json",
-        json.to_str().unwrap(),
-        "--plot",
-        plots.to_str().unwrap(),
-    ]);
+    ];
+    let (out, r, plots) = bench_with_report(&on_model(&["bench", "cache"], &m, &store, &rest), dir.path(), "c");
     assert!(out.contains("miss/token"), "{out}");
-    let r: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!((r["schema"].as_str(), r["experiment"].as_str()), (Some("picchio-bench/1"), Some("cache")));
     assert_eq!(r["flags"]["ecaps"], serde_json::json!([48, 1, 12, 4]));
     assert_eq!((r["flags"]["io"]["engine"].as_str(), u(&r["flags"]["io"]["threads"])), (Some("psync"), 1));
@@ -130,22 +117,17 @@ fn cache_sweep_is_consistent_and_matches_the_trace_simulation() {
     // Everything fits at 48: only the 48-or-fewer compulsory misses, whatever the read mode.
     let full = &points[3];
     assert!(u(&full["prefill"]["misses"]) + u(&full["decode"]["misses"]) <= 48);
-    for f in ["cache-tok-s.svg", "cache-bytes.svg"] {
-        svg_ok(&plots.join(f));
-    }
+    charts_ok(&plots, &["cache-tok-s.svg", "cache-bytes.svg"]);
 }
 
 #[test]
 fn cache_percent_and_bad_capacities() {
     let dir = scratch();
     let json = dir.path().join("c.json");
-    let m = model();
-    let store = image();
-    let base = ["bench", "cache", "--model", m.to_str().unwrap(), "--store", &store, "--reads", "buffered"];
-    let mut args = base.to_vec();
-    args.extend_from_slice(&["-n", "3", "--cache-percent", "10,100,10", "--json", json.to_str().unwrap()]);
-    ok(&args);
-    let r: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let (m, store) = (model(), image());
+    let base = on_model(&["bench", "cache"], &m, &store, &["--reads", "buffered"]);
+    ok(&[&base[..], &["-n", "3", "--cache-percent", "10,100,10", "--json", json.to_str().unwrap()][..]].concat());
+    let r = read_json(&json);
     let ecaps: Vec<u64> = r["results"]["points"].as_array().unwrap().iter().map(|p| u(&p["ecap"])).collect();
     assert_eq!(ecaps, [5, 48], "10% of 48 rounds to 5; duplicates dropped");
     for (extra, want) in [
@@ -185,25 +167,9 @@ fn a_cold_buffered_point_reads_every_missed_expert_from_the_device() {
     let json = dir.path().join("cold.json");
     for _ in 0..3 {
         assert!(picchio_bench::cache::drop_page_cache(&image_path));
-        ok(&[
-            "bench",
-            "cache",
-            "--model",
-            m.to_str().unwrap(),
-            "--store",
-            &store,
-            "--cache-percent",
-            "100",
-            "--reads",
-            "buffered",
-            "--prompt-ids",
-            PROMPT,
-            "-n",
-            "4",
-            "--json",
-            json.to_str().unwrap(),
-        ]);
-        let r: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let rest = ["--cache-percent", "100", "--reads", "buffered", "--prompt-ids", PROMPT, "-n", "4", "--json"];
+        ok(&on_model(&["bench", "cache"], &m, &store, &[&rest[..], &[json.to_str().unwrap()][..]].concat()));
+        let r = read_json(&json);
         let slot = u(&r["results"]["slot_bytes"]);
         let p = &r["results"]["points"][0];
         let misses = u(&p["prefill"]["misses"]) + u(&p["decode"]["misses"]);

@@ -9,7 +9,7 @@
 mod common;
 use std::path::Path;
 
-use common::{image, model, ok, picchio, scratch};
+use common::{bench_with_report, image, model, ok, on_model, picchio, scratch};
 
 use serde_json::Value;
 
@@ -22,37 +22,16 @@ fn f(v: &Value) -> f64 {
 }
 
 /// Runs `bench decode` on the fixture with `extra` flags; returns the report.
-fn bench(dir: &std::path::Path, name: &str, extra: &[&str]) -> Value {
-    let json = dir.join(format!("{name}.json"));
-    let plots = dir.join(format!("{name}-plots"));
-    let m = model();
-    let store = image();
-    let mut args = vec![
-        "bench",
-        "decode",
-        "--model",
-        m.to_str().unwrap(),
-        "--store",
-        &store,
-        "--ecap",
-        "48,4,12",
-        "--prompt-len",
-        "6",
-        "-n",
-        "9",
-        "--json",
-        json.to_str().unwrap(),
-        "--plot",
-        plots.to_str().unwrap(),
-    ];
-    args.extend_from_slice(extra);
-    let out = ok(&args);
+fn bench(dir: &Path, name: &str, extra: &[&str]) -> Value {
+    let (m, store) = (model(), image());
+    let rest = [&["--ecap", "48,4,12", "--prompt-len", "6", "-n", "9"][..], extra].concat();
+    let (out, report, plots) = bench_with_report(&on_model(&["bench", "decode"], &m, &store, &rest), dir, name);
     assert!(out.contains("decode/s") && out.contains("floor/s"), "{out}");
     for chart in ["decode-tok-s.svg", "decode-split.svg"] {
         let text = std::fs::read_to_string(plots.join(chart)).unwrap();
         assert!(roxmltree::Document::parse(&text).unwrap().root_element().tag_name().name() == "svg");
     }
-    serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap()
+    report
 }
 
 /// Checks one report's consistency; returns each point's tokens.
@@ -139,22 +118,8 @@ fn usage_profile_counts_every_decision_and_warms_the_cache() {
     let m = model();
     let store = image();
     let run = |extra: &[&str]| -> Value {
-        let mut args = vec![
-            "run",
-            "--model",
-            m.to_str().unwrap(),
-            "--store",
-            &store,
-            "--prompt-ids",
-            "1,2,3,4,5",
-            "-n",
-            "6",
-            "--ecap",
-            "48",
-            "--json",
-        ];
-        args.extend_from_slice(extra);
-        serde_json::from_str(ok(&args).trim()).unwrap()
+        let rest = [&["--prompt-ids", "1,2,3,4,5", "-n", "6", "--ecap", "48", "--json"][..], extra].concat();
+        serde_json::from_str(ok(&on_model(&["run"], &m, &store, &rest)).trim()).unwrap()
     };
     let cold = run(&["--usage-out", profile.to_str().unwrap()]);
     let text = std::fs::read_to_string(&profile).unwrap();
@@ -182,18 +147,9 @@ fn usage_profile_counts_every_decision_and_warms_the_cache() {
     assert_eq!(u(&cs["cache_misses"]), used, "cold: each used expert read once at ecap 48");
     assert!(cs["warm"].is_null());
     // A profile of another shape, and a file that is not one, are refused by name.
+    let ms = m.to_str().unwrap();
     let refused = |from: &Path, want: &str| {
-        let o = picchio(&[
-            "run",
-            "--model",
-            m.to_str().unwrap(),
-            "--prompt-ids",
-            "1",
-            "-n",
-            "1",
-            "--warm-from",
-            from.to_str().unwrap(),
-        ]);
+        let o = picchio(&["run", "--model", ms, "--prompt-ids", "1", "-n", "1", "--warm-from", from.to_str().unwrap()]);
         let e = String::from_utf8_lossy(&o.stderr);
         assert!(!o.status.success() && e.contains(want), "--warm-from {}: want {want:?} in {e}", from.display());
     };

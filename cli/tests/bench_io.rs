@@ -7,7 +7,7 @@
 #![cfg(target_os = "linux")]
 
 mod common;
-use common::{ok, picchio, strs, synth_custom};
+use common::{bench_with_report, ok, picchio, strs, synth_custom};
 use picchio_testkit::loopdev;
 
 use std::path::{Path, PathBuf};
@@ -21,8 +21,15 @@ use serde_json::Value;
 /// report what was resident: on one shared image, one test's buffered reads (or drop) land between
 /// another test's drop (or warm-up) and its measurement.
 struct Store {
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
     path: PathBuf,
+}
+
+impl Store {
+    /// The image's own directory, for the test's other files (removed with it).
+    fn dir(&self) -> &Path {
+        self.dir.path()
+    }
 }
 
 impl std::ops::Deref for Store {
@@ -45,7 +52,7 @@ fn store() -> Store {
     args.extend(["--layers", "2", "--seed", "7", "--out", path.to_str().unwrap(), "--no-progress"].map(String::from));
     let out = ok(&strs(&args));
     assert!(out.contains("16 entries (2 of 4 layers × 8 experts) of 55296 bytes"), "{out}");
-    Store { _dir: dir, path }
+    Store { dir, path }
 }
 
 fn report(path: &Path) -> Value {
@@ -165,28 +172,12 @@ fn qd_sweep_report_is_consistent_and_fio_sits_beside_it() {
     let test = "qd_sweep_report_is_consistent_and_fio_sits_beside_it";
     let s = &store();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let json = dir.path().join("qd.json");
-    let stdout = ok(&[
-        "bench",
-        "qd-sweep",
-        "--store",
-        s.to_str().unwrap(),
-        "--qd",
-        "1,4",
-        "--threads",
-        "1,2",
-        "--bytes",
-        "2M",
-        "--json",
-        json.to_str().unwrap(),
-        "--plot",
-        dir.path().join("plots").to_str().unwrap(),
-    ]);
-    let r = report(&json);
+    let args =
+        ["bench", "qd-sweep", "--store", s.to_str().unwrap(), "--qd", "1,4", "--threads", "1,2", "--bytes", "2M"];
+    let (stdout, r, plots) = bench_with_report(&args, dir.path(), "qd");
     check_envelope(&r, "qd-sweep", s);
     for chart in ["qd-sweep-throughput.svg", "qd-sweep-latency.svg"] {
-        let svg = std::fs::read_to_string(dir.path().join("plots").join(chart)).unwrap();
-        assert!(svg.starts_with("<svg") || svg.starts_with("<?xml"), "{chart}");
+        common::svg_count(&plots.join(chart), &[]); // parses, and its root is <svg>
     }
     let res = &r["results"];
     assert_eq!(u(res, "bs"), 57_344, "one padded expert entry");
@@ -513,8 +504,7 @@ fn out_of_range_qd_and_threads_are_usage_errors_everywhere() {
 fn raw_on_a_regular_file_and_unusable_stores_are_refused() {
     let st = store();
     let s = st.to_str().unwrap();
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let not_image = dir.path().join("zeros.bin");
+    let not_image = st.dir().join("zeros.bin");
     std::fs::write(&not_image, vec![0u8; 1 << 16]).unwrap();
     let raw_file = format!("raw:{s}");
     refused(&["bench", "tiers", "--store", &raw_file, "--bytes", "64K"], "not a block device", 1);
@@ -523,7 +513,7 @@ fn raw_on_a_regular_file_and_unusable_stores_are_refused() {
     refused(&["bench", "env", "--store", "/nonexistent"], "/nonexistent", 1);
     refused(&["bench", "env", "--store", "raw:/dev/nonexistent"], "/dev/nonexistent", 1);
     refused(&["bench", "env", "--store", "nvme-sim:/nonexistent"], "/nonexistent", 1);
-    refused(&["bench", "env", "--store", dir.path().to_str().unwrap()], "not a regular file", 1);
+    refused(&["bench", "env", "--store", st.dir().to_str().unwrap()], "not a regular file", 1);
     refused(&["bench", "env", "--store", not_image.to_str().unwrap()], "zeros.bin", 1);
 }
 
@@ -531,10 +521,9 @@ fn raw_on_a_regular_file_and_unusable_stores_are_refused() {
 fn plot_is_checked_first_and_offered_only_where_there_are_charts() {
     let st = store();
     let s = st.to_str().unwrap();
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let file = dir.path().join("a-file");
+    let file = st.dir().join("a-file");
     std::fs::write(&file, "x").unwrap();
-    let deep = dir.path().join("a/b");
+    let deep = st.dir().join("a/b");
     let args = |plot: &str| {
         [
             "bench",
@@ -559,9 +548,9 @@ fn plot_is_checked_first_and_offered_only_where_there_are_charts() {
     refused(&a.iter().map(String::as_str).collect::<Vec<_>>(), "exists and is not a directory", 1);
     let a = args(deep.to_str().unwrap());
     refused(&a.iter().map(String::as_str).collect::<Vec<_>>(), "does not exist", 1);
-    assert!(!dir.path().join("a").exists(), "no chain of directories is created");
+    assert!(!st.dir().join("a").exists(), "no chain of directories is created");
     for exp in ["tiers", "overhead", "env"] {
-        refused(&["bench", exp, "--store", s, "--plot", dir.path().to_str().unwrap()], "--plot", 2);
+        refused(&["bench", exp, "--store", s, "--plot", st.dir().to_str().unwrap()], "--plot", 2);
         let help = ok(&["bench", exp, "--help"]);
         assert!(!help.contains("--plot"), "{exp} --help offers --plot: {help}");
     }

@@ -5,7 +5,7 @@
 //! Structure and internal consistency only, never speeds.
 
 mod common;
-use common::{image, model, ok, picchio, scratch};
+use common::{bench_with_report, image, model, ok, on_model, picchio, scratch, svg_count};
 
 use std::path::Path;
 
@@ -39,27 +39,16 @@ fn tracing_changes_neither_tokens_nor_logits() {
         // untraced run it is compared with, misses included, does too; the default chunked prefill
         // gives the same tokens and logits.
         let lc = dir.path().join("c.safetensors");
-        let mut chunked = vec!["--store", &store, "--ecap", "5", "--dump-logits", lc.to_str().unwrap()];
-        chunked.extend_from_slice(&engine);
-        let c = run_json(&chunked);
-        let mut plain =
-            vec!["--store", &store, "--ecap", "5", "--dump-logits", la.to_str().unwrap(), "--prefill-chunk", "1"];
-        plain.extend_from_slice(&engine);
-        let a = run_json(&plain);
+        // `run --json --store STORE --ecap 5 --dump-logits LOGITS MORE... ENGINE`.
+        let run = |logits: &Path, more: &[&str]| {
+            let base = ["--store", store.as_str(), "--ecap", "5", "--dump-logits", logits.to_str().unwrap()];
+            run_json(&[&base[..], more, &engine[..]].concat())
+        };
+        let c = run(&lc, &[]);
+        let a = run(&la, &["--prefill-chunk", "1"]);
         assert_eq!(tokens(&a), tokens(&c), "{engine:?}: chunked prefill");
         assert_eq!(std::fs::read(&la).unwrap(), std::fs::read(&lc).unwrap(), "logits differ with chunked prefill");
-        let mut traced = vec![
-            "--store",
-            &store,
-            "--ecap",
-            "5",
-            "--dump-logits",
-            lb.to_str().unwrap(),
-            "--trace",
-            trace.to_str().unwrap(),
-        ];
-        traced.extend_from_slice(&engine);
-        let b = run_json(&traced);
+        let b = run(&lb, &["--trace", trace.to_str().unwrap()]);
         assert_eq!(tokens(&a), tokens(&b), "{engine:?}");
         assert_eq!(tokens(&a).len(), N);
         assert_eq!(std::fs::read(&la).unwrap(), std::fs::read(&lb).unwrap(), "logits differ with --trace");
@@ -113,13 +102,13 @@ fn lru_simulation_replays_the_runtime_cache_exactly() {
     }
 }
 
-fn svg_ok(path: &Path) {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let doc = roxmltree::Document::parse(&text).unwrap_or_else(|e| panic!("{}: not XML: {e}", path.display()));
-    assert_eq!(doc.root_element().tag_name().name(), "svg", "{}", path.display());
-    let lines = doc.descendants().filter(|n| matches!(n.tag_name().name(), "polyline" | "path" | "line")).count();
-    let texts = doc.descendants().filter(|n| n.tag_name().name() == "text").count();
-    assert!(lines > 2 && texts > 4, "{}: {lines} lines, {texts} texts", path.display());
+/// Asserts that each of the charts `names` in `dir` is valid SVG with its axes' labels and marks.
+fn charts_ok(dir: &Path, names: &[&str]) {
+    for name in names {
+        let path = dir.join(name);
+        let (lines, texts) = (svg_count(&path, &["polyline", "path", "line"]), svg_count(&path, &["text"]));
+        assert!(lines > 2 && texts > 4, "{}: {lines} lines, {texts} texts", path.display());
+    }
 }
 
 /// Checks a `trace` report's structure and the consistency of its numbers.
@@ -184,37 +173,14 @@ fn check_trace_report(r: &Value, want_caps: &[u64]) {
 fn bench_trace_reports_and_plots_from_a_recorded_or_given_trace() {
     let dir = scratch();
     let trace = dir.path().join("t.jsonl");
-    let json = dir.path().join("r.json");
-    let plots = dir.path().join("plots");
     // Record by running the model, then analyse.
-    let m = model();
-    let out = ok(&[
-        "bench",
-        "trace",
-        "--model",
-        m.to_str().unwrap(),
-        "--store",
-        &image(),
-        "--prompt-ids",
-        PROMPT,
-        "-n",
-        "24",
-        "--trace",
-        trace.to_str().unwrap(),
-        "--ecap",
-        "48,4,12,1,24",
-        "--json",
-        json.to_str().unwrap(),
-        "--plot",
-        plots.to_str().unwrap(),
-    ]);
+    let (m, store) = (model(), image());
+    let rest = ["--prompt-ids", PROMPT, "-n", "24", "--trace", trace.to_str().unwrap(), "--ecap", "48,4,12,1,24"];
+    let (out, r, plots) = bench_with_report(&on_model(&["bench", "trace"], &m, &store, &rest), dir.path(), "r");
     assert!(out.contains("LRU") && out.contains("Belady"), "{out}");
-    let r: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     check_trace_report(&r, &[1, 4, 12, 24, 48]);
     assert_eq!(r["results"]["tokens"], 5 + 24 - 1);
-    for f in ["trace-hit-rate.svg", "trace-popularity.svg"] {
-        svg_ok(&plots.join(f));
-    }
+    charts_ok(&plots, &["trace-hit-rate.svg", "trace-popularity.svg"]);
     // The same trace analysed on its own, with the default capacities.
     let json2 = dir.path().join("r2.json");
     ok(&["bench", "trace", "--trace", trace.to_str().unwrap(), "--json", json2.to_str().unwrap()]);
@@ -224,11 +190,10 @@ fn bench_trace_reports_and_plots_from_a_recorded_or_given_trace() {
     assert_eq!(r2["results"]["layers"], r["results"]["layers"]);
     // Charts redrawn from the saved report.
     let again = dir.path().join("again");
+    let json = dir.path().join("r.json");
     let listed = ok(&["bench", "plot", json.to_str().unwrap(), "--out", again.to_str().unwrap()]);
     assert_eq!(listed.lines().count(), 2, "{listed}");
-    for f in ["trace-hit-rate.svg", "trace-popularity.svg"] {
-        svg_ok(&again.join(f));
-    }
+    charts_ok(&again, &["trace-hit-rate.svg", "trace-popularity.svg"]);
 }
 
 #[test]
@@ -243,17 +208,8 @@ fn bad_traces_and_paths_are_refused_with_the_file_and_line() {
     let cfg = dir.path().join("config.json");
     std::fs::write(&cfg, "{}").unwrap();
     let m = model();
-    let o = picchio(&[
-        "run",
-        "--model",
-        m.to_str().unwrap(),
-        "--prompt-ids",
-        "1,2",
-        "-n",
-        "2",
-        "--trace",
-        cfg.to_str().unwrap(),
-    ]);
+    let ms = m.to_str().unwrap();
+    let o = picchio(&["run", "--model", ms, "--prompt-ids", "1,2", "-n", "2", "--trace", cfg.to_str().unwrap()]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("not a picchio-trace/1 trace"));
     assert_eq!(std::fs::read_to_string(&cfg).unwrap(), "{}");
 }

@@ -123,13 +123,8 @@ fn the_image_names_its_model() {
     let o = chat(&["--store", damaged.to_str().unwrap()], "");
     let e = stderr(&o);
     assert_eq!(o.status.code(), Some(1), "{e}");
-    assert!(
-        e.contains("model record in its superblock is damaged")
-            && e.contains("model_record.version")
-            && e.contains("0x68")
-            && e.contains("--model DIR"),
-        "{e}"
-    );
+    let parts = ["model record in its superblock is damaged", "model_record.version", "0x68", "--model DIR"];
+    common::assert_contains_all(&e, &parts);
     talks_with(&format!("file:{}", damaged.display()), &moved, &["--model", moved.to_str().unwrap()]);
 
     // No store and no model: say what to give.

@@ -102,6 +102,18 @@ fn wait(what: &str, t: &Tmux, mut cond: impl FnMut() -> bool) {
     assert!(held, "{what} never happened; screen:\n{}", t.screen());
 }
 
+/// Sends `line`, waits until the answer has begun (text follows the prompt line), presses Ctrl-C
+/// and waits until the answer says `(stopped)`.
+fn stop_an_answer(t: &Tmux, line: &str) {
+    t.line(line);
+    wait("the answer to begin", t, || {
+        let s = t.screen();
+        s.split(&format!("> {line}")).nth(1).is_some_and(|rest| rest.trim().chars().count() > 3)
+    });
+    t.keys(&["C-c"]);
+    wait("the answer to stop", t, || t.screen().contains("(stopped)"));
+}
+
 fn ids_of(v: &serde_json::Value) -> Vec<u32> {
     v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
 }
@@ -178,14 +190,7 @@ fn chat_in_tmux() {
     let cmd = format!("{exe} chat --model {m} --ecap 4 --ctx 512 -n 480 --ignore-eos 2>{}", log2.display());
     let t2 = Tmux::start("ctrlc", &cmd);
     wait("the banner", &t2, || std::fs::read_to_string(&log2).unwrap_or_default().contains("picchio chat:"));
-    t2.line("Hi there");
-    // The answer has begun when text follows the prompt line.
-    wait("the answer to begin", &t2, || {
-        let s = t2.screen();
-        s.split("> Hi there").nth(1).is_some_and(|rest| rest.trim().chars().count() > 3)
-    });
-    t2.keys(&["C-c"]);
-    wait("the answer to stop", &t2, || t2.screen().contains("(stopped)"));
+    stop_an_answer(&t2, "Hi there");
     let st = stats(&log2);
     assert_eq!(st.len(), 1);
     let n: usize = st[0].trim_start_matches('[').split_whitespace().next().unwrap().parse().unwrap();
@@ -221,18 +226,12 @@ fn ctrl_c_twice_ends_the_chat_and_shuts_the_nvme_controller_down() {
     let text = || std::fs::read_to_string(&log).unwrap_or_default();
     wait("the banner", &t, || text().contains("picchio chat:"));
     assert!(text().contains("store nvme-sim:"), "{}", text());
-    t.line("Hi there");
-    wait("the answer to begin", &t, || {
-        let s = t.screen();
-        s.split("> Hi there").nth(1).is_some_and(|rest| rest.trim().chars().count() > 3)
-    });
     // Ctrl-C twice: the first stops the answer, the second ends the program. The second is sent once
     // the first has been seen (two SIGINTs sent at once can arrive as one: a pending standard
     // signal is not queued twice), so it is the prompt's Ctrl-C that ends the chat here. A second
     // Ctrl-C during the answer takes the same exit (`quit`) but is not sent here: a test cannot time
     // it to land inside the answer without depending on the machine's speed.
-    t.keys(&["C-c"]);
-    wait("the answer to stop", &t, || t.screen().contains("(stopped)"));
+    stop_an_answer(&t, "Hi there");
     t.keys(&["C-c"]);
     wait("the exit", &t, || t.dead());
     let log = text();

@@ -19,6 +19,7 @@ use std::sync::mpsc;
 use common::stop::{self, assert_leftover_removed, kill9, kill_writer_at, resume, spawn_stopped, tmp_of, LIMIT};
 use common::{assert_packed_image, model, picchio, private_model, scratch, strs, synth_custom};
 use picchio_testkit::bin::stderr;
+use picchio_testkit::loopdev::{self, LoopDevice, LoopOptions};
 
 /// `picchio synth` arguments for a custom image of 16 × 4 experts of 110,592 bytes (~7 MB): many
 /// payload writes, so a stop point a quarter or half through lands in the middle of the write.
@@ -199,20 +200,27 @@ fn two_writers_of_one_output_the_second_is_refused_while_the_first_writes() {
     assert_packed_image(&std::fs::read(&out).unwrap(), &std::fs::read(m.join("experts.picchioflat")).unwrap(), &m);
 }
 
+/// For root test `test`: a scratch directory, the model `model` makes in it, and a 4 MiB loop device
+/// (over a sparse file in the directory) with that model packed onto it as `raw:DEV`, the returned
+/// store URI.
+fn packed_loop_device(test: &str, model: fn(&Path) -> PathBuf) -> (tempfile::TempDir, PathBuf, LoopDevice, String) {
+    loopdev::require_root(test);
+    let dir = scratch();
+    let m = model(dir.path());
+    let lo = LoopDevice::sparse_for_test(test, &dir.path().join("dev.img"), 4 << 20, LoopOptions::default());
+    let raw = format!("raw:{}", lo.dev.display());
+    let o = picchio(&["pack", m.to_str().unwrap(), "--out", &raw, "--no-progress"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    (dir, m, lo, raw)
+}
+
 #[test]
 #[ignore = "needs root: losetup (CI runs ignored tests as root)"]
 fn pack_onto_a_loop_device_a_run_reads_refuses_and_force_writes_it() {
-    use picchio_testkit::loopdev::{self, sparse_file, LoopDevice, LoopOptions};
     let test = "pack_onto_a_loop_device_a_run_reads_refuses_and_force_writes_it";
-    loopdev::require_root(test);
-    let dir = scratch();
-    let m = long_context_model(dir.path());
-    let file = sparse_file(&dir.path().join("dev.img"), 4 << 20);
-    let lo = LoopDevice::attach_for_test(test, &file, LoopOptions::default());
-    let (ms, raw) = (m.to_str().unwrap(), format!("raw:{}", lo.dev.display()));
-    let o = picchio(&["pack", ms, "--out", &raw, "--no-progress"]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let before = std::fs::read(&file).unwrap();
+    let (_dir, m, lo, raw) = packed_loop_device(test, long_context_model);
+    let ms = m.to_str().unwrap();
+    let before = std::fs::read(&lo.backing).unwrap();
 
     let (run, reader) = start_run(&m, &raw);
     let pid = run.id();
@@ -226,7 +234,7 @@ fn pack_onto_a_loop_device_a_run_reads_refuses_and_force_writes_it() {
         )),
         "{e}"
     );
-    assert!(std::fs::read(&file).unwrap() == before, "a refused pack wrote the device");
+    assert!(std::fs::read(&lo.backing).unwrap() == before, "a refused pack wrote the device");
     let o = picchio(&["pack", ms, "--out", &raw, "--force", "--no-progress"]);
     assert!(o.status.success(), "{}", stderr(&o));
     stop_run(run, reader);
@@ -296,16 +304,8 @@ fn an_image_overwritten_in_place_under_a_verifying_run_gives_the_same_tokens() {
 #[test]
 #[ignore = "needs root: losetup (CI runs ignored tests as root)"]
 fn force_onto_a_loop_device_under_a_verifying_run_gives_the_same_tokens() {
-    use picchio_testkit::loopdev::{self, sparse_file, LoopDevice, LoopOptions};
     let test = "force_onto_a_loop_device_under_a_verifying_run_gives_the_same_tokens";
-    loopdev::require_root(test);
-    let dir = scratch();
-    let m = private_model(dir.path());
-    let file = sparse_file(&dir.path().join("dev.img"), 4 << 20);
-    let lo = LoopDevice::attach_for_test(test, &file, LoopOptions::default());
-    let raw = format!("raw:{}", lo.dev.display());
-    let o = picchio(&["pack", m.to_str().unwrap(), "--out", &raw, "--no-progress"]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    let (dir, m, _lo, raw) = packed_loop_device(test, private_model);
     // The run holds the device: without --force the writer refuses; with it, it writes another
     // image under the run.
     same_tokens_when_changed_under_a_verifying_run(dir.path(), &m, &raw, || {

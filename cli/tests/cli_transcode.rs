@@ -6,17 +6,8 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
-use common::{model, ok, picchio, scratch};
-
-fn names(dir: &Path) -> Vec<String> {
-    let mut v: Vec<String> =
-        std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
-    v.sort();
-    v
-}
+use common::{model, names, ok, picchio, scratch};
 
 fn stderr(o: &std::process::Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
@@ -91,27 +82,13 @@ fn sigint_during_transcode_exits_130_and_leaves_no_temporary_directory() {
     let src = tmp.path().join("big");
     write_synthetic(&src, &spec, &WriteSyntheticOptions::default()).unwrap();
     let before = names(tmp.path());
-    let child = Command::new(env!("CARGO_BIN_EXE_picchio"))
-        .args(["transcode", "big", "--to", "q3", "--no-progress"])
-        .current_dir(tmp.path())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run picchio transcode");
-    let temp = tmp.path().join(format!(".big-q3.picchio-transcode-{}", child.id()));
-    // Not a timing assertion: a bound on waiting for the write to start at all.
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let started = |d: &Path| {
-        std::fs::read_dir(d).is_ok_and(|r| r.filter_map(|e| e.ok()).any(|e| e.metadata().is_ok_and(|m| m.len() > 0)))
+    // Under way when a file in its temporary directory holds data.
+    let writing = |pid: u32| {
+        let temp = tmp.path().join(format!(".big-q3.picchio-transcode-{pid}"));
+        std::fs::read_dir(temp).is_ok_and(|r| r.filter_map(|e| e.ok()).any(|e| e.metadata().is_ok_and(|m| m.len() > 0)))
     };
-    while !started(&temp) {
-        assert!(Instant::now() < deadline, "transcode never started writing {}", temp.display());
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    // SAFETY: `kill` only sends a signal to our own child, which is still running (not reaped).
-    assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) }, 0);
-    let out = child.wait_with_output().unwrap();
+    let args = ["transcode", "big", "--to", "q3", "--no-progress"];
+    let out = common::signal_once_writing(tmp.path(), &args, writing, libc::SIGINT);
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(130), "{err}");
     assert!(out.stdout.is_empty(), "no report after an interrupt");

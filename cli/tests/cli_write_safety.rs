@@ -8,9 +8,8 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
 
-use common::{strs, synth_custom};
+use common::{names, strs, synth_custom};
 
 fn picchio(dir: &Path, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_picchio"))
@@ -25,37 +24,15 @@ fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
-/// The names in `dir`, sorted.
-fn names(dir: &Path) -> Vec<String> {
-    let mut v: Vec<String> =
-        std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
-    v.sort();
-    v
-}
-
 /// Starts a 2 GB synth (768 Qwen3 experts) in a fresh directory, waits until its temporary file
 /// holds data (the write is under way), sends `signal`, and returns the exit code, stderr and the
 /// directory's names afterwards.
 fn synth_and_signal(signal: i32) -> (Option<i32>, String, Vec<String>) {
     let dir = tempfile::tempdir().unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_picchio"))
-        .args(["synth", "--arch", "qwen3-30b-a3b", "--layers", "6", "--out", "s.pf", "--no-progress"])
-        .current_dir(dir.path())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run picchio synth");
-    let tmp: PathBuf = dir.path().join(format!("s.pf.tmp-{}", child.id()));
-    // Not a timing assertion: a bound on waiting for the write to start at all.
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while std::fs::metadata(&tmp).map(|m| m.len()).unwrap_or(0) == 0 {
-        assert!(Instant::now() < deadline, "synth never started writing {}", tmp.display());
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    // SAFETY: `kill` only sends a signal to our own child, which is still running (not reaped).
-    assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, signal) }, 0);
-    let out = child.wait_with_output().unwrap();
+    let args = ["synth", "--arch", "qwen3-30b-a3b", "--layers", "6", "--out", "s.pf", "--no-progress"];
+    let out_file = dir.path().join("s.pf");
+    let writing = |pid: u32| std::fs::metadata(common::stop::tmp_of(&out_file, pid)).is_ok_and(|m| m.len() > 0);
+    let out = common::signal_once_writing(dir.path(), &args, writing, signal);
     assert!(out.stdout.is_empty(), "no report after an interrupt: {}", String::from_utf8_lossy(&out.stdout));
     (out.status.code(), stderr(&out), names(dir.path()))
 }

@@ -14,7 +14,7 @@ mod common;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 
-use common::serve::{packed_model, parse_response, Served};
+use common::serve::{packed_model, parse_response, Served, WEATHER_CALL_ANSWER};
 use serde_json::{json, Value};
 
 /// The server's hold point (`picchio serve`'s `PICCHIO_SERVE_HOLD_AFTER_DELTAS`).
@@ -566,12 +566,8 @@ fn a_tool_call_in_the_answer_is_returned_as_tool_calls() {
     let tmp = common::scratch();
     let model = packed_model(tmp.path());
     let tok = picchio_runtime::model::tokenizer::Tokenizer::from_dir(&model).unwrap().unwrap();
-    let text =
-        "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
-    let mut ids_u32 = tok.encode(text).unwrap();
-    ids_u32.push(tok.token_to_id("<|im_end|>").unwrap());
-    let ids: Vec<String> = ids_u32.iter().map(u32::to_string).collect();
-    let s = Served::start_env(&model, &["--ctx", "512"], &[("PICCHIO_SERVE_TEST_MOCK_SAMPLED_IDS", &ids.join(","))]);
+    let text = WEATHER_CALL_ANSWER;
+    let (s, ids) = Served::start_answering(&model, text);
     let tools = json!([{"type": "function", "function": {"name": "get_weather", "description": "Weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
     let ask = |stream: bool| {
@@ -611,7 +607,7 @@ fn a_tool_call_in_the_answer_is_returned_as_tool_calls() {
     // Cut by max_tokens inside the block: no call, its text is content, finish_reason "length",
     // streamed and not.
     let cut = ids.len() - 4;
-    let cut_text = tok.decode_text(&ids_u32[..cut]).unwrap();
+    let cut_text = tok.decode_text(&ids[..cut]).unwrap();
     assert!(cut_text.contains("<tool_call>") && !cut_text.contains("</tool_call>"), "{cut_text:?}");
     let mut body = ask(false);
     body["max_tokens"] = json!(cut);
@@ -694,12 +690,7 @@ fn streamed(s: &Served, body: &Value) -> Streamed {
 fn a_malformed_tool_call_stays_text_and_two_calls_are_two() {
     let tmp = common::scratch();
     let model = packed_model(tmp.path());
-    let tok = picchio_runtime::model::tokenizer::Tokenizer::from_dir(&model).unwrap().unwrap();
-    let im_end = tok.token_to_id("<|im_end|>").unwrap();
-    let mock = |text: &str| {
-        let ids: Vec<String> = tok.encode(text).unwrap().into_iter().chain([im_end]).map(|i| i.to_string()).collect();
-        Served::start_env(&model, &["--ctx", "512"], &[("PICCHIO_SERVE_TEST_MOCK_SAMPLED_IDS", &ids.join(","))])
-    };
+    let mock = |text: &str| Served::start_answering(&model, text).0;
     let tools = json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);
     let ask = |stream: bool| {
         json!({"model": "m", "messages": [{"role": "user", "content": "Go"}], "tools": tools,

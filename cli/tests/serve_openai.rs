@@ -8,14 +8,12 @@
 
 mod common;
 
-use common::serve::{packed_model, Served};
+use common::serve::{openai_client, packed_model, Served, WEATHER_CALL_ANSWER};
 use serde_json::{json, Value};
 
 #[test]
 #[ignore = "needs the openai Python client: PICCHIO_TEST_PYTHON=<python with openai> (.ci/run sets it)"]
 fn the_openai_python_client_gets_run_s_tokens_and_the_cached_prefix() {
-    let python = std::env::var("PICCHIO_TEST_PYTHON")
-        .expect("set PICCHIO_TEST_PYTHON to a python interpreter with the openai package (pip install openai)");
     let tmp = common::scratch();
     let model = packed_model(tmp.path());
     // The conversation and its ids as jinja2 + tokenizers render them (fixtures/chat).
@@ -50,15 +48,7 @@ fn the_openai_python_client_gets_run_s_tokens_and_the_cached_prefix() {
         "text": tok.decode_text(&tokens).unwrap(),
     });
     let s = Served::start(&model, &["--ctx", "512"]);
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client.py");
-    let o = std::process::Command::new(&python)
-        .arg(&script)
-        .env("PICCHIO_BASE_URL", s.url())
-        .env("PICCHIO_EXPECT", expect.to_string())
-        .output()
-        .unwrap_or_else(|e| panic!("running {python}: {e}"));
-    eprintln!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
-    assert!(o.status.success(), "{} {} failed", python, script.display());
+    let o = openai_client("openai_client.py", &s, &[("PICCHIO_EXPECT", &expect.to_string())]);
     assert!(String::from_utf8_lossy(&o.stdout).contains("all openai client checks passed"));
 }
 
@@ -70,26 +60,11 @@ fn the_openai_python_client_gets_run_s_tokens_and_the_cached_prefix() {
 #[test]
 #[ignore = "needs the openai Python client: PICCHIO_TEST_PYTHON=<python with openai> (.ci/run sets it)"]
 fn the_openai_python_client_reads_tool_calls_whole_and_streamed() {
-    let python = std::env::var("PICCHIO_TEST_PYTHON")
-        .expect("set PICCHIO_TEST_PYTHON to a python interpreter with the openai package (pip install openai)");
     let tmp = common::scratch();
     let model = packed_model(tmp.path());
-    let tok = picchio_runtime::model::tokenizer::Tokenizer::from_dir(&model).unwrap().unwrap();
-    let text =
-        "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
-    let mut ids = tok.encode(text).unwrap();
-    ids.push(tok.token_to_id("<|im_end|>").unwrap());
-    let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
-    let s = Served::start_env(&model, &["--ctx", "512"], &[("PICCHIO_SERVE_TEST_MOCK_SAMPLED_IDS", &ids.join(","))]);
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai_tool_calls.py");
-    let o = std::process::Command::new(&python)
-        .arg(&script)
-        .env("PICCHIO_BASE_URL", s.url())
-        .output()
-        .unwrap_or_else(|e| panic!("running {python}: {e}"));
+    let (s, _) = Served::start_answering(&model, WEATHER_CALL_ANSWER);
+    let o = openai_client("openai_tool_calls.py", &s, &[]);
     let out = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
-    eprintln!("{out}");
-    assert!(o.status.success(), "the openai client's tool-call checks failed:\n{out}");
     for line in ["whole: ok", "streamed: ok", "follow-up: ok"] {
         assert!(out.contains(line), "no {line:?} in:\n{out}");
     }

@@ -9,24 +9,9 @@
 //! mismatch exits with status 1. Reads go through the interim bounce-buffer path
 //! (`NvmeQueue::with_bounce_buffer`).
 
-#[cfg(target_os = "linux")]
-fn main() {
-    if let Err(e) = run() {
-        eprintln!("Error: {e}");
-        let mut src = std::error::Error::source(&*e);
-        while let Some(s) = src {
-            eprintln!("  caused by: {s}");
-            src = s.source();
-        }
-        std::process::exit(1);
-    }
-}
+mod common;
 
-#[cfg(not(target_os = "linux"))]
-fn main() {
-    eprintln!("nvme_probe needs Linux VFIO");
-    std::process::exit(1);
-}
+common::linux_only_main!("nvme_probe", run);
 
 #[cfg(target_os = "linux")]
 fn fnv1a(h: &mut u64, bytes: &[u8]) {

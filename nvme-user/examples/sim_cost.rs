@@ -5,6 +5,8 @@
 //! phase, CQ doorbell, finish the request). The wait for the sim thread in between is not timed.
 //! Run with `cargo run --release -p picchio-nvme --example sim_cost [reads]`.
 
+mod common;
+
 #[cfg(target_os = "linux")]
 mod linux {
 
@@ -69,12 +71,4 @@ mod linux {
     }
 }
 
-#[cfg(target_os = "linux")]
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    linux::main()
-}
-
-#[cfg(not(target_os = "linux"))]
-fn main() {
-    eprintln!("sim_cost: picchio-nvme is Linux-only");
-}
+common::linux_only_main!("sim_cost", linux::main);

@@ -8,6 +8,8 @@
 //! Run with `cargo run --release -p picchio-nvme --example zero_copy_cost [reads] [bytes]`
 //! (default 400 reads of 2,654,208 B, one Qwen3-30B-A3B Q4 expert).
 
+mod common;
+
 #[cfg(target_os = "linux")]
 mod linux {
     use std::time::{Duration, Instant};
@@ -83,12 +85,4 @@ mod linux {
     }
 }
 
-#[cfg(target_os = "linux")]
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    linux::main()
-}
-
-#[cfg(not(target_os = "linux"))]
-fn main() {
-    eprintln!("zero_copy_cost: picchio-nvme is Linux-only");
-}
+common::linux_only_main!("zero_copy_cost", linux::main);

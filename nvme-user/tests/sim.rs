@@ -94,6 +94,15 @@ fn fault_opts(qd: u16) -> NvmeQueueOptions {
     NvmeQueueOptions { qd, timeout: FAULT_TIMEOUT, ..Default::default() }
 }
 
+/// The controller model started (not yet initialized by a driver) with one namespace of 1 MiB of
+/// seeded bytes (kept in `dir`) and 512-byte LBAs, and the driver's DMA memory it may reach.
+fn started_sim(dir: &Path, seed: u64) -> (Sim, HeapDma) {
+    let (p, _) = backing(dir, "ns", 1 << 20, seed);
+    let dma = HeapDma::new();
+    let sim = Sim::start(SimConfig::single(&p, 512), dma.registry()).unwrap();
+    (sim, dma)
+}
+
 fn read(q: &mut NvmeQueue, offset: u64, len: u32) -> Completion {
     let buf = AlignedBuf::new(len as usize, 4096).unwrap();
     q.submit(ReadReq { offset: ByteOffset(offset), len, buf, tag: Tag(offset) });
@@ -140,32 +149,15 @@ fn check_reads(lba: u32, mdts: u8, qd: u16) {
     assert_eq!(q.block_size(), lba);
     assert_eq!(q.describe(), format!("nvme(sim, nsid 1, qd {qd})"));
     let mut rng = Rng::new(99);
-    let mut want = std::collections::HashMap::new();
-    let mut got = vec![];
-    for i in 0..200u64 {
-        let blocks = 1 + rng.next_u64() % if i % 10 == 0 { 1200 } else { 64 };
-        let len = (blocks * u64::from(lba)).min(700 << 10) as u32;
-        let off = (rng.next_u64() % ((8 << 20) - u64::from(len))) / u64::from(lba) * u64::from(lba);
-        want.insert(i, (off, len));
-        let buf = AlignedBuf::new(len as usize, 4096).unwrap();
-        q.submit(ReadReq { offset: ByteOffset(off), len, buf, tag: Tag(i) });
-        if qd == 1 || q.in_flight() >= usize::from(qd) {
-            q.reap(1, &mut got);
-        }
-    }
-    while q.in_flight() > 0 {
-        q.reap(1, &mut got);
-    }
-    assert_eq!(got.len(), 200);
-    for c in got {
-        let (off, len) = want[&c.tag.0];
-        assert_eq!(c.result.as_ref().unwrap(), &len);
-        assert!(
-            c.buf.as_slice()[..len as usize] == bytes[off as usize..(off + u64::from(len)) as usize],
-            "tag {}",
-            c.tag.0
-        );
-    }
+    let reads: Vec<(u64, u32)> = (0..200u64)
+        .map(|i| {
+            let blocks = 1 + rng.next_u64() % if i % 10 == 0 { 1200 } else { 64 };
+            let len = (blocks * u64::from(lba)).min(700 << 10) as u32;
+            let off = (rng.next_u64() % ((8 << 20) - u64::from(len))) / u64::from(lba) * u64::from(lba);
+            (off, len)
+        })
+        .collect();
+    read_all_and_check(&mut q, &bytes, &reads, usize::from(qd));
     let s = q.stats();
     if mdts != 0 {
         assert!(s.commands > s.reads, "transfers above MDTS were split: {s:?}");
@@ -232,12 +224,27 @@ fn fast_recovery(q: &mut NvmeQueue, max_resets: u32) {
     q.set_recovery(RecoveryPolicy { abort_timeout: FAULT_TIMEOUT, max_resets, reset_window: Duration::from_secs(600) });
 }
 
+/// A queue opened with `o` over the controller model with one namespace of `len` seeded bytes (kept
+/// in `dir`) and `lba`-byte LBAs, recovering quickly ([`fast_recovery`] with `max_resets`); the
+/// model and the namespace's bytes.
+fn recovering_queue(
+    dir: &Path,
+    len: usize,
+    seed: u64,
+    lba: u32,
+    o: &NvmeQueueOptions,
+    max_resets: u32,
+) -> (NvmeQueue, Sim, Vec<u8>) {
+    let (p, bytes) = backing(dir, "ns", len, seed);
+    let (mut q, sim) = NvmeQueue::open_sim(SimConfig::single(&p, lba), o).unwrap();
+    fast_recovery(&mut q, max_resets);
+    (q, sim, bytes)
+}
+
 #[test]
 fn dropped_completion_abort_then_reset_fails_only_that_read() {
     let dir = tempfile::tempdir().unwrap();
-    let (p, bytes) = backing(dir.path(), "ns", 1 << 20, 5);
-    let (mut q, sim) = NvmeQueue::open_sim(SimConfig::single(&p, 4096), &fault_opts(4)).unwrap();
-    fast_recovery(&mut q, 3);
+    let (mut q, sim, bytes) = recovering_queue(dir.path(), 1 << 20, 5, 4096, &fault_opts(4), 3);
     // The controller executes the read but never posts its completion: the Abort finds nothing
     // outstanding (DW0 bit 0 = 1), no completion comes, so the controller is reset.
     sim.inject(Fault::io_drop(sim.io_count() + 1));
@@ -274,18 +281,22 @@ fn dropped_completion_abort_then_reset_fails_only_that_read() {
 /// Submits reads of 1..=40 pages at varied offsets with `qd` in flight, checks every byte.
 fn check_many(q: &mut NvmeQueue, bytes: &[u8], qd: usize) {
     let mut rng = Rng::new(77);
-    let mut want = std::collections::HashMap::new();
+    let reads: Vec<(u64, u32)> = (0..60)
+        .map(|_| {
+            let len = ((1 + rng.next_u64() % 40) * 4096) as u32;
+            (rng.next_u64() % (bytes.len() as u64 - u64::from(len)) / 4096 * 4096, len)
+        })
+        .collect();
+    read_all_and_check(q, bytes, &reads, qd);
+}
+
+/// Submits `reads` (byte offset, length; tagged by index) with at most `qd` in flight, reaps them
+/// all, and checks each one's length and bytes against `bytes`.
+fn read_all_and_check(q: &mut NvmeQueue, bytes: &[u8], reads: &[(u64, u32)], qd: usize) {
     let mut got = vec![];
-    for i in 0..60u64 {
-        let len = ((1 + rng.next_u64() % 40) * 4096) as u32;
-        let off = rng.next_u64() % (bytes.len() as u64 - u64::from(len)) / 4096 * 4096;
-        want.insert(i, (off, len));
-        q.submit(ReadReq {
-            offset: ByteOffset(off),
-            len,
-            buf: AlignedBuf::new(len as usize, 4096).unwrap(),
-            tag: Tag(i),
-        });
+    for (i, &(off, len)) in reads.iter().enumerate() {
+        let buf = AlignedBuf::new(len as usize, 4096).unwrap();
+        q.submit(ReadReq { offset: ByteOffset(off), len, buf, tag: Tag(i as u64) });
         while q.in_flight() >= qd {
             q.reap(1, &mut got);
         }
@@ -293,20 +304,19 @@ fn check_many(q: &mut NvmeQueue, bytes: &[u8], qd: usize) {
     while q.in_flight() > 0 {
         q.reap(1, &mut got);
     }
-    assert_eq!(got.len(), 60);
+    assert_eq!(got.len(), reads.len());
     for c in got {
-        let (off, len) = want[&c.tag.0];
-        assert_eq!(c.result.as_ref().map_err(ToString::to_string), Ok(&len));
-        assert!(c.buf.as_slice()[..len as usize] == bytes[off as usize..(off + u64::from(len)) as usize]);
+        let (off, len) = reads[c.tag.0 as usize];
+        assert_eq!(c.result.as_ref().map_err(ToString::to_string), Ok(&len), "tag {}", c.tag.0);
+        let want = &bytes[off as usize..(off + u64::from(len)) as usize];
+        assert!(c.buf.as_slice()[..len as usize] == *want, "tag {}: bytes at {off:#x}", c.tag.0);
     }
 }
 
 #[test]
 fn hung_command_is_aborted_without_a_reset() {
     let dir = tempfile::tempdir().unwrap();
-    let (p, bytes) = backing(dir.path(), "ns", 1 << 20, 9);
-    let (mut q, sim) = NvmeQueue::open_sim(SimConfig::single(&p, 512), &fault_opts(4)).unwrap();
-    fast_recovery(&mut q, 3);
+    let (mut q, sim, bytes) = recovering_queue(dir.path(), 1 << 20, 9, 512, &fault_opts(4), 3);
     // The controller holds the command (never executes or completes it) until the Abort names it.
     sim.inject(Fault::io_hold(sim.io_count() + 1));
     let c = read(&mut q, 4096, 8192);
@@ -326,10 +336,8 @@ fn hung_command_is_aborted_without_a_reset() {
 #[test]
 fn controller_fatal_status_resets_and_later_reads_are_byte_correct() {
     let dir = tempfile::tempdir().unwrap();
-    let (p, bytes) = backing(dir.path(), "ns", 2 << 20, 6);
     // Queue depth 2: reads 3 and 4 go out together, 5 and 6 wait for free CIDs.
-    let (mut q, sim) = NvmeQueue::open_sim(SimConfig::single(&p, 4096), &opts(2)).unwrap();
-    fast_recovery(&mut q, 3);
+    let (mut q, sim, bytes) = recovering_queue(dir.path(), 2 << 20, 6, 4096, &opts(2), 3);
     for i in 0..2u64 {
         let c = read(&mut q, i * 4096, 4096);
         assert_eq!(c.result.unwrap(), 4096);
@@ -379,9 +387,7 @@ fn controller_fatal_status_resets_and_later_reads_are_byte_correct() {
 #[test]
 fn repeated_faults_stop_the_queue_after_the_reset_limit() {
     let dir = tempfile::tempdir().unwrap();
-    let (p, bytes) = backing(dir.path(), "ns", 1 << 20, 10);
-    let (mut q, sim) = NvmeQueue::open_sim(SimConfig::single(&p, 512), &opts(4)).unwrap();
-    fast_recovery(&mut q, 2);
+    let (mut q, sim, bytes) = recovering_queue(dir.path(), 1 << 20, 10, 512, &opts(4), 2);
     for round in 0..2 {
         sim.inject(Fault::io_fatal(sim.io_count() + 1));
         assert!(matches!(failure(&read(&mut q, 0, 4096)), ReadFailure::Reset { .. }), "round {round}");
@@ -441,9 +447,7 @@ fn interrupt_flag_fails_waiting_reads_and_stops_the_queue() {
 #[test]
 fn admin_failure_during_init_names_the_command() {
     let dir = tempfile::tempdir().unwrap();
-    let (p, _) = backing(dir.path(), "ns", 1 << 20, 8);
-    let dma = HeapDma::new();
-    let sim = Sim::start(SimConfig::single(&p, 512), dma.registry()).unwrap();
+    let (sim, dma) = started_sim(dir.path(), 8);
     sim.inject(Fault::admin_status(admin::CREATE_IO_SQ, Status::INVALID_QUEUE_SIZE));
     let e = Controller::init(sim.bar(), Arc::new(dma), CtrlrOptions::default()).unwrap_err();
     assert_eq!(
@@ -478,13 +482,26 @@ fn init_timeout_names_the_state() {
     assert!(matches!(e, Error::InitTimeout { state: InitState::WaitReady1, waited_ms } if waited_ms >= 500), "{e}");
 }
 
+/// A `.picchioflat` image in `dir` of `n_layers` × 4 experts (hidden 64, top-2, MoE intermediate
+/// 128) with payloads of `payload_len(i)` bytes, seeded `seed`: its path, dimensions, payloads and
+/// length in bytes.
+fn image(
+    dir: &Path,
+    n_layers: u32,
+    seed: u64,
+    payload_len: impl Fn(usize) -> usize,
+) -> (PathBuf, StoreDims, Vec<Vec<u8>>, u64) {
+    let path = dir.join("experts.picchioflat");
+    let dims = StoreDims { hidden: 64, n_layers, n_experts: 4, topk: 2, moe_inter: 128 };
+    let payloads = write_image(&path, dims, seed, payload_len);
+    let image_len = std::fs::metadata(&path).unwrap().len();
+    (path, dims, payloads, image_len)
+}
+
 #[test]
 fn flat_store_over_nvme_sim_is_byte_identical() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("experts.picchioflat");
-    let dims = StoreDims { hidden: 64, n_layers: 3, n_experts: 4, topk: 2, moe_inter: 128 };
-    let payloads = write_image(&path, dims, 11, |i| 3000 + i * 37_000);
-    let image_len = std::fs::metadata(&path).unwrap().len();
+    let (path, dims, payloads, image_len) = image(dir.path(), 3, 11, |i| 3000 + i * 37_000);
     for lba in [512, 4096] {
         let (q, _sim) = NvmeQueue::open_sim(SimConfig::single(&path, lba), &opts(16)).unwrap();
         let opts = FlatStoreOptions { image_len, verify: true, ..Default::default() };
@@ -498,9 +515,7 @@ fn flat_store_over_nvme_sim_is_byte_identical() {
 fn sim_admin_commands_follow_the_spec() {
     use picchio_nvme::spec::Command;
     let dir = tempfile::tempdir().unwrap();
-    let (p, _) = backing(dir.path(), "ns", 1 << 20, 12);
-    let dma = HeapDma::new();
-    let sim = Sim::start(SimConfig::single(&p, 512), dma.registry()).unwrap();
+    let (sim, dma) = started_sim(dir.path(), 12);
     let mut c = Controller::init(sim.bar(), Arc::new(dma), CtrlrOptions::default()).unwrap();
     // SAFETY: (this test) the sim reaches only registered DMA memory (its "IOMMU"); the one command
     // pointing elsewhere (0x1000) is refused by it, which is what this test checks.
@@ -556,30 +571,26 @@ fn multi_mib_reads_are_one_command_with_a_chained_prp_list() {
         read_check(&mut q, &bytes, 24 << 20, 20 << 20);
         assert_eq!(q.stats().commands, 4, "20 MiB = 16 + 4 MiB");
         // Many at once, at LBA (not page) offsets.
-        let mut want = std::collections::HashMap::new();
         let mut rng = Rng::new(u64::from(lba));
-        for i in 0..6u64 {
-            let len = ((1 + rng.next_u64() % 4000) * 4096) as u32;
-            let off = rng.next_u64() % ((48 << 20) - u64::from(len)) / u64::from(lba) * u64::from(lba);
-            want.insert(i, (off, len));
-            q.submit(ReadReq {
-                offset: ByteOffset(off),
-                len,
-                buf: AlignedBuf::new(len as usize, 4096).unwrap(),
-                tag: Tag(i),
-            });
-        }
-        let mut got = vec![];
-        while q.in_flight() > 0 {
-            q.reap(1, &mut got);
-        }
-        for c in got {
-            let (off, len) = want[&c.tag.0];
-            assert_eq!(*c.result.as_ref().unwrap(), len);
-            assert!(c.buf.as_slice()[..len as usize] == bytes[off as usize..(off + u64::from(len)) as usize]);
-        }
+        let reads: Vec<(u64, u32)> = (0..6)
+            .map(|_| {
+                let len = ((1 + rng.next_u64() % 4000) * 4096) as u32;
+                (rng.next_u64() % ((48 << 20) - u64::from(len)) / u64::from(lba) * u64::from(lba), len)
+            })
+            .collect();
+        read_all_and_check(&mut q, &bytes, &reads, usize::MAX); // all 6 submitted before the first reap
         assert_eq!(sim.stats().dma_faults, 0);
     }
+}
+
+/// Rings `q`'s submission doorbell and polls until the one command submitted completes; its status.
+fn ring_and_complete(q: &mut picchio_nvme::QueuePair) -> Status {
+    q.ring();
+    let mut done = None;
+    while done.is_none() {
+        q.poll(8, |e| done = Some(e.cqe.status())).unwrap();
+    }
+    done.unwrap()
 }
 
 #[test]
@@ -613,12 +624,7 @@ fn chained_prp_list_from_an_offset_first_page_and_a_broken_chain() {
         })
     }
     .unwrap();
-    q.ring();
-    let mut done = None;
-    while done.is_none() {
-        q.poll(8, |e| done = Some(e.cqe.status())).unwrap();
-    }
-    assert_eq!(done, Some(Status::SUCCESS));
+    assert_eq!(ring_and_complete(q), Status::SUCCESS);
     assert_eq!(sim.stats().prp_list_pages - pages0, 3);
     let mut got = vec![0u8; len];
     // SAFETY: the Read completed and its completion was consumed above.
@@ -647,12 +653,7 @@ fn chained_prp_list_from_an_offset_first_page_and_a_broken_chain() {
         })
     }
     .unwrap();
-    q.ring();
-    let mut done = None;
-    while done.is_none() {
-        q.poll(8, |e| done = Some(e.cqe.status())).unwrap();
-    }
-    assert_eq!(done, Some(Status::PRP_OFFSET_INVALID));
+    assert_eq!(ring_and_complete(q), Status::PRP_OFFSET_INVALID);
 }
 
 /// Stand-in for the runtime's safetensors fallback (the runtime depends on this crate, so its real
@@ -681,10 +682,7 @@ impl ExpertLoader for MemLoader {
 fn flat_store_over_nvme_falls_back_for_the_reads_a_fault_failed() {
     use picchio_core::{FallbackLoader, IoStats};
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("experts.picchioflat");
-    let dims = StoreDims { hidden: 64, n_layers: 4, n_experts: 4, topk: 2, moe_inter: 128 };
-    let payloads = write_image(&path, dims, 31, |i| 20_000 + i * 9_000);
-    let image_len = std::fs::metadata(&path).unwrap().len();
+    let (path, _, payloads, image_len) = image(dir.path(), 4, 31, |i| 20_000 + i * 9_000);
     // Hung command → Abort; dropped completion → Abort fails → reset; CFS → reset.
     let faults: [fn(u64) -> Fault; 3] = [Fault::io_hold, Fault::io_drop, Fault::io_fatal];
     for (layer, fault) in faults.into_iter().enumerate() {

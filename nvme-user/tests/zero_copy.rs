@@ -7,12 +7,15 @@
 #![cfg(target_os = "linux")]
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use picchio_core::io::read_blocking;
 use picchio_core::{AlignedBuf, ByteOffset, Completion, IoQueue, ReadReq, Tag};
 use picchio_nvme::dma::hugepage_shortfall;
-use picchio_nvme::sim::SimConfig;
+use picchio_nvme::engine::RecoveryPolicy;
+use picchio_nvme::sim::{Fault, Sim, SimConfig};
 use picchio_nvme::{HeapDma, NvmeQueue, NvmeQueueOptions, WriteReq};
 
 fn pattern(len: usize, seed: u64) -> Vec<u8> {
@@ -241,38 +244,43 @@ fn a_write_protected_namespace_fails_the_write_with_the_status() {
     q.flush().expect("flush still works");
 }
 
-/// Waits (without a deadline: the sim fetches it as soon as the doorbell rings) until the sim has
-/// fired `n` faults in total.
-fn wait_faults(sim: &picchio_nvme::sim::Sim, n: u64) {
-    while sim.stats().faults_fired < n {
+/// Lets `flag` (returned) stop `q`: a hung read then waits for the flag, not for its abort (the
+/// abort timeout is 60 s, far beyond the tests).
+fn stoppable(q: &mut NvmeQueue) -> Arc<AtomicBool> {
+    q.set_recovery(RecoveryPolicy { abort_timeout: Duration::from_secs(60), ..RecoveryPolicy::default() });
+    let flag = Arc::new(AtomicBool::new(false));
+    q.set_interrupt(flag.clone());
+    flag
+}
+
+/// Submits `req` with the controller model holding it (neither executed nor completed until
+/// released or aborted), and waits until the model has taken it: its buffer is then in flight. The
+/// wait has no deadline: the model fetches the command as soon as the doorbell rings.
+fn submit_held(q: &mut NvmeQueue, sim: &Sim, req: ReadReq) {
+    sim.inject(Fault::io_hold(sim.io_count() + 1));
+    let fired = sim.stats().faults_fired;
+    q.submit(req);
+    while sim.stats().faults_fired < fired + 1 {
         std::thread::yield_now();
     }
 }
 
 #[test]
 fn a_slot_in_flight_when_the_queue_stops_is_quarantined_until_shutdown() {
-    use picchio_nvme::engine::RecoveryPolicy;
-    use picchio_nvme::sim::Fault;
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::Arc;
     let dir = tempfile::tempdir().unwrap();
     let (path, file) = backing(dir.path(), 1 << 20, 77);
     // A per-command timeout far beyond the test: only the interrupt flag stops the queue.
     let o = NvmeQueueOptions { qd: 4, timeout: Duration::from_secs(600), ..Default::default() };
     let (mut q, sim) = NvmeQueue::open_sim_with(SimConfig::single(&path, 4096), &o, HeapDma::new(), true).unwrap();
-    q.set_recovery(RecoveryPolicy { abort_timeout: Duration::from_secs(60), ..RecoveryPolicy::default() });
-    let flag = Arc::new(AtomicBool::new(false));
-    q.set_interrupt(flag.clone());
+    let flag = stoppable(&mut q);
     let mut alloc = q.slot_allocator(2, 8192).unwrap();
     let pool = q.slot_pools()[0].clone();
     let slot = alloc.alloc(8192).unwrap();
     let slot_addr = slot.addr();
     assert_eq!(pool.free_slots(), 1);
 
-    sim.inject(Fault::io_hold(sim.io_count() + 1));
-    let fired = sim.stats().faults_fired;
-    q.submit(ReadReq { offset: ByteOffset(0), len: 8192, buf: slot, tag: Tag(5) });
-    wait_faults(&sim, fired + 1); // the device holds the read: the slot is in flight
+    // The device holds the read: the slot is in flight.
+    submit_held(&mut q, &sim, ReadReq { offset: ByteOffset(0), len: 8192, buf: slot, tag: Tag(5) });
     flag.store(true, Ordering::Relaxed);
     let mut got = vec![];
     q.reap(1, &mut got);
@@ -299,10 +307,6 @@ fn a_slot_in_flight_when_the_queue_stops_is_quarantined_until_shutdown() {
 
 #[test]
 fn a_controller_that_never_stops_leaks_the_slots_it_may_still_write() {
-    use picchio_nvme::engine::RecoveryPolicy;
-    use picchio_nvme::sim::Fault;
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::Arc;
     // Whether the queue stopped first (slot quarantined) or was dropped with the read in flight.
     for stop_first in [false, true] {
         let dir = tempfile::tempdir().unwrap();
@@ -311,16 +315,15 @@ fn a_controller_that_never_stops_leaks_the_slots_it_may_still_write() {
         cfg.to = 1; // CAP.TO = 500 ms: how long shutdown waits for CSTS.RDY = 0
         let o = NvmeQueueOptions { qd: 4, timeout: Duration::from_secs(600), ..Default::default() };
         let (mut q, sim) = NvmeQueue::open_sim_with(cfg, &o, HeapDma::new(), true).unwrap();
-        q.set_recovery(RecoveryPolicy { abort_timeout: Duration::from_secs(60), ..RecoveryPolicy::default() });
-        let flag = Arc::new(AtomicBool::new(false));
-        q.set_interrupt(flag.clone());
+        let flag = stoppable(&mut q);
         let mut alloc = q.slot_allocator(3, 8192).unwrap();
         let pool = q.slot_pools()[0].clone();
         let idle = alloc.alloc(8192).unwrap();
-        sim.inject(Fault::io_hold(sim.io_count() + 1));
-        let fired = sim.stats().faults_fired;
-        q.submit(ReadReq { offset: ByteOffset(0), len: 8192, buf: alloc.alloc(8192).unwrap(), tag: Tag(1) });
-        wait_faults(&sim, fired + 1);
+        submit_held(
+            &mut q,
+            &sim,
+            ReadReq { offset: ByteOffset(0), len: 8192, buf: alloc.alloc(8192).unwrap(), tag: Tag(1) },
+        );
         if stop_first {
             flag.store(true, Ordering::Relaxed);
             let mut got = vec![];

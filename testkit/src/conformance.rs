@@ -399,41 +399,27 @@ pub fn drop_in_flight(e: &Engine) {
 /// ```
 #[macro_export]
 macro_rules! conformance_tests {
+    (@each $with:path; $($name:ident => $check:ident($($arg:expr),*);)*) => {
+        $(
+            #[test]
+            fn $name() {
+                $with(|e: &$crate::conformance::Engine| $crate::conformance::$check(e $(, $arg)*));
+            }
+        )*
+    };
     ($with:path, aligned) => {
         $crate::conformance_tests!($with);
-        #[test]
-        fn conformance_misaligned() {
-            $with(|e: &$crate::conformance::Engine| $crate::conformance::misaligned(e));
-        }
+        $crate::conformance_tests!(@each $with; conformance_misaligned => misaligned(););
     };
     ($with:path) => {
-        #[test]
-        fn conformance_random_reads_at_qd_1() {
-            $with(|e: &$crate::conformance::Engine| $crate::conformance::random_reads(e, 1, 18));
-        }
-        #[test]
-        fn conformance_random_reads_at_qd_32() {
-            $with(|e: &$crate::conformance::Engine| $crate::conformance::random_reads(e, 32, 49));
-        }
-        #[test]
-        fn conformance_tags_round_trip() {
-            $with(|e: &$crate::conformance::Engine| $crate::conformance::tags_round_trip(e));
-        }
-        #[test]
-        fn conformance_reap_semantics() {
-            $with(|e: &$crate::conformance::Engine| $crate::conformance::reap_semantics(e));
-        }
-        #[test]
-        fn conformance_past_end() {
-            $with(|e: &$crate::conformance::Engine| $crate::conformance::past_end(e));
-        }
-        #[test]
-        fn conformance_too_small_buffer() {
-            $with(|e: &$crate::conformance::Engine| $crate::conformance::too_small_buffer(e));
-        }
-        #[test]
-        fn conformance_drop_in_flight() {
-            $with(|e: &$crate::conformance::Engine| $crate::conformance::drop_in_flight(e));
-        }
+        $crate::conformance_tests!(@each $with;
+            conformance_random_reads_at_qd_1 => random_reads(1, 18);
+            conformance_random_reads_at_qd_32 => random_reads(32, 49);
+            conformance_tags_round_trip => tags_round_trip();
+            conformance_reap_semantics => reap_semantics();
+            conformance_past_end => past_end();
+            conformance_too_small_buffer => too_small_buffer();
+            conformance_drop_in_flight => drop_in_flight();
+        );
     };
 }

@@ -44,6 +44,15 @@ pub fn require_tool(test: &str, cmd: &str, probe_args: &[&str]) {
     }
 }
 
+/// [`require_root`], then [`require_tool`] for each of `tools` (probed with `-V`): for a test that
+/// makes or probes file systems on its loop devices (`mkfs.ext4`, `blkid`, ...).
+pub fn require_root_and_tools(test: &str, tools: &[&str]) {
+    require_root(test);
+    for tool in tools {
+        require_tool(test, tool, &["-V"]);
+    }
+}
+
 /// Runs `cmd args...`, returning its output or a message naming the command and its stderr.
 pub fn run(cmd: &str, args: &[&str]) -> Result<Output, String> {
     let out = Command::new(cmd).args(args).output().map_err(|e| format!("cannot run {cmd}: {e}"))?;
@@ -70,9 +79,10 @@ pub struct DmDevice {
 }
 
 impl DmDevice {
-    /// Panics naming `test` unless device-mapper answers (`dmsetup targets`); for tests marked
-    /// `#[ignore = "needs root and device-mapper ..."]`.
+    /// Panics naming `test` unless the effective user is root ([`require_root`]) and device-mapper
+    /// answers (`dmsetup targets`); for tests marked `#[ignore = "needs root and device-mapper ..."]`.
     pub fn require(test: &str) {
+        require_root(test);
         if let Err(why) = run("dmsetup", &["targets"]) {
             panic!("{test}: device-mapper unavailable ({why}); it is #[ignore]d for this reason");
         }
@@ -88,6 +98,18 @@ impl DmDevice {
         std::fs::write(&file, table).map_err(|e| format!("write {}: {e}", file.display()))?;
         run("dmsetup", &["create", name, &file.to_string_lossy()])?;
         Ok(DmDevice { name: name.to_string(), dev: PathBuf::from(format!("/dev/mapper/{name}")) })
+    }
+
+    /// A device `picchio-<tag>-<pid>` whose first `good` 512-byte sectors read sectors `0..good` of
+    /// `dev` (the `linear` target) and whose sectors `good..total` fail every read with EIO (the
+    /// `error` target): a disk with a bad range. Its table is written in `dir` ([`DmDevice::create`]).
+    ///
+    /// # Errors
+    /// The message of a failed `dmsetup create` ([`run`]).
+    pub fn linear_then_error(dir: &Path, tag: &str, dev: &Path, good: u64, total: u64) -> Result<DmDevice, String> {
+        let name = format!("picchio-{tag}-{}", std::process::id());
+        let table = format!("0 {good} linear {} 0\n{good} {} error\n", dev.display(), total - good);
+        DmDevice::create(dir, &name, &table)
     }
 }
 
@@ -150,6 +172,12 @@ impl LoopDevice {
     pub fn attach_for_test(test: &str, file: &Path, opts: LoopOptions) -> LoopDevice {
         require_root(test);
         LoopDevice::attach(file, opts).unwrap_or_else(|why| panic!("{test}: no loop device: {why}"))
+    }
+
+    /// Attaches for test `test` (as [`LoopDevice::attach_for_test`]) a loop device over a new sparse
+    /// file of `len` bytes at `path` ([`sparse_file`]); the file is the device's `backing`.
+    pub fn sparse_for_test(test: &str, path: &Path, len: u64, opts: LoopOptions) -> LoopDevice {
+        LoopDevice::attach_for_test(test, &sparse_file(path, len), opts)
     }
 
     /// `loopN`.

@@ -143,4 +143,16 @@ impl TierModel {
     pub fn all() -> Vec<Self> {
         vec![Self::picchio_c(), Self::gpt_oss()]
     }
+
+    /// Runs `case(model, image, lba, what)` for every tier model at 512- and 4096-byte LBAs, where
+    /// `image` is the bytes of the model's packed file-tier image and `what` ("NAME lba N") names
+    /// the case in messages. For the tests that write the image onto a device of either LBA size.
+    pub fn each_at_both_lbas(mut case: impl FnMut(&TierModel, &[u8], u32, &str)) {
+        for m in Self::all() {
+            let image = std::fs::read(m.image()).unwrap_or_else(|e| panic!("{}: {e}", m.image().display()));
+            for lba in [512u32, 4096] {
+                case(&m, &image, lba, &format!("{} lba {lba}", m.name));
+            }
+        }
+    }
 }

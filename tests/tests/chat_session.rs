@@ -14,11 +14,12 @@ use picchio_runtime::model::tokenizer::Tokenizer;
 use picchio_runtime::run::{GenerateOptions, Session, SessionOptions};
 use picchio_tests::{fixture, ids, reference_json, scratch};
 
-/// The fixture converted with Q4 experts into `dir`.
-fn converted(dir: &Path) -> PathBuf {
+/// The fixture converted with Q4 experts into `dir`, with its Q4 reference's prompt and greedy ids.
+fn converted(dir: &Path) -> (PathBuf, Vec<u32>, Vec<u32>) {
     let out = dir.join("m");
     convert(&fixture("qwen3_moe_text"), &out, &ConvertOptions { progress: false, ..Default::default() }).unwrap();
-    out
+    let r = reference_json(&fixture("qwen3_moe_text"), "reference_q4.json");
+    (out, ids(&r, "prompt_ids"), ids(&r, "greedy_ids"))
 }
 
 fn session(model: &Path, max_seq: usize) -> Session {
@@ -46,9 +47,7 @@ fn go(s: &mut Session, prompt: &[u32], o: &TurnOptions) -> picchio_runtime::chat
 #[test]
 fn complete_reuses_the_common_prefix_and_keeps_greedy_tokens() {
     let tmp = scratch();
-    let model = converted(tmp.path());
-    let r = reference_json(&fixture("qwen3_moe_text"), "reference_q4.json");
-    let (prompt, want) = (ids(&r, "prompt_ids"), ids(&r, "greedy_ids"));
+    let (model, prompt, want) = converted(tmp.path());
     let mut s = session(&model, 128);
 
     // Turn 1 from an empty cache: the reference tokens, nothing reused.
@@ -94,9 +93,7 @@ fn complete_reuses_the_common_prefix_and_keeps_greedy_tokens() {
 #[test]
 fn the_callback_cancels_and_end_of_turn_ids_stop() {
     let tmp = scratch();
-    let model = converted(tmp.path());
-    let r = reference_json(&fixture("qwen3_moe_text"), "reference_q4.json");
-    let (prompt, want) = (ids(&r, "prompt_ids"), ids(&r, "greedy_ids"));
+    let (model, prompt, want) = converted(tmp.path());
     let mut s = session(&model, 64);
     // The fixture's end-of-turn id is <|im_end|> (tokenizer config), not in config.json.
     assert_eq!(s.stop_ids, [151645]);
@@ -131,9 +128,7 @@ fn the_callback_cancels_and_end_of_turn_ids_stop() {
 #[test]
 fn a_stop_during_the_prefill_ends_the_turn_between_chunks() {
     let tmp = scratch();
-    let model = converted(tmp.path());
-    let r = reference_json(&fixture("qwen3_moe_text"), "reference_q4.json");
-    let (prompt, want) = (ids(&r, "prompt_ids"), ids(&r, "greedy_ids"));
+    let (model, prompt, want) = converted(tmp.path());
     assert!(prompt.len() >= 6, "the prompt has {} ids", prompt.len());
     let mut s = session(&model, 128);
     s.model.set_prefill_chunk(2).unwrap();

@@ -84,37 +84,30 @@ fn run_from(ns: &Path, lba: u32) -> Vec<u32> {
 
 #[test]
 fn pack_writes_flushes_and_reads_back_then_the_runtime_gives_each_models_tokens() {
-    for m in TierModel::all() {
-        let image = std::fs::read(m.image()).unwrap();
-        for lba in [512u32, 4096] {
-            let what = format!("{} lba {lba}", m.name);
-            let tmp = scratch();
-            let ns = tmp.path().join("ns1");
-            let mut junk = vec![0xA5u8; 4 << 20]; // old contents with no known signature
-            junk[..8].copy_from_slice(b"NOTFSYET");
-            std::fs::write(&ns, &junk).unwrap();
-            let (plan, r) = pack_model(&m, &ns, lba, false);
-            let report = r.unwrap();
-            assert!(plan.contains("nvme:sim/1: namespace 1") && plan.contains("found: nothing"), "{what}: {plan}");
-            assert!(plan.contains(&format!("writes {} bytes", image.len())), "{what}: {plan}");
-            let text = report.to_string();
-            assert!(text.contains(&format!("{} B LBAs", lba)) && text.contains("payload hashes OK"), "{text}");
-            let (commands, verify) = (report.nvme_commands().unwrap(), report.verify().unwrap());
-            assert!(commands.0 > 0 && commands.1 >= 3, "writes and flushes: {:?}", commands);
-            assert!(verify.is_clean() && verify.entries == m.entries, "{what}");
-            let disk = std::fs::read(&ns).unwrap();
-            assert!(
-                disk[..image.len()] == image[..],
-                "{what}: the namespace holds the file tier's image byte for byte"
-            );
-            assert!(disk[image.len()..] == junk[image.len()..], "nothing written past the image");
-            assert_eq!(run_model(&m, &ns, lba), m.tokens, "{what}");
-            // Re-packing over our own image is not refused (an earlier image is only noted).
-            let (plan, r) = pack_model(&m, &ns, lba, false);
-            r.unwrap();
-            assert!(plan.contains(".picchioflat image") && plan.contains("not a reason to refuse"), "{plan}");
-        }
-    }
+    TierModel::each_at_both_lbas(|m, image, lba, what| {
+        let tmp = scratch();
+        let ns = tmp.path().join("ns1");
+        let mut junk = vec![0xA5u8; 4 << 20]; // old contents with no known signature
+        junk[..8].copy_from_slice(b"NOTFSYET");
+        std::fs::write(&ns, &junk).unwrap();
+        let (plan, r) = pack_model(m, &ns, lba, false);
+        let report = r.unwrap();
+        assert!(plan.contains("nvme:sim/1: namespace 1") && plan.contains("found: nothing"), "{what}: {plan}");
+        assert!(plan.contains(&format!("writes {} bytes", image.len())), "{what}: {plan}");
+        let text = report.to_string();
+        assert!(text.contains(&format!("{} B LBAs", lba)) && text.contains("payload hashes OK"), "{text}");
+        let (commands, verify) = (report.nvme_commands().unwrap(), report.verify().unwrap());
+        assert!(commands.0 > 0 && commands.1 >= 3, "writes and flushes: {:?}", commands);
+        assert!(verify.is_clean() && verify.entries == m.entries, "{what}");
+        let disk = std::fs::read(&ns).unwrap();
+        assert!(disk[..image.len()] == image[..], "{what}: the namespace holds the file tier's image byte for byte");
+        assert!(disk[image.len()..] == junk[image.len()..], "nothing written past the image");
+        assert_eq!(run_model(m, &ns, lba), m.tokens, "{what}");
+        // Re-packing over our own image is not refused (an earlier image is only noted).
+        let (plan, r) = pack_model(m, &ns, lba, false);
+        r.unwrap();
+        assert!(plan.contains(".picchioflat image") && plan.contains("not a reason to refuse"), "{plan}");
+    });
 }
 
 /// An ext4 superblock: magic 0xEF53 at byte 1080, s_log_block_size 2 (4 KiB blocks) at 1048.

@@ -42,35 +42,31 @@ fn pack(m: &TierModel, t: &TargetModel, force: bool) -> (String, picchio_runtime
 
 #[test]
 fn pack_onto_nvme_tcp_then_run_gives_the_file_tiers_tokens() {
-    for m in TierModel::all() {
-        let image = std::fs::read(m.image()).unwrap();
-        for lba in [512u32, 4096] {
-            let what = format!("{} lba {lba}", m.name);
-            let (t, _tmp) = target(4 << 20, lba, 0xA5);
-            let (plan, r) = pack(&m, &t, false);
-            let report = r.unwrap_or_else(|e| panic!("{what}: {e:#}"));
-            assert!(plan.contains("user-space NVMe/TCP initiator") && plan.contains("found: nothing"), "{plan}");
-            let (commands, verify) = (report.nvme_commands().unwrap(), report.verify().unwrap());
-            assert!(commands.0 > 0 && commands.1 >= 3, "{what}: writes and flushes {commands:?}");
-            assert!(verify.is_clean() && verify.entries == m.entries, "{what}");
-            assert_eq!(&t.contents()[..image.len()], &image[..], "{what}: the namespace holds the image");
-            assert!(t.stats().r2ts > 0, "{what}: 4 MiB runs go after R2Ts");
-            // run --store nvme-tcp://…, two I/O queues.
-            let io = EngineOptions { threads: 2, qd: 4, ..EngineOptions::default() };
-            let (g, s) = greedy(&m.dir, uri(&t), io, Some(4), &m.prompt, m.tokens.len()).unwrap();
-            assert_eq!(g.tokens, m.tokens, "{what}");
-            assert_eq!(g.stats.fallbacks, 0, "{what}");
-            assert!(g.stats.reads > 0 && g.stats.bounce_bytes == 0, "{what}");
-            drop(s);
-            let v = picchio_runtime::image::verify::verify_store(
-                &uri(&t),
-                Some(&m.dir),
-                &picchio_runtime::image::verify::VerifyOptions { io_threads: 1, direct: true, progress: false },
-            )
-            .unwrap();
-            assert!(v.is_clean(), "{what}: verify nvme-tcp://");
-        }
-    }
+    TierModel::each_at_both_lbas(|m, image, lba, what| {
+        let (t, _tmp) = target(4 << 20, lba, 0xA5);
+        let (plan, r) = pack(m, &t, false);
+        let report = r.unwrap_or_else(|e| panic!("{what}: {e:#}"));
+        assert!(plan.contains("user-space NVMe/TCP initiator") && plan.contains("found: nothing"), "{plan}");
+        let (commands, verify) = (report.nvme_commands().unwrap(), report.verify().unwrap());
+        assert!(commands.0 > 0 && commands.1 >= 3, "{what}: writes and flushes {commands:?}");
+        assert!(verify.is_clean() && verify.entries == m.entries, "{what}");
+        assert_eq!(&t.contents()[..image.len()], image, "{what}: the namespace holds the image");
+        assert!(t.stats().r2ts > 0, "{what}: 4 MiB runs go after R2Ts");
+        // run --store nvme-tcp://…, two I/O queues.
+        let io = EngineOptions { threads: 2, qd: 4, ..EngineOptions::default() };
+        let (g, s) = greedy(&m.dir, uri(&t), io, Some(4), &m.prompt, m.tokens.len()).unwrap();
+        assert_eq!(g.tokens, m.tokens, "{what}");
+        assert_eq!(g.stats.fallbacks, 0, "{what}");
+        assert!(g.stats.reads > 0 && g.stats.bounce_bytes == 0, "{what}");
+        drop(s);
+        let v = picchio_runtime::image::verify::verify_store(
+            &uri(&t),
+            Some(&m.dir),
+            &picchio_runtime::image::verify::VerifyOptions { io_threads: 1, direct: true, progress: false },
+        )
+        .unwrap();
+        assert!(v.is_clean(), "{what}: verify nvme-tcp://");
+    });
 }
 
 #[test]

@@ -105,50 +105,53 @@ fn check_dir(what: &str, dir: &Path, prompt: &[u32], want: &[u32]) {
     eprintln!("{what}: chunks 1/3/64 x ecap 1/4/all bit-identical to token by token, greedy ids exact");
 }
 
-/// Converts fixture `name` with `experts` and checks it against `reference_file`'s greedy ids.
-fn check_fixture(name: &str, experts: QuantKind, reference_file: Option<&str>) {
+/// Converts fixture `name` with each of `runs`' experts and checks it against that run's reference
+/// file's greedy ids (with no reference file, against its own token-by-token tokens).
+fn check_fixture(name: &str, runs: &[(QuantKind, Option<&str>)]) {
     let src = fixture(name);
     let tmp = tempfile::tempdir().unwrap();
-    let dst = tmp.path().join(format!("{name}-{experts}"));
-    let opts = ConvertOptions { experts, progress: false, ..ConvertOptions::default() };
-    convert(&src, &dst, &opts).unwrap_or_else(|e| panic!("convert {name}: {e}"));
-    let r = reference_json(&src, reference_file.unwrap_or("reference_q4.json"));
-    let prompt = ids(&r, "prompt_ids");
-    let want = match reference_file {
-        Some(_) => ids(&r, "greedy_ids"),
-        // No reference for these experts: the token-by-token tokens are the reference.
-        None => token_by_token(&dst, &prompt, 16).0,
-    };
-    check_dir(&format!("{name} --experts {experts}"), &dst, &prompt, &want);
+    for &(experts, reference_file) in runs {
+        let dst = tmp.path().join(format!("{name}-{experts}"));
+        let opts = ConvertOptions { experts, progress: false, ..ConvertOptions::default() };
+        convert(&src, &dst, &opts).unwrap_or_else(|e| panic!("convert {name}: {e}"));
+        let r = reference_json(&src, reference_file.unwrap_or("reference_q4.json"));
+        let prompt = ids(&r, "prompt_ids");
+        let want = match reference_file {
+            Some(_) => ids(&r, "greedy_ids"),
+            // No reference for these experts: the token-by-token tokens are the reference.
+            None => token_by_token(&dst, &prompt, 16).0,
+        };
+        check_dir(&format!("{name} --experts {experts}"), &dst, &prompt, &want);
+    }
 }
 
 #[test]
 fn qwen3_moe_chunked_prefill_equals_token_by_token() {
-    check_fixture("qwen3_moe", QuantKind::Q4, Some("reference_q4.json"));
-    check_fixture("qwen3_moe", QuantKind::F32, Some("reference.json"));
+    check_fixture("qwen3_moe", &[(QuantKind::Q4, Some("reference_q4.json")), (QuantKind::F32, Some("reference.json"))]);
 }
 
 #[test]
 fn qwen3_moe_wide_chunked_prefill_equals_token_by_token() {
-    check_fixture("qwen3_moe_wide", QuantKind::Q4, Some("reference_q4.json"));
-    check_fixture("qwen3_moe_wide", QuantKind::Q3, None);
+    check_fixture("qwen3_moe_wide", &[(QuantKind::Q4, Some("reference_q4.json")), (QuantKind::Q3, None)]);
 }
 
 #[test]
 fn qwen3_moe_text_chunked_prefill_equals_token_by_token() {
-    check_fixture("qwen3_moe_text", QuantKind::Q4, Some("reference_q4.json"));
+    check_fixture("qwen3_moe_text", &[(QuantKind::Q4, Some("reference_q4.json"))]);
 }
 
 #[test]
 fn gpt_oss_mxfp4_chunked_prefill_equals_token_by_token() {
     // sliding_window 8 < the 12-token prompt: the window and the sinks are crossed inside a chunk
-    check_fixture("gpt_oss_mxfp4", QuantKind::Q4, Some("reference_q4.json"));
-    check_fixture("gpt_oss_mxfp4", QuantKind::F32, Some("reference.json"));
+    check_fixture(
+        "gpt_oss_mxfp4",
+        &[(QuantKind::Q4, Some("reference_q4.json")), (QuantKind::F32, Some("reference.json"))],
+    );
 }
 
 #[test]
 fn gpt_oss_bf16_chunked_prefill_equals_token_by_token() {
-    check_fixture("gpt_oss_bf16", QuantKind::Q4, Some("reference_q4.json"));
+    check_fixture("gpt_oss_bf16", &[(QuantKind::Q4, Some("reference_q4.json"))]);
 }
 
 #[test]

@@ -104,9 +104,7 @@ fn raw_devices_with_512_and_4096_byte_lbas_give_each_models_tokens() {
 #[test]
 #[ignore = "needs root: losetup (CI runs ignored tests as root)"]
 fn pack_refuses_devices_with_data_and_force_overrides_the_signature() {
-    let test = "pack_refuses_devices_with_data_and_force_overrides_the_signature";
-    loopdev::require_root(test);
-    loopdev::require_tool(test, "mkfs.ext4", &["-V"]);
+    loopdev::require_root_and_tools("pack_refuses_devices_with_data_and_force_overrides_the_signature", &["mkfs.ext4"]);
     let tmp = scratch();
 
     // An ext4 signature, not mounted: refused and nothing written; --force writes and it runs.
@@ -207,10 +205,9 @@ fn a_device_shorter_than_the_image_serves_what_it_holds_and_falls_back_for_the_r
 fn kernel_read_errors_fall_back_per_expert_and_keep_the_tokens() {
     let test = "kernel_read_errors_fall_back_per_expert_and_keep_the_tokens";
     let tmp = scratch();
-    let file = sparse_file(&tmp.path().join("eio.img"), 4 * MIB);
-    let lo = LoopDevice::attach_for_test(test, &file, LoopOptions::default());
+    let lo = LoopDevice::sparse_for_test(test, &tmp.path().join("eio.img"), 4 * MIB, LoopOptions::default());
     pack_to(&lo.dev, 0, false).0.unwrap();
-    let f = std::fs::OpenOptions::new().write(true).open(&file).unwrap();
+    let f = std::fs::OpenOptions::new().write(true).open(&lo.backing).unwrap();
     f.set_len(IMAGE_LEN / 2 / 4096 * 4096).unwrap();
     drop(f);
     for ecap in [1, 48] {
@@ -229,17 +226,13 @@ fn kernel_read_errors_fall_back_per_expert_and_keep_the_tokens() {
 #[test]
 #[ignore = "needs root and device-mapper in the kernel (dmsetup); CI skips it: run by hand"]
 fn device_mapper_error_target_falls_back_and_keeps_the_tokens() {
-    let test = "device_mapper_error_target_falls_back_and_keeps_the_tokens";
-    loopdev::require_root(test);
-    DmDevice::require(test);
+    DmDevice::require("device_mapper_error_target_falls_back_and_keeps_the_tokens");
     let tmp = scratch();
     let file = sparse_file(&tmp.path().join("dm.img"), 4 * MIB);
     let lo = LoopDevice::attach(&file, LoopOptions::default()).unwrap();
     pack_to(&lo.dev, 0, false).0.unwrap();
     let good = IMAGE_LEN / 2 / 4096 * 8; // sectors
-    let name = format!("picchio-tiers-{}", std::process::id());
-    let table = format!("0 {good} linear {} 0\n{good} {} error\n", lo.dev.display(), 8192 - good);
-    let dm = DmDevice::create(tmp.path(), &name, &table).unwrap();
+    let dm = DmDevice::linear_then_error(tmp.path(), "tiers", &lo.dev, good, 8192).unwrap();
     let dev = dm.dev.clone();
     let (g, _) = greedy(&model(), raw(&dev, 0), psync_direct(), Some(4), &c_prompt(), N).unwrap();
     assert_eq!(g.tokens, PICCHIO_C_TOKENS);

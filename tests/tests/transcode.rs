@@ -65,6 +65,16 @@ fn q4_sources(tmp: &Path) -> Vec<(&'static str, PathBuf)> {
     ]
 }
 
+/// The tensor names of `a`, sorted, after asserting `b` has the same ones (`what` names the pair).
+fn same_names<'a>(a: &'a TensorStore, b: &TensorStore, what: &str) -> Vec<&'a str> {
+    let mut names_a: Vec<&str> = a.names().collect();
+    let mut names_b: Vec<&str> = b.names().collect();
+    names_a.sort();
+    names_b.sort();
+    assert_eq!(names_a, names_b, "{what}: the same tensors");
+    names_a
+}
+
 #[test]
 fn q4_to_q3_writes_the_q3_quantization_of_the_dequantized_q4_experts_and_copies_the_rest() {
     let tmp = scratch();
@@ -77,11 +87,7 @@ fn q4_to_q3_writes_the_q3_quantization_of_the_dequantized_q4_experts_and_copies_
         assert_eq!((report.from, report.to), (QuantKind::Q4, QuantKind::Q3));
 
         let (s, d) = (TensorStore::open(&src).unwrap(), TensorStore::open(&dst).unwrap());
-        let mut names_s: Vec<&str> = s.names().collect();
-        let mut names_d: Vec<&str> = d.names().collect();
-        names_s.sort();
-        names_d.sort();
-        assert_eq!(names_s, names_d, "{what}: the same tensors");
+        let names_s = same_names(&s, &d, what);
         let cfg = picchio_runtime::model::config::Config::from_dir(&src).unwrap();
         let (h, i) = (cfg.hidden_size, cfg.moe_intermediate_size);
         let layout = picchio_runtime::expert::layout::ExpertLayout::detect(&s, &cfg).unwrap();
@@ -147,12 +153,7 @@ fn none_to_q4_and_q3_equal_convert_from_the_checkpoint() {
             let dst = tmp.path().join(format!("{src}-none-to-{kind}"));
             transcode(&none, &dst, &to(kind)).unwrap();
             let (a, b) = (TensorStore::open(&direct).unwrap(), TensorStore::open(&dst).unwrap());
-            let mut na: Vec<&str> = a.names().collect();
-            let mut nb: Vec<&str> = b.names().collect();
-            na.sort();
-            nb.sort();
-            assert_eq!(na, nb, "{src} {kind}");
-            for n in na {
+            for n in same_names(&a, &b, &format!("{src} {kind}")) {
                 let (x, y) = (a.get(n).unwrap(), b.get(n).unwrap());
                 assert!(x.bytes == y.bytes && x.dtype == y.dtype && x.shape == y.shape, "{src} {kind}: {n}");
             }

@@ -173,24 +173,32 @@ if [ $HAVE_CLI = 1 ]; then
   fi
 else skip cli-nvme-list "no picchio binary packed"; fi
 
+# `picchio nvme $1 $BDF` as check cli-nvme-$1 (bind: to vfio-pci; unbind: back to the kernel),
+# which passes when the device is then on driver $2. When the CLI fails or is not packed, the same
+# by hand in sysfs, so the rest still runs: unbind from the current driver, driver_override = $3
+# (empty: none), drivers_probe.
+nvme_rebind() { # $1 = bind|unbind, $2 = the driver it must end on, $3 = the fallback's driver_override
+  by_cli=0
+  if [ $HAVE_CLI = 1 ]; then
+    if cli nvme "$1" "$BDF"; then
+      if [ "$(basename "$(readlink /sys/bus/pci/devices/"$BDF"/driver 2>/dev/null)" 2>/dev/null)" = "$2" ]; then
+        by_cli=1; pass cli-nvme-"$1" "$(head -n 1 /tmp/cli.out)"
+      else fail cli-nvme-"$1" "exit 0 but the device is not on $2"; fi
+    else fail cli-nvme-"$1" "picchio nvme $1 exited $crc: $(tail -n 1 /tmp/cli.out)"; fi
+  else skip cli-nvme-"$1" "no picchio binary packed"; fi
+  if [ $by_cli = 0 ]; then
+    echo "falling back to manual sysfs $1"
+    [ -e /sys/bus/pci/devices/"$BDF"/driver ] && echo "$BDF" > /sys/bus/pci/devices/"$BDF"/driver/unbind
+    echo "$3" > /sys/bus/pci/devices/"$BDF"/driver_override
+    echo "$BDF" > /sys/bus/pci/drivers_probe
+  fi
+}
+
 # 3. Hand the controller to vfio-pci: load the vfio modules, then `picchio nvme bind` (falls back to
 # driver_override/unbind/drivers_probe by hand when the CLI fails, so the rest still runs).
 if [ "$MODE" = noiommu ]; then load_mods /etc/vfio.modules vfio.ko=enable_unsafe_noiommu_mode=1
 else load_mods /etc/vfio.modules; fi || { fail vfio-load "insmod failed"; exit 0; }
-bound_by_cli=0
-if [ $HAVE_CLI = 1 ]; then
-  if cli nvme bind "$BDF"; then
-    if [ "$(basename "$(readlink /sys/bus/pci/devices/"$BDF"/driver 2>/dev/null)" 2>/dev/null)" = vfio-pci ]; then
-      bound_by_cli=1; pass cli-nvme-bind "$(head -n 1 /tmp/cli.out)"
-    else fail cli-nvme-bind "exit 0 but the device is not on vfio-pci"; fi
-  else fail cli-nvme-bind "picchio nvme bind exited $crc: $(tail -n 1 /tmp/cli.out)"; fi
-else skip cli-nvme-bind "no picchio binary packed"; fi
-if [ $bound_by_cli = 0 ]; then
-  echo "falling back to manual sysfs bind"
-  [ -e /sys/bus/pci/devices/"$BDF"/driver ] && echo "$BDF" > /sys/bus/pci/devices/"$BDF"/driver/unbind
-  echo vfio-pci > /sys/bus/pci/devices/"$BDF"/driver_override
-  echo "$BDF" > /sys/bus/pci/drivers_probe
-fi
+nvme_rebind bind vfio-pci vfio-pci
 drv="$(basename "$(readlink /sys/bus/pci/devices/"$BDF"/driver 2>/dev/null)" 2>/dev/null)"
 GROUP=""
 [ -e /sys/bus/pci/devices/"$BDF"/iommu_group ] && GROUP="$(basename "$(readlink /sys/bus/pci/devices/"$BDF"/iommu_group)")"
@@ -338,20 +346,7 @@ stray_dma_check
 
 # 7. Give the controller back to the kernel with `picchio nvme unbind` (manual sysfs fallback) and
 # check the image is intact.
-unbound_by_cli=0
-if [ $HAVE_CLI = 1 ]; then
-  if cli nvme unbind "$BDF"; then
-    if [ "$(basename "$(readlink /sys/bus/pci/devices/"$BDF"/driver 2>/dev/null)" 2>/dev/null)" = nvme ]; then
-      unbound_by_cli=1; pass cli-nvme-unbind "$(head -n 1 /tmp/cli.out)"
-    else fail cli-nvme-unbind "exit 0 but the device is not on nvme"; fi
-  else fail cli-nvme-unbind "picchio nvme unbind exited $crc: $(tail -n 1 /tmp/cli.out)"; fi
-else skip cli-nvme-unbind "no picchio binary packed"; fi
-if [ $unbound_by_cli = 0 ]; then
-  echo "falling back to manual sysfs rebind"
-  [ -e /sys/bus/pci/devices/"$BDF"/driver ] && echo "$BDF" > /sys/bus/pci/devices/"$BDF"/driver/unbind
-  echo > /sys/bus/pci/devices/"$BDF"/driver_override
-  echo "$BDF" > /sys/bus/pci/drivers_probe
-fi
+nvme_rebind unbind nvme ""
 if DEV1="$(nsdev 1)"; then check_image kernel-rebind-image "$DEV1"
 else fail kernel-rebind-image "namespace 1 did not come back under the kernel nvme driver"; fi
 

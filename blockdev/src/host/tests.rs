@@ -55,6 +55,13 @@ impl FakeSys {
         symlink(&d, self.root().join("class/block").join(d.file_name().unwrap())).unwrap();
         d
     }
+    /// Adds disk `name` as `num` and its partitions `name/<part>` as `num.major:<minor>`; returns
+    /// the disk's directory and the partitions', in `parts`' order.
+    fn disk(&self, name: &str, num: DevNum, parts: &[(&str, u32)]) -> (PathBuf, Vec<PathBuf>) {
+        let disk = self.add(name, num, false);
+        let parts = parts.iter().map(|&(part, minor)| self.add(&format!("{name}/{part}"), dn(num.major, minor), true));
+        (disk, parts.collect())
+    }
     fn link(&self, from: &Path, which: &str, to: &Path) {
         symlink(to, from.join(which).join(to.file_name().unwrap())).unwrap();
     }
@@ -83,11 +90,10 @@ fn mount(devices: Vec<DevNum>, mount_point: &str, fs_type: &str) -> Mount {
 #[test]
 fn uses_cover_partitions_holders_and_swap() {
     let fs = FakeSys::new();
-    let sda = fs.add("sda", dn(8, 0), false);
-    let sda1 = fs.add("sda/sda1", dn(8, 1), true);
-    let _sda2 = fs.add("sda/sda2", dn(8, 2), true);
+    let (sda, parts) = fs.disk("sda", dn(8, 0), &[("sda1", 1), ("sda2", 2)]);
+    let sda1 = &parts[0];
     let dm0 = fs.add("dm-0", dn(253, 0), false);
-    fs.link(&sda1, "holders", &dm0);
+    fs.link(sda1, "holders", &dm0);
     std::fs::create_dir_all(sda.join("device")).unwrap();
     std::fs::write(sda.join("device/model"), "Fake SSD  \n").unwrap();
     let host = fs.host(vec![mount(vec![dn(8, 2)], "/srv", "xfs")], vec![dn(8, 0)], vec![dn(254, 0)]);
@@ -100,8 +106,8 @@ fn uses_cover_partitions_holders_and_swap() {
             Use::Mounted { device: "sda2".into(), mount_point: "/srv".into(), fs_type: "xfs".into() },
         ]
     );
-    assert_eq!(Sysfs::describe(&sda1).as_deref(), Some("Fake SSD"));
-    assert_eq!(Sysfs::parent(&sda1).map(|p| Sysfs::name(&p)).as_deref(), Some("sda"));
+    assert_eq!(Sysfs::describe(sda1).as_deref(), Some("Fake SSD"));
+    assert_eq!(Sysfs::parent(sda1).map(|p| Sysfs::name(&p)).as_deref(), Some("sda"));
     assert_eq!(host.partitions(dn(8, 0)), [("sda1".to_string(), dn(8, 1)), ("sda2".to_string(), dn(8, 2))]);
     assert_eq!(host.holders(dn(8, 1)), ["dm-0"]);
     assert!(host.partitions(dn(8, 1)).is_empty() && host.holders(dn(8, 0)).is_empty());
@@ -113,11 +119,9 @@ fn uses_cover_partitions_holders_and_swap() {
 #[test]
 fn root_backing_follows_partitions_and_slaves() {
     let fs = FakeSys::new();
-    let _nvme = fs.add("nvme0n1", dn(259, 0), false);
-    let p2 = fs.add("nvme0n1/nvme0n1p2", dn(259, 2), true);
-    let _p3 = fs.add("nvme0n1/nvme0n1p3", dn(259, 3), true);
+    let (_, parts) = fs.disk("nvme0n1", dn(259, 0), &[("nvme0n1p2", 2), ("nvme0n1p3", 3)]);
     let dm = fs.add("dm-0", dn(253, 0), false);
-    fs.link(&dm, "slaves", &p2);
+    fs.link(&dm, "slaves", &parts[0]);
     let host = fs.host(vec![], vec![], vec![dn(253, 0)]);
     let set = host.root_backing();
     assert_eq!(set.keys().copied().collect::<Vec<_>>(), [dn(253, 0), dn(259, 0), dn(259, 2)]);
@@ -132,9 +136,8 @@ fn root_backing_follows_partitions_and_slaves() {
 #[test]
 fn from_texts_resolves_sources_through_sysfs_and_finds_root_in_the_mount_table() {
     let fs = FakeSys::new();
-    let _vda = fs.add("vda", dn(254, 0), false);
-    let _vda1 = fs.add("vda/vda1", dn(254, 1), true);
-    let _vdb = fs.add("vdb", dn(254, 16), false);
+    fs.disk("vda", dn(254, 0), &[("vda1", 1)]);
+    fs.add("vdb", dn(254, 16), false);
     // btrfs `/` (anonymous 0:31) on vda1; a later mount on `/` hides an earlier one.
     let mi = "1 0 8:1 / / rw - ext4 /dev/sdz1 rw\n2 0 0:31 / / rw - btrfs /dev/vda1 rw\n";
     let swaps = "Filename Type Size Used Priority\n/dev/vdb partition 8 0 -2\n/dev/nope partition 8 0 -3\n";

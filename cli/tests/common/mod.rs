@@ -62,6 +62,71 @@ pub fn synth_one_layer(vocab: u32) -> Vec<String> {
     args.map(String::from).into_iter().chain([vocab.to_string(), "--no-tokenizer".into()]).collect()
 }
 
+/// Starts `picchio ARGS` in `dir` (stdin closed, stdout and stderr piped), polls until
+/// `writing(pid)` says its write is under way, sends it `signal` (`libc::SIGINT`, ...) and waits for
+/// its output. Each wait is bounded by the test kit's hang limit (a hang fails the test naming
+/// `args[0]`; not a timing assertion).
+#[cfg(unix)]
+pub fn signal_once_writing(dir: &Path, args: &[&str], writing: impl Fn(u32) -> bool, signal: libc::c_int) -> Output {
+    use picchio_testkit::bin::{wait_bounded, HANG_LIMIT};
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_picchio"))
+        .args(args)
+        .current_dir(dir)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start picchio");
+    let pid = child.id();
+    if !picchio_testkit::wait_until(HANG_LIMIT, || writing(pid)) {
+        // SAFETY: signals our own child, not yet reaped.
+        unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+        panic!("picchio {} never started writing in {HANG_LIMIT:?}", args[0]);
+    }
+    // SAFETY: signals our own child, which is still running (not reaped).
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, signal) }, 0);
+    wait_bounded(child, HANG_LIMIT).expect("the signalled process exits")
+}
+
+/// The names in `dir`, sorted.
+pub fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> =
+        std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    v.sort();
+    v
+}
+
+/// `CMD... --model MODEL --store STORE REST...`: the arguments of `picchio CMD` on `model` with its
+/// experts read from `store`.
+pub fn on_model<'a>(cmd: &[&'a str], model: &'a Path, store: &'a str, rest: &[&'a str]) -> Vec<&'a str> {
+    let model = model.to_str().expect("a UTF-8 model path");
+    [cmd, &["--model", model, "--store", store][..], rest].concat()
+}
+
+/// A JSON file's value (a `--json` report).
+pub fn read_json(path: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: not JSON ({e})", path.display()))
+}
+
+/// How many elements of the SVG document at `path` have one of `tags`, after asserting that it
+/// parses as XML and its root is `<svg>` (the message names the file).
+pub fn svg_count(path: &Path, tags: &[&str]) -> usize {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let doc = roxmltree::Document::parse(&text).unwrap_or_else(|e| panic!("{}: not XML: {e}", path.display()));
+    assert_eq!(doc.root_element().tag_name().name(), "svg", "{}", path.display());
+    doc.descendants().filter(|n| tags.contains(&n.tag_name().name())).count()
+}
+
+/// Runs `picchio ARGS --json DIR/NAME.json --plot DIR/NAME-plots` (a `picchio bench` run with its
+/// report and charts), asserts it succeeded, and returns its stdout, its report and the charts'
+/// directory.
+pub fn bench_with_report(args: &[&str], dir: &Path, name: &str) -> (String, serde_json::Value, PathBuf) {
+    let (json, plots) = (dir.join(format!("{name}.json")), dir.join(format!("{name}-plots")));
+    let out = ok(&[args, &["--json", json.to_str().unwrap(), "--plot", plots.to_str().unwrap()][..]].concat());
+    (out, read_json(&json), plots)
+}
+
 /// `args` as the `&str`s [`picchio`] takes.
 pub fn strs(args: &[String]) -> Vec<&str> {
     args.iter().map(String::as_str).collect()
@@ -78,6 +143,14 @@ pub fn ok(args: &[&str]) -> String {
     let o = picchio(args);
     assert!(o.status.success(), "picchio {} failed", args.join(" "));
     String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Asserts that `text` (a command's output) contains each of `parts`; a failure names the first part
+/// missing and shows `text`.
+pub fn assert_contains_all(text: &str, parts: &[&str]) {
+    for part in parts {
+        assert!(text.contains(part), "no {part:?} in:\n{text}");
+    }
 }
 
 /// Asserts that `written` (the first bytes of what `picchio pack DIR` wrote, at least as long as

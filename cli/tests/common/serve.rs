@@ -68,6 +68,20 @@ impl Served {
         Served { child, addr, lines }
     }
 
+    /// Starts `picchio serve --model MODEL --port 0 --ctx 512` with the test mock
+    /// `PICCHIO_SERVE_TEST_MOCK_SAMPLED_IDS`: the tokens the model "samples" are `text`'s (in
+    /// `model`'s tokenizer), then `<|im_end|>`, as if the model wrote `text` as its whole answer;
+    /// detokenizing, parsing and the HTTP answer run for real. Returns it and the mocked ids.
+    pub fn start_answering(model: &Path, text: &str) -> (Served, Vec<u32>) {
+        let tok = picchio_runtime::model::tokenizer::Tokenizer::from_dir(model).unwrap().unwrap();
+        let mut ids = tok.encode(text).unwrap();
+        ids.push(tok.token_to_id("<|im_end|>").unwrap());
+        let list: Vec<String> = ids.iter().map(u32::to_string).collect();
+        let served =
+            Served::start_env(model, &["--ctx", "512"], &[("PICCHIO_SERVE_TEST_MOCK_SAMPLED_IDS", &list.join(","))]);
+        (served, ids)
+    }
+
     /// Its stderr lines so far.
     pub fn stderr_lines(&self) -> Vec<String> {
         self.lines.lock().unwrap().clone()
@@ -156,6 +170,31 @@ impl Drop for Served {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// A Qwen3 answer with a Hermes `<tool_call>` block, for [`Served::start_answering`]: the text
+/// "Let me look." then a call of `get_weather` with `{"city": "Paris"}`.
+pub const WEATHER_CALL_ANSWER: &str =
+    "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+
+/// Runs the official-`openai`-client check `cli/tests/SCRIPT` against `served` (its URL in
+/// `PICCHIO_BASE_URL`) with `envs`, under the Python interpreter that `PICCHIO_TEST_PYTHON` names
+/// (one with the `openai` package: .ci/run makes a venv). Echoes its stdout and stderr to the test
+/// log, asserts it exited 0 and returns its output.
+pub fn openai_client(script: &str, served: &Served, envs: &[(&str, &str)]) -> std::process::Output {
+    let python = std::env::var("PICCHIO_TEST_PYTHON")
+        .expect("set PICCHIO_TEST_PYTHON to a python interpreter with the openai package (pip install openai)");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests").join(script);
+    let o = Command::new(&python)
+        .arg(&script)
+        .env("PICCHIO_BASE_URL", served.url())
+        .envs(envs.iter().copied())
+        .output()
+        .unwrap_or_else(|e| panic!("running {python}: {e}"));
+    let out = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    eprintln!("{out}");
+    assert!(o.status.success(), "{python} {} failed:\n{out}", script.display());
+    o
 }
 
 /// (status, body) of a raw HTTP/1.1 response, a chunked body decoded.

@@ -165,6 +165,17 @@ pub enum Error {
         /// The tokenizers crate's message.
         message: String,
     },
+    /// A GGUF's tokenizer metadata (`tokenizer.ggml.*`) is missing, of the wrong type, inconsistent,
+    /// or names a tokenizer this runtime does not build.
+    #[error("{path}: tokenizer metadata `{key}`: {message}")]
+    GgufTokenizer {
+        /// The GGUF file.
+        path: PathBuf,
+        /// The metadata key, as spelled in the file (`tokenizer.ggml.pre`).
+        key: String,
+        /// What was found and what was expected.
+        message: String,
+    },
     /// A chat template failed to compile or to render (a Jinja syntax error, an undefined call, the
     /// template's own `raise_exception`), naming the line of the template.
     #[error("{path}: chat template{}: {message}", line.map(|l| format!(" line {l}")).unwrap_or_default())]

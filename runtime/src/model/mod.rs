@@ -12,6 +12,7 @@
 pub mod attention;
 pub mod config;
 pub mod dir;
+pub mod gguf_tokenizer;
 pub mod gpt_oss;
 pub mod matrix;
 pub mod moe;

@@ -1,11 +1,11 @@
 //! Text ↔ token ids through Hugging Face's `tokenizers` crate, from a model directory's
-//! `tokenizer.json`.
+//! `tokenizer.json` or from a GGUF's metadata ([`super::gguf_tokenizer`]).
 
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 
-/// A loaded `tokenizer.json`.
+/// A loaded `tokenizer.json`, or one rebuilt from a GGUF.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     path: PathBuf,
@@ -25,6 +25,12 @@ impl Tokenizer {
         let inner = tokenizers::Tokenizer::from_file(&path)
             .map_err(|e| Error::Tokenizer { path: path.clone(), message: e.to_string() })?;
         Ok(Some(Tokenizer { inner, path }))
+    }
+
+    /// Wraps a tokenizer built in memory (from a GGUF's metadata: [`Tokenizer::from_gguf`]); `path`
+    /// is the file it came from, named in errors.
+    pub(crate) fn from_parts(inner: tokenizers::Tokenizer, path: &Path) -> Self {
+        Tokenizer { inner, path: path.to_owned() }
     }
 
     /// Encodes `text` without adding special tokens (as transformers' `add_special_tokens=False`).
@@ -71,7 +77,7 @@ impl Tokenizer {
         self.inner.get_added_tokens_decoder().get(&id).is_some_and(|t| t.special)
     }
 
-    /// The tokenizer.json this was loaded from.
+    /// The tokenizer.json (or GGUF) this was loaded from.
     pub fn path(&self) -> &Path {
         &self.path
     }

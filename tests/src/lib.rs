@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use picchio_core::StoreUri;
+use picchio_runtime::chat::{Message, RenderOptions, TemplateValue};
 use picchio_runtime::expert::open::EngineOptions;
 use picchio_runtime::model::tokenizer::Tokenizer;
 use picchio_runtime::run::{GenerateOptions, Generation, Session, SessionOptions};
@@ -18,6 +19,49 @@ pub fn reference_json(dir: &Path, file: &str) -> serde_json::Value {
     let p = dir.join(file);
     serde_json::from_str(&std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display())))
         .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// A chat rendering case of `fixtures/chat/*_rendering.json`, read straight from the JSON text so
+/// that tools and tool-call arguments keep their key order (serde_json's own maps sort their keys).
+#[derive(serde::Deserialize)]
+pub struct ChatCase {
+    /// The case's name.
+    pub name: String,
+    /// The conversation.
+    pub messages: Vec<Message>,
+    /// The tools offered, as the template sees them.
+    #[serde(default)]
+    pub tools: Vec<TemplateValue>,
+    /// Whether the assistant's header is appended.
+    pub add_generation_prompt: bool,
+    /// Qwen3's `enable_thinking`, when the case sets it.
+    pub enable_thinking: Option<bool>,
+    /// The text the reference renderer gave.
+    pub text: String,
+    /// Its ids, from the reference tokenizer.
+    pub ids: Vec<u32>,
+}
+
+impl ChatCase {
+    /// The render options of this case.
+    pub fn opts(&self) -> RenderOptions<'_> {
+        RenderOptions {
+            add_generation_prompt: self.add_generation_prompt,
+            enable_thinking: self.enable_thinking,
+            tools: &self.tools,
+        }
+    }
+}
+
+/// The cases of `fixtures/chat/<file>`.
+pub fn chat_cases(file: &str) -> Vec<ChatCase> {
+    #[derive(serde::Deserialize)]
+    struct Rendering {
+        cases: Vec<ChatCase>,
+    }
+    let path = fixture("chat").join(file);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str::<Rendering>(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display())).cases
 }
 
 /// An id array of a reference JSON (`prompt_ids`, `greedy_ids`).

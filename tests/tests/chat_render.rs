@@ -4,43 +4,10 @@
 //! (fixtures/chat/render_harmony.py).
 
 use picchio_runtime::chat::harmony::Harmony;
-use picchio_runtime::chat::{ChatFormat, Message, RenderOptions, TemplateValue};
+use picchio_runtime::chat::ChatFormat;
 use picchio_runtime::model::tokenizer::Tokenizer;
 use picchio_runtime::Config;
-use picchio_tests::{fixture, ids, reference_json};
-
-/// A fixture case read straight from the JSON text, so that tools and tool-call arguments keep
-/// their key order (serde_json's own maps sort their keys).
-#[derive(serde::Deserialize)]
-struct Case {
-    name: String,
-    messages: Vec<Message>,
-    #[serde(default)]
-    tools: Vec<TemplateValue>,
-    add_generation_prompt: bool,
-    enable_thinking: Option<bool>,
-    text: String,
-    ids: Vec<u32>,
-}
-
-#[derive(serde::Deserialize)]
-struct Rendering {
-    cases: Vec<Case>,
-}
-
-fn cases(file: &str) -> Vec<Case> {
-    let path = fixture("chat").join(file);
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str::<Rendering>(&text).unwrap().cases
-}
-
-fn opts(case: &Case) -> RenderOptions<'_> {
-    RenderOptions {
-        add_generation_prompt: case.add_generation_prompt,
-        enable_thinking: case.enable_thinking,
-        tools: &case.tools,
-    }
-}
+use picchio_tests::{chat_cases as cases, fixture, ids, reference_json};
 
 #[test]
 fn qwen3_template_renders_like_jinja2_and_tokenizes_like_tokenizers() {
@@ -53,7 +20,7 @@ fn qwen3_template_renders_like_jinja2_and_tokenizes_like_tokenizers() {
     assert!(cases.iter().filter(|c| !c.tools.is_empty()).count() >= 2, "conversations with tools");
     for case in &cases {
         let name = &case.name;
-        let text = format.render(&case.messages, opts(case)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let text = format.render(&case.messages, case.opts()).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(text, case.text, "{name}");
         assert_eq!(tok.encode(&text).unwrap(), case.ids, "{name}");
     }

@@ -8,11 +8,10 @@ use std::sync::OnceLock;
 use picchio_core::format::gguf::{Array, GgufFile, Value};
 use picchio_core::rng::SplitMix64;
 use picchio_runtime::chat::template::JinjaTemplate;
-use picchio_runtime::chat::{Message, RenderOptions, TemplateValue};
 use picchio_runtime::model::gguf_tokenizer::GgufTokenizer;
 use picchio_runtime::model::tokenizer::Tokenizer;
 use picchio_runtime::Error;
-use picchio_tests::fixture;
+use picchio_tests::{chat_cases, fixture};
 use serde_json::Value as Json;
 
 /// One fixture: the GGUF-built tokenizer, the tokenizer.json one, and tokenizer_config.json.
@@ -150,24 +149,25 @@ fn same_ids_and_decoding(p: &Pair, texts: &[String]) -> usize {
     tokens
 }
 
-#[test]
-fn qwen3_gguf_tokenizes_like_its_tokenizer_json() {
-    let p = qwen3();
-    assert_eq!(p.gguf.pre.name, "qwen2");
+/// [`same_ids_and_decoding`] on the whole corpus, for the fixture whose pre-tokenizer is `pre`.
+fn agrees_on_the_corpus(p: &Pair, pre: &str) -> Vec<String> {
+    assert_eq!(p.gguf.pre.name, pre);
     let texts = corpus();
     let tokens = same_ids_and_decoding(p, &texts);
     assert!(texts.len() >= 350 && tokens > 3000, "{} texts, {tokens} tokens", texts.len());
+    texts
+}
+
+#[test]
+fn qwen3_gguf_tokenizes_like_its_tokenizer_json() {
+    agrees_on_the_corpus(qwen3(), "qwen2");
 }
 
 #[test]
 fn gpt_oss_gguf_tokenizes_like_its_tokenizer_json() {
     let p = gpt_oss();
-    assert_eq!(p.gguf.pre.name, "gpt-4o");
-    let texts = corpus();
-    let tokens = same_ids_and_decoding(p, &texts);
-    assert!(texts.len() >= 350 && tokens > 3000, "{} texts, {tokens} tokens", texts.len());
     // No normalizer in o200k: decoding gives back the very text.
-    for text in &texts {
+    for text in &agrees_on_the_corpus(p, "gpt-4o") {
         assert_eq!(&p.gguf.tokenizer.decode(&p.gguf.tokenizer.encode(text).unwrap()).unwrap(), text);
     }
 }
@@ -217,34 +217,13 @@ fn special_ids_and_chat_template_are_the_configs() {
 /// gives the text and ids jinja2 + transformers gave (`tests/fixtures/chat/qwen3_rendering.json`).
 #[test]
 fn qwen3_chat_from_the_gguf_alone_matches_the_reference_rendering() {
-    #[derive(serde::Deserialize)]
-    struct Case {
-        name: String,
-        messages: Vec<Message>,
-        #[serde(default)]
-        tools: Vec<TemplateValue>,
-        add_generation_prompt: bool,
-        enable_thinking: Option<bool>,
-        text: String,
-        ids: Vec<u32>,
-    }
-    #[derive(serde::Deserialize)]
-    struct Rendering {
-        cases: Vec<Case>,
-    }
     let g = &qwen3().gguf;
     let template =
         JinjaTemplate::new(g.chat_template.as_deref().unwrap(), g.tokenizer.path(), Some(&g.template_tokens())).unwrap();
-    let text = std::fs::read_to_string(fixture("chat").join("qwen3_rendering.json")).unwrap();
-    let cases = serde_json::from_str::<Rendering>(&text).unwrap().cases;
-    assert!(cases.len() >= 9);
+    let cases = chat_cases("qwen3_rendering.json");
+    assert!(cases.len() >= 10);
     for c in &cases {
-        let opts = RenderOptions {
-            add_generation_prompt: c.add_generation_prompt,
-            enable_thinking: c.enable_thinking,
-            tools: &c.tools,
-        };
-        let rendered = template.render(&c.messages, opts).unwrap_or_else(|e| panic!("{}: {e}", c.name));
+        let rendered = template.render(&c.messages, c.opts()).unwrap_or_else(|e| panic!("{}: {e}", c.name));
         assert_eq!(rendered, c.text, "{}", c.name);
         assert_eq!(g.tokenizer.encode(&rendered).unwrap(), c.ids, "{}", c.name);
     }

@@ -21,10 +21,8 @@
 //! that name, and the parts of the Hugging Face tokenizer the GGUF does not record (Qwen2's NFC
 //! normalizer, o200k's `ignore_merges`) come with the entry.
 
-use std::collections::HashMap;
-
 use picchio_core::format::gguf::{Array, GgufFile, Value};
-use tokenizers::models::bpe::BPE;
+use tokenizers::models::bpe::{Vocab, BPE};
 use tokenizers::normalizers::NFC;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::sequence::Sequence;
@@ -174,7 +172,7 @@ impl Tokenizer {
 
         let tokens = meta.strings(KEY_TOKENS)?;
         let types = meta.token_types(tokens.len())?;
-        let mut vocab: HashMap<String, u32> = HashMap::with_capacity(tokens.len());
+        let mut vocab = Vocab::with_capacity(tokens.len());
         let mut added = Vec::new();
         for (id, (text, ty)) in tokens.iter().zip(&types).enumerate() {
             if *ty == TokenType::Unused {
@@ -301,7 +299,7 @@ impl Meta<'_> {
 
     /// `tokenizer.ggml.merges`: `"left right"`, split at the first space after the first character
     /// (as llama.cpp does), both sides and their concatenation tokens of `vocab`.
-    fn merges(&self, vocab: &HashMap<String, u32>) -> Result<Vec<(String, String)>> {
+    fn merges(&self, vocab: &Vocab) -> Result<Vec<(String, String)>> {
         let lines = self.strings(KEY_MERGES)?;
         let mut out = Vec::with_capacity(lines.len());
         for (i, line) in lines.iter().enumerate() {

@@ -114,14 +114,114 @@ const TEXTS: &[&str] = &[
 /// Pieces the random texts are made of: words, numbers, punctuation, whitespace runs, other scripts,
 /// emoji, and special tokens.
 const PIECES: &[&str] = &[
-    "the", "The", " the", "THE", "quick", " brown", "fox", "'s", "'ll", "n't", "I", "you're", "0", "7", "42", "123",
-    "4567", "89012", "3.14", " ", "  ", "   ", "\t", "\n", "\n\n", "\r\n", " \n", "\n ", ",", ".", "!", "?", "...",
-    "--", "(", ")", "[", "]", "{", "}", "\"", "'", "`", "```", "/", "\\", "_", "-", "=", "==", "=>", "->", "::",
-    "#", "@", "&", "%", "$", "€", "中文", "字", "日本", "語", "한국어", "русский", "Ελλάδα", "عربى", "हिन्दी", "ไทย",
-    "🚀", "😀", "🦙", "👍🏽", "🇮🇹", "é", "ß", "Æ", "ﬁ", "½", "∑", "<|im_start|>", "<|im_end|>", "<|endoftext|>",
-    "<think>", "</think>", "<tool_call>", "</tool_call>", "<|start|>", "<|message|>", "<|end|>", "<|channel|>",
-    "<|return|>", "<|call|>", "<|", "|>", "<", ">", "camelCase", "HTTPServer", "snake_case", "x86_64", "fn", "let",
-    "def", "return", "https://", "www.", ".com",
+    "the",
+    "The",
+    " the",
+    "THE",
+    "quick",
+    " brown",
+    "fox",
+    "'s",
+    "'ll",
+    "n't",
+    "I",
+    "you're",
+    "0",
+    "7",
+    "42",
+    "123",
+    "4567",
+    "89012",
+    "3.14",
+    " ",
+    "  ",
+    "   ",
+    "\t",
+    "\n",
+    "\n\n",
+    "\r\n",
+    " \n",
+    "\n ",
+    ",",
+    ".",
+    "!",
+    "?",
+    "...",
+    "--",
+    "(",
+    ")",
+    "[",
+    "]",
+    "{",
+    "}",
+    "\"",
+    "'",
+    "`",
+    "```",
+    "/",
+    "\\",
+    "_",
+    "-",
+    "=",
+    "==",
+    "=>",
+    "->",
+    "::",
+    "#",
+    "@",
+    "&",
+    "%",
+    "$",
+    "€",
+    "中文",
+    "字",
+    "日本",
+    "語",
+    "한국어",
+    "русский",
+    "Ελλάδα",
+    "عربى",
+    "हिन्दी",
+    "ไทย",
+    "🚀",
+    "😀",
+    "🦙",
+    "👍🏽",
+    "🇮🇹",
+    "é",
+    "ß",
+    "Æ",
+    "ﬁ",
+    "½",
+    "∑",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|start|>",
+    "<|message|>",
+    "<|end|>",
+    "<|channel|>",
+    "<|return|>",
+    "<|call|>",
+    "<|",
+    "|>",
+    "<",
+    ">",
+    "camelCase",
+    "HTTPServer",
+    "snake_case",
+    "x86_64",
+    "fn",
+    "let",
+    "def",
+    "return",
+    "https://",
+    "www.",
+    ".com",
 ];
 
 /// [`TEXTS`], then 300 random concatenations of 1 to 12 [`PIECES`] (fixed seed).
@@ -178,7 +278,10 @@ fn gpt_oss_gguf_tokenizes_like_its_tokenizer_json() {
 #[test]
 fn vocabularies_and_special_flags_match() {
     for (p, looks_special) in [
-        (qwen3(), &["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"][..]),
+        (
+            qwen3(),
+            &["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"][..],
+        ),
         (gpt_oss(), &[][..]),
     ] {
         let (g, j) = (&p.gguf.tokenizer, &p.json);
@@ -203,14 +306,21 @@ fn special_ids_and_chat_template_are_the_configs() {
         let id = |k: &str| c.get(k).and_then(Json::as_str).map(|t| p.json.token_to_id(t).unwrap());
         let s = &p.gguf.special;
         let name = p.gguf.tokenizer.path().display();
-        assert_eq!((s.bos, s.eos, s.pad, s.unk), (id("bos_token"), id("eos_token"), id("pad_token"), id("unk_token")), "{name}");
+        assert_eq!(
+            (s.bos, s.eos, s.pad, s.unk),
+            (id("bos_token"), id("eos_token"), id("pad_token"), id("unk_token")),
+            "{name}"
+        );
         assert!(s.eos.is_some() && s.pad.is_some(), "{name}");
         let flag = |k: &str| Some(c.get(k).and_then(Json::as_bool).unwrap_or(false));
         assert_eq!((s.add_bos, s.add_eos), (flag("add_bos_token"), flag("add_eos_token")), "{name}");
         assert_eq!(p.gguf.chat_template.as_deref(), c.get("chat_template").and_then(Json::as_str), "{name}");
     }
     assert!(qwen3().gguf.chat_template.is_some());
-    assert_eq!(qwen3().gguf.template_tokens(), serde_json::json!({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}));
+    assert_eq!(
+        qwen3().gguf.template_tokens(),
+        serde_json::json!({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
+    );
 }
 
 /// A conversation rendered from the GGUF alone (its template, its special tokens, its tokenizer)
@@ -219,7 +329,8 @@ fn special_ids_and_chat_template_are_the_configs() {
 fn qwen3_chat_from_the_gguf_alone_matches_the_reference_rendering() {
     let g = &qwen3().gguf;
     let template =
-        JinjaTemplate::new(g.chat_template.as_deref().unwrap(), g.tokenizer.path(), Some(&g.template_tokens())).unwrap();
+        JinjaTemplate::new(g.chat_template.as_deref().unwrap(), g.tokenizer.path(), Some(&g.template_tokens()))
+            .unwrap();
     let cases = chat_cases("qwen3_rendering.json");
     assert!(cases.len() >= 10);
     for c in &cases {

@@ -162,12 +162,21 @@ impl Tokenizer {
         let meta = Meta { file };
         let model = meta.string(KEY_MODEL)?;
         if !SUPPORTED_MODELS.contains(&model) {
-            return Err(meta.err(KEY_MODEL, format!("\"{model}\" is not a tokenizer model picchio builds (supported: {})", SUPPORTED_MODELS.join(", "))));
+            return Err(meta.err(
+                KEY_MODEL,
+                format!(
+                    "\"{model}\" is not a tokenizer model picchio builds (supported: {})",
+                    SUPPORTED_MODELS.join(", ")
+                ),
+            ));
         }
         let pre_name = meta.string(KEY_PRE)?;
         let pre = PRE_TOKENIZERS.iter().find(|p| p.name == pre_name).ok_or_else(|| {
             let names: Vec<_> = PRE_TOKENIZERS.iter().map(|p| p.name).collect();
-            meta.err(KEY_PRE, format!("\"{pre_name}\" is not a pre-tokenizer picchio builds (supported: {})", names.join(", ")))
+            meta.err(
+                KEY_PRE,
+                format!("\"{pre_name}\" is not a pre-tokenizer picchio builds (supported: {})", names.join(", ")),
+            )
         })?;
 
         let tokens = meta.strings(KEY_TOKENS)?;
@@ -178,7 +187,8 @@ impl Tokenizer {
             if *ty == TokenType::Unused {
                 continue;
             }
-            let id = u32::try_from(id).map_err(|_| meta.err(KEY_TOKENS, format!("{} tokens: more than u32 ids", tokens.len())))?;
+            let id = u32::try_from(id)
+                .map_err(|_| meta.err(KEY_TOKENS, format!("{} tokens: more than u32 ids", tokens.len())))?;
             if let Some(first) = vocab.insert(text.clone(), id) {
                 return Err(meta.err(KEY_TOKENS, format!("token {text:?} is spelled at ids {first} and {id}")));
             }
@@ -290,7 +300,9 @@ impl Meta<'_> {
                 TokenType::from_id(t).ok_or_else(|| {
                     self.err(
                         KEY_TOKEN_TYPE,
-                        format!("token {i} has type {t}: expected 1 (normal), 3 (control), 4 (user-defined) or 5 (unused)"),
+                        format!(
+                            "token {i} has type {t}: expected 1 (normal), 3 (control), 4 (user-defined) or 5 (unused)"
+                        ),
                     )
                 })
             })
@@ -304,17 +316,20 @@ impl Meta<'_> {
         let mut out = Vec::with_capacity(lines.len());
         for (i, line) in lines.iter().enumerate() {
             let first = line.chars().next().map_or(0, char::len_utf8);
-            let (a, b) = line[first..]
-                .find(' ')
-                .map(|p| (&line[..first + p], &line[first + p + 1..]))
-                .ok_or_else(|| self.err(KEY_MERGES, format!("entry {i} {line:?} is not two tokens separated by a space")))?;
+            let (a, b) =
+                line[first..].find(' ').map(|p| (&line[..first + p], &line[first + p + 1..])).ok_or_else(|| {
+                    self.err(KEY_MERGES, format!("entry {i} {line:?} is not two tokens separated by a space"))
+                })?;
             for part in [a, b] {
                 if !vocab.contains_key(part) {
                     return Err(self.err(KEY_MERGES, format!("entry {i} {line:?}: {part:?} is not a token")));
                 }
             }
             if !vocab.contains_key(&format!("{a}{b}")) {
-                return Err(self.err(KEY_MERGES, format!("entry {i} {line:?}: the merged {:?} is not a token", format!("{a}{b}"))));
+                return Err(self.err(
+                    KEY_MERGES,
+                    format!("entry {i} {line:?}: the merged {:?} is not a token", format!("{a}{b}")),
+                ));
             }
             out.push((a.to_owned(), b.to_owned()));
         }

@@ -49,9 +49,15 @@ fn activation_quantization_equals_ggml_byte_for_byte() {
             let mut got = vec![0u8; row_bytes];
             quantize(x, &mut got).unwrap();
             let want = &want[v * row_bytes..(v + 1) * row_bytes];
-            let bad: Vec<usize> = (0..row_bytes / block).filter(|&b| got[b * block..(b + 1) * block] != want[b * block..(b + 1) * block]).collect();
-            assert!(bad.is_empty(), "{file}, row {v}: blocks {bad:?} differ from ggml's; first: ours {:?}, ggml {:?}",
-                &got[bad[0] * block..(bad[0] + 1) * block], &want[bad[0] * block..(bad[0] + 1) * block]);
+            let bad: Vec<usize> = (0..row_bytes / block)
+                .filter(|&b| got[b * block..(b + 1) * block] != want[b * block..(b + 1) * block])
+                .collect();
+            assert!(
+                bad.is_empty(),
+                "{file}, row {v}: blocks {bad:?} differ from ggml's; first: ours {:?}, ggml {:?}",
+                &got[bad[0] * block..(bad[0] + 1) * block],
+                &want[bad[0] * block..(bad[0] + 1) * block]
+            );
         }
     }
     for (r, a) in [("q8_0_ref.bin", "q8_0_x86.bin"), ("q8_1_ref.bin", "q8_1_x86.bin")] {
@@ -83,7 +89,8 @@ fn dot_products_equal_ggml_generic_c_bit_for_bit() {
             let a = &act_all[v * row_bytes..(v + 1) * row_bytes];
             let mut got = [vec_dot(ty, &w, a).unwrap(), 0.0, 0.0, 0.0, 0.0];
             ggml_matvec(ty, &w, &a[..activation_bytes(act_ty, 256).unwrap()], &mut got[1..]).unwrap();
-            let (g, wb): (Vec<u32>, Vec<u32>) = (got.iter().map(|f| f.to_bits()).collect(), want.iter().map(|f| f.to_bits()).collect());
+            let (g, wb): (Vec<u32>, Vec<u32>) =
+                (got.iter().map(|f| f.to_bits()).collect(), want.iter().map(|f| f.to_bits()).collect());
             assert_eq!(g, wb, "{ty}, activation row {v}: ours {got:?}, ggml {want:?}");
             assert!(want.iter().any(|f| *f != 0.0), "{ty}, row {v}: the fixture is not all zeros");
             checked += 5;

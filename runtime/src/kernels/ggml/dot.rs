@@ -20,11 +20,11 @@
 //! functions llama.cpp runs where no SIMD twin exists; on x86 with AVX2 it runs twins that sum in
 //! another order (docs/kernels.md). No SIMD twins here yet; F32/F16/BF16 dots are not here either.
 
+use super::f16_at;
 use super::floats::mxfp4_decode;
 use super::kquants::{self, QK_K};
 use super::legacy::{q8_0_decode, LegacyBlock};
 use super::q8::activation_block;
-use super::f16_at;
 use picchio_core::format::gguf::GgmlType;
 
 /// Why a quantization or dot product refused its input.
@@ -154,7 +154,8 @@ fn dot_k(ty: GgmlType, w: &[u8], act: &[u8]) -> f32 {
         for ((i, q), a) in k.q.iter().enumerate().zip(codes(&y[4..4 + QK_K])) {
             lanes[i % 8] += k.scale[i / 16] * (a * q);
         }
-        let mins: i32 = (0..16).map(|j| i32::from(i16::from_le_bytes([y[260 + 2 * j], y[261 + 2 * j]])) * k.min[j]).sum();
+        let mins: i32 =
+            (0..16).map(|j| i32::from(i16::from_le_bytes([y[260 + 2 * j], y[261 + 2 * j]])) * k.min[j]).sum();
         if ty == GgmlType::Q2_K {
             let (dall, dmin) = (dy * k.d, dy * k.dmin);
             sumf += dall * lanes.iter().sum::<i32>() as f32 - dmin * mins as f32;

@@ -86,18 +86,27 @@ fn check(ty: GgmlType, x: &[f32], out: &[u8], block_elems: usize, block_bytes: u
     Ok(())
 }
 
+/// Q8_0 or (`ty` = Q8_1, with `s`) Q8_1 blocks of `x` into `out`.
+fn quantize_32(ty: GgmlType, arith: Q8Arith, x: &[f32], out: &mut [u8]) -> Result<(), DotError> {
+    let block = if ty == GgmlType::Q8_1 { Q8_1_BYTES } else { Q8_0_BYTES };
+    check(ty, x, out, 32, block)?;
+    for (x, b) in x.chunks_exact(32).zip(out.chunks_exact_mut(block)) {
+        let (d, sum) = q8_codes(arith, x, &mut b[block - 32..]);
+        b[..2].copy_from_slice(&f16_bits(d).to_le_bytes());
+        if ty == GgmlType::Q8_1 {
+            b[2..4].copy_from_slice(&f16_bits(sum as f32 * d).to_le_bytes());
+        }
+    }
+    Ok(())
+}
+
 /// Quantizes `x` (a multiple of 32 values) to Q8_0 blocks in `out` (34 bytes per 32 values).
 ///
 /// # Errors
 /// [`DotError::PartialActivation`] when `x.len()` is not a multiple of 32;
 /// [`DotError::ActivationLen`] when `out` is not `x.len() / 32 · 34` bytes.
 pub fn quantize_q8_0(arith: Q8Arith, x: &[f32], out: &mut [u8]) -> Result<(), DotError> {
-    check(GgmlType::Q8_0, x, out, 32, Q8_0_BYTES)?;
-    for (x, b) in x.chunks_exact(32).zip(out.chunks_exact_mut(Q8_0_BYTES)) {
-        let (d, _) = q8_codes(arith, x, &mut b[2..]);
-        b[..2].copy_from_slice(&f16_bits(d).to_le_bytes());
-    }
-    Ok(())
+    quantize_32(GgmlType::Q8_0, arith, x, out)
 }
 
 /// Quantizes `x` (a multiple of 32 values) to Q8_1 blocks in `out` (36 bytes per 32 values); `s`
@@ -106,13 +115,7 @@ pub fn quantize_q8_0(arith: Q8Arith, x: &[f32], out: &mut [u8]) -> Result<(), Do
 /// # Errors
 /// As [`quantize_q8_0`], with 36-byte blocks.
 pub fn quantize_q8_1(arith: Q8Arith, x: &[f32], out: &mut [u8]) -> Result<(), DotError> {
-    check(GgmlType::Q8_1, x, out, 32, Q8_1_BYTES)?;
-    for (x, b) in x.chunks_exact(32).zip(out.chunks_exact_mut(Q8_1_BYTES)) {
-        let (d, sum) = q8_codes(arith, x, &mut b[4..]);
-        b[..2].copy_from_slice(&f16_bits(d).to_le_bytes());
-        b[2..4].copy_from_slice(&f16_bits(sum as f32 * d).to_le_bytes());
-    }
-    Ok(())
+    quantize_32(GgmlType::Q8_1, arith, x, out)
 }
 
 /// ggml's `nearest_int`: rounds by adding 1.5 · 2^23 and reading the mantissa (ties to even, for

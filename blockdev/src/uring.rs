@@ -77,6 +77,12 @@ const SQPOLL_IDLE_MS: u32 = 1000;
 /// the wait re-entered (see the module documentation). Long against a syscall, short against a hang.
 const SQPOLL_WAIT_SLICE: std::time::Duration = std::time::Duration::from_millis(50);
 
+/// How many [`SQPOLL_WAIT_SLICE`]s in a row `Drop` waits without any completion before it gives the
+/// reads still in the kernel up (30 s): it logs them and leaks their buffers, so a read the kernel
+/// never completes (seen once in CI with SQPOLL, after every read of the queue had completed) makes
+/// the queue's drop return instead of hanging its thread.
+const DRAIN_PATIENCE_SLICES: u32 = 600;
+
 /// Where the kernel says whether io_uring may be used (Linux 6.6+): 0 yes, 1 only for
 /// `kernel.io_uring_group` members and CAP_SYS_ADMIN, 2 no.
 const IO_URING_DISABLED: &str = "/proc/sys/kernel/io_uring_disabled";
@@ -190,6 +196,12 @@ pub struct UringQueue {
     /// sleeps (the lost wakeup, made on purpose).
     #[cfg(test)]
     lose_wakeups: u32,
+    /// Wait slices without a completion after which `Drop` gives up ([`DRAIN_PATIENCE_SLICES`]).
+    drain_patience: u32,
+    /// Test twin: this many CQEs are dropped unread (a completion the kernel never posts, made on
+    /// purpose).
+    #[cfg(test)]
+    lose_cqes: u32,
 }
 
 impl UringQueue {
@@ -295,6 +307,9 @@ impl UringQueue {
             sqpoll_rewakes: 0,
             #[cfg(test)]
             lose_wakeups: 0,
+            drain_patience: DRAIN_PATIENCE_SLICES,
+            #[cfg(test)]
+            lose_cqes: 0,
         };
         if opts.iopoll {
             q.check_iopoll()?;
@@ -441,6 +456,11 @@ impl UringQueue {
     fn copy_cqes(&mut self) {
         self.cqes.clear();
         self.cqes.extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
+        #[cfg(test)]
+        while self.lose_cqes > 0 && !self.cqes.is_empty() {
+            self.lose_cqes -= 1;
+            self.cqes.remove(0);
+        }
         #[cfg(test)]
         for (ud, res) in self.cqes.iter_mut() {
             if let Some(e) = self.slab.get(*ud as usize).and_then(Option::as_ref) {
@@ -600,24 +620,67 @@ impl UringQueue {
         }
     }
 
-    /// Waits for every read in the kernel and frees its buffer; nothing is resubmitted.
+    /// Waits for every read in the kernel and frees its buffer; nothing is resubmitted. When
+    /// `drain_patience` wait slices in a row bring no completion, the reads left are given up: they
+    /// are logged and the ring marked broken (`ETIMEDOUT`), so `Drop` leaks their buffers (the
+    /// kernel may still write them) instead of waiting forever.
     fn drain(&mut self) {
         self.waiting.clear();
+        let mut idle = 0u32;
         while self.occupied() > 0 && self.broken.is_none() {
             self.copy_cqes();
             for i in 0..self.cqes.len() {
                 let idx = self.cqes[i].0 as usize;
                 if self.slab.get_mut(idx).and_then(Option::take).is_some() {
                     self.free.push(idx as u32); // the kernel is done with it: dropping frees it
+                    idle = 0;
                 }
             }
-            if self.occupied() > 0 {
-                match self.submit_and_wait(1).map_err(|e| e.raw_os_error()) {
-                    Ok(_) | Err(Some(libc::EINTR | libc::EAGAIN | libc::EBUSY | libc::ETIME)) => {}
-                    Err(errno) => self.fail_all(errno.unwrap_or(libc::EIO)),
+            if self.occupied() == 0 {
+                break;
+            }
+            match self.drain_wait().map_err(|e| e.raw_os_error()) {
+                Ok(_) | Err(Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)) => {}
+                Err(Some(libc::ETIME)) => {
+                    idle += 1;
+                    if idle >= self.drain_patience {
+                        self.give_up_in_flight(idle);
+                    }
                 }
+                Err(errno) => self.fail_all(errno.unwrap_or(libc::EIO)),
             }
         }
+    }
+
+    /// One bounded wait of [`UringQueue::drain`] for a completion: an SQPOLL wait slice, or (without
+    /// SQPOLL) a submit-and-wait of at most [`SQPOLL_WAIT_SLICE`]; `ETIME` when it ended with none.
+    /// A kernel without `IORING_FEAT_EXT_ARG` (before Linux 5.11) waits unbounded.
+    fn drain_wait(&mut self) -> io::Result<usize> {
+        if self.opts.sqpoll || !self.ring.params().is_feature_ext_arg() {
+            return self.submit_and_wait(1);
+        }
+        let ts = types::Timespec::from(SQPOLL_WAIT_SLICE);
+        let args = types::SubmitArgs::new().timespec(&ts);
+        self.ring.submitter().submit_with_args(1, &args)
+    }
+
+    /// The reads still in the kernel after `slices` empty waits are given up: logged, and the ring
+    /// marked broken so `Drop` leaks their buffers.
+    fn give_up_in_flight(&mut self, slices: u32) {
+        let pending: Vec<String> = self
+            .slab
+            .iter()
+            .flatten()
+            .map(|e| format!("{} B at {:#x} ({} read, {} retries)", e.len, e.offset, e.done, e.retries))
+            .collect();
+        tracing::error!(
+            "{}: no completion in {slices} waits of {SQPOLL_WAIT_SLICE:?} while closing the ring; giving up {} \
+             reads still in the kernel and leaking their buffers: {}",
+            self.path.display(),
+            pending.len(),
+            pending.join(", ")
+        );
+        self.broken = Some(libc::ETIMEDOUT);
     }
 }
 
@@ -1030,5 +1093,38 @@ mod tests {
         q.drain();
         assert_eq!((q.occupied(), q.waiting.len()), (0, 0));
         assert!(q.ring.completion().is_empty());
+    }
+
+    /// A completion that never comes (here its CQE is dropped unread, as the test twin does): the
+    /// drain gives the read up after `drain_patience` empty waits, marks the ring broken so `Drop`
+    /// leaks the buffer, and returns, with and without SQPOLL. (The case: a CI run whose uring
+    /// test hung forever in `Drop` with SQPOLL, after every read of the queue had completed.)
+    #[test]
+    fn drain_gives_up_a_read_whose_completion_never_comes() {
+        for sqpoll in [false, true] {
+            let Some((_d, mut q, _)) = queue(1 << 20, UringOptions { sqpoll, ..UringOptions::buffered(4) }) else {
+                return;
+            };
+            if !q.ring.params().is_feature_ext_arg() {
+                panic!("this kernel has no IORING_FEAT_EXT_ARG (Linux 5.11+): drain waits are not bounded");
+            }
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                q.drain_patience = 4;
+                submit(&mut q, 0, 4096, 0);
+                submit(&mut q, 65536, 4096, 1);
+                q.reap(0, &mut Vec::new()); // both in the kernel
+                q.lose_cqes = 1; // the first CQE to come is dropped unread: that read never completes
+                q.drain();
+                tx.send((q.occupied(), q.broken)).unwrap();
+                // Drop leaks the slot's buffer (the ring is broken) and returns.
+            });
+            let (occupied, broken) = rx
+                .recv_timeout(std::time::Duration::from_secs(600))
+                .expect("the drain of a read whose completion never comes did not return");
+            // One slot at least is never freed (two when the kernel completed neither read in time).
+            assert!(occupied >= 1, "sqpoll {sqpoll}: {occupied} reads given up");
+            assert_eq!(broken, Some(libc::ETIMEDOUT), "sqpoll {sqpoll}");
+        }
     }
 }

@@ -49,14 +49,23 @@ pub(super) fn bf16s(bytes: &[u8], out: &mut [f32]) {
     }
 }
 
-/// MXFP4 blocks of 17 bytes: an E8M0 exponent `e`, then 16 bytes whose low nibbles are elements
-/// 0..16 and high nibbles 16..32; `y = d · kvalue[code]` with `d` = [`e8m0_half`]`(e)`.
+/// An MXFP4 block's scale ([`e8m0_half`] of its exponent byte) and its 32 codes (ggml's doubled
+/// `kvalues_mxfp4`): the low nibbles of bytes 1..17 are elements 0..16, the high nibbles 16..32.
+pub(super) fn mxfp4_decode(b: &[u8]) -> (f32, [i32; 32]) {
+    let q = std::array::from_fn(|j| {
+        let nibble = if j < 16 { b[1 + j] & 0x0f } else { b[1 + j - 16] >> 4 };
+        i32::from(MXFP4_VALUES[usize::from(nibble)])
+    });
+    (e8m0_half(b[0]), q)
+}
+
+/// MXFP4 blocks of 17 bytes: an E8M0 exponent `e`, then 16 bytes of E2M1 codes
+/// ([`mxfp4_decode`]); `y = d · kvalue[code]` with `d` = [`e8m0_half`]`(e)`.
 pub(super) fn mxfp4(bytes: &[u8], out: &mut [f32]) {
     for (b, y) in bytes.chunks_exact(17).zip(out.chunks_exact_mut(32)) {
-        let d = e8m0_half(b[0]);
-        for (j, &q) in b[1..].iter().enumerate() {
-            y[j] = d * f32::from(MXFP4_VALUES[usize::from(q & 0x0f)]);
-            y[j + 16] = d * f32::from(MXFP4_VALUES[usize::from(q >> 4)]);
+        let (d, q) = mxfp4_decode(b);
+        for (y, q) in y.iter_mut().zip(q) {
+            *y = d * q as f32;
         }
     }
 }

@@ -3,9 +3,10 @@
 //! below, which encode ggml's interleaving once; each type is then one loop over `i`.
 
 use super::f16_at;
+use picchio_core::format::gguf::GgmlType;
 
 /// Elements per super-block (`QK_K`).
-const QK_K: usize = 256;
+pub(super) const QK_K: usize = 256;
 
 /// A 2-bit field of the planes Q2_K's and Q3_K's `qs` and Q6_K's `qh` use: per 128 elements, 32
 /// bytes, element `i` at bits `2·((i mod 128) / 32)` of byte `32·(i / 128) + i mod 32`.
@@ -33,69 +34,87 @@ fn scale_min_k4(s: &[u8], j: usize) -> (u8, u8) {
     }
 }
 
-/// Q2_K (84 bytes: `scales[16]`, `qs[64]`, f16 `d`, f16 `dmin`): group `j` of 16 has scale
-/// `d · (scales[j] & 15)` and minimum `dmin · (scales[j] >> 4)`; `y = dl·q − ml` (ggml and gguf-py).
-pub(super) fn q2_k(bytes: &[u8], out: &mut [f32]) {
-    for (b, y) in bytes.chunks_exact(84).zip(out.chunks_exact_mut(QK_K)) {
-        let (scales, qs) = (&b[..16], &b[16..80]);
-        let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
-        for (i, y) in y.iter_mut().enumerate() {
-            let sc = scales[i / 16];
-            let dl = d * f32::from(sc & 0x0f);
-            let ml = dmin * f32::from(sc >> 4);
-            *y = dl * f32::from(two_bits(qs, i)) - ml;
-        }
-    }
+/// One super-block decoded into what both dequantization and the dot products read: element `i`
+/// is `(d · scale[i/16]) · q[i] − dmin · min[i/16]` (groups of 32 repeat their scale and minimum).
+pub(super) struct KBlock {
+    /// The f16 super-block scale.
+    pub d: f32,
+    /// The f16 minimum scale (Q2_K, Q4_K, Q5_K), 0 for Q3_K and Q6_K.
+    pub dmin: f32,
+    /// Per 16-element group, the integer scale.
+    pub scale: [i32; 16],
+    /// Per 16-element group, the integer minimum (0 for Q3_K and Q6_K).
+    pub min: [i32; 16],
+    /// The 256 signed codes.
+    pub q: [i32; QK_K],
 }
 
-/// Q3_K (110 bytes: `hmask[32]`, `qs[64]`, 12 bytes of 6-bit scales, f16 `d`): the code is the two
-/// low bits minus 4 when the high bit is clear; group `j` of 16 has scale `d · (s_j − 32)`;
-/// `y = dl · q` (ggml and gguf-py).
-pub(super) fn q3_k(bytes: &[u8], out: &mut [f32]) {
-    for (b, y) in bytes.chunks_exact(110).zip(out.chunks_exact_mut(QK_K)) {
-        let (hmask, qs, s) = (&b[..32], &b[32..96], &b[96..108]);
-        let d = f16_at(b, 108);
-        let scale = |j: usize| {
-            let low = if j < 8 { s[j] & 0x0f } else { s[j - 8] >> 4 };
-            let high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
-            i32::from(low | (high << 4)) - 32
-        };
-        for (i, y) in y.iter_mut().enumerate() {
-            let dl = d * scale(i / 16) as f32;
-            let q = i32::from(two_bits(qs, i)) - if high_bit(hmask, i) == 1 { 0 } else { 4 };
-            *y = dl * q as f32;
+/// Decodes one super-block of `ty` (Q2_K … Q6_K; the caller checked the type and `b`'s length):
+/// - Q2_K (84 bytes: `scales[16]`, `qs[64]`, f16 `d`, f16 `dmin`): group `j` of 16 has scale
+///   `scales[j] & 15` and minimum `scales[j] >> 4`; codes 0..4.
+/// - Q3_K (110 bytes: `hmask[32]`, `qs[64]`, 12 bytes of 6-bit scales, f16 `d`): the code is the
+///   two low bits minus 4 when the high bit is clear; group scales `s_j − 32`.
+/// - Q4_K (144 bytes: f16 `d`, f16 `dmin`, 12 bytes of scales and minimums, `qs[128]`) and Q5_K
+///   (176 bytes: the same with `qh[32]` before `qs`): group `j` of 32 has scale `sc_j` and minimum
+///   `m_j` ([`scale_min_k4`]); codes 0..16 (0..32 with the fifth bit).
+/// - Q6_K (210 bytes: `ql[128]`, `qh[64]`, `scales[16]` i8, f16 `d`): 4 low bits (per 128
+///   elements, 64 bytes, low nibbles first) and 2 high bits, minus 32; group scales i8.
+pub(super) fn decode(ty: GgmlType, b: &[u8]) -> KBlock {
+    let mut k = KBlock { d: 0.0, dmin: 0.0, scale: [0; 16], min: [0; 16], q: [0; QK_K] };
+    match ty {
+        GgmlType::Q2_K => {
+            let (scales, qs) = (&b[..16], &b[16..80]);
+            (k.d, k.dmin) = (f16_at(b, 80), f16_at(b, 82));
+            k.scale = std::array::from_fn(|j| i32::from(scales[j] & 0x0f));
+            k.min = std::array::from_fn(|j| i32::from(scales[j] >> 4));
+            k.q = std::array::from_fn(|i| i32::from(two_bits(qs, i)));
         }
+        GgmlType::Q3_K => {
+            let (hmask, qs, s) = (&b[..32], &b[32..96], &b[96..108]);
+            k.d = f16_at(b, 108);
+            k.scale = std::array::from_fn(|j| {
+                let low = if j < 8 { s[j] & 0x0f } else { s[j - 8] >> 4 };
+                let high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+                i32::from(low | (high << 4)) - 32
+            });
+            k.q = std::array::from_fn(|i| i32::from(two_bits(qs, i)) - if high_bit(hmask, i) == 1 { 0 } else { 4 });
+        }
+        GgmlType::Q4_K | GgmlType::Q5_K => {
+            let fifth_bit = ty == GgmlType::Q5_K;
+            let qs_at = if fifth_bit { 48 } else { 16 };
+            (k.d, k.dmin) = (f16_at(b, 0), f16_at(b, 2));
+            let (qh, qs) = (&b[16..48], &b[qs_at..qs_at + 128]);
+            for j in 0..16 {
+                let (sc, m) = scale_min_k4(&b[4..16], j / 2);
+                (k.scale[j], k.min[j]) = (i32::from(sc), i32::from(m));
+            }
+            k.q = std::array::from_fn(|i| {
+                let high = if fifth_bit { high_bit(qh, i) << 4 } else { 0 };
+                i32::from(nibble(qs, i) | high)
+            });
+        }
+        GgmlType::Q6_K => {
+            let (ql, qh, scales) = (&b[..128], &b[128..192], &b[192..208]);
+            k.d = f16_at(b, 208);
+            k.scale = std::array::from_fn(|j| i32::from(scales[j] as i8));
+            k.q = std::array::from_fn(|i| {
+                let low = (ql[i / 128 * 64 + i % 64] >> (4 * (i % 128 / 64))) & 0x0f;
+                i32::from(low | (two_bits(qh, i) << 4)) - 32
+            });
+        }
+        _ => unreachable!("kquants::decode of {ty}"),
     }
+    k
 }
 
-/// Q4_K (144 bytes: f16 `d`, f16 `dmin`, 12 bytes of scales and minimums, `qs[128]`) and, with
-/// `fifth_bit`, Q5_K (176 bytes: the same with `qh[32]` before `qs`): group `j` of 32 has scale
-/// `d · sc_j` and minimum `dmin · m_j`; `y = (d·sc)·q − dmin·m` (ggml and gguf-py).
-pub(super) fn q4_k_q5_k(fifth_bit: bool, bytes: &[u8], out: &mut [f32]) {
-    let (block, qs_at) = if fifth_bit { (176, 48) } else { (144, 16) };
-    for (b, y) in bytes.chunks_exact(block).zip(out.chunks_exact_mut(QK_K)) {
-        let (d, dmin, scales) = (f16_at(b, 0), f16_at(b, 2), &b[4..16]);
-        let (qh, qs) = (&b[16..48], &b[qs_at..qs_at + 128]);
+/// Dequantizes whole super-blocks of `ty` (Q2_K … Q6_K): `y = (d·scale)·q − dmin·min`, the
+/// operations and order of ggml and gguf-py (for Q3_K and Q6_K, which have no minimum, the
+/// subtraction of `0·0 = +0` leaves every value's bits as they were: `(d·sc)·q`).
+pub(super) fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) {
+    for (b, y) in bytes.chunks_exact(ty.block_bytes() as usize).zip(out.chunks_exact_mut(QK_K)) {
+        let k = decode(ty, b);
         for (i, y) in y.iter_mut().enumerate() {
-            let (sc, m) = scale_min_k4(scales, i / 32);
-            let high = if fifth_bit { high_bit(qh, i) << 4 } else { 0 };
-            let q = nibble(qs, i) | high;
-            *y = d * f32::from(sc) * f32::from(q) - dmin * f32::from(m);
-        }
-    }
-}
-
-/// Q6_K (210 bytes: `ql[128]`, `qh[64]`, `scales[16]` i8, f16 `d`): the code is 4 low bits (per 128
-/// elements, 64 bytes, low nibbles first) and 2 high bits, minus 32; group `j` of 16 has scale
-/// `d · scales[j]`; `y = (d·sc)·q` (ggml: `d * sc * q`, the same order).
-pub(super) fn q6_k(bytes: &[u8], out: &mut [f32]) {
-    for (b, y) in bytes.chunks_exact(210).zip(out.chunks_exact_mut(QK_K)) {
-        let (ql, qh, scales) = (&b[..128], &b[128..192], &b[192..208]);
-        let d = f16_at(b, 208);
-        for (i, y) in y.iter_mut().enumerate() {
-            let low = (ql[i / 128 * 64 + i % 64] >> (4 * (i % 128 / 64))) & 0x0f;
-            let q = i32::from(low | (two_bits(qh, i) << 4)) - 32;
-            *y = d * f32::from(scales[i / 16] as i8) * q as f32;
+            *y = k.d * k.scale[i / 16] as f32 * k.q[i] as f32 - k.dmin * k.min[i / 16] as f32;
         }
     }
 }

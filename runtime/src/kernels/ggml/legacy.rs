@@ -29,42 +29,60 @@ impl LegacyBlock {
         2 + if self.min { 2 } else { 0 } + if self.fifth_bit { 4 } else { 0 } + 16
     }
 
+    /// Block `b`'s scale `d`, its minimum `m` (the `_1` types) and its 32 codes, signed: `q` for
+    /// the `_1` types, `q − 2^(bits−1)` (in integers) for the `_0` types.
+    pub fn decode(self, b: &[u8]) -> (f32, Option<f32>, [i32; 32]) {
+        let offset = match (self.min, self.fifth_bit) {
+            (true, _) => 0,
+            (false, true) => 16,
+            (false, false) => 8,
+        };
+        let d = f16_at(b, 0);
+        let mut at = 2;
+        let m = self.min.then(|| {
+            at += 2;
+            f16_at(b, 2)
+        });
+        let high = if self.fifth_bit {
+            at += 4;
+            u32::from_le_bytes([b[at - 4], b[at - 3], b[at - 2], b[at - 1]])
+        } else {
+            0
+        };
+        let qs = &b[at..at + 16];
+        let q = std::array::from_fn(|j| {
+            let nibble = if j < 16 { qs[j] & 0x0f } else { qs[j - 16] >> 4 };
+            (i32::from(nibble) | (((high >> j) & 1) << 4) as i32) - offset
+        });
+        (d, m, q)
+    }
+
     /// Decodes whole blocks of `bytes` into `out` (32 values per block). gguf-py and ggml agree on
     /// the operations: `d * (q - off) as f32` (the subtraction in integers) and `d * q + m`.
     pub fn dequantize(self, bytes: &[u8], out: &mut [f32]) {
-        let offset = if self.fifth_bit { 16 } else { 8 };
         for (b, y) in bytes.chunks_exact(self.block_bytes()).zip(out.chunks_exact_mut(32)) {
-            let d = f16_at(b, 0);
-            let mut at = 2;
-            let m = self.min.then(|| {
-                at += 2;
-                f16_at(b, 2)
-            });
-            let high = if self.fifth_bit {
-                at += 4;
-                u32::from_le_bytes([b[at - 4], b[at - 3], b[at - 2], b[at - 1]])
-            } else {
-                0
-            };
-            let qs = &b[at..at + 16];
-            for (j, y) in y.iter_mut().enumerate() {
-                let nibble = if j < 16 { qs[j] & 0x0f } else { qs[j - 16] >> 4 };
-                let q = i32::from(nibble) | (((high >> j) & 1) << 4) as i32;
+            let (d, m, q) = self.decode(b);
+            for (y, q) in y.iter_mut().zip(q) {
                 *y = match m {
                     Some(m) => d * q as f32 + m,
-                    None => d * (q - offset) as f32,
+                    None => d * q as f32,
                 };
             }
         }
     }
 }
 
+/// A Q8_0 block's f16 `d` and its 32 codes.
+pub(super) fn q8_0_decode(b: &[u8]) -> (f32, [i32; 32]) {
+    (f16_at(b, 0), std::array::from_fn(|j| i32::from(b[2 + j] as i8)))
+}
+
 /// Q8_0 blocks of 34 bytes: `y = q · d` (gguf-py `x * d`; the product commutes).
 pub(super) fn q8_0(bytes: &[u8], out: &mut [f32]) {
     for (b, y) in bytes.chunks_exact(34).zip(out.chunks_exact_mut(32)) {
-        let d = f16_at(b, 0);
-        for (y, &q) in y.iter_mut().zip(&b[2..]) {
-            *y = f32::from(q as i8) * d;
+        let (d, q) = q8_0_decode(b);
+        for (y, q) in y.iter_mut().zip(q) {
+            *y = q as f32 * d;
         }
     }
 }

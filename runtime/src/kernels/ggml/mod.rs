@@ -12,13 +12,23 @@
 //! conversion quiets a signalling NaN, numpy and [`floats::f16_to_f32`] keep it).
 //!
 //! One file per family: [`legacy`] (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), [`kquants`] (Q2_K … Q6_K),
-//! [`floats`] (F32, F16, BF16, MXFP4).
+//! [`floats`] (F32, F16, BF16, MXFP4); each decodes a block once, for dequantization and for the
+//! dot products.
+//!
+//! ggml's CPU matmul path, scalar and exact: [`q8`] quantizes activations to Q8_0/Q8_1/Q8_K blocks
+//! byte for byte as ggml does, and [`dot`] computes each weight type's dot product with them bit
+//! for bit as ggml's generic C (`ggml-cpu/quants.c`), with a row matvec ([`ggml_matvec`]).
 
 use picchio_core::format::gguf::GgmlType;
 
+pub mod dot;
 pub mod floats;
 pub mod kquants;
 pub mod legacy;
+pub mod q8;
+
+pub use dot::{ggml_matvec, vec_dot, vec_dot_type, DotError, DOT_TYPES};
+pub use q8::{quantize_activation, Q8Arith};
 
 /// Why [`dequantize`] refused its input.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -79,11 +89,11 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), Deq
         Q4_1 => |b, y| legacy::LegacyBlock::Q4_1.dequantize(b, y),
         Q5_0 => |b, y| legacy::LegacyBlock::Q5_0.dequantize(b, y),
         Q5_1 => |b, y| legacy::LegacyBlock::Q5_1.dequantize(b, y),
-        Q2_K => kquants::q2_k,
-        Q3_K => kquants::q3_k,
-        Q4_K => |b, y| kquants::q4_k_q5_k(false, b, y),
-        Q5_K => |b, y| kquants::q4_k_q5_k(true, b, y),
-        Q6_K => kquants::q6_k,
+        Q2_K => |b, y| kquants::dequantize(Q2_K, b, y),
+        Q3_K => |b, y| kquants::dequantize(Q3_K, b, y),
+        Q4_K => |b, y| kquants::dequantize(Q4_K, b, y),
+        Q5_K => |b, y| kquants::dequantize(Q5_K, b, y),
+        Q6_K => |b, y| kquants::dequantize(Q6_K, b, y),
         _ => return Err(DequantError::Unsupported { ty }),
     };
     let (block_bytes, block_elems) = (ty.block_bytes(), ty.block_elems() as usize);

@@ -8,9 +8,8 @@
 //!
 //! Block layouts (`ggml-common.h`), little-endian:
 //! - Q8_0, 34 bytes: f16 `d`, 32 × i8 `qs`; value ≈ `d · q`.
-//! - Q8_1, 36 bytes: f16 `d`, f16 `s` = `d · Σ q`, 32 × i8 `qs`. (gguf-py's `GGML_QUANT_SIZES`, and
-//!   so [`GgmlType::block_bytes`], still say 40, the layout of when `d` and `s` were f32; Q8_1 never
-//!   appears in a file.)
+//! - Q8_1, 36 bytes: f16 `d`, f16 `s` = `d · Σ q`, 32 × i8 `qs`. (gguf-py's `GGML_QUANT_SIZES` still says
+//!   40, the layout of when `d` and `s` were f32; [`GgmlType::block_bytes`] follows ggml.)
 //! - Q8_K, 292 bytes: f32 `d`, 256 × i8 `qs`, 16 × i16 `bsums` (the sum of each 16 `qs`).
 
 use super::dot::DotError;
@@ -18,7 +17,7 @@ use picchio_core::format::gguf::GgmlType;
 
 /// Bytes of a Q8_0 block (32 values).
 pub const Q8_0_BYTES: usize = 34;
-/// Bytes of a Q8_1 block (32 values); see the module doc on gguf-py's 40.
+/// Bytes of a Q8_1 block (32 values), as ggml lays it out; see the module doc on gguf-py's 40.
 pub const Q8_1_BYTES: usize = 36;
 /// Bytes of a Q8_K block (256 values).
 pub const Q8_K_BYTES: usize = 292;

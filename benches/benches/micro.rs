@@ -104,8 +104,17 @@ fn expert(c: &mut Criterion) {
         // `expert_forward` runs its matvecs on the rayon pool, as the runtime does.
         g.bench_function(BenchmarkId::new(quant.to_string(), "2048x768"), |b| {
             b.iter(|| {
-                expert_forward(Kernels::get(), &layout, payload.as_slice(), black_box(&x), 0.5, &mut scratch, &mut out)
-                    .expect("expert forward")
+                expert_forward(
+                    Kernels::get(),
+                    &layout,
+                    0,
+                    payload.as_slice(),
+                    black_box(&x),
+                    0.5,
+                    &mut scratch,
+                    &mut out,
+                )
+                .expect("expert forward")
             })
         });
     }

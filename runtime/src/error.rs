@@ -165,6 +165,19 @@ pub enum Error {
         /// The tokenizers crate's message.
         message: String,
     },
+    /// A GGUF file is not valid (its header, metadata or tensor infos), naming the file, the offset
+    /// and the field ([`picchio_core::format::gguf::GgufError`]).
+    #[error(transparent)]
+    Gguf(#[from] picchio_core::format::gguf::GgufError),
+    /// A valid GGUF holds a model this runtime cannot run as it is (another architecture, a tensor
+    /// of a type with no kernel, an expert outside its tensor), naming the file and what differs.
+    #[error("{path}: {message}")]
+    GgufModel {
+        /// The GGUF file.
+        path: PathBuf,
+        /// What was found and what was expected.
+        message: String,
+    },
     /// A GGUF's tokenizer metadata (`tokenizer.ggml.*`) is missing, of the wrong type, inconsistent,
     /// or names a tokenizer this runtime does not build.
     #[error("{path}: tokenizer metadata `{key}`: {message}")]

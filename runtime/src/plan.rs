@@ -498,11 +498,7 @@ mod tests {
     /// The resident bytes the loaded weights really take.
     fn loaded_bytes(w: &crate::model::Weights) -> u64 {
         use crate::model::{Matrix, Mlp};
-        let m = |m: &Matrix| match m {
-            Matrix::F32(v) => 4 * v.len() as u64,
-            Matrix::Bf16(v) => 2 * v.len() as u64,
-            Matrix::I8Rows { q, scales } => q.len() as u64 + 4 * scales.len() as u64,
-        };
+        let m = |m: &Matrix| m.resident_bytes();
         let v = |v: &Vec<f32>| 4 * v.len() as u64;
         let mut n = m(&w.embed_tokens) + v(&w.norm) + w.lm_head.as_ref().map_or(0, m);
         for l in &w.layers {
@@ -523,7 +519,7 @@ mod tests {
             for fmt in DenseFormat::ALL {
                 let model = crate::model::Model::load_as(&dir, 4, fmt).unwrap();
                 let w = model.weights().qwen3_moe().unwrap();
-                let d = dense_bytes(model.tensors(), model.config(), model.layout(), fmt);
+                let d = dense_bytes(model.tensors().unwrap(), model.config(), model.layout(), fmt);
                 assert_eq!(d, loaded_bytes(w), "{name} --dense {fmt}");
             }
         };

@@ -136,7 +136,7 @@ fn shuffled_completions_give_bit_identical_hidden_states_and_logits() {
     let mut tokens = prompt.clone();
     {
         let mut cache = model.new_cache(total).unwrap();
-        let mut st = model.safetensors_loader();
+        let mut st = model.in_place_loader();
         for pos in 0..prompt.len() + N - 1 {
             let logits = model.forward(tokens[pos], pos, &mut cache, &mut st).unwrap();
             if pos + 1 >= prompt.len() {
@@ -145,7 +145,7 @@ fn shuffled_completions_give_bit_identical_hidden_states_and_logits() {
         }
     }
     assert_eq!(tokens[prompt.len()..], PICCHIO_C_TOKENS[..N]);
-    let mut in_order = model.safetensors_loader();
+    let mut in_order = model.in_place_loader();
     let (want, _) = run(&mut model, total, true, &mut in_order, &tokens);
 
     // On Linux the flat store is served by io_uring, which must work here (a failure names why).
@@ -171,7 +171,7 @@ fn shuffled_completions_give_bit_identical_hidden_states_and_logits() {
         for async_moe in [true, false] {
             for (seed, dio) in [1, 2, 3].into_iter().flat_map(|s| dios.map(|d| (s, d))) {
                 let what = format!("ecap {ecap}, async {async_moe}, seed {seed}, {dio:?}");
-                let mut st = MockShuffledCompletions::new(model.safetensors_loader(), seed);
+                let mut st = MockShuffledCompletions::new(model.in_place_loader(), seed);
                 let (got, _) = run_with(&mut model, ecap, async_moe, dio, &mut st, &tokens);
                 assert!(got == want, "safetensors, {what}: differs from the in-order run");
                 // (ecap 1 loads one expert at a time: nothing to reorder.)

@@ -45,7 +45,7 @@ fn run(dir: &Path, (fmt, idot): Variant, tokens: &[u32], prompt: &[u32], n: usiz
     model.set_kernels(model.kernels().with_idot(idot));
     let cfg = model.config().clone();
     let mut cache = model.new_cache(cfg.moe_layers().len() * cfg.num_experts).unwrap();
-    let mut loader = model.safetensors_loader();
+    let mut loader = model.in_place_loader();
     let rows =
         tokens.iter().enumerate().map(|(t, &tok)| model.forward(tok, t, &mut cache, &mut loader).unwrap().to_vec());
     let rows: Vec<Vec<f32>> = rows.collect();

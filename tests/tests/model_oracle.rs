@@ -135,7 +135,7 @@ fn picchio_c_directory_generates_picchio_c_tokens_at_every_cache_capacity() {
     let mut all_misses = 0;
     for (cap, reversed) in [(total, false), (12, false), (4, false), (1, false), (4, true), (1, true)] {
         let mut cache = model.new_cache(cap).unwrap();
-        let plain = model.safetensors_loader();
+        let plain = model.in_place_loader();
         let mut loader: Box<dyn ExpertLoader> = if reversed { Box::new(Reversed(plain)) } else { Box::new(plain) };
         let (tokens, logits) = greedy(&mut model, &mut cache, &mut *loader, &prompt, 16);
         eprintln!(
@@ -228,7 +228,7 @@ fn check_against_reference(dir: &Path, reference: &Reference, tol: f32) -> Error
     let e = cfg.num_experts;
 
     let mut cache = model.new_cache(cfg.moe_layers().len() * e).unwrap();
-    let mut loader = model.safetensors_loader();
+    let mut loader = model.in_place_loader();
     let mut trace = Trace::new(&cfg);
     let mut errs = Errors::default();
     let mut ours_greedy = Vec::new();
@@ -372,7 +372,7 @@ fn qwen3_moe_with_yarn_rope_scaling_runs() {
     let run = |dir: &Path| {
         let mut model = Model::load(&picchio_runtime::ModelDir::open(dir).unwrap(), prompt.len() + 4).unwrap();
         let mut cache = model.new_cache(48).unwrap();
-        let mut loader = model.safetensors_loader();
+        let mut loader = model.in_place_loader();
         greedy(&mut model, &mut cache, &mut loader, &prompt, 4)
     };
     let ((_, a), (tokens, b)) = (run(&plain), run(&yarn));

@@ -66,7 +66,7 @@ fn run_model(tm: &TierModel, ns: &Path, lba: u32) -> Vec<u32> {
     let (cfg, layout) = (m.config().clone(), m.layout().clone());
     let (q, sim) = queue(ns, lba);
     let flat = open_nvme_flat("nvme:sim/1".into(), q, &cfg, &layout, false).unwrap();
-    let (mut loader, info, io_stats) = with_fallback(flat, m.tensors().clone(), &layout);
+    let (mut loader, info, io_stats) = with_fallback(flat, m.in_place_loader());
     let mut cache = ExpertCache::new(4, layout.len()).unwrap();
     assert!(cache.use_slots_from(&mut *loader).is_some());
     let mut s = Session::from_parts(m, cache, loader, info, io_stats, None).unwrap();

@@ -33,7 +33,7 @@ fn faults_during_generation_fall_back_to_safetensors_and_the_tokens_stay_exact()
         reset_window: Duration::from_secs(600),
     });
     let flat = open_nvme_flat("nvme:sim".into(), q, &cfg, &layout, false).unwrap();
-    let (loader, info, io_stats) = with_fallback(flat, model.tensors().clone(), &layout);
+    let (loader, info, io_stats) = with_fallback(flat, model.in_place_loader());
     // A small cache: every token misses, so the faults land during generation.
     let cache = ExpertCache::new(4, layout.len()).unwrap();
     let mut s = Session::from_parts(model, cache, loader, info, io_stats, None).unwrap();

@@ -28,7 +28,7 @@ fn sim_session(m: &TierModel, lba: u32, ecap: usize, pool: bool, dma: HeapDma) -
     let cfg_sim = SimConfig::single(m.image(), lba);
     let (q, sim) = NvmeQueue::open_sim_with(cfg_sim, &opts, dma, true).unwrap();
     let flat = open_nvme_flat("nvme:sim".into(), q, &cfg, &layout, false).unwrap();
-    let (mut loader, info, io_stats) = with_fallback(flat, model.tensors().clone(), &layout);
+    let (mut loader, info, io_stats) = with_fallback(flat, model.in_place_loader());
     let mut cache = ExpertCache::new(ecap, layout.len()).unwrap();
     let got = cache.use_slots_from(&mut *loader);
     assert_eq!(got.is_some(), pool, "{got:?}");

@@ -36,11 +36,11 @@ fn decode(model: &mut Model, first: Vec<f32>, pos: usize, n: usize, run: &mut Ru
 /// An expert cache and the safetensors loader of one run.
 struct Run {
     cache: picchio_runtime::expert::cache::ExpertCache,
-    loader: picchio_runtime::expert::safetensors::SafetensorsExperts,
+    loader: Box<dyn picchio_core::ExpertLoader>,
 }
 
 fn new_run(model: &Model, ecap: usize) -> Run {
-    Run { cache: model.new_cache(ecap).unwrap(), loader: model.safetensors_loader() }
+    Run { cache: model.new_cache(ecap).unwrap(), loader: model.in_place_loader() }
 }
 
 fn total_experts(model: &Model) -> usize {
@@ -224,7 +224,7 @@ fn routed_prefill(dir: &Path, prompt: &[u32], chunk: usize, ecap: usize) -> (Vec
     let log = Arc::new(Mutex::new(Vec::new()));
     model.set_routing_observer(Box::new(Recorder(Arc::clone(&log))));
     let mut cache = model.new_cache(ecap).unwrap();
-    let mut loader = CountingLoader { inner: model.safetensors_loader(), calls: Vec::new() };
+    let mut loader = CountingLoader { inner: model.in_place_loader(), calls: Vec::new() };
     model.prefill(prompt, 0, &mut cache, &mut loader).unwrap();
     model.take_routing_observer().unwrap();
     let records = log.lock().unwrap().clone();
@@ -298,7 +298,7 @@ fn prefill_checks_its_arguments() {
     let dir = fixture("picchio_c/qwen3_moe");
     let mut m = Model::load(&picchio_runtime::ModelDir::open(&dir).unwrap(), 8).unwrap();
     let mut cache = m.new_cache(4).unwrap();
-    let mut loader = m.safetensors_loader();
+    let mut loader = m.in_place_loader();
     let e = m.prefill(&[], 0, &mut cache, &mut loader).unwrap_err().to_string();
     assert!(e.contains("empty") || e.contains("prompt"), "{e}");
     let e = m.prefill(&[1, 4096], 0, &mut cache, &mut loader).unwrap_err().to_string();

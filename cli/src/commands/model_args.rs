@@ -91,7 +91,7 @@ impl ModelArgs {
             max_seq: ctx,
             dense: self.compute.dense,
         };
-        let tokenizer = Tokenizer::from_dir(&model)?;
+        let tokenizer = Tokenizer::for_model(&opts.model)?;
         let mut session =
             Session::open(&opts, tokenizer).with_context(|| format!("opening model {}", model.display()))?;
         session.model.set_prefill_chunk(self.engine.prefill_chunk(false)?)?;

@@ -296,7 +296,7 @@ pub fn exec(a: Args) -> anyhow::Result<()> {
         }
         None => None,
     };
-    let tokenizer = Tokenizer::from_dir(&a.model)?;
+    let tokenizer = Tokenizer::for_model(&model)?;
     let prompt_ids = match (&a.prompt, &a.prompt_ids, &tokenizer) {
         (_, Some(ids), _) => ids.clone(),
         (Some(text), None, Some(t)) => t.encode(text)?,

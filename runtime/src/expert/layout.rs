@@ -15,13 +15,20 @@
 //! `model.layers.L.mlp.experts.gate_up_proj.E`, `….gate_up_proj.E.qs`, `….down_proj.E`,
 //! `….down_proj.E.qs`): U8 (Q4/Q3) with F32 scales, or F32 without scales for `none`. Expert
 //! biases (GPT-OSS) are resident tensors, not part of the payload.
+//!
+//! A GGUF model's expert payload ([`ExpertLayout::gguf`]) is instead its three slabs as the GGUF
+//! stores them, one after another: gate `[I, H]`, up `[I, H]`, down `[H, I]`, each in its stacked
+//! tensor's ggml type, which may differ per layer (Q4_K_M keeps some layers' `ffn_down_exps` in
+//! Q6_K); [`GgufExperts`] gives the types per layer and the slot holds the largest layer's payload.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use safetensors::Dtype;
 
 use crate::error::{Error, Result};
 use crate::model::config::{Arch, Config};
+use crate::model::gguf::ExpertSlab;
 use crate::model::safetensors::TensorStore;
 use crate::quant::QuantKind;
 
@@ -45,11 +52,35 @@ impl ExpertNaming {
     }
 }
 
+/// The slabs of a GGUF model's experts, per layer: `None` for a layer without routed experts, else
+/// gate, up and down (their ggml types and bytes per expert), as
+/// [`crate::model::gguf::GgufWeights::expert_slabs`] reads them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GgufExperts {
+    /// Per decoder layer.
+    pub layers: Arc<[Option<[ExpertSlab; 3]>]>,
+}
+
+impl GgufExperts {
+    /// The slabs of `layer`, or `None` for a layer without routed experts (or out of range).
+    pub fn slabs(&self, layer: usize) -> Option<&[ExpertSlab; 3]> {
+        self.layers.get(layer).and_then(Option::as_ref)
+    }
+
+    /// Bytes of the largest layer's payload (gate + up + down): the slot size.
+    pub fn max_len(&self) -> usize {
+        self.layers.iter().flatten().map(|s| s.iter().map(|x| x.bytes).sum::<usize>()).max().unwrap_or(0)
+    }
+}
+
 /// Byte ranges of the four parts of one expert's payload.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExpertLayout {
-    /// Quantization of both matrices.
+    /// Quantization of both matrices (a GGUF layout keeps `F32` here; its types are in `ggml`).
     pub quant: QuantKind,
+    /// For a GGUF model, the per-layer slabs that make the payload (the ranges below are then
+    /// empty and unused); `None` for the `.picchioflat` payload of a converted directory.
+    pub ggml: Option<GgufExperts>,
     /// Tensor names of the experts in a converted directory.
     pub naming: ExpertNaming,
     /// Hidden size H.
@@ -114,6 +145,7 @@ impl ExpertLayout {
         let ds = 4 * q(quant.scale_count(hidden, inter))?;
         Ok(ExpertLayout {
             quant,
+            ggml: None,
             naming: ExpertNaming::PerExpert,
             hidden,
             inter,
@@ -122,6 +154,23 @@ impl ExpertLayout {
             down: gu + gus..gu + gus + d,
             down_scales: gu + gus + d..gu + gus + d + ds,
         })
+    }
+
+    /// The payload of a GGUF model's experts: per layer, its gate, up and down slabs as stored
+    /// ([`GgufExperts`]); [`ExpertLayout::len`] is the largest layer's.
+    pub fn gguf(hidden: usize, inter: usize, experts: GgufExperts) -> Self {
+        let len = experts.max_len();
+        ExpertLayout {
+            quant: QuantKind::F32,
+            ggml: Some(experts),
+            naming: ExpertNaming::PerExpert,
+            hidden,
+            inter,
+            gate_up: 0..0,
+            gate_up_scales: 0..0,
+            down: 0..0,
+            down_scales: 0..len,
+        }
     }
 
     /// The same layout with `naming`'s tensor names.

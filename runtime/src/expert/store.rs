@@ -14,9 +14,7 @@ use picchio_core::{
 use crate::error::{Error, Result};
 use crate::expert::layout::ExpertLayout;
 use crate::expert::open::{open_engine, EngineOptions, Opened};
-use crate::expert::safetensors::SafetensorsExperts;
 use crate::model::config::Config;
-use crate::model::safetensors::TensorStore;
 
 /// The default image name inside a converted model directory.
 pub const DEFAULT_IMAGE: &str = "experts.picchioflat";
@@ -128,12 +126,14 @@ pub fn open_flat_file(
     open_flat(&StoreUri::File(path.into()), cfg, layout, engine, verify)
 }
 
-/// Opens `uri` for the model in `model_dir` and returns the loader (flat store with the safetensors
-/// fallback, or safetensors alone), what it is, and the statistics it updates.
+/// Opens `uri` for the model in `model_dir` and returns the loader (flat store with the model's
+/// in-place loader as its fallback, or the in-place loader alone), what it is, and the statistics
+/// it updates. `fallback` is [`crate::model::Model::in_place_loader`]: the directory's safetensors
+/// experts, or a GGUF's own expert tensors.
 ///
 /// `auto` uses `<model_dir>/experts.picchioflat` when it exists and passes every check (if O_DIRECT
-/// is refused by the file system it retries buffered), else logs why and uses safetensors. An explicit
-/// `file:` store that fails to open is an error.
+/// is refused by the file system it retries buffered), else logs why and uses the in-place loader.
+/// An explicit `file:` store that fails to open is an error.
 ///
 /// # Errors
 /// As [`open_flat`].
@@ -141,16 +141,17 @@ pub fn open_store(
     uri: &StoreUri,
     model_dir: &Path,
     cfg: &Config,
-    tensors: Arc<TensorStore>,
+    fallback: Box<dyn ExpertLoader>,
     layout: &ExpertLayout,
     engine: EngineOptions,
     verify: bool,
 ) -> Result<(Box<dyn ExpertLoader>, StoreInfo, Arc<IoStats>)> {
     let stats = Arc::new(IoStats::default());
-    let fallback = SafetensorsExperts::new(tensors, layout.clone());
-    let safetensors_only = |fallback: SafetensorsExperts, stats| {
-        let info = StoreInfo { store: "safetensors".into(), engine: "safetensors (mmap copy)".into() };
-        Ok((Box::new(fallback) as Box<dyn ExpertLoader>, info, stats))
+    let safetensors_only = |fallback: Box<dyn ExpertLoader>, stats| {
+        // "safetensors:<dir>" or "gguf:<file>": the kind of file the experts are copied from.
+        let kind = fallback.describe().split(':').next().unwrap_or("safetensors").to_owned();
+        let info = StoreInfo { store: kind.clone(), engine: format!("{kind} (mmap copy)") };
+        Ok((fallback, info, stats))
     };
     match uri {
         StoreUri::Safetensors => safetensors_only(fallback, stats),
@@ -183,19 +184,19 @@ pub fn open_store(
     }
 }
 
-/// `flat` with the model's safetensors experts (`tensors`, `layout`) as the fallback for every
-/// expert it fails on, as [`open_store`] returns it: the loader, what it is, its statistics.
+/// `flat` with `fallback` (the model's in-place loader, [`crate::model::Model::in_place_loader`])
+/// for every expert it fails on, as [`open_store`] returns it: the loader, what it is, its
+/// statistics.
 pub fn with_fallback(
     flat: FlatStore<Box<dyn IoQueue>>,
-    tensors: Arc<TensorStore>,
-    layout: &ExpertLayout,
+    fallback: Box<dyn ExpertLoader>,
 ) -> (Box<dyn ExpertLoader>, StoreInfo, Arc<IoStats>) {
-    wrap(flat, SafetensorsExperts::new(tensors, layout.clone()), Arc::new(IoStats::default()))
+    wrap(flat, fallback, Arc::new(IoStats::default()))
 }
 
 fn wrap(
     flat: FlatStore<Box<dyn IoQueue>>,
-    fallback: SafetensorsExperts,
+    fallback: Box<dyn ExpertLoader>,
     stats: Arc<IoStats>,
 ) -> (Box<dyn ExpertLoader>, StoreInfo, Arc<IoStats>) {
     let info = StoreInfo { store: flat.source_name().to_string(), engine: flat.queue().describe() };

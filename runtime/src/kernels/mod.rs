@@ -55,6 +55,7 @@
 use std::sync::OnceLock;
 
 use half::bf16;
+use picchio_core::format::gguf::GgmlType;
 use rayon::prelude::*;
 
 use crate::quant::{GROUP_SIZE, Q3_GROUP_BYTES, Q4_GROUP_BYTES};
@@ -194,6 +195,16 @@ pub enum MatRef<'a> {
         /// Group scales `[rows, cols / 64]`.
         scales: &'a [f32],
     },
+    /// A GGUF tensor's rows as stored: `rows` rows of `cols / ty.block_elems()` whole blocks of the
+    /// ggml type `ty` (one of [`ggml::DOT_TYPES`]), row-major (ggml's `ne[0]` = cols). Products
+    /// quantize the input to `ty`'s activation type first, as ggml-cpu does ([`ggml::q8`]), and
+    /// compute ggml's `vec_dot` per row ([`ggml::dot`]).
+    Ggml {
+        /// The weight type.
+        ty: GgmlType,
+        /// `rows * cols / ty.block_elems() * ty.block_bytes()` bytes.
+        data: &'a [u8],
+    },
 }
 
 /// `a * b`, panicking on overflow: shape arithmetic that guards the SIMD kernels' loads must not wrap.
@@ -243,6 +254,13 @@ impl<'a> MatRef<'a> {
                 check_len("matvec_q3", "packed", packed.len(), bytes, rows, cols);
                 check_len("matvec_q3", "scales", scales.len(), n / 64, rows, cols);
             }
+            MatRef::Ggml { ty, data } => {
+                assert!(ggml::vec_dot_type(ty).is_some(), "matvec_ggml: no dot product for {ty:?}");
+                let elems = ty.block_elems() as usize;
+                assert!(cols.is_multiple_of(elems), "matvec_ggml: cols = {cols} is not whole {ty:?} blocks of {elems}");
+                let bytes = size(rows, cols / elems * ty.block_bytes() as usize);
+                check_len("matvec_ggml", "data (bytes)", data.len(), bytes, rows, cols);
+            }
         }
     }
 
@@ -261,6 +279,10 @@ impl<'a> MatRef<'a> {
                 packed: &packed[r0 * groups * Q3_GROUP_BYTES..r1 * groups * Q3_GROUP_BYTES],
                 scales: &scales[r0 * groups..r1 * groups],
             },
+            MatRef::Ggml { ty, data } => {
+                let row_bytes = cols / ty.block_elems() as usize * ty.block_bytes() as usize;
+                MatRef::Ggml { ty, data: &data[r0 * row_bytes..r1 * row_bytes] }
+            }
         }
     }
 }
@@ -472,6 +494,10 @@ impl Kernels {
             MatRef::I8Rows { q, scales } => self.matvec_i8_rows(q, scales, x, y),
             MatRef::Q4 { packed, scales } => self.matvec_q4(packed, scales, x, y),
             MatRef::Q3 { packed, scales } => self.matvec_q3(packed, scales, x, y),
+            MatRef::Ggml { ty, data } => {
+                w.check(y.len(), x.len());
+                ggml::with_activation(ty, x, 1, |xq| ggml::dot::matvec_quantized(self.level, ty, data, xq, y))
+            }
         }
     }
 
@@ -488,6 +514,17 @@ impl Kernels {
             return self.matvec(w, x, y);
         }
         let chunk_rows = (PAR_CHUNK_ELEMS / cols.max(1)).max(1);
+        if let MatRef::Ggml { ty, .. } = w {
+            // The input is quantized once for every chunk of rows.
+            return ggml::with_activation(ty, x, 1, |xq| {
+                y.par_chunks_mut(chunk_rows).enumerate().for_each(|(i, y_chunk)| {
+                    let r0 = i * chunk_rows;
+                    if let MatRef::Ggml { data, .. } = w.rows(r0, r0 + y_chunk.len(), cols) {
+                        ggml::dot::matvec_quantized(self.level, ty, data, xq, y_chunk);
+                    }
+                })
+            });
+        }
         if let (true, MatRef::Q4 { .. }) = (self.idot, w) {
             // The input is quantized once for every chunk of rows.
             return Kernels::with_quantized(x, 1, |qx| {
@@ -524,6 +561,9 @@ impl Kernels {
             }
             MatRef::Q4 { packed, scales } => dispatch!(self, block::matmul::<Q4>(packed, scales, xs, n, yt)),
             MatRef::Q3 { packed, scales } => dispatch!(self, block::matmul::<Q3>(packed, scales, xs, n, yt)),
+            MatRef::Ggml { ty, data } => {
+                ggml::with_activation(ty, xs, n, |xqs| ggml::dot::matmul_quantized(self.level, ty, data, xqs, n, yt))
+            }
         }
     }
 
@@ -540,6 +580,17 @@ impl Kernels {
             return self.matmul(w, xs, n, yt);
         }
         let chunk_rows = (PAR_CHUNK_ELEMS / cols.max(1)).max(1);
+        if let MatRef::Ggml { ty, .. } = w {
+            // The inputs are quantized once for every chunk of rows.
+            return ggml::with_activation(ty, xs, n, |xqs| {
+                yt.par_chunks_mut(chunk_rows * n).enumerate().for_each(|(i, y_chunk)| {
+                    let r0 = i * chunk_rows;
+                    if let MatRef::Ggml { data, .. } = w.rows(r0, r0 + y_chunk.len() / n, cols) {
+                        ggml::dot::matmul_quantized(self.level, ty, data, xqs, n, y_chunk);
+                    }
+                })
+            });
+        }
         if let (true, MatRef::Q4 { .. }) = (self.idot, w) {
             // The inputs are quantized once for every chunk of rows.
             return Kernels::with_quantized(xs, n, |qxs| {

@@ -31,7 +31,7 @@ use crate::expert::cache::ExpertCache;
 use crate::kernels::Kernels;
 use crate::model::config::Config;
 use crate::model::moe::ExpertAct;
-use crate::model::safetensors::TensorStore;
+use crate::model::source::WeightSource;
 
 /// A projection `y = W x + b` (the bias is absent when `attention_bias` is false).
 #[derive(Clone, Debug)]
@@ -44,7 +44,7 @@ pub struct Linear {
 
 impl Linear {
     fn load(
-        store: &TensorStore,
+        store: &dyn WeightSource,
         name: &str,
         (rows, cols): (usize, usize),
         bias: bool,
@@ -105,7 +105,7 @@ pub type Weights = super::ModelWeights<LayerWeights>;
 
 impl super::DecoderLayer for LayerWeights {
     /// The attention projections are kept in `dense`; the router stays as stored.
-    fn load_layers(store: &TensorStore, cfg: &Config, dense: DenseFormat) -> Result<Vec<LayerWeights>> {
+    fn load_layers(store: &dyn WeightSource, cfg: &Config, dense: DenseFormat) -> Result<Vec<LayerWeights>> {
         let (h, hd, e, i) = (cfg.hidden_size, cfg.head_dim(), cfg.num_experts, cfg.moe_intermediate_size);
         let (qd, kvd) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
         let bias = cfg.attention_bias;
@@ -131,18 +131,14 @@ impl super::DecoderLayer for LayerWeights {
     }
 
     /// Tied when the config says so and the directory has no `lm_head.weight` of its own.
-    fn tied(store: &TensorStore, cfg: &Config) -> bool {
+    fn tied(store: &dyn WeightSource, cfg: &Config) -> bool {
         cfg.tie_word_embeddings && !store.contains("lm_head.weight")
     }
 }
 
 /// A float tensor `[rows, cols]` widened to f32, row-major.
-fn matrix_f32(store: &TensorStore, name: &str, rows: usize, cols: usize) -> Result<Vec<f32>> {
-    let t = store.get(name)?;
-    t.expect_shape(&[rows, cols])?;
-    let v = t.to_f32()?;
-    store.release(name);
-    Ok(v)
+fn matrix_f32(store: &dyn WeightSource, name: &str, rows: usize, cols: usize) -> Result<Vec<f32>> {
+    store.f32_tensor(name, &[rows, cols])
 }
 
 /// The GPT-OSS forward pass of `token` at `pos` into `step.s.logits` (module docs;

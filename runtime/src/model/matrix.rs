@@ -1,14 +1,17 @@
 //! Resident weight matrices and vectors shared by every architecture: a [`Matrix`] in the dtype it
-//! is stored in (f32, bf16, or Picchio (C)'s i8 rows), norm/bias vectors widened to f32, and the
+//! is stored in (f32, bf16, Picchio (C)'s i8 rows, or a GGUF's ggml blocks), norm/bias vectors
+//! widened to f32, and the
 //! residual add, and the opt-in conversion of the resident projections at load ([`DenseFormat`],
 //! `--dense bf16|int8`).
 
 use half::bf16;
+use picchio_core::format::gguf::GgmlType;
 use safetensors::Dtype;
 
 use crate::error::Result;
-use crate::kernels::MatRef;
+use crate::kernels::{ggml, MatRef};
 use crate::model::safetensors::{TensorRef, TensorStore};
+use crate::model::source::WeightSource;
 
 /// A resident weight matrix `[rows, cols]` in the dtype it is stored in.
 #[derive(Clone, Debug)]
@@ -24,6 +27,14 @@ pub enum Matrix {
         q: Vec<i8>,
         /// Row scales `[rows]`.
         scales: Vec<f32>,
+    },
+    /// A GGUF tensor kept as stored: `rows` rows of whole blocks of the ggml type `ty` (one of
+    /// [`ggml::DOT_TYPES`]), products computed as ggml-cpu does ([`MatRef::Ggml`]).
+    Ggml {
+        /// The weight type.
+        ty: GgmlType,
+        /// `rows * cols / ty.block_elems() * ty.block_bytes()` bytes.
+        data: Vec<u8>,
     },
 }
 
@@ -154,9 +165,19 @@ impl Matrix {
     ///
     /// # Errors
     /// As [`Matrix::load`].
-    pub fn load_as(store: &TensorStore, name: &str, rows: usize, cols: usize, fmt: DenseFormat) -> Result<Matrix> {
-        let m = Matrix::load(store, name, rows, cols)?;
+    pub fn load_as(store: &dyn WeightSource, name: &str, rows: usize, cols: usize, fmt: DenseFormat) -> Result<Matrix> {
+        let m = store.matrix(name, rows, cols)?;
         Ok(if DenseFormat::converts(name) { m.convert(fmt, cols) } else { m })
+    }
+
+    /// The bytes the matrix holds in RAM (codes, scales and blocks; no allocation slack).
+    pub fn resident_bytes(&self) -> u64 {
+        match self {
+            Matrix::F32(v) => 4 * v.len() as u64,
+            Matrix::Bf16(v) => 2 * v.len() as u64,
+            Matrix::I8Rows { q, scales } => q.len() as u64 + 4 * scales.len() as u64,
+            Matrix::Ggml { data, .. } => data.len() as u64,
+        }
     }
 
     /// The kernel view of the matrix.
@@ -165,6 +186,7 @@ impl Matrix {
             Matrix::F32(w) => MatRef::F32(w),
             Matrix::Bf16(w) => MatRef::Bf16(w),
             Matrix::I8Rows { q, scales } => MatRef::I8Rows { q, scales },
+            Matrix::Ggml { ty, data } => MatRef::Ggml { ty: *ty, data },
         }
     }
 
@@ -182,18 +204,32 @@ impl Matrix {
                 let s = scales[r];
                 out.iter_mut().zip(&q[span]).for_each(|(o, &v)| *o = f32::from(v) * s);
             }
+            Matrix::Ggml { ty, data } => {
+                let row_bytes = n / ty.block_elems() as usize * ty.block_bytes() as usize;
+                let row = &data[r * row_bytes..(r + 1) * row_bytes];
+                ggml::dequantize(*ty, row, out).expect("a checked ggml matrix dequantizes whole rows");
+            }
         }
     }
 
-    /// Reads tensor `name` from `store` as a `[rows, cols]` matrix: F32 and BF16 are kept as they are,
-    /// F16 is widened to f32, and I8 takes its row scales from `<name>.qs` (F32 `[rows]`). The
-    /// tensors' mapped pages are then dropped from the resident set ([`TensorStore::release`]), so
-    /// the dense part is resident once (as the copy), not twice.
+    /// Reads tensor `name` (a Hugging Face name) from `store` as a `[rows, cols]` matrix, as stored
+    /// ([`WeightSource::matrix`]).
+    ///
+    /// # Errors
+    /// As [`WeightSource::matrix`].
+    pub fn load(store: &dyn WeightSource, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
+        store.matrix(name, rows, cols)
+    }
+
+    /// Reads tensor `name` from a safetensors `store` as a `[rows, cols]` matrix: F32 and BF16 are
+    /// kept as they are, F16 is widened to f32, and I8 takes its row scales from `<name>.qs` (F32
+    /// `[rows]`). The tensors' mapped pages are then dropped from the resident set
+    /// ([`TensorStore::release`]), so the dense part is resident once (as the copy), not twice.
     ///
     /// # Errors
     /// [`Error::MissingTensor`](crate::Error::MissingTensor), [`Error::TensorShape`](crate::Error::TensorShape) or [`Error::TensorDtype`](crate::Error::TensorDtype), each naming the
     /// tensor and its file.
-    pub fn load(store: &TensorStore, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
+    pub(crate) fn from_safetensors(store: &TensorStore, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
         let t = store.get(name)?;
         t.expect_shape(&[rows, cols])?;
         let n = rows * cols;
@@ -240,13 +276,9 @@ pub(crate) fn f32_values(t: &TensorRef<'_>) -> Result<Vec<f32>> {
     t.to_f32()
 }
 
-/// A norm weight `[len]` widened to f32.
-pub(crate) fn vector(store: &TensorStore, name: &str, len: usize) -> Result<Vec<f32>> {
-    let t = store.get(name)?;
-    t.expect_shape(&[len])?;
-    let v = t.to_f32()?;
-    store.release(name);
-    Ok(v)
+/// A norm weight (or bias) `[len]` widened to f32 ([`WeightSource::f32_tensor`]).
+pub(crate) fn vector(store: &dyn WeightSource, name: &str, len: usize) -> Result<Vec<f32>> {
+    store.f32_tensor(name, &[len])
 }
 /// `x[i] += y[i]` (a residual connection; a plain f32 add like transformers' `residual + h`).
 pub(crate) fn add_into(x: &mut [f32], y: &[f32]) {

@@ -12,6 +12,7 @@
 pub mod attention;
 pub mod config;
 pub mod dir;
+pub mod gguf;
 pub mod gguf_tokenizer;
 pub mod gpt_oss;
 pub mod matrix;
@@ -21,6 +22,7 @@ pub mod qwen3_moe;
 pub mod rope;
 pub mod safetensors;
 pub mod sampler;
+pub mod source;
 pub mod state;
 pub mod tokenizer;
 pub mod trace;
@@ -34,18 +36,22 @@ use picchio_core::ExpertLoader;
 
 use crate::error::{Error, Result};
 use crate::expert::cache::ExpertCache;
+use crate::expert::gguf::GgufInPlace;
 use crate::expert::io_worker::{IoThread, IoWorker};
+use crate::expert::layout::GgufExperts;
 use crate::expert::layout::{ExpertLayout, ExpertNaming, ExpertTensorNames};
 use crate::expert::safetensors::SafetensorsExperts;
 use crate::kernels::Kernels;
 use crate::model::config::{Arch, Config};
 use crate::model::dir::ModelDir;
+use crate::model::gguf::GgufWeights;
 use crate::model::moe::{combine_canonical, expert_forward_with, ExpertAct, ExpertBias, RoutingObserver};
 use crate::model::prefill::{ChunkState, DEFAULT_PREFILL_CHUNK};
 use crate::model::safetensors::TensorStore;
 
 pub use matrix::{DenseFormat, Matrix};
 pub use qwen3_moe::{LayerWeights, Mlp, Weights};
+pub use source::WeightSource;
 pub use state::{RunState, StepTimers, Trace};
 pub use weights::{DecoderLayer, ModelWeights};
 
@@ -131,6 +137,7 @@ impl Step<'_> {
             let r = expert_forward_with(
                 k,
                 layout,
+                l,
                 payload,
                 xb,
                 weights[i],
@@ -280,11 +287,21 @@ impl ArchWeights {
     }
 }
 
+/// Where a loaded model's tensors are read from: a converted directory's safetensors or a GGUF
+/// read in place (its routed experts too, by [`Model::in_place_loader`]).
+#[derive(Clone)]
+pub enum ModelFiles {
+    /// A converted directory (or a Picchio (C) one).
+    Safetensors(Arc<TensorStore>),
+    /// A GGUF file (or split files), [`crate::model::gguf`].
+    Gguf(Arc<GgufWeights>),
+}
+
 /// A loaded model of any architecture ([`Config::arch`]): config, resident weights, expert payload
 /// layout and run state. The expert cache, loaders, kernels and sampler are the same for all.
 pub struct Model {
     config: Config,
-    store: Arc<TensorStore>,
+    files: ModelFiles,
     layout: ExpertLayout,
     weights: ArchWeights,
     state: RunState,
@@ -328,34 +345,36 @@ impl Model {
             return Err(Error::ZeroContext { dir: dir.into() });
         }
         let config = model.config().clone();
-        let store = Arc::new(TensorStore::open(dir)?);
-        if let Some(l) = config.moe_layers().first() {
-            let hf = [
-                format!("model.layers.{l}.mlp.experts.0.gate_proj.weight"),
-                format!("model.layers.{l}.mlp.experts.gate_up_proj"),
-                format!("model.layers.{l}.mlp.experts.gate_up_proj_blocks"),
-            ];
-            let converted = ExpertTensorNames::with(ExpertNaming::for_arch(config.arch()), *l, 0).gate_up;
-            if hf.iter().any(|n| store.contains(n)) && !store.contains(&converted) {
-                return Err(Error::NotConverted {
-                    dir: dir.into(),
-                    tensor: hf.iter().find(|n| store.contains(n)).cloned(),
-                    pack: false,
-                });
+        let (files, layout) = match model.gguf() {
+            Some(g) => {
+                let (h, i) = (config.hidden_size, config.moe_intermediate_size);
+                let layers = (0..config.num_hidden_layers)
+                    .map(|l| if config.is_moe_layer(l) { g.expert_slabs(l, &config).map(Some) } else { Ok(None) })
+                    .collect::<Result<Vec<_>>>()?;
+                (ModelFiles::Gguf(Arc::clone(g)), ExpertLayout::gguf(h, i, GgufExperts { layers: layers.into() }))
             }
-        }
-        let layout = ExpertLayout::detect(&store, &config)?;
+            None => {
+                let store = Arc::new(TensorStore::open(dir)?);
+                Self::refuse_unconverted(&store, &config, dir)?;
+                let layout = ExpertLayout::detect(&store, &config)?;
+                (ModelFiles::Safetensors(store), layout)
+            }
+        };
+        let source: &dyn WeightSource = match &files {
+            ModelFiles::Safetensors(s) => &**s,
+            ModelFiles::Gguf(g) => &**g,
+        };
         let weights = match config.arch() {
-            Arch::Qwen3Moe => ArchWeights::Qwen3Moe(qwen3_moe::Weights::load_as(&store, &config, dense)?),
-            Arch::GptOss => ArchWeights::GptOss(gpt_oss::Weights::load_as(&store, &config, dense)?),
+            Arch::Qwen3Moe => ArchWeights::Qwen3Moe(qwen3_moe::Weights::load_as(source, &config, dense)?),
+            Arch::GptOss => ArchWeights::GptOss(gpt_oss::Weights::load_as(source, &config, dense)?),
         };
         // The dense part is resident once, as the copies just made: no mapped page stays behind
-        // (the safetensors fallback faults an expert's pages in only when it reads that expert).
-        store.release_all();
+        // (the in-place expert loaders fault an expert's pages in only when they read that expert).
+        source.release_all();
         let state = RunState::new(&config, max_seq);
         Ok(Model {
             config,
-            store,
+            files,
             layout,
             weights,
             state,
@@ -378,14 +397,47 @@ impl Model {
         &self.layout
     }
 
-    /// The model directory.
-    pub fn dir(&self) -> &Path {
-        self.store.dir()
+    /// Refuses a Hugging Face checkpoint that was not converted (its experts are not in the
+    /// payload layout), naming the tensor that shows it.
+    fn refuse_unconverted(store: &TensorStore, config: &Config, dir: &Path) -> Result<()> {
+        if let Some(l) = config.moe_layers().first() {
+            let hf = [
+                format!("model.layers.{l}.mlp.experts.0.gate_proj.weight"),
+                format!("model.layers.{l}.mlp.experts.gate_up_proj"),
+                format!("model.layers.{l}.mlp.experts.gate_up_proj_blocks"),
+            ];
+            let converted = ExpertTensorNames::with(ExpertNaming::for_arch(config.arch()), *l, 0).gate_up;
+            if hf.iter().any(|n| store.contains(n)) && !store.contains(&converted) {
+                return Err(Error::NotConverted {
+                    dir: dir.into(),
+                    tensor: hf.iter().find(|n| store.contains(n)).cloned(),
+                    pack: false,
+                });
+            }
+        }
+        Ok(())
     }
 
-    /// The directory's tensors (shared with a [`SafetensorsExperts`] loader).
-    pub fn tensors(&self) -> &Arc<TensorStore> {
-        &self.store
+    /// The model directory, or the GGUF file.
+    pub fn dir(&self) -> &Path {
+        match &self.files {
+            ModelFiles::Safetensors(s) => s.dir(),
+            ModelFiles::Gguf(g) => g.path(),
+        }
+    }
+
+    /// Where the model's tensors are read from.
+    pub fn files(&self) -> &ModelFiles {
+        &self.files
+    }
+
+    /// The directory's safetensors tensors (shared with a [`SafetensorsExperts`] loader); `None`
+    /// for a GGUF model.
+    pub fn tensors(&self) -> Option<&Arc<TensorStore>> {
+        match &self.files {
+            ModelFiles::Safetensors(s) => Some(s),
+            ModelFiles::Gguf(_) => None,
+        }
     }
 
     /// The logits `[V]` of the last [`Model::forward`] (zeros before the first).
@@ -430,9 +482,14 @@ impl Model {
         ExpertCache::new(capacity, self.layout.len())
     }
 
-    /// The always-correct loader: experts copied from this directory's safetensors tensors.
-    pub fn safetensors_loader(&self) -> SafetensorsExperts {
-        SafetensorsExperts::new(Arc::clone(&self.store), self.layout.clone())
+    /// The always-correct loader of the model's own files: experts copied from a directory's
+    /// safetensors tensors ([`SafetensorsExperts`]) or from a GGUF's stacked expert tensors
+    /// ([`GgufInPlace`]). Every other store falls back to it.
+    pub fn in_place_loader(&self) -> Box<dyn ExpertLoader> {
+        match &self.files {
+            ModelFiles::Safetensors(s) => Box::new(SafetensorsExperts::new(Arc::clone(s), self.layout.clone())),
+            ModelFiles::Gguf(g) => Box::new(GgufInPlace::new(Arc::clone(g), self.layout.clone())),
+        }
     }
 
     /// The kernels of later forward passes and prefills.

@@ -166,16 +166,82 @@ pub trait RoutingObserver: Send {
     }
 }
 
-/// The two matrices of one expert, viewed in its payload bytes per [`ExpertLayout`]:
-/// `gate_up [2I, H]` (rows interleaved: 2i = gate row i, 2i+1 = up row i) and `down [H, I]`.
+/// An expert's gate and up projections: one interleaved `[2I, H]` matrix (the `.picchioflat`
+/// payload: row 2i = gate row i, row 2i+1 = up row i) or two `[I, H]` matrices (a GGUF's slabs).
+/// [`GateUp::apply`] and [`GateUp::project`] give the interleaved `[2I]` output either way.
+#[derive(Clone, Copy, Debug)]
+pub enum GateUp<'a> {
+    /// `gate_up [2I, H]`, rows interleaved.
+    Interleaved(MatRef<'a>),
+    /// `gate [I, H]` and `up [I, H]`.
+    Split {
+        /// The gate projection.
+        gate: MatRef<'a>,
+        /// The up projection.
+        up: MatRef<'a>,
+    },
+}
+
+impl GateUp<'_> {
+    /// `out [2I]` = gate_up(x), interleaved (`out[2i]` gate row i, `out[2i + 1]` up row i); `h [I]`
+    /// is scratch for the split form. Rows split across rayon as [`Kernels::matvec_par`].
+    pub fn apply(&self, k: Kernels, x: &[f32], out: &mut [f32], h: &mut [f32]) {
+        match *self {
+            GateUp::Interleaved(w) => k.matvec_par(w, x, out),
+            GateUp::Split { gate, up } => {
+                let i = out.len() / 2;
+                k.matvec_par(gate, x, &mut out[i..]);
+                k.matvec_par(up, x, &mut h[..i]);
+                // In place, front to back: step j reads out[i + j] before writing out[2j] and
+                // out[2j + 1], neither of which is a gate value still to be read.
+                for j in 0..i {
+                    out[2 * j] = out[i + j];
+                    out[2 * j + 1] = h[j];
+                }
+            }
+        }
+    }
+
+    /// `out [n, 2I]` = gate_up of each of the `n` inputs `xs [n, H]` (interleaved per row), through
+    /// [`crate::model::prefill::project`]'s matmul; `yt` is its transposed scratch (at least
+    /// `2I * n`). Each row is bit-identical to [`GateUp::apply`] of that input.
+    pub fn project(&self, k: Kernels, xs: &[f32], n: usize, yt: &mut [f32], out: &mut [f32]) {
+        match *self {
+            GateUp::Interleaved(w) => super::prefill::project(k, w, xs, n, yt, out),
+            GateUp::Split { gate, up } => {
+                let i = out.len() / n / 2;
+                for (half, w) in [gate, up].into_iter().enumerate() {
+                    let yt = &mut yt[..i * n];
+                    k.matmul_par(w, xs, n, yt);
+                    for (t, o) in out.chunks_exact_mut(2 * i).enumerate().take(n) {
+                        for (r, pair) in o.chunks_exact_mut(2).enumerate() {
+                            pair[half] = yt[r * n + t];
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The matrices of one expert of layer `layer`, viewed in its payload bytes per [`ExpertLayout`]:
+/// gate/up ([`GateUp`]) and `down [H, I]`.
 ///
 /// # Errors
 /// [`Error::PayloadShort`] when `payload` is shorter than the layout, [`Error::PayloadF32`] when an f32
 /// part is not 4-byte aligned (cache slots are 4096-aligned and every range starts at a multiple of
-/// 4, so this means a bug).
-pub fn expert_mats<'a>(layout: &ExpertLayout, payload: &'a [u8]) -> Result<(MatRef<'a>, MatRef<'a>)> {
+/// 4, so this means a bug); [`Error::Invalid`] for a GGUF layout's layer without experts.
+pub fn expert_mats<'a>(layout: &ExpertLayout, layer: usize, payload: &'a [u8]) -> Result<(GateUp<'a>, MatRef<'a>)> {
     if payload.len() < layout.len() {
         return Err(Error::PayloadShort { len: payload.len(), quant: layout.quant, need: layout.len() });
+    }
+    if let Some(g) = &layout.ggml {
+        let s = g.slabs(layer).ok_or_else(|| Error::Invalid(format!("layer {layer} of the GGUF has no experts")))?;
+        let (a, b) = (s[0].bytes, s[0].bytes + s[1].bytes);
+        let gate = MatRef::Ggml { ty: s[0].ty, data: &payload[..a] };
+        let up = MatRef::Ggml { ty: s[1].ty, data: &payload[a..b] };
+        let down = MatRef::Ggml { ty: s[2].ty, data: &payload[b..b + s[2].bytes] };
+        return Ok((GateUp::Split { gate, up }, down));
     }
     let f32s = |r: &std::ops::Range<usize>, what: &str| -> Result<&'a [f32]> {
         bytemuck::try_cast_slice(&payload[r.clone()]).map_err(|cause| Error::PayloadF32 {
@@ -191,7 +257,10 @@ pub fn expert_mats<'a>(layout: &ExpertLayout, payload: &'a [u8]) -> Result<(MatR
             QuantKind::Q3 => MatRef::Q3 { packed: &payload[w.clone()], scales: f32s(s, what)? },
         })
     };
-    Ok((mat(&layout.gate_up, &layout.gate_up_scales, "gate_up")?, mat(&layout.down, &layout.down_scales, "down")?))
+    Ok((
+        GateUp::Interleaved(mat(&layout.gate_up, &layout.gate_up_scales, "gate_up")?),
+        mat(&layout.down, &layout.down_scales, "down")?,
+    ))
 }
 
 /// Scratch for [`expert_forward`]: `gate_up [2I]` and `h [I]`, allocated once.
@@ -213,7 +282,8 @@ impl ExpertScratch {
 /// One routed expert on one token: `out = weight * down(silu(gate(x)) * up(x))`, with the weights read
 /// in place from `payload` (Q4/Q3 packed + f32 scales, or f32) per `layout`.
 ///
-/// Shapes: `x [H]`, `out [H]`, scratch for I = `layout.inter`. The routing weight multiplies the down
+/// Shapes: `x [H]`, `out [H]`, scratch for I = `layout.inter`; `layer` picks a GGUF layout's slab
+/// types ([`expert_mats`]). The routing weight multiplies the down
 /// projection's output, as transformers does (`expert_out * routing_weight`).
 ///
 /// # Errors
@@ -221,13 +291,14 @@ impl ExpertScratch {
 pub fn expert_forward(
     k: Kernels,
     layout: &ExpertLayout,
+    layer: usize,
     payload: &[u8],
     x: &[f32],
     weight: f32,
     scratch: &mut ExpertScratch,
     out: &mut [f32],
 ) -> Result<()> {
-    expert_forward_with(k, layout, payload, x, weight, ExpertAct::Silu, None, scratch, out)
+    expert_forward_with(k, layout, layer, payload, x, weight, ExpertAct::Silu, None, scratch, out)
 }
 
 /// One routed expert on one token with activation `act` and optional resident `bias`:
@@ -240,6 +311,7 @@ pub fn expert_forward(
 pub fn expert_forward_with(
     k: Kernels,
     layout: &ExpertLayout,
+    layer: usize,
     payload: &[u8],
     x: &[f32],
     weight: f32,
@@ -248,9 +320,9 @@ pub fn expert_forward_with(
     scratch: &mut ExpertScratch,
     out: &mut [f32],
 ) -> Result<()> {
-    let (gate_up, down) = expert_mats(layout, payload)?;
+    let (gate_up, down) = expert_mats(layout, layer, payload)?;
     // Rows split across rayon for real-size experts; bit-identical for any thread count.
-    k.matvec_par(gate_up, x, &mut scratch.gate_up);
+    gate_up.apply(k, x, &mut scratch.gate_up, &mut scratch.h);
     if let Some(b) = bias {
         scratch.gate_up.iter_mut().zip(b.gate_up).for_each(|(v, b)| *v += b);
     }
@@ -388,13 +460,13 @@ mod tests {
             let want = dense_reference(&deq(&gate, i, h), &deq(&up, i, h), &deq(&down, h, i), &x, 0.3, h, i);
             let mut scratch = ExpertScratch::new(i);
             let mut out = vec![0f32; h];
-            expert_forward(Kernels::get(), &layout, buf.as_slice(), &x, 0.3, &mut scratch, &mut out).unwrap();
+            expert_forward(Kernels::get(), &layout, 0, buf.as_slice(), &x, 0.3, &mut scratch, &mut out).unwrap();
             let err = out.iter().zip(&want).map(|(a, b)| (f64::from(*a) - b).abs()).fold(0.0, f64::max);
             let scale = want.iter().map(|v| v.abs()).fold(0.0, f64::max);
             assert!(err <= 1e-5 * scale, "{quant}: max error {err} (output scale {scale})");
         }
         let layout = ExpertLayout::new(QuantKind::Q4, h, i).unwrap();
-        let e = expert_mats(&layout, &[0u8; 16]).unwrap_err().to_string();
+        let e = expert_mats(&layout, 0, &[0u8; 16]).unwrap_err().to_string();
         assert!(e.contains("shorter"), "{e}");
     }
 

@@ -286,8 +286,8 @@ pub(crate) fn routed_experts_chunk(
         for (u, &(t, _)) in uses.iter().enumerate() {
             ex_x[u * h..(u + 1) * h].copy_from_slice(&xb[t * h..(t + 1) * h]);
         }
-        let (gate_up, down) = expert_mats(layout, payload)?;
-        project(k, gate_up, &ex_x[..n_e * h], n_e, yt, &mut ex_gu[..n_e * i2]);
+        let (gate_up, down) = expert_mats(layout, l, payload)?;
+        gate_up.project(k, &ex_x[..n_e * h], n_e, yt, &mut ex_gu[..n_e * i2]);
         for u in 0..n_e {
             let gu = &mut ex_gu[u * i2..(u + 1) * i2];
             if let Some((b, _)) = biases {

@@ -34,7 +34,7 @@ use crate::expert::cache::ExpertCache;
 use crate::kernels::{self, Kernels};
 use crate::model::config::Config;
 use crate::model::moe::ExpertAct;
-use crate::model::safetensors::TensorStore;
+use crate::model::source::WeightSource;
 
 pub use super::matrix::Matrix;
 pub use super::state::{RunState, Trace};
@@ -86,7 +86,7 @@ pub type Weights = super::ModelWeights<LayerWeights>;
 
 impl super::DecoderLayer for LayerWeights {
     /// The attention and dense-MLP projections are kept in `dense`.
-    fn load_layers(store: &TensorStore, cfg: &Config, dense: DenseFormat) -> Result<Vec<LayerWeights>> {
+    fn load_layers(store: &dyn WeightSource, cfg: &Config, dense: DenseFormat) -> Result<Vec<LayerWeights>> {
         let (h, hd) = (cfg.hidden_size, cfg.head_dim());
         let (qd, kvd) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
@@ -321,7 +321,7 @@ pub(crate) fn prefill_chunk(
 mod tests {
     use super::*;
     use crate::fixture;
-    use crate::model::{dir::ModelDir, Model};
+    use crate::model::{dir::ModelDir, safetensors::TensorStore, Model};
 
     #[test]
     fn loads_picchio_c_directory_with_i8_embeddings() {
@@ -336,7 +336,7 @@ mod tests {
     fn forward_checks_token_position_and_cache() {
         let mut m = Model::load(&ModelDir::open(&fixture("picchio_c/qwen3_moe")).unwrap(), 4).unwrap();
         let mut cache = m.new_cache(4).unwrap();
-        let mut loader = m.safetensors_loader();
+        let mut loader = m.in_place_loader();
         let e = m.forward(4096, 0, &mut cache, &mut loader).unwrap_err().to_string();
         assert!(e.contains("token id 4096"), "{e}");
         let e = m.forward(1, 4, &mut cache, &mut loader).unwrap_err().to_string();

@@ -27,6 +27,18 @@ impl Tokenizer {
         Ok(Some(Tokenizer { inner, path }))
     }
 
+    /// The tokenizer of an opened model: a GGUF's own, from its `tokenizer.ggml.*` metadata
+    /// ([`Tokenizer::from_gguf`]), else the directory's `tokenizer.json` ([`Tokenizer::from_dir`]).
+    ///
+    /// # Errors
+    /// As [`Tokenizer::from_gguf`] and [`Tokenizer::from_dir`].
+    pub fn for_model(model: &crate::model::dir::ModelDir) -> Result<Option<Self>> {
+        match model.gguf() {
+            Some(g) => Ok(Some(Tokenizer::from_gguf(g.gguf().meta())?.tokenizer)),
+            None => Tokenizer::from_dir(model.path()),
+        }
+    }
+
     /// Wraps a tokenizer built in memory (from a GGUF's metadata: [`Tokenizer::from_gguf`]); `path`
     /// is the file it came from, named in errors.
     pub(crate) fn from_parts(inner: tokenizers::Tokenizer, path: &Path) -> Self {

@@ -5,22 +5,22 @@
 use super::matrix::{vector, DenseFormat, Matrix};
 use crate::error::Result;
 use crate::model::config::Config;
-use crate::model::safetensors::TensorStore;
+use crate::model::source::WeightSource;
 
 /// The decoder-layer weights of one architecture ([`super::qwen3_moe::LayerWeights`],
 /// [`super::gpt_oss::LayerWeights`]): how they are read from a converted directory.
 pub trait DecoderLayer: Sized {
-    /// Reads the resident tensors of every decoder layer of `cfg`'s model from `store`, checking
-    /// each shape, with the projections kept in `dense`.
+    /// Reads the resident tensors of every decoder layer of `cfg`'s model from `store` (by Hugging
+    /// Face name), checking each shape, with the projections kept in `dense`.
     ///
     /// # Errors
     /// [`crate::Error::MissingTensor`], [`crate::Error::TensorShape`], [`crate::Error::TensorDtype`],
     /// naming tensor and file.
-    fn load_layers(store: &TensorStore, cfg: &Config, dense: DenseFormat) -> Result<Vec<Self>>;
+    fn load_layers(store: &dyn WeightSource, cfg: &Config, dense: DenseFormat) -> Result<Vec<Self>>;
 
     /// Whether the model has no `lm_head.weight` of its own and reuses `embed_tokens`
     /// (`tie_word_embeddings`, by default).
-    fn tied(store: &TensorStore, cfg: &Config) -> bool {
+    fn tied(store: &dyn WeightSource, cfg: &Config) -> bool {
         let _ = store;
         cfg.tie_word_embeddings
     }
@@ -47,7 +47,7 @@ impl<L: DecoderLayer> ModelWeights<L> {
     /// # Errors
     /// [`crate::Error::MissingTensor`], [`crate::Error::TensorShape`], [`crate::Error::TensorDtype`],
     /// naming tensor and file.
-    pub fn load(store: &TensorStore, cfg: &Config) -> Result<Self> {
+    pub fn load(store: &dyn WeightSource, cfg: &Config) -> Result<Self> {
         Self::load_as(store, cfg, DenseFormat::Stored)
     }
 
@@ -56,7 +56,7 @@ impl<L: DecoderLayer> ModelWeights<L> {
     ///
     /// # Errors
     /// As [`ModelWeights::load`].
-    pub fn load_as(store: &TensorStore, cfg: &Config, dense: DenseFormat) -> Result<Self> {
+    pub fn load_as(store: &dyn WeightSource, cfg: &Config, dense: DenseFormat) -> Result<Self> {
         let layers = L::load_layers(store, cfg, dense)?;
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
         let lm_head = match L::tied(store, cfg) {

@@ -274,8 +274,8 @@ pub fn trace(a: TraceArgs) -> anyhow::Result<()> {
 
 /// Runs `model` greedily with a [`TraceWriter`] on its router, writing `a.trace`.
 fn record_trace(a: &TraceArgs, model: &Path) -> anyhow::Result<()> {
-    let tokenizer = Tokenizer::from_dir(model)?;
     let dir = ModelDir::open(model)?;
+    let tokenizer = Tokenizer::for_model(&dir)?;
     let prompt = a.prompt_ids.clone().unwrap_or_else(|| default_prompt(dir.config().vocab_size));
     let opts = SessionOptions {
         model: dir,

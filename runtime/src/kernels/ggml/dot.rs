@@ -248,6 +248,49 @@ pub fn ggml_matvec(ty: GgmlType, weights: &[u8], x_quantized: &[u8], out: &mut [
     Ok(())
 }
 
+/// `out[r]` = ggml's `vec_dot` of weight row `r` of `weights` (`out.len()` rows of whole `ty`
+/// blocks) with `xq` (one input quantized to [`vec_dot_type`]`(ty)`), at kernel level `level`: the
+/// product of [`crate::kernels::MatRef::Ggml`] once the kernels have checked the shapes. Every level
+/// gives the bits of [`ggml_matvec`] (the generic C's).
+///
+/// # Panics
+/// When the shapes do not match (the caller checked them: `MatRef::check`).
+pub(crate) fn matvec_quantized(level: crate::kernels::Level, ty: GgmlType, weights: &[u8], xq: &[u8], out: &mut [f32]) {
+    let _ = level;
+    ggml_matvec(ty, weights, xq, out).expect("matvec_ggml: shapes checked by the caller");
+}
+
+/// `yt[r * n + t]` = [`matvec_quantized`] of input `t` (`xqs` holds `n` quantized inputs one after
+/// another) for every weight row `r`: each weight row is read once for all `n` inputs.
+///
+/// # Panics
+/// When the shapes do not match (the caller checked them).
+pub(crate) fn matmul_quantized(
+    level: crate::kernels::Level,
+    ty: GgmlType,
+    weights: &[u8],
+    xqs: &[u8],
+    n: usize,
+    yt: &mut [f32],
+) {
+    let _ = level;
+    let rows = yt.len() / n;
+    let (block_bytes, _, _) = block_sizes(ty).expect("matmul_ggml: a dot type");
+    let row_bytes = weights.len().checked_div(rows).unwrap_or(0);
+    let xq_bytes = xqs.len() / n;
+    assert!(rows * row_bytes == weights.len() && row_bytes.is_multiple_of(block_bytes) && xq_bytes * n == xqs.len());
+    if row_bytes == 0 {
+        yt.fill(0.0);
+        return;
+    }
+    let act_bytes = check_act(ty, row_bytes, &xqs[..xq_bytes]).expect("matmul_ggml: shapes checked by the caller");
+    for (w, y) in weights.chunks_exact(row_bytes).zip(yt.chunks_exact_mut(n)) {
+        for (o, xq) in y.iter_mut().zip(xqs.chunks_exact(xq_bytes)) {
+            *o = dot_row(ty, w, xq, act_bytes);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::q8::{quantize_activation, Q8Arith};

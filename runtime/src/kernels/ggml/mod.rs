@@ -108,6 +108,34 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), Deq
     Ok(())
 }
 
+/// Runs `f` with `xs` (`n` inputs of `xs.len() / n` values each) quantized to the activation type
+/// ggml-cpu pairs with weights of `ty` ([`vec_dot_type`]), the inputs' blocks one after another,
+/// in a buffer reused per thread. Q8_0 and Q8_1 are rounded as ggml's x86 AVX code does
+/// ([`Q8Arith::X86Avx`]: what llama.cpp runs on every x86-64 CPU this project targets).
+///
+/// # Panics
+/// When `ty` has no dot product or an input is not whole activation blocks (the kernels check both
+/// first).
+pub(crate) fn with_activation<R>(ty: GgmlType, xs: &[f32], n: usize, f: impl FnOnce(&[u8]) -> R) -> R {
+    thread_local! {
+        static ACT: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    let act = vec_dot_type(ty).expect("a ggml dot type");
+    let cols = xs.len() / n;
+    let per = q8::activation_bytes(act, cols).expect("whole activation blocks");
+    let mut buf = ACT.take();
+    buf.clear();
+    buf.resize(per * n, 0);
+    if per > 0 {
+        for (x, out) in xs.chunks_exact(cols).zip(buf.chunks_exact_mut(per)) {
+            quantize_activation(act, Q8Arith::X86Avx, x, out).expect("whole activation blocks");
+        }
+    }
+    let r = f(&buf);
+    ACT.set(buf);
+    r
+}
+
 /// The little-endian u16 at byte `at` of `b`.
 fn le16(b: &[u8], at: usize) -> u16 {
     u16::from_le_bytes([b[at], b[at + 1]])

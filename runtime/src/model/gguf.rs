@@ -91,14 +91,34 @@ pub const MODEL_NAMES: [(&str, &str); 3] = [
 /// The three stacked expert tensors of a layer, in payload order: gate, up, down.
 pub const EXPERT_TENSORS: [&str; 3] = ["ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"];
 
-/// Where one expert matrix of one layer lives: the stacked tensor's ggml type and the bytes of one
-/// expert's slab (`rows * cols / block_elems * block_bytes`).
+/// One expert matrix of one layer: the stacked tensor's ggml type, the type it has in a cache slot
+/// and its bytes there. Quantized types and F32/BF16 are kept as stored (`ty == stored`, `bytes` =
+/// `rows * cols / block_elems * block_bytes`); F16 is widened to F32 as it is copied (there is no
+/// F16 kernel; F16 experts are for oracle files, not for models streamed from disk).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ExpertSlab {
-    /// The ggml type of the slab.
+    /// The ggml type in the slot: the stored one, or F32 for F16.
     pub ty: GgmlType,
-    /// Bytes of one expert's slab.
+    /// The ggml type in the GGUF.
+    pub stored: GgmlType,
+    /// Bytes of one expert's slab in the slot.
     pub bytes: usize,
+}
+
+impl ExpertSlab {
+    /// Bytes of one expert's slab in the GGUF.
+    pub fn stored_bytes(&self) -> usize {
+        match (self.stored, self.ty) {
+            (GgmlType::F16, GgmlType::F32) => self.bytes / 2,
+            _ => self.bytes,
+        }
+    }
+}
+
+/// Whether experts of ggml type `ty` can be computed: the quantized types with a dot product
+/// ([`ggml::DOT_TYPES`]), F32, BF16, and F16 (widened to F32 in the slot).
+pub fn expert_type_supported(ty: GgmlType) -> bool {
+    ggml::vec_dot_type(ty).is_some() || matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
 }
 
 /// A GGUF model (one file or split files) opened for reading in place: metadata parsed once, every
@@ -348,20 +368,24 @@ impl GgufWeights {
     /// shape or type that does not fit.
     pub fn expert_slabs(&self, layer: usize, cfg: &Config) -> Result<[ExpertSlab; 3]> {
         let (h, i, e) = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts);
-        let mut out = [ExpertSlab { ty: GgmlType::F32, bytes: 0 }; 3];
+        let mut out = [ExpertSlab { ty: GgmlType::F32, stored: GgmlType::F32, bytes: 0 }; 3];
         for (k, suffix) in EXPERT_TENSORS.iter().enumerate() {
             let t = self.model.tensor(&format!("blk.{layer}.{suffix}"))?;
             let (rows, cols) = if k == 2 { (h, i) } else { (i, h) };
             self.expect_dims(suffix, t, &[e, rows, cols])?;
-            let ty = t.info.ty;
-            if ggml::vec_dot_type(ty).is_none() {
+            let stored = t.info.ty;
+            if !expert_type_supported(stored) {
                 return Err(self.tensor_error(
                     t,
-                    format!("experts of type {ty} are not supported (supported: {:?})", ggml::DOT_TYPES),
+                    format!(
+                        "experts of type {stored} are not supported (supported: F32, F16, BF16, {:?})",
+                        ggml::DOT_TYPES
+                    ),
                 ));
             }
+            let ty = if stored == GgmlType::F16 { GgmlType::F32 } else { stored };
             let bytes = rows * cols / ty.block_elems() as usize * ty.block_bytes() as usize;
-            out[k] = ExpertSlab { ty, bytes };
+            out[k] = ExpertSlab { ty, stored, bytes };
         }
         Ok(out)
     }
@@ -377,14 +401,22 @@ impl GgufWeights {
         for (suffix, slab) in EXPERT_TENSORS.iter().zip(slabs) {
             let t = self.model.tensor(&format!("blk.{layer}.{suffix}"))?;
             let src = self.bytes(t);
-            let range = expert * slab.bytes..(expert + 1) * slab.bytes;
+            let n = slab.stored_bytes();
+            let range = expert * n..(expert + 1) * n;
             let (Some(src), Some(dst)) = (src.get(range.clone()), out.get_mut(at..at + slab.bytes)) else {
                 return Err(self.tensor_error(
                     t,
                     format!("expert {expert} (bytes {range:?}) does not fit the tensor or the {}-byte slot", out.len()),
                 ));
             };
-            dst.copy_from_slice(src);
+            if slab.stored == slab.ty {
+                dst.copy_from_slice(src);
+            } else {
+                for (d, s) in dst.chunks_exact_mut(4).zip(src.chunks_exact(2)) {
+                    let v = ggml::floats::f16_to_f32(u16::from_le_bytes([s[0], s[1]]));
+                    d.copy_from_slice(&v.to_le_bytes());
+                }
+            }
             at += slab.bytes;
         }
         Ok(())
@@ -395,8 +427,9 @@ impl GgufWeights {
     pub fn release_expert(&self, layer: usize, expert: usize, slabs: &[ExpertSlab; 3]) {
         for (suffix, slab) in EXPERT_TENSORS.iter().zip(slabs) {
             if let Ok(t) = self.model.tensor(&format!("blk.{layer}.{suffix}")) {
-                let start = t.info.range.start as usize + expert * slab.bytes;
-                crate::sys::drop_mapped_pages(self.model.path_of(t), &self.maps[t.file], start..start + slab.bytes);
+                let n = slab.stored_bytes();
+                let start = t.info.range.start as usize + expert * n;
+                crate::sys::drop_mapped_pages(self.model.path_of(t), &self.maps[t.file], start..start + n);
             }
         }
     }
@@ -415,7 +448,8 @@ impl GgufWeights {
         let mut out: [(PathBuf, u64, usize); 3] = Default::default();
         for (k, (suffix, slab)) in EXPERT_TENSORS.iter().zip(slabs).enumerate() {
             let t = self.model.tensor(&format!("blk.{layer}.{suffix}"))?;
-            out[k] = (self.model.path_of(t).into(), t.info.range.start + (expert * slab.bytes) as u64, slab.bytes);
+            let n = slab.stored_bytes();
+            out[k] = (self.model.path_of(t).into(), t.info.range.start + (expert * n) as u64, n);
         }
         Ok(out)
     }

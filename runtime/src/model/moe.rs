@@ -14,6 +14,7 @@ use crate::error::{Error, Result};
 use crate::expert::layout::ExpertLayout;
 use crate::kernels::{self, Kernels, MatRef};
 use crate::quant::QuantKind;
+use picchio_core::format::gguf::GgmlType;
 
 /// The routing of one token in one MoE layer, in canonical order; buffers allocated once.
 #[derive(Clone, Debug)]
@@ -238,9 +239,22 @@ pub fn expert_mats<'a>(layout: &ExpertLayout, layer: usize, payload: &'a [u8]) -
     if let Some(g) = &layout.ggml {
         let s = g.slabs(layer).ok_or_else(|| Error::Invalid(format!("layer {layer} of the GGUF has no experts")))?;
         let (a, b) = (s[0].bytes, s[0].bytes + s[1].bytes);
-        let gate = MatRef::Ggml { ty: s[0].ty, data: &payload[..a] };
-        let up = MatRef::Ggml { ty: s[1].ty, data: &payload[a..b] };
-        let down = MatRef::Ggml { ty: s[2].ty, data: &payload[b..b + s[2].bytes] };
+        let view = |ty: GgmlType, r: std::ops::Range<usize>, what: &str| -> Result<MatRef<'a>> {
+            let data = &payload[r.clone()];
+            let cast = |cause| Error::PayloadF32 { what: what.into(), range: r.clone(), cause };
+            Ok(match ty {
+                GgmlType::F32 => MatRef::F32(bytemuck::try_cast_slice(data).map_err(cast)?),
+                GgmlType::BF16 => {
+                    use half::slice::HalfBitsSliceExt;
+                    let bits: &[u16] = bytemuck::try_cast_slice(data).map_err(cast)?;
+                    MatRef::Bf16(bits.reinterpret_cast())
+                }
+                ty => MatRef::Ggml { ty, data },
+            })
+        };
+        let gate = view(s[0].ty, 0..a, "gate")?;
+        let up = view(s[1].ty, a..b, "up")?;
+        let down = view(s[2].ty, b..b + s[2].bytes, "down")?;
         return Ok((GateUp::Split { gate, up }, down));
     }
     let f32s = |r: &std::ops::Range<usize>, what: &str| -> Result<&'a [f32]> {

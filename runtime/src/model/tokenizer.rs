@@ -28,12 +28,14 @@ impl Tokenizer {
     }
 
     /// The tokenizer of an opened model: a GGUF's own, from its `tokenizer.ggml.*` metadata
-    /// ([`Tokenizer::from_gguf`]), else the directory's `tokenizer.json` ([`Tokenizer::from_dir`]).
+    /// ([`Tokenizer::from_gguf`]; `Ok(None)` when it has no `tokenizer.ggml.model` key at all), else
+    /// the directory's `tokenizer.json` ([`Tokenizer::from_dir`]).
     ///
     /// # Errors
     /// As [`Tokenizer::from_gguf`] and [`Tokenizer::from_dir`].
     pub fn for_model(model: &crate::model::dir::ModelDir) -> Result<Option<Self>> {
         match model.gguf() {
+            Some(g) if g.gguf().meta().get("tokenizer.ggml.model").is_none() => Ok(None),
             Some(g) => Ok(Some(Tokenizer::from_gguf(g.gguf().meta())?.tokenizer)),
             None => Tokenizer::from_dir(model.path()),
         }

@@ -248,7 +248,7 @@ impl GgufWeights {
         let hidden = uint("embedding_length")?;
         let heads = uint("attention.head_count")?;
         let layers = uint("block_count")?;
-        let head_dim = opt_uint("attention.key_length")?.unwrap_or(if heads > 0 { hidden / heads } else { 0 });
+        let head_dim = opt_uint("attention.key_length")?.unwrap_or(hidden.checked_div(heads).unwrap_or(0));
         let expert_ff = uint("expert_feed_forward_length")?;
         let mut cfg = json!({
             "model_type": self.arch.model_type,

@@ -302,6 +302,7 @@ impl ExpertScratch {
 ///
 /// # Errors
 /// As [`expert_mats`].
+#[allow(clippy::too_many_arguments)]
 pub fn expert_forward(
     k: Kernels,
     layout: &ExpertLayout,

@@ -351,6 +351,12 @@ fn resolve_budget(b: MemBudget, cgroup: Option<&(u64, PathBuf)>) -> Result<(u64,
 /// cgroup's limit, or a capacity is 0 or above the model's experts.
 pub fn plan(model: &ModelDir, req: &PlanRequest) -> Result<MemPlan> {
     let cfg = model.config();
+    if let Some(g) = model.gguf() {
+        // A GGUF's dense part is kept as stored whatever `--dense` asks (DenseFormat applies to
+        // converted directories).
+        let layout = g.expert_layout(cfg)?;
+        return plan_with(model.path(), cfg, g.dense_bytes(), layout.len(), req, cgroup_limit());
+    }
     let store = TensorStore::open(model.path())?;
     let layout = ExpertLayout::detect(&store, cfg)?;
     let dense = dense_bytes(&store, cfg, &layout, req.dense);

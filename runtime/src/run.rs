@@ -349,14 +349,15 @@ impl Session {
         io_stats: Arc<IoStats>,
         tokenizer: Option<Tokenizer>,
     ) -> Result<Self> {
-        let stop_ids = Self::resolve_stop_ids(model.dir(), model.config(), tokenizer.as_ref())?;
+        let stop_ids = Self::resolve_stop_ids(&model, tokenizer.as_ref())?;
         Ok(Session { model, cache, loader, info, io_stats, tokenizer, stop_ids, kv: Vec::new(), warm: None })
     }
 
     /// The end-of-turn ids of the model directory, with the chat template's when it compiles (a
     /// template that does not is reported by the chat front ends, not by `run`).
-    fn resolve_stop_ids(dir: &Path, cfg: &crate::Config, tokenizer: Option<&Tokenizer>) -> Result<Vec<u32>> {
-        let format = crate::chat::ChatFormat::from_dir(dir, cfg).unwrap_or_else(|e| {
+    fn resolve_stop_ids(model: &Model, tokenizer: Option<&Tokenizer>) -> Result<Vec<u32>> {
+        let (dir, cfg) = (model.dir(), model.config());
+        let format = crate::chat::ChatFormat::for_model(model).unwrap_or_else(|e| {
             tracing::warn!("{e}");
             None
         });

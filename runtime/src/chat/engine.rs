@@ -171,10 +171,10 @@ impl Engine {
     /// An engine over `session`, with the chat format of the model's directory.
     ///
     /// # Errors
-    /// As [`ChatFormat::from_dir`] (a template that does not compile).
+    /// As [`ChatFormat::for_model`] (a template that does not compile).
     pub fn new(session: Session) -> Result<Engine> {
         let dir = session.model.dir().to_path_buf();
-        let format = ChatFormat::from_dir(&dir, session.model.config())?;
+        let format = ChatFormat::for_model(&session.model)?;
         let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
         Ok(Engine { session, format, name, calls_made: 0 })
     }

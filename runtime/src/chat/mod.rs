@@ -62,6 +62,31 @@ impl ChatFormat {
         Ok(None)
     }
 
+    /// The chat format of a loaded model: for a GGUF, harmony for GPT-OSS (whatever template the
+    /// file carries) and otherwise its `tokenizer.chat_template` with the special tokens its
+    /// metadata names (`bos_token`, `eos_token`, … as the template expects them); for a directory,
+    /// [`ChatFormat::from_dir`].
+    ///
+    /// # Errors
+    /// As [`ChatFormat::from_dir`]; for a GGUF, those of
+    /// [`crate::model::tokenizer::Tokenizer::from_gguf`] and a template that does not compile.
+    pub fn for_model(model: &crate::model::Model) -> Result<Option<ChatFormat>> {
+        let crate::model::ModelFiles::Gguf(g) = model.files() else {
+            return Self::from_dir(model.dir(), model.config());
+        };
+        if model.config().arch() == Arch::GptOss {
+            return Ok(Some(ChatFormat::Harmony(harmony::Harmony::default())));
+        }
+        let meta = g.gguf().meta();
+        if meta.get("tokenizer.chat_template").is_none() {
+            return Ok(None);
+        }
+        let t = crate::model::tokenizer::Tokenizer::from_gguf(meta)?;
+        let Some(src) = t.chat_template.as_deref() else { return Ok(None) };
+        let tokens = t.template_tokens();
+        Ok(Some(ChatFormat::Jinja(Box::new(template::JinjaTemplate::new(src, g.path(), Some(&tokens))?))))
+    }
+
     /// Renders `messages` as the model's prompt text.
     ///
     /// # Errors

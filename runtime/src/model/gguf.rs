@@ -22,6 +22,7 @@ use serde_json::json;
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
+use crate::expert::layout::{ExpertLayout, GgufExperts};
 use crate::kernels::ggml;
 use crate::model::config::Config;
 use crate::model::matrix::Matrix;
@@ -388,6 +389,34 @@ impl GgufWeights {
             out[k] = ExpertSlab { ty, stored, bytes };
         }
         Ok(out)
+    }
+
+    /// The expert payload layout of the model ([`ExpertLayout::gguf`]): every MoE layer's slabs.
+    ///
+    /// # Errors
+    /// As [`GgufWeights::expert_slabs`].
+    pub fn expert_layout(&self, cfg: &Config) -> Result<ExpertLayout> {
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|l| if cfg.is_moe_layer(l) { self.expert_slabs(l, cfg).map(Some) } else { Ok(None) })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(ExpertLayout::gguf(cfg.hidden_size, cfg.moe_intermediate_size, GgufExperts { layers: layers.into() }))
+    }
+
+    /// The bytes the resident part takes once loaded: every tensor but the stacked expert weights
+    /// (`blk.N.ffn_{gate,up,down}_exps.weight`), as [`WeightSource::matrix`] and
+    /// [`WeightSource::f32_tensor`] keep them (F16 widened to f32, the rest as stored; 1-D tensors
+    /// and expert biases widened to f32).
+    pub fn dense_bytes(&self) -> u64 {
+        let mut total = 0u64;
+        for t in self.model.tensors() {
+            let name = &t.info.name;
+            if EXPERT_TENSORS.iter().any(|s| name.ends_with(s)) {
+                continue;
+            }
+            let widened = t.info.dims.len() == 1 || name.ends_with(".bias") || t.info.ty == GgmlType::F16;
+            total += if widened { 4 * t.info.n_elems() } else { t.info.n_bytes() };
+        }
+        total
     }
 
     /// Copies expert `expert`'s gate, up and down slabs of layer `layer` into `out`, one after

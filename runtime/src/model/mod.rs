@@ -38,7 +38,6 @@ use crate::error::{Error, Result};
 use crate::expert::cache::ExpertCache;
 use crate::expert::gguf::GgufInPlace;
 use crate::expert::io_worker::{IoThread, IoWorker};
-use crate::expert::layout::GgufExperts;
 use crate::expert::layout::{ExpertLayout, ExpertNaming, ExpertTensorNames};
 use crate::expert::safetensors::SafetensorsExperts;
 use crate::kernels::Kernels;
@@ -346,13 +345,7 @@ impl Model {
         }
         let config = model.config().clone();
         let (files, layout) = match model.gguf() {
-            Some(g) => {
-                let (h, i) = (config.hidden_size, config.moe_intermediate_size);
-                let layers = (0..config.num_hidden_layers)
-                    .map(|l| if config.is_moe_layer(l) { g.expert_slabs(l, &config).map(Some) } else { Ok(None) })
-                    .collect::<Result<Vec<_>>>()?;
-                (ModelFiles::Gguf(Arc::clone(g)), ExpertLayout::gguf(h, i, GgufExperts { layers: layers.into() }))
-            }
+            Some(g) => (ModelFiles::Gguf(Arc::clone(g)), g.expert_layout(&config)?),
             None => {
                 let store = Arc::new(TensorStore::open(dir)?);
                 Self::refuse_unconverted(&store, &config, dir)?;

@@ -13,7 +13,8 @@
 //! A request's buffer moves into the queue's *slab* (one entry per possible read in flight, indexed
 //! by the SQE's `user_data`) and stays there, untouched, until the kernel has posted that entry's
 //! CQE: the only `unsafe` in this file is where the kernel gets a pointer into such a buffer, and
-//! the pointer is valid until reaped. Dropping the queue first waits for every read in the kernel;
+//! the pointer is valid until reaped, even when its request has been given up by the read timeout
+//! (see below). Dropping the queue first waits for every read in the kernel;
 //! if the ring breaks (an `io_uring_enter` error that cannot be retried) the buffers the kernel may
 //! still write are leaked, never freed, and the requests complete with fresh buffers and an error.
 //!
@@ -200,8 +201,11 @@ struct Waiting {
 ///   psync: [`Error::PastEnd`], [`Error::BufferTooSmall`], and in direct mode [`Error::Misaligned`].
 /// * [`IoQueue::block_size`] is the direct-I/O alignment from the same probe as psync
 ///   (`statx(STATX_DIOALIGN)`, then `BLKSSZGET`, then 4096), never less than 512.
+/// * A read whose completion has not come 30 s (see [`UringQueue::set_read_timeout`]) after the
+///   kernel got it completes with an [`io::ErrorKind::TimedOut`] error and a fresh buffer; its own
+///   buffer stays with the queue until the kernel completes it (see the module documentation).
 /// * Dropping the queue discards requests still waiting in the FIFO and waits for the reads in the
-///   kernel before freeing their buffers.
+///   kernel before freeing their buffers; after 30 s without a completion it leaks them instead.
 pub struct UringQueue {
     /// Declared first: after `Drop` has drained it, the ring is closed before the file.
     ring: IoUring,
@@ -909,6 +913,14 @@ impl UringQueue {
         }
         self.timeouts += given.len() as u64;
         let state = self.ring_state();
+        // Tests install no subscriber: the stall's state goes to the test's captured output too.
+        #[cfg(test)]
+        eprintln!(
+            "{}: {} reads given up after {limit:?}: {}; {state}",
+            self.path.display(),
+            given.len(),
+            given.join(", ")
+        );
         tracing::error!(
             "{}: giving up {} reads after the read timeout of {limit:?}: {}; {state}",
             self.path.display(),

@@ -874,10 +874,11 @@ impl UringQueue {
                 Err(err) => {
                     tracing::error!(
                         "{}: cannot allocate a replacement buffer of {} B to give up a stalled read: {err}; \
-                         waiting on",
+                         waiting on for another {limit:?}",
                         self.path.display(),
                         e.buf.len()
                     );
+                    self.slab[idx].as_mut().expect("occupied").started = Some(now);
                     continue;
                 }
             };

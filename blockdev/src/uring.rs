@@ -261,6 +261,11 @@ pub struct UringQueue {
     /// Test twin: the held CQEs are delivered at the next harvest.
     #[cfg(test)]
     release_held: bool,
+    /// Slots whose SQE found the SQ full, in order (see [`UringQueue::push`]).
+    unpushed: VecDeque<u32>,
+    /// Test twin: this many SQE pushes are refused as if the SQ were full.
+    #[cfg(test)]
+    refuse_pushes: u32,
     /// How long a read may stay in the kernel ([`DEFAULT_READ_TIMEOUT`]).
     read_timeout: std::time::Duration,
     /// Requests given up by the read timeout so far.
@@ -385,6 +390,9 @@ impl UringQueue {
             held: Vec::new(),
             #[cfg(test)]
             release_held: false,
+            unpushed: VecDeque::new(),
+            #[cfg(test)]
+            refuse_pushes: 0,
             read_timeout: DEFAULT_READ_TIMEOUT,
             timeouts: 0,
             sq_pushed: 0,
@@ -516,8 +524,51 @@ impl UringQueue {
         Ok(())
     }
 
-    /// Pushes the SQE reading the rest of slot `idx`'s request (`offset + done`, `len - done`).
+    /// Pushes the SQE reading the rest of slot `idx`'s request (`offset + done`, `len - done`); when
+    /// the SQ is full, the slot waits in `unpushed` for [`UringQueue::push_unpushed`].
+    ///
+    /// A full SQ with a free slot happens under SQPOLL: the polling thread publishes the SQ head
+    /// only after issuing its whole batch, and a buffered read completes inline during its issue,
+    /// so its CQE can be reaped, its slot refilled and a new SQE pushed while the SQEs it consumed
+    /// still count as queued (seen under load: 9 of 480 parallel runs of the integration tests
+    /// panicked here, and the slot left without an SQE then stalled `Drop`'s drain for 30 s).
+    /// SQPOLL rings get 2 × `qd` SQ entries so that a lagging head cannot fill them; this path
+    /// keeps the queue correct whatever the kernel does.
     fn push(&mut self, idx: u32) {
+        if self.opts.sqpoll {
+            // The polling thread sees the SQE as soon as it is pushed (or is about to be given it:
+            // a read stuck unpushed times out too); without SQPOLL the next `enter` submits it.
+            self.slab[idx as usize].as_mut().expect("occupied").started.get_or_insert_with(Instant::now);
+        }
+        if !self.try_push(idx) {
+            self.unpushed.push_back(idx);
+        }
+    }
+
+    /// Pushes the SQEs of the slots that found the SQ full, in order, until it is full again; a slot
+    /// given up by the timeout meanwhile is freed (the kernel never had its buffer).
+    fn push_unpushed(&mut self) {
+        while let Some(&idx) = self.unpushed.front() {
+            if self.slab[idx as usize].as_ref().is_some_and(|e| e.abandoned) {
+                self.unpushed.pop_front();
+                self.slab[idx as usize] = None;
+                self.free.push(idx);
+                continue;
+            }
+            if !self.try_push(idx) {
+                break;
+            }
+            self.unpushed.pop_front();
+        }
+    }
+
+    /// One attempt of [`UringQueue::push`]: false when the SQ is full.
+    fn try_push(&mut self, idx: u32) -> bool {
+        #[cfg(test)]
+        if self.refuse_pushes > 0 {
+            self.refuse_pushes -= 1;
+            return false;
+        }
         let e = self.slab[idx as usize].as_mut().expect("push: an occupied slot");
         let rest = e.len - e.done;
         let ptr = e.buf.as_mut_slice()[e.done as usize..].as_mut_ptr();
@@ -532,15 +583,14 @@ impl UringQueue {
         // len <= buf.len()`, checked at submit). The buffer stays in the slot, unread and not freed,
         // until the CQE carrying `user_data = idx` is reaped: valid until reaped (`Drop` waits for
         // it, and a broken ring leaks the buffer). The descriptor (or registered file 0) stays open
-        // for the life of the ring, which is closed before `file`.
+        // for the life of the ring, which is closed before `file`. A refused push (SQ full) queues
+        // nothing and lends nothing.
         let pushed = unsafe { self.ring.submission().push(&sqe) };
-        // The SQ has at least `qd` entries and each slot has at most one SQE queued or in flight.
-        pushed.expect("io_uring submission queue full with a free slab slot");
-        self.sq_pushed = self.sq_pushed.wrapping_add(1);
-        if self.opts.sqpoll {
-            // The polling thread sees the SQE now; without SQPOLL the next `enter` submits it.
-            self.slab[idx as usize].as_mut().expect("occupied").started.get_or_insert_with(Instant::now);
+        if pushed.is_err() {
+            return false;
         }
+        self.sq_pushed = self.sq_pushed.wrapping_add(1);
+        true
     }
 
     /// Moves waiting requests into free slots.
@@ -766,6 +816,7 @@ impl UringQueue {
             self.occupied()
         );
         self.broken = Some(errno);
+        self.unpushed.clear();
         for idx in 0..self.slab.len() {
             let Some(e) = self.slab[idx].take() else { continue };
             self.free.push(idx as u32);
@@ -798,6 +849,11 @@ impl UringQueue {
     /// kernel may still write them) instead of waiting forever.
     fn drain(&mut self) {
         self.waiting.clear();
+        // Slots whose SQE never reached the ring: the kernel never had their buffers.
+        while let Some(idx) = self.unpushed.pop_front() {
+            self.slab[idx as usize] = None;
+            self.free.push(idx);
+        }
         let mut idle = 0u32;
         while self.occupied() > 0 && self.broken.is_none() {
             self.copy_cqes();
@@ -1028,6 +1084,7 @@ impl IoQueue for UringQueue {
         let start = out.len();
         let want = min.min(self.in_flight);
         loop {
+            self.push_unpushed();
             self.harvest();
             self.refill();
             out.extend(self.ready.drain(..));
@@ -1039,6 +1096,10 @@ impl IoQueue for UringQueue {
                     out.extend(self.ready.drain(..));
                 }
                 break;
+            }
+            if !self.unpushed.is_empty() {
+                self.enter(0, None); // submit (or wake the polling thread) to make room, then push
+                self.push_unpushed();
             }
             let now = Instant::now();
             if self.expire(now) {
@@ -1106,7 +1167,8 @@ fn nanos_since(t: Instant) -> u64 {
 /// Sets up the ring for `opts`; the probe has already shown that a plain ring works, so a failure
 /// here is blamed on the flag that asked for more.
 fn build_ring(path: &Path, opts: &UringOptions, sqpoll_idle_ms: u32) -> Result<IoUring> {
-    let entries = opts.qd.next_power_of_two();
+    // SQPOLL: twice the reads in flight, as the polling thread's SQ head lags (see `UringQueue::push`).
+    let entries = if opts.sqpoll { (2 * opts.qd).next_power_of_two() } else { opts.qd.next_power_of_two() };
     let mut b = IoUring::<squeue::Entry, io_uring::cqueue::Entry>::builder();
     if opts.sqpoll {
         b.setup_sqpoll(sqpoll_idle_ms);
@@ -1586,5 +1648,30 @@ mod tests {
         assert_eq!(*out[0].result.as_ref().unwrap(), 4096);
         assert!(out[0].buf.as_slice()[..4096] == bytes[4096..8192]);
         assert_eq!(q.timeouts(), 0);
+    }
+    /// An SQ found full with free slots (the SQPOLL head lag; made here by refusing pushes) delays
+    /// the reads, never loses them: each completes once with the file's bytes.
+    #[test]
+    fn reads_that_find_the_sq_full_are_pushed_later() {
+        for sqpoll in [false, true] {
+            let Some((_d, mut q, bytes)) = queue(1 << 20, UringOptions { sqpoll, ..UringOptions::buffered(4) }) else {
+                return;
+            };
+            let out = within_hang_limit("reads behind a full SQ", move || {
+                q.refuse_pushes = 3;
+                for i in 0..6u64 {
+                    submit(&mut q, i * 8192, 4096, i);
+                }
+                let out = reap_all(&mut q);
+                assert!(q.unpushed.is_empty() && q.occupied() == 0, "sqpoll {sqpoll}");
+                out
+            });
+            assert_eq!(out.iter().map(|c| c.tag.0).collect::<Vec<_>>(), (0..6).collect::<Vec<_>>(), "sqpoll {sqpoll}");
+            for c in &out {
+                let at = c.tag.0 as usize * 8192;
+                assert_eq!(*c.result.as_ref().unwrap(), 4096, "sqpoll {sqpoll}");
+                assert!(c.buf.as_slice()[..4096] == bytes[at..at + 4096], "sqpoll {sqpoll}, read {}", c.tag.0);
+            }
+        }
     }
 }

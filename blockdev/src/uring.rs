@@ -13,7 +13,8 @@
 //! A request's buffer moves into the queue's *slab* (one entry per possible read in flight, indexed
 //! by the SQE's `user_data`) and stays there, untouched, until the kernel has posted that entry's
 //! CQE: the only `unsafe` in this file is where the kernel gets a pointer into such a buffer, and
-//! the pointer is valid until reaped. Dropping the queue first waits for every read in the kernel;
+//! the pointer is valid until reaped, even when its request has been given up by the read timeout
+//! (see below). Dropping the queue first waits for every read in the kernel;
 //! if the ring breaks (an `io_uring_enter` error that cannot be retried) the buffers the kernel may
 //! still write are leaked, never freed, and the requests complete with fresh buffers and an error.
 //!
@@ -33,6 +34,35 @@
 //! fewer completions than wanted, the thread is woken whatever the flag says and the wait starts
 //! again with the flag re-read. A wakeup lost anywhere (ours, or a kernel path that parks the thread
 //! with work queued) then costs one slice, not the process.
+//!
+//! # No wait without a bound: reads that never complete
+//! A read whose CQE has not come [`DEFAULT_READ_TIMEOUT`] (30 s, [`UringQueue::set_read_timeout`])
+//! after it entered the kernel is *given up*: `reap` completes its request at once with an error of
+//! kind [`io::ErrorKind::TimedOut`] (an [`Error::Read`] naming path, offset and length, whose cause
+//! says how long it waited, the bytes already read and the retries), and logs once the state of the
+//! ring (see below). Every wait of `reap` is bounded by the nearest deadline (an `EXT_ARG` timeout,
+//! Linux 5.11+; older kernels wait unbounded, as before), so a lost completion costs the bound, not
+//! the process.
+//!
+//! The kernel may still write into a given-up read's buffer, so that buffer is **not** handed back:
+//! the slot keeps it, marked *abandoned*, and the request completes with a fresh zeroed buffer of
+//! the same length and alignment (the caller's slot is replaced, not lost: every submitted request
+//! still comes back exactly once, and the flat store turns the error into a fallback load of that
+//! expert, as for any failed read). When the abandoned read's CQE comes after all, it is ignored (no
+//! second completion, no resubmission of a short read) and only then is the buffer freed and the
+//! slot reused; until then the queue runs with one slot fewer. Requests queued in the FIFO while
+//! every slot is abandoned are given up the same way `read_timeout` after their submission, with
+//! their own buffer (the kernel never had it). `Drop` waits for abandoned reads too, with the drain's
+//! patience, and leaks what it gives up.
+//!
+//! The stall log tells a kernel stall from our own bookkeeping: the SQ and CQ head and tail as this
+//! queue sees them (SQ tail = SQEs pushed, CQ head = CQEs consumed, the other end read from the
+//! ring), the SQPOLL `NEED_WAKEUP` and CQ-overflow flags, the slab (live, abandoned, free, FIFO), and
+//! the kernel's own view from `/proc/self/fdinfo/<ring fd>` (`SqHead`, `SqTail`, `CachedSqHead`,
+//! `CqHead`, `CqTail`, `CachedCqTail`, `SqThread`, `SqThreadCpu`) with the polling thread's
+//! scheduler state from `/proc/self/task/<SqThread>/stat`. An SQ tail ahead of the kernel's head
+//! means the kernel never picked the SQE up; a CQ tail ahead of our head, a CQE we failed to see;
+//! both equal with a read pending, a read the kernel holds (block layer, file system, device).
 //!
 //! # Why no registered (fixed) buffers
 //! `IORING_OP_READ_FIXED` saves pinning the buffer's pages per read, but needs every target buffer
@@ -82,6 +112,10 @@ const SQPOLL_WAIT_SLICE: std::time::Duration = std::time::Duration::from_millis(
 /// never completes (seen once in CI with SQPOLL, after every read of the queue had completed) makes
 /// the queue's drop return instead of hanging its thread.
 const DRAIN_PATIENCE_SLICES: u32 = 600;
+
+/// How long a read may stay in the kernel before `reap` gives it up (see the module documentation);
+/// [`UringQueue::set_read_timeout`] changes it per queue.
+const DEFAULT_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Where the kernel says whether io_uring may be used (Linux 6.6+): 0 yes, 1 only for
 /// `kernel.io_uring_group` members and CAP_SYS_ADMIN, 2 no.
@@ -139,6 +173,14 @@ struct InFlight {
     /// `EAGAIN`/`EINTR` resubmissions so far.
     retries: u32,
     submitted: Instant,
+    /// When the kernel was first given the read's SQE (with SQPOLL when it was pushed, else at the
+    /// `io_uring_enter` that submitted it; `None` until then): the read timeout counts from here, so
+    /// a caller computing between `submit` and `reap` does not run the clock of reads the kernel has
+    /// not seen.
+    started: Option<Instant>,
+    /// Given up by the read timeout: the request has completed with a fresh buffer; this slot keeps
+    /// `buf` until the kernel's CQE comes (then ignored) or the ring is torn down.
+    abandoned: bool,
 }
 
 /// A request waiting for a free slab slot.
@@ -159,8 +201,11 @@ struct Waiting {
 ///   psync: [`Error::PastEnd`], [`Error::BufferTooSmall`], and in direct mode [`Error::Misaligned`].
 /// * [`IoQueue::block_size`] is the direct-I/O alignment from the same probe as psync
 ///   (`statx(STATX_DIOALIGN)`, then `BLKSSZGET`, then 4096), never less than 512.
+/// * A read whose completion has not come 30 s (see [`UringQueue::set_read_timeout`]) after the
+///   kernel got it completes with an [`io::ErrorKind::TimedOut`] error and a fresh buffer; its own
+///   buffer stays with the queue until the kernel completes it (see the module documentation).
 /// * Dropping the queue discards requests still waiting in the FIFO and waits for the reads in the
-///   kernel before freeing their buffers.
+///   kernel before freeing their buffers; after 30 s without a completion it leaks them instead.
 pub struct UringQueue {
     /// Declared first: after `Drop` has drained it, the ring is closed before the file.
     ring: IoUring,
@@ -202,6 +247,33 @@ pub struct UringQueue {
     /// purpose).
     #[cfg(test)]
     lose_cqes: u32,
+    /// Test twin: the next CQE of the read at each of these offsets (`offset + done`) is dropped
+    /// unread.
+    #[cfg(test)]
+    lose_cqe_at: Vec<u64>,
+    /// Test twin: the next CQE of the read at each of these offsets is held back (a late completion)
+    /// until [`UringQueue::release_held_cqes`].
+    #[cfg(test)]
+    hold_cqe_at: Vec<u64>,
+    /// Test twin: CQEs held back, `(user_data, res)`.
+    #[cfg(test)]
+    held: Vec<(u64, i32)>,
+    /// Test twin: the held CQEs are delivered at the next harvest.
+    #[cfg(test)]
+    release_held: bool,
+    /// Slots whose SQE found the SQ full, in order (see [`UringQueue::push`]).
+    unpushed: VecDeque<u32>,
+    /// Test twin: this many SQE pushes are refused as if the SQ were full.
+    #[cfg(test)]
+    refuse_pushes: u32,
+    /// How long a read may stay in the kernel ([`DEFAULT_READ_TIMEOUT`]).
+    read_timeout: std::time::Duration,
+    /// Requests given up by the read timeout so far.
+    timeouts: u64,
+    /// SQEs pushed so far: the SQ tail as we wrote it (the kernel's ring starts at 0; wraps).
+    sq_pushed: u32,
+    /// CQEs consumed so far: the CQ head as we wrote it (wraps).
+    cq_consumed: u32,
 }
 
 impl UringQueue {
@@ -310,6 +382,21 @@ impl UringQueue {
             drain_patience: DRAIN_PATIENCE_SLICES,
             #[cfg(test)]
             lose_cqes: 0,
+            #[cfg(test)]
+            lose_cqe_at: Vec::new(),
+            #[cfg(test)]
+            hold_cqe_at: Vec::new(),
+            #[cfg(test)]
+            held: Vec::new(),
+            #[cfg(test)]
+            release_held: false,
+            unpushed: VecDeque::new(),
+            #[cfg(test)]
+            refuse_pushes: 0,
+            read_timeout: DEFAULT_READ_TIMEOUT,
+            timeouts: 0,
+            sq_pushed: 0,
+            cq_consumed: 0,
         };
         if opts.iopoll {
             q.check_iopoll()?;
@@ -350,6 +437,19 @@ impl UringQueue {
     /// The path the queue was opened with.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Sets how long a read may stay in the kernel before `reap` gives it up and completes it with
+    /// a [`io::ErrorKind::TimedOut`] error (see the module documentation); at least 1 ms. Default
+    /// 30 s (`DEFAULT_READ_TIMEOUT`).
+    pub fn set_read_timeout(&mut self, timeout: std::time::Duration) {
+        self.read_timeout = timeout.max(std::time::Duration::from_millis(1));
+    }
+
+    /// Requests given up by the read timeout since the queue was opened (each completed once with a
+    /// `TimedOut` error).
+    pub fn timeouts(&self) -> u64 {
+        self.timeouts
     }
 
     /// Reads one block at offset 0 and turns the `EOPNOTSUPP`/`EINVAL` of a device without polled
@@ -408,14 +508,67 @@ impl UringQueue {
     fn start(&mut self, w: Waiting) -> std::result::Result<(), Waiting> {
         let Some(idx) = self.free.pop() else { return Err(w) };
         let ReadReq { offset, len, buf, tag } = w.req;
-        let entry = InFlight { tag, buf, offset: offset.0, len, done: 0, retries: 0, submitted: w.submitted };
+        let entry = InFlight {
+            tag,
+            buf,
+            offset: offset.0,
+            len,
+            done: 0,
+            retries: 0,
+            submitted: w.submitted,
+            started: None,
+            abandoned: false,
+        };
         self.slab[idx as usize] = Some(entry);
         self.push(idx);
         Ok(())
     }
 
-    /// Pushes the SQE reading the rest of slot `idx`'s request (`offset + done`, `len - done`).
+    /// Pushes the SQE reading the rest of slot `idx`'s request (`offset + done`, `len - done`); when
+    /// the SQ is full, the slot waits in `unpushed` for [`UringQueue::push_unpushed`].
+    ///
+    /// A full SQ with a free slot happens under SQPOLL: the polling thread publishes the SQ head
+    /// only after issuing its whole batch, and a buffered read completes inline during its issue,
+    /// so its CQE can be reaped, its slot refilled and a new SQE pushed while the SQEs it consumed
+    /// still count as queued (seen under load: 9 of 480 parallel runs of the integration tests
+    /// panicked here, and the slot left without an SQE then stalled `Drop`'s drain for 30 s).
+    /// SQPOLL rings get 2 × `qd` SQ entries so that a lagging head cannot fill them; this path
+    /// keeps the queue correct whatever the kernel does.
     fn push(&mut self, idx: u32) {
+        if self.opts.sqpoll {
+            // The polling thread sees the SQE as soon as it is pushed (or is about to be given it:
+            // a read stuck unpushed times out too); without SQPOLL the next `enter` submits it.
+            self.slab[idx as usize].as_mut().expect("occupied").started.get_or_insert_with(Instant::now);
+        }
+        if !self.try_push(idx) {
+            self.unpushed.push_back(idx);
+        }
+    }
+
+    /// Pushes the SQEs of the slots that found the SQ full, in order, until it is full again; a slot
+    /// given up by the timeout meanwhile is freed (the kernel never had its buffer).
+    fn push_unpushed(&mut self) {
+        while let Some(&idx) = self.unpushed.front() {
+            if self.slab[idx as usize].as_ref().is_some_and(|e| e.abandoned) {
+                self.unpushed.pop_front();
+                self.slab[idx as usize] = None;
+                self.free.push(idx);
+                continue;
+            }
+            if !self.try_push(idx) {
+                break;
+            }
+            self.unpushed.pop_front();
+        }
+    }
+
+    /// One attempt of [`UringQueue::push`]: false when the SQ is full.
+    fn try_push(&mut self, idx: u32) -> bool {
+        #[cfg(test)]
+        if self.refuse_pushes > 0 {
+            self.refuse_pushes -= 1;
+            return false;
+        }
         let e = self.slab[idx as usize].as_mut().expect("push: an occupied slot");
         let rest = e.len - e.done;
         let ptr = e.buf.as_mut_slice()[e.done as usize..].as_mut_ptr();
@@ -430,10 +583,14 @@ impl UringQueue {
         // len <= buf.len()`, checked at submit). The buffer stays in the slot, unread and not freed,
         // until the CQE carrying `user_data = idx` is reaped: valid until reaped (`Drop` waits for
         // it, and a broken ring leaks the buffer). The descriptor (or registered file 0) stays open
-        // for the life of the ring, which is closed before `file`.
+        // for the life of the ring, which is closed before `file`. A refused push (SQ full) queues
+        // nothing and lends nothing.
         let pushed = unsafe { self.ring.submission().push(&sqe) };
-        // The SQ has at least `qd` entries and each slot has at most one SQE queued or in flight.
-        pushed.expect("io_uring submission queue full with a free slab slot");
+        if pushed.is_err() {
+            return false;
+        }
+        self.sq_pushed = self.sq_pushed.wrapping_add(1);
+        true
     }
 
     /// Moves waiting requests into free slots.
@@ -447,19 +604,45 @@ impl UringQueue {
         }
     }
 
-    /// Slots whose read is queued or in the kernel.
+    /// Slots whose read is queued or in the kernel (abandoned ones included).
     fn occupied(&self) -> usize {
         self.slab.len() - self.free.len()
+    }
+
+    /// Slots whose read is in the kernel and not abandoned: completions the caller still waits for.
+    fn live(&self) -> usize {
+        self.slab.iter().flatten().filter(|e| !e.abandoned).count()
     }
 
     /// Copies the available CQEs out of the ring into `self.cqes`.
     fn copy_cqes(&mut self) {
         self.cqes.clear();
         self.cqes.extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
+        self.cq_consumed = self.cq_consumed.wrapping_add(self.cqes.len() as u32);
         #[cfg(test)]
         while self.lose_cqes > 0 && !self.cqes.is_empty() {
             self.lose_cqes -= 1;
             self.cqes.remove(0);
+        }
+        #[cfg(test)]
+        if !self.lose_cqe_at.is_empty() || !self.hold_cqe_at.is_empty() {
+            let mut kept = Vec::with_capacity(self.cqes.len());
+            for &(ud, res) in &self.cqes {
+                let at = self.slab.get(ud as usize).and_then(Option::as_ref).map(|e| e.offset + u64::from(e.done));
+                if let Some(i) = at.and_then(|at| self.lose_cqe_at.iter().position(|&o| o == at)) {
+                    self.lose_cqe_at.remove(i);
+                } else if let Some(i) = at.and_then(|at| self.hold_cqe_at.iter().position(|&o| o == at)) {
+                    self.hold_cqe_at.remove(i);
+                    self.held.push((ud, res));
+                } else {
+                    kept.push((ud, res));
+                }
+            }
+            self.cqes = kept;
+        }
+        #[cfg(test)]
+        if std::mem::take(&mut self.release_held) {
+            self.cqes.append(&mut self.held);
         }
         #[cfg(test)]
         for (ud, res) in self.cqes.iter_mut() {
@@ -489,6 +672,19 @@ impl UringQueue {
             // Not ours (cannot happen: every SQE carries an occupied slot's index).
             return tracing::error!("{}: io_uring completion for unknown slot {ud}", self.path.display());
         };
+        if e.abandoned {
+            // The late CQE of a read given up by the timeout: the kernel is done with the buffer
+            // now. Its request has completed already; nothing is resubmitted or reported.
+            tracing::warn!(
+                "{}: the read of {} B at {:#x} given up by the timeout completed after {:?} (result {res}); ignored",
+                self.path.display(),
+                e.len,
+                e.offset,
+                e.started.map(|t| t.elapsed()).unwrap_or_default()
+            );
+            self.slab[idx] = None;
+            return self.free.push(idx as u32);
+        }
         let result = if res < 0 {
             let errno = -res;
             if matches!(errno, libc::EAGAIN | libc::EINTR) && e.retries < MAX_RETRIES {
@@ -513,19 +709,28 @@ impl UringQueue {
         self.ready.push_back(Completion { tag: e.tag, buf: e.buf, result, latency_ns: nanos_since(e.submitted) });
     }
 
-    /// Submits the pushed SQEs and waits for `want` completions. Retryable errors return (the
-    /// caller loops); any other error breaks the ring (see [`UringQueue::fail_all`]).
-    fn enter(&mut self, want: usize) {
+    /// Submits the pushed SQEs and waits for `want` completions, at most `limit` when given (and the
+    /// kernel has `IORING_FEAT_EXT_ARG`). Retryable errors return (the caller loops); any other
+    /// error breaks the ring (see [`UringQueue::fail_all`]).
+    fn enter(&mut self, want: usize, limit: Option<std::time::Duration>) {
+        if !self.opts.sqpoll {
+            // This call submits every pushed SQE: their reads' timeouts start now.
+            let now = Instant::now();
+            for e in self.slab.iter_mut().flatten() {
+                e.started.get_or_insert(now);
+            }
+        }
         #[cfg(test)]
         let r = match self.enter_fault.take() {
             Some(errno) => Err(io::Error::from_raw_os_error(errno)),
-            None => self.submit_and_wait(want),
+            None => self.submit_and_wait(want, limit),
         };
         #[cfg(not(test))]
-        let r = self.submit_and_wait(want);
+        let r = self.submit_and_wait(want, limit);
         match r.map_err(|e| e.raw_os_error()) {
             Ok(_) => {}
-            // ETIME: an SQPOLL wait slice ended (the thread has been woken); the caller loops.
+            // ETIME: a bounded wait ended (an SQPOLL slice: the thread has been woken); the caller
+            // checks the read deadlines and loops.
             Err(Some(libc::EINTR | libc::ETIME)) => {}
             // EAGAIN: the kernel is short of memory for requests; EBUSY: completions must be reaped
             // first. Both clear up once the caller's loop harvests.
@@ -534,35 +739,47 @@ impl UringQueue {
         }
     }
 
-    /// `submit_and_wait`, with SQPOLL waits in slices (see the module documentation): the io-uring
-    /// crate's own for everything else.
-    fn submit_and_wait(&mut self, want: usize) -> io::Result<usize> {
+    /// `submit_and_wait`, lasting at most `limit` when given (`ETIME` when it ends with fewer
+    /// completions, unless SQEs were submitted), with SQPOLL waits in slices of at most
+    /// [`SQPOLL_WAIT_SLICE`] (see the module documentation). Without `IORING_FEAT_EXT_ARG` (before
+    /// Linux 5.11) the io-uring crate's unbounded wait.
+    fn submit_and_wait(&mut self, want: usize, limit: Option<std::time::Duration>) -> io::Result<usize> {
+        let ext_arg = self.ring.params().is_feature_ext_arg();
         if !self.opts.sqpoll {
-            return self.ring.submit_and_wait(want);
+            return match limit {
+                Some(limit) if want > 0 && ext_arg => {
+                    let ts = types::Timespec::from(limit);
+                    let args = types::SubmitArgs::new().timespec(&ts);
+                    self.ring.submitter().submit_with_args(want, &args)
+                }
+                _ => self.ring.submit_and_wait(want),
+            };
         }
+        let slice = limit.map_or(SQPOLL_WAIT_SLICE, |l| l.min(SQPOLL_WAIT_SLICE));
         #[cfg(test)]
         if self.lose_wakeups > 0 && self.ring.submission().need_wakeup() {
             self.lose_wakeups -= 1;
-            return if want == 0 { Ok(0) } else { self.sqpoll_wait(want, false) };
+            return if want == 0 { Ok(0) } else { self.sqpoll_wait(want, false, slice) };
         }
-        if want == 0 || !self.ring.params().is_feature_ext_arg() {
+        if want == 0 || !ext_arg {
             return self.ring.submit_and_wait(want);
         }
         // `need_wakeup` fences (SeqCst) before reading the flag: our tail store, published when the
         // `SubmissionQueue` that pushed was dropped, is ordered before the read, as the kernel
         // thread orders its flag store before re-reading the tail.
         let wake = self.ring.submission().need_wakeup();
-        self.sqpoll_wait(want, wake)
+        self.sqpoll_wait(want, wake, slice)
     }
 
-    /// One SQPOLL wait slice for `want` completions, waking the polling thread first when `wake`;
-    /// when the slice ends short (`ETIME`, returned), the thread is woken unconditionally.
-    fn sqpoll_wait(&mut self, want: usize, wake: bool) -> io::Result<usize> {
+    /// One SQPOLL wait slice of `slice` for `want` completions, waking the polling thread first
+    /// when `wake`; when the slice ends short (`ETIME`, returned), the thread is woken
+    /// unconditionally.
+    fn sqpoll_wait(&mut self, want: usize, wake: bool, slice: std::time::Duration) -> io::Result<usize> {
         let mut flags = EnterFlags::GETEVENTS | EnterFlags::EXT_ARG;
         if wake {
             flags |= EnterFlags::SQ_WAKEUP;
         }
-        let ts = types::Timespec::from(SQPOLL_WAIT_SLICE);
+        let ts = types::Timespec::from(slice);
         let args = types::SubmitArgs::new().timespec(&ts);
         let want = u32::try_from(want).unwrap_or(u32::MAX);
         // SAFETY: with IORING_ENTER_EXT_ARG the kernel reads `arg` as a `struct
@@ -573,7 +790,7 @@ impl UringQueue {
         if r.as_ref().is_err_and(|e| e.raw_os_error() == Some(libc::ETIME)) {
             self.sqpoll_rewakes += 1;
             tracing::debug!(
-                "{}: SQPOLL wait slice of {SQPOLL_WAIT_SLICE:?} ended with reads pending; waking the polling thread",
+                "{}: SQPOLL wait slice of {slice:?} ended with reads pending; waking the polling thread",
                 self.path.display()
             );
             // SAFETY: a wakeup carries no argument and no pointer (`arg` is null, size 0).
@@ -583,7 +800,7 @@ impl UringQueue {
     }
 
     /// SQPOLL waits that ended a slice short and woke the polling thread unconditionally (see the
-    /// module documentation): 0 unless a read took longer than [`SQPOLL_WAIT_SLICE`] or a wakeup
+    /// module documentation): 0 unless a read took longer than `SQPOLL_WAIT_SLICE` (50 ms) or a wakeup
     /// was lost.
     pub fn sqpoll_rewakes(&self) -> u64 {
         self.sqpoll_rewakes
@@ -599,9 +816,15 @@ impl UringQueue {
             self.occupied()
         );
         self.broken = Some(errno);
+        self.unpushed.clear();
         for idx in 0..self.slab.len() {
             let Some(e) = self.slab[idx].take() else { continue };
             self.free.push(idx as u32);
+            if e.abandoned {
+                // Its request completed at the timeout: only the buffer is left, and it is leaked.
+                std::mem::forget(e.buf);
+                continue;
+            }
             let fresh = AlignedBuf::new(e.buf.len(), e.buf.align()).expect("allocating a replacement buffer");
             std::mem::forget(e.buf);
             let cause = io::Error::from_raw_os_error(errno);
@@ -626,6 +849,11 @@ impl UringQueue {
     /// kernel may still write them) instead of waiting forever.
     fn drain(&mut self) {
         self.waiting.clear();
+        // Slots whose SQE never reached the ring: the kernel never had their buffers.
+        while let Some(idx) = self.unpushed.pop_front() {
+            self.slab[idx as usize] = None;
+            self.free.push(idx);
+        }
         let mut idle = 0u32;
         while self.occupied() > 0 && self.broken.is_none() {
             self.copy_cqes();
@@ -656,12 +884,7 @@ impl UringQueue {
     /// SQPOLL) a submit-and-wait of at most [`SQPOLL_WAIT_SLICE`]; `ETIME` when it ended with none.
     /// A kernel without `IORING_FEAT_EXT_ARG` (before Linux 5.11) waits unbounded.
     fn drain_wait(&mut self) -> io::Result<usize> {
-        if self.opts.sqpoll || !self.ring.params().is_feature_ext_arg() {
-            return self.submit_and_wait(1);
-        }
-        let ts = types::Timespec::from(SQPOLL_WAIT_SLICE);
-        let args = types::SubmitArgs::new().timespec(&ts);
-        self.ring.submitter().submit_with_args(1, &args)
+        self.submit_and_wait(1, Some(SQPOLL_WAIT_SLICE))
     }
 
     /// The reads still in the kernel after `slices` empty waits are given up: logged, and the ring
@@ -671,7 +894,10 @@ impl UringQueue {
             .slab
             .iter()
             .flatten()
-            .map(|e| format!("{} B at {:#x} ({} read, {} retries)", e.len, e.offset, e.done, e.retries))
+            .map(|e| {
+                let abandoned = if e.abandoned { ", given up by the read timeout" } else { "" };
+                format!("{} B at {:#x} ({} read, {} retries{abandoned})", e.len, e.offset, e.done, e.retries)
+            })
             .collect();
         tracing::error!(
             "{}: no completion in {slices} waits of {SQPOLL_WAIT_SLICE:?} while closing the ring; giving up {} \
@@ -681,6 +907,152 @@ impl UringQueue {
             pending.join(", ")
         );
         self.broken = Some(libc::ETIMEDOUT);
+    }
+
+    /// Gives up every live read that entered the kernel `read_timeout` or more before `now`, and,
+    /// when every slot is held by an abandoned read, every FIFO request submitted that long ago
+    /// (see the module documentation): their requests complete in `ready` with a `TimedOut` error,
+    /// and the ring's state is logged once for the lot. Returns whether any was given up.
+    fn expire(&mut self, now: Instant) -> bool {
+        let limit = self.read_timeout;
+        let mut given = Vec::new();
+        for idx in 0..self.slab.len() {
+            let Some(e) = self.slab[idx].as_ref() else { continue };
+            let Some(started) = e.started else { continue };
+            let waited = now.saturating_duration_since(started);
+            if e.abandoned || waited < limit {
+                continue;
+            }
+            // A replacement for the buffer the kernel may still write: the caller gets its slot
+            // back (zeroed, same shape); this one stays here until its CQE or the ring's end.
+            let fresh = match AlignedBuf::new(e.buf.len(), e.buf.align()) {
+                Ok(b) => b,
+                Err(err) => {
+                    tracing::error!(
+                        "{}: cannot allocate a replacement buffer of {} B to give up a stalled read: {err}; \
+                         waiting on for another {limit:?}",
+                        self.path.display(),
+                        e.buf.len()
+                    );
+                    self.slab[idx].as_mut().expect("occupied").started = Some(now);
+                    continue;
+                }
+            };
+            let what = format!(
+                "no completion {waited:?} after the read entered the kernel ({} of {} bytes read, {} \
+                 retries; ETIMEDOUT): given up, its buffer kept until the kernel completes it",
+                e.done, e.len, e.retries
+            );
+            given.push(format!("{} B at {:#x} ({} read, {} retries)", e.len, e.offset, e.done, e.retries));
+            let cause = io::Error::new(io::ErrorKind::TimedOut, what);
+            let err = Error::Read { path: self.path.clone(), offset: e.offset, len: e.len, cause };
+            let completion =
+                Completion { tag: e.tag, buf: fresh, result: Err(err.into_io()), latency_ns: nanos_since(e.submitted) };
+            self.ready.push_back(completion);
+            self.slab[idx].as_mut().expect("occupied").abandoned = true;
+        }
+        if self.free.is_empty() && self.live() == 0 {
+            while self.waiting.front().is_some_and(|w| now.saturating_duration_since(w.submitted) >= limit) {
+                let w = self.waiting.pop_front().expect("a front");
+                let (offset, len) = (w.req.offset.0, w.req.len);
+                let what = format!(
+                    "no free slot {:?} after submission: every slot is held by a read given up by the \
+                     timeout (ETIMEDOUT); never submitted",
+                    now.saturating_duration_since(w.submitted)
+                );
+                given.push(format!("{len} B at {offset:#x} (queued)"));
+                let cause = io::Error::new(io::ErrorKind::TimedOut, what);
+                self.refuse(w.req, w.submitted, Error::Read { path: self.path.clone(), offset, len, cause });
+            }
+        }
+        if given.is_empty() {
+            return false;
+        }
+        self.timeouts += given.len() as u64;
+        let state = self.ring_state();
+        // Tests install no subscriber: the stall's state goes to the test's captured output too.
+        #[cfg(test)]
+        eprintln!(
+            "{}: {} reads given up after {limit:?}: {}; {state}",
+            self.path.display(),
+            given.len(),
+            given.join(", ")
+        );
+        tracing::error!(
+            "{}: giving up {} reads after the read timeout of {limit:?}: {}; {state}",
+            self.path.display(),
+            given.len(),
+            given.join(", "),
+        );
+        true
+    }
+
+    /// The nearest read deadline after `now` (a live read's, or a FIFO request's when every slot is
+    /// abandoned), as a wait bound of at least 1 ms; `None` when there is none.
+    fn until_deadline(&self, now: Instant) -> Option<std::time::Duration> {
+        // A read not submitted yet is, at the latest, by the wait this bound is for.
+        let mut first = self.slab.iter().flatten().filter(|e| !e.abandoned).map(|e| e.started.unwrap_or(now)).min();
+        if self.free.is_empty() && first.is_none() {
+            first = self.waiting.front().map(|w| w.submitted);
+        }
+        let left = (first? + self.read_timeout).saturating_duration_since(now);
+        Some(left.max(std::time::Duration::from_millis(1)))
+    }
+
+    /// The ring's state for the stall log (see the module documentation): our view of the SQ and CQ
+    /// heads and tails and flags, the slab, and the kernel's view from `/proc/self/fdinfo`.
+    fn ring_state(&mut self) -> String {
+        let (sq_len, need_wakeup, cq_overflow, dropped) = {
+            let sq = self.ring.submission();
+            (sq.len() as u32, sq.need_wakeup(), sq.cq_overflow(), sq.dropped())
+        };
+        let cq_len = self.ring.completion().len() as u32;
+        let abandoned = self.slab.iter().flatten().filter(|e| e.abandoned).count();
+        let mut s = format!(
+            "ring as seen here: SQ head {} tail {}, CQ head {} tail {}, NEED_WAKEUP {need_wakeup}, CQ overflow \
+             {cq_overflow}, dropped {dropped}; slots: {} live, {abandoned} abandoned, {} free; {} queued",
+            self.sq_pushed.wrapping_sub(sq_len),
+            self.sq_pushed,
+            self.cq_consumed,
+            self.cq_consumed.wrapping_add(cq_len),
+            self.live(),
+            self.free.len(),
+            self.waiting.len()
+        );
+        let fdinfo = format!("/proc/self/fdinfo/{}", self.ring.as_raw_fd());
+        match std::fs::read_to_string(&fdinfo) {
+            Ok(text) => {
+                const KEYS: [&str; 8] =
+                    ["SqHead", "SqTail", "CachedSqHead", "CqHead", "CqTail", "CachedCqTail", "SqThread", "SqThreadCpu"];
+                let fields: Vec<(&str, &str)> = text
+                    .lines()
+                    .filter_map(|l| l.split_once(':'))
+                    .map(|(k, v)| (k.trim(), v.trim()))
+                    .filter(|(k, _)| KEYS.contains(k))
+                    .collect();
+                let shown: Vec<String> = fields.iter().map(|(k, v)| format!("{k} {v}")).collect();
+                s.push_str(&format!("; kernel ({fdinfo}): {}", shown.join(", ")));
+                let thread = fields.iter().find(|(k, _)| *k == "SqThread").map(|(_, v)| *v);
+                if let Some(tid) = thread.filter(|t| t.parse::<i64>().is_ok_and(|t| t > 0)) {
+                    // `pid (comm) S ...`: the state is the first field after the command's `)`.
+                    let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).ok();
+                    let state =
+                        stat.as_deref().and_then(|t| t.rsplit_once(')')).and_then(|(_, r)| r.split_whitespace().next());
+                    if let Some(state) = state {
+                        s.push_str(&format!(", SQ thread state {state}"));
+                    }
+                }
+            }
+            Err(e) => s.push_str(&format!("; {fdinfo} unreadable: {e}")),
+        }
+        s
+    }
+
+    /// Test twin: stops holding CQEs back and delivers the held ones at the next harvest.
+    #[cfg(test)]
+    fn release_held_cqes(&mut self) {
+        self.hold_cqe_at.clear();
+        self.release_held = true;
     }
 }
 
@@ -704,7 +1076,7 @@ impl IoQueue for UringQueue {
         }
         if self.opts.sqpoll {
             // No syscall unless the polling thread has gone to sleep.
-            self.enter(0);
+            self.enter(0, None);
         }
     }
 
@@ -712,19 +1084,30 @@ impl IoQueue for UringQueue {
         let start = out.len();
         let want = min.min(self.in_flight);
         loop {
+            self.push_unpushed();
             self.harvest();
             self.refill();
             out.extend(self.ready.drain(..));
             let got = out.len() - start;
-            let in_kernel = self.occupied();
-            if got >= want || in_kernel == 0 || self.broken.is_some() {
-                if in_kernel > 0 && self.broken.is_none() && !self.ring.submission().is_empty() {
-                    self.enter(0); // start what the FIFO refilled before the caller computes
+            let live = self.live();
+            if got >= want || (live == 0 && self.waiting.is_empty()) || self.broken.is_some() {
+                if live > 0 && self.broken.is_none() && !self.ring.submission().is_empty() {
+                    self.enter(0, None); // start what the FIFO refilled before the caller computes
                     out.extend(self.ready.drain(..));
                 }
                 break;
             }
-            self.enter((want - got).min(in_kernel));
+            if !self.unpushed.is_empty() {
+                self.enter(0, None); // submit (or wake the polling thread) to make room, then push
+                self.push_unpushed();
+            }
+            let now = Instant::now();
+            if self.expire(now) {
+                continue; // the given-up requests are in `ready`
+            }
+            // With live reads, wait for the completions missing; with only abandoned slots and a
+            // FIFO, for any CQE (a late one frees a slot). Never past the nearest deadline.
+            self.enter((want - got).min(live.max(1)), self.until_deadline(now));
         }
         let n = out.len() - start;
         self.in_flight -= n;
@@ -784,7 +1167,8 @@ fn nanos_since(t: Instant) -> u64 {
 /// Sets up the ring for `opts`; the probe has already shown that a plain ring works, so a failure
 /// here is blamed on the flag that asked for more.
 fn build_ring(path: &Path, opts: &UringOptions, sqpoll_idle_ms: u32) -> Result<IoUring> {
-    let entries = opts.qd.next_power_of_two();
+    // SQPOLL: twice the reads in flight, as the polling thread's SQ head lags (see `UringQueue::push`).
+    let entries = if opts.sqpoll { (2 * opts.qd).next_power_of_two() } else { opts.qd.next_power_of_two() };
     let mut b = IoUring::<squeue::Entry, io_uring::cqueue::Entry>::builder();
     if opts.sqpoll {
         b.setup_sqpoll(sqpoll_idle_ms);
@@ -1125,6 +1509,169 @@ mod tests {
             // One slot at least is never freed (two when the kernel completed neither read in time).
             assert!(occupied >= 1, "sqpoll {sqpoll}: {occupied} reads given up");
             assert_eq!(broken, Some(libc::ETIMEDOUT), "sqpoll {sqpoll}");
+        }
+    }
+    /// The error of a request given up by the read timeout: kind `TimedOut`, with its message chain.
+    fn timed_out(c: &Completion) -> String {
+        let e = c.result.as_ref().expect_err("a timeout");
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        let mut s = e.to_string();
+        let mut src = e.get_ref().and_then(|e| std::error::Error::source(e));
+        while let Some(cause) = src {
+            s.push_str(": ");
+            s.push_str(&cause.to_string());
+            src = cause.source();
+        }
+        s
+    }
+
+    /// Runs `f` on a thread and waits for its answer with a generous hang limit (a hang is the bug
+    /// these tests exist for: it must fail, not block the run).
+    fn within_hang_limit<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || tx.send(f()).unwrap());
+        rx.recv_timeout(std::time::Duration::from_secs(600))
+            .unwrap_or_else(|_| panic!("{what}: hung (or the test thread panicked: see above)"))
+    }
+
+    /// A read whose completion never comes (its CQE dropped unread by the twin) comes back from
+    /// `reap` as a `TimedOut` error naming offset, length, bytes done and retries, with a fresh
+    /// buffer of the same length, while the other reads of the batch (two of them queued behind it
+    /// in the FIFO) complete with the file's bytes; every tag comes back once; the abandoned read
+    /// keeps its slot; the stall log's state names the kernel's view; `Drop` returns.
+    #[test]
+    fn a_read_whose_completion_never_comes_times_out_and_the_batch_completes() {
+        for sqpoll in [false, true] {
+            let Some((_d, mut q, bytes)) = queue(1 << 20, UringOptions { sqpoll, ..UringOptions::buffered(4) }) else {
+                return;
+            };
+            if !q.ring.params().is_feature_ext_arg() {
+                panic!("this kernel has no IORING_FEAT_EXT_ARG (Linux 5.11+): reap waits are not bounded");
+            }
+            let (out, occupied, timeouts, state) = within_hang_limit("a stalled read", move || {
+                q.set_read_timeout(std::time::Duration::from_secs(1));
+                q.drain_patience = 4;
+                q.lose_cqe_at = vec![65536];
+                for i in 0..6u64 {
+                    submit(&mut q, i * 65536, 4096, i);
+                }
+                let out = reap_all(&mut q);
+                let state = q.ring_state();
+                let r = (out, q.occupied(), q.timeouts(), state);
+                drop(q); // the abandoned read is given up by the drain and its buffer leaked
+                r
+            });
+            assert_eq!(out.iter().map(|c| c.tag.0).collect::<Vec<_>>(), (0..6).collect::<Vec<_>>(), "sqpoll {sqpoll}");
+            let s = timed_out(&out[1]);
+            assert!(
+                s.contains("4096 bytes at offset 0x10000") && s.contains("0 of 4096 bytes read, 0 retries"),
+                "sqpoll {sqpoll}: {s}"
+            );
+            assert_eq!(out[1].buf.len(), 4096);
+            for c in out.iter().filter(|c| c.tag.0 != 1) {
+                let at = c.tag.0 as usize * 65536;
+                assert_eq!(*c.result.as_ref().unwrap(), 4096, "sqpoll {sqpoll}, read {}", c.tag.0);
+                assert!(c.buf.as_slice()[..4096] == bytes[at..at + 4096], "sqpoll {sqpoll}, read {}", c.tag.0);
+            }
+            assert_eq!((occupied, timeouts), (1, 1), "sqpoll {sqpoll}: the abandoned read keeps its slot");
+            assert!(state.contains("SQ head") && state.contains("SqHead") && state.contains("CqTail"), "{state}");
+        }
+    }
+
+    /// A late CQE for a read given up by the timeout (held back by the twin, then delivered) is
+    /// ignored: no second completion; it frees the slot, and a request queued behind the abandoned
+    /// slot (qd 1) then reads the file's bytes.
+    #[test]
+    fn a_late_completion_after_the_timeout_is_ignored() {
+        for sqpoll in [false, true] {
+            let Some((_d, mut q, bytes)) = queue(1 << 20, UringOptions { sqpoll, ..UringOptions::buffered(1) }) else {
+                return;
+            };
+            let (first, second, occupied, timeouts) = within_hang_limit("a late completion", move || {
+                q.set_read_timeout(std::time::Duration::from_secs(1));
+                q.hold_cqe_at = vec![0];
+                submit(&mut q, 0, 4096, 0);
+                let first = reap_all(&mut q);
+                submit(&mut q, 8192, 4096, 1); // no free slot: queued behind the abandoned read
+                q.release_held_cqes();
+                let second = reap_all(&mut q);
+                (first, second, q.occupied(), q.timeouts())
+            });
+            assert_eq!(first.len(), 1, "sqpoll {sqpoll}");
+            let s = timed_out(&first[0]);
+            assert!(s.contains("4096 bytes at offset 0x0"), "sqpoll {sqpoll}: {s}");
+            assert_eq!(second.len(), 1, "sqpoll {sqpoll}: the late CQE made no completion");
+            assert_eq!(second[0].tag.0, 1);
+            assert_eq!(*second[0].result.as_ref().unwrap(), 4096, "sqpoll {sqpoll}");
+            assert!(second[0].buf.as_slice()[..4096] == bytes[8192..8192 + 4096], "sqpoll {sqpoll}");
+            assert_eq!((occupied, timeouts), (0, 1), "sqpoll {sqpoll}");
+        }
+    }
+
+    /// With every slot held by an abandoned read (qd 1, its CQE never comes), a request queued in
+    /// the FIFO is given up too, with its own buffer, instead of waiting for a slot forever; `Drop`
+    /// returns.
+    #[test]
+    fn a_request_queued_behind_abandoned_slots_times_out() {
+        for sqpoll in [false, true] {
+            let Some((_d, mut q, _)) = queue(1 << 20, UringOptions { sqpoll, ..UringOptions::buffered(1) }) else {
+                return;
+            };
+            let (out, timeouts) = within_hang_limit("a request behind an abandoned slot", move || {
+                q.set_read_timeout(std::time::Duration::from_secs(1));
+                q.drain_patience = 4;
+                q.lose_cqe_at = vec![0];
+                submit(&mut q, 0, 4096, 0);
+                submit(&mut q, 4096, 8192, 1);
+                let out = reap_all(&mut q);
+                let timeouts = q.timeouts();
+                drop(q);
+                (out, timeouts)
+            });
+            assert_eq!(out.len(), 2, "sqpoll {sqpoll}");
+            assert!(timed_out(&out[0]).contains("at offset 0x0"), "sqpoll {sqpoll}");
+            let s = timed_out(&out[1]);
+            assert!(s.contains("8192 bytes at offset 0x1000") && s.contains("never submitted"), "sqpoll {sqpoll}: {s}");
+            assert_eq!(out[1].buf.len(), 8192);
+            assert_eq!(timeouts, 2, "sqpoll {sqpoll}");
+        }
+    }
+    /// Without SQPOLL an SQE reaches the kernel only at the next `reap`: a caller that computes for
+    /// longer than the read timeout between `submit` and `reap` must not see its reads given up.
+    #[test]
+    fn the_timeout_counts_from_submission_to_the_kernel() {
+        let Some((_d, mut q, bytes)) = queue(1 << 20, UringOptions::buffered(4)) else { return };
+        q.set_read_timeout(std::time::Duration::from_millis(200));
+        submit(&mut q, 4096, 4096, 0);
+        std::thread::sleep(std::time::Duration::from_millis(400)); // the caller computes
+        let out = reap_all(&mut q);
+        assert_eq!(*out[0].result.as_ref().unwrap(), 4096);
+        assert!(out[0].buf.as_slice()[..4096] == bytes[4096..8192]);
+        assert_eq!(q.timeouts(), 0);
+    }
+    /// An SQ found full with free slots (the SQPOLL head lag; made here by refusing pushes) delays
+    /// the reads, never loses them: each completes once with the file's bytes.
+    #[test]
+    fn reads_that_find_the_sq_full_are_pushed_later() {
+        for sqpoll in [false, true] {
+            let Some((_d, mut q, bytes)) = queue(1 << 20, UringOptions { sqpoll, ..UringOptions::buffered(4) }) else {
+                return;
+            };
+            let out = within_hang_limit("reads behind a full SQ", move || {
+                q.refuse_pushes = 3;
+                for i in 0..6u64 {
+                    submit(&mut q, i * 8192, 4096, i);
+                }
+                let out = reap_all(&mut q);
+                assert!(q.unpushed.is_empty() && q.occupied() == 0, "sqpoll {sqpoll}");
+                out
+            });
+            assert_eq!(out.iter().map(|c| c.tag.0).collect::<Vec<_>>(), (0..6).collect::<Vec<_>>(), "sqpoll {sqpoll}");
+            for c in &out {
+                let at = c.tag.0 as usize * 8192;
+                assert_eq!(*c.result.as_ref().unwrap(), 4096, "sqpoll {sqpoll}");
+                assert!(c.buf.as_slice()[..4096] == bytes[at..at + 4096], "sqpoll {sqpoll}, read {}", c.tag.0);
+            }
         }
     }
 }

@@ -209,7 +209,8 @@ impl GgufWeights {
     /// count; `tie_word_embeddings` is the absence of `output.weight`. Qwen3-MoE GGUFs route with
     /// renormalised top-k weights and have every layer MoE (llama.cpp's qwen3moe graph hard-codes
     /// both); GPT-OSS layers alternate sliding (even) and full (odd) attention as llama.cpp's
-    /// `load_swa_pattern(ml, 2)` sets them, and clamp the SwiGLU at 7 as its `swiglu_oai` does.
+    /// `load_swa_pattern(ml, 2)` sets them, clamp the SwiGLU at 7 as its `swiglu_oai` does, and
+    /// round YaRN's correction dims outward as ggml does (transformers' `truncate: true`).
     ///
     /// # Errors
     /// [`Error::Gguf`] naming a missing key or one of the wrong type; the errors of
@@ -293,7 +294,10 @@ impl GgufWeights {
                         "original_max_position_embeddings": opt_uint("rope.scaling.original_context_length")?,
                         "beta_fast": 32.0,
                         "beta_slow": 1.0,
-                        "truncate": false,
+                        // ggml rounds the YaRN correction dims outward always
+                        // (`ggml_rope_yarn_corr_dims`: floorf/ceilf), which is transformers'
+                        // `truncate: true` (tests/fixtures/gguf/models/gpt_oss_yarn_check.json).
+                        "truncate": true,
                     });
                 }
             }

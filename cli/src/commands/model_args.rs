@@ -15,10 +15,11 @@ use picchio_runtime::ModelDir;
 /// Options naming the model and how its experts are read.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// Converted model directory (from `picchio convert`) [default: $PICCHIO_MODEL, else the
+    /// Converted model directory (from `picchio convert`), or a GGUF file (`qwen3moe` or `gpt-oss`,
+    /// read in place) [default: $PICCHIO_MODEL, else the
     /// directory the --store image records (`picchio pack` and `synth --model-out` record it in
     /// the superblock), else the directory holding a file image].
-    #[arg(long, value_name = "DIR", env = "PICCHIO_MODEL")]
+    #[arg(long, value_name = "DIR|GGUF", env = "PICCHIO_MODEL")]
     pub model: Option<PathBuf>,
     /// Where routed experts come from (as `picchio run --store`): `auto`, `safetensors`,
     /// `file:PATH`, `raw:/dev/X[@BYTES]`, `nvme:BDF[/NSID]`, `nvme-tcp://HOST:PORT/NQN[/NSID]`, or

@@ -11,8 +11,9 @@ use picchio_runtime::ModelDir;
 /// Options of `picchio plan`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Converted model directory (from `picchio convert`, or one written by Picchio (C)).
-    #[arg(long, value_name = "DIR")]
+    /// Converted model directory (from `picchio convert`, or one written by Picchio (C)), or a GGUF
+    /// file.
+    #[arg(long, value_name = "DIR|GGUF")]
     pub model: PathBuf,
     /// The memory budget to split: bytes (8GB, 8GiB, 500MB; a bare number is GB) or a percentage of
     /// the cgroup's memory.max (else of MemAvailable), e.g. 50%. Without it the plan shows the

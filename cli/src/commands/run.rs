@@ -17,8 +17,9 @@ use picchio_runtime::ModelDir;
 /// Options of `picchio run`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Converted model directory (from `picchio convert`).
-    #[arg(long, value_name = "DIR")]
+    /// Converted model directory (from `picchio convert`), or a GGUF file (`qwen3moe` or `gpt-oss`,
+    /// llama.cpp's files as they are; split files by their first part), read in place.
+    #[arg(long, value_name = "DIR|GGUF")]
     pub model: PathBuf,
     /// Where routed experts come from: `auto` (DIR/experts.picchioflat when present and valid, else
     /// safetensors), `safetensors`, `file:PATH` or a path (a .picchioflat image in a file; a name

@@ -255,7 +255,8 @@ impl<'a> MatRef<'a> {
                 check_len("matvec_q3", "scales", scales.len(), n / 64, rows, cols);
             }
             MatRef::Ggml { ty, data } => {
-                assert!(ggml::vec_dot_type(ty).is_some(), "matvec_ggml: no dot product for {ty:?}");
+                let bf16 = ty == GgmlType::BF16;
+                assert!(bf16 || ggml::vec_dot_type(ty).is_some(), "matvec_ggml: no dot product for {ty:?}");
                 let elems = ty.block_elems() as usize;
                 assert!(cols.is_multiple_of(elems), "matvec_ggml: cols = {cols} is not whole {ty:?} blocks of {elems}");
                 let bytes = size(rows, cols / elems * ty.block_bytes() as usize);
@@ -496,6 +497,9 @@ impl Kernels {
             MatRef::Q3 { packed, scales } => self.matvec_q3(packed, scales, x, y),
             MatRef::Ggml { ty, data } => {
                 w.check(y.len(), x.len());
+                if ty == GgmlType::BF16 {
+                    return ggml::bf16::matvec(data, x, y);
+                }
                 ggml::with_activation(ty, x, 1, |xq| ggml::dot::matvec_quantized(self.level, ty, data, xq, y))
             }
         }
@@ -514,6 +518,13 @@ impl Kernels {
             return self.matvec(w, x, y);
         }
         let chunk_rows = (PAR_CHUNK_ELEMS / cols.max(1)).max(1);
+        if let MatRef::Ggml { ty: GgmlType::BF16, .. } = w {
+            y.par_chunks_mut(chunk_rows).enumerate().for_each(|(i, y_chunk)| {
+                let r0 = i * chunk_rows;
+                self.matvec(w.rows(r0, r0 + y_chunk.len(), cols), x, y_chunk);
+            });
+            return;
+        }
         if let MatRef::Ggml { ty, .. } = w {
             // The input is quantized once for every chunk of rows.
             return ggml::with_activation(ty, x, 1, |xq| {
@@ -561,6 +572,7 @@ impl Kernels {
             }
             MatRef::Q4 { packed, scales } => dispatch!(self, block::matmul::<Q4>(packed, scales, xs, n, yt)),
             MatRef::Q3 { packed, scales } => dispatch!(self, block::matmul::<Q3>(packed, scales, xs, n, yt)),
+            MatRef::Ggml { ty: GgmlType::BF16, data } => ggml::bf16::matmul(data, xs, n, yt),
             MatRef::Ggml { ty, data } => {
                 ggml::with_activation(ty, xs, n, |xqs| ggml::dot::matmul_quantized(self.level, ty, data, xqs, n, yt))
             }
@@ -580,6 +592,13 @@ impl Kernels {
             return self.matmul(w, xs, n, yt);
         }
         let chunk_rows = (PAR_CHUNK_ELEMS / cols.max(1)).max(1);
+        if let MatRef::Ggml { ty: GgmlType::BF16, .. } = w {
+            yt.par_chunks_mut(chunk_rows * n).enumerate().for_each(|(i, y_chunk)| {
+                let r0 = i * chunk_rows;
+                self.matmul(w.rows(r0, r0 + y_chunk.len() / n, cols), xs, n, y_chunk);
+            });
+            return;
+        }
         if let MatRef::Ggml { ty, .. } = w {
             // The inputs are quantized once for every chunk of rows.
             return ggml::with_activation(ty, xs, n, |xqs| {

@@ -516,18 +516,16 @@ impl WeightSource for GgufWeights {
         self.gguf_name(name).is_some_and(|g| self.model.tensor(&g).is_ok())
     }
 
-    /// F32 and quantized types with a dot product are kept as stored (F32 as [`Matrix::F32`], the
-    /// others as [`Matrix::Ggml`]); F16 is widened to f32 and BF16 kept as [`Matrix::Bf16`].
+    /// F32 and the types ggml-cpu multiplies are kept as stored (F32 as [`Matrix::F32`]; BF16 and
+    /// the quantized types with a dot product as [`Matrix::Ggml`], computed as ggml computes them:
+    /// BF16 by [`ggml::bf16`], with the input rounded to BF16); F16 is widened to f32.
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
         let t = self.lookup(name)?;
         self.expect_dims(name, t, &[rows, cols])?;
         let bytes = self.bytes(t);
         Ok(match t.info.ty {
             GgmlType::F32 | GgmlType::F16 => Matrix::F32(self.f32_values(name, t, &[rows, cols])?),
-            GgmlType::BF16 => Matrix::Bf16(
-                bytes.chunks_exact(2).map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect(),
-            ),
-            ty if ggml::vec_dot_type(ty).is_some() => Matrix::Ggml { ty, data: bytes.to_vec() },
+            ty if ty == GgmlType::BF16 || ggml::vec_dot_type(ty).is_some() => Matrix::Ggml { ty, data: bytes.to_vec() },
             ty => {
                 return Err(Error::TensorDtype {
                     path: self.model.path_of(t).into(),

@@ -244,11 +244,6 @@ pub fn expert_mats<'a>(layout: &ExpertLayout, layer: usize, payload: &'a [u8]) -
             let cast = |cause| Error::PayloadF32 { what: what.into(), range: r.clone(), cause };
             Ok(match ty {
                 GgmlType::F32 => MatRef::F32(bytemuck::try_cast_slice(data).map_err(cast)?),
-                GgmlType::BF16 => {
-                    use half::slice::HalfBitsSliceExt;
-                    let bits: &[u16] = bytemuck::try_cast_slice(data).map_err(cast)?;
-                    MatRef::Bf16(bits.reinterpret_cast())
-                }
                 ty => MatRef::Ggml { ty, data },
             })
         };

@@ -21,6 +21,7 @@
 
 use picchio_core::format::gguf::GgmlType;
 
+pub mod bf16;
 pub mod dot;
 pub mod floats;
 pub mod kquants;

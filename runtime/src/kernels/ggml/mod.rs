@@ -26,8 +26,9 @@ pub mod floats;
 pub mod kquants;
 pub mod legacy;
 pub mod q8;
+mod simd;
 
-pub use dot::{ggml_matvec, vec_dot, vec_dot_type, DotError, DOT_TYPES};
+pub use dot::{ggml_matvec, ggml_matvec_at, vec_dot, vec_dot_type, DotError, DOT_TYPES};
 pub use q8::{quantize_activation, Q8Arith};
 
 /// Why [`dequantize`] refused its input.

@@ -160,19 +160,26 @@ fn q3_k_scales(b: &[u8]) -> [i16; 16] {
     })
 }
 
-/// The 8 scales and 8 minimums of a Q4_K or Q5_K super-block (`b`: the block).
-fn q4_k_scales(b: &[u8]) -> ([i16; 8], [i16; 8]) {
-    let mut sc = [0i16; 8];
-    let mut m = [0i16; 8];
-    for j in 0..8 {
-        let (s, mm) = scale_min_k4(&b[4..16], j);
-        (sc[j], m[j]) = (i16::from(s), i16::from(mm));
-    }
-    (sc, m)
+/// The 8 scales and 8 minimums of a Q4_K or Q5_K super-block (`b`: the block), 6 bits each, as
+/// bytes: [`scale_min_k4`] of groups 0..8, four groups at a time in u32 arithmetic.
+fn q4_k_scales(b: &[u8]) -> ([u8; 8], [u8; 8]) {
+    let word = |at: usize| u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+    let (a, m, c) = (word(4), word(8), word(12));
+    let (low6, low4, top2) = (0x3f3f_3f3f, 0x0f0f_0f0f, 0x0303_0303);
+    let sc_hi = (c & low4) | (((a >> 6) & top2) << 4);
+    let m_hi = ((c >> 4) & low4) | (((m >> 6) & top2) << 4);
+    let join = |lo: u32, hi: u32| {
+        let mut out = [0u8; 8];
+        out[..4].copy_from_slice(&lo.to_le_bytes());
+        out[4..].copy_from_slice(&hi.to_le_bytes());
+        out
+    };
+    (join(a & low6, sc_hi), join(m & low6, m_hi))
 }
 
 /// Σ_j `bsums[j] · min[j / per]` of a Q8_K block `y` (16 sums of 16 codes) and 16 / `per` minimums.
-fn bsum_mins(y: &[u8], mins: &[i16], per: usize) -> i32 {
+#[cfg(test)]
+fn bsum_mins(y: &[u8], mins: &[u8], per: usize) -> i32 {
     (0..16).map(|j| i32::from(i16::from_le_bytes([y[260 + 2 * j], y[261 + 2 * j]])) * i32::from(mins[j / per])).sum()
 }
 
@@ -303,6 +310,34 @@ mod avx2 {
         _mm_cvtsi128_si32(s)
     }
 
+    /// Σ_j `bsums[j] · mins[j]` of the Q8_K block `y` and 16 minimums (i16) `mins` (exact).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(super) fn mins_dot(y: &[u8], mins: __m256i) -> i32 {
+        assert!(y.len() >= 292);
+        // SAFETY: the 16 `bsums` are bytes 260..292 of the block (length asserted).
+        let bsums = unsafe { load(y.as_ptr().add(260)) };
+        hsum_i32(_mm256_madd_epi16(bsums, mins))
+    }
+
+    /// 8 minimums `m` (bytes), each repeated for its two groups of 16, as 16 i16s.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(super) fn mins_32(m: [u8; 8]) -> __m256i {
+        let v = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(i64::from_le_bytes(m)));
+        _mm256_set_m128i(_mm_unpackhi_epi16(v, v), _mm_unpacklo_epi16(v, v))
+    }
+
+    /// Q2_K's 16 minimums (the high nibbles of `scales`, bytes 0..16 of the block) as 16 i16s.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(super) fn mins_q2_k(b: &[u8]) -> __m256i {
+        assert!(b.len() >= 16);
+        // SAFETY: 16 bytes, length asserted.
+        let s = unsafe { _mm_loadu_si128(b.as_ptr().cast()) };
+        _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(s), _mm_set1_epi8(0x0f)))
+    }
+
     /// Q4_K row (144-byte blocks: f16 `d`, f16 `dmin`, 12 scale bytes, `qs[128]`).
     ///
     /// # Safety
@@ -327,10 +362,10 @@ mod avx2 {
                 };
                 let lo = _mm256_and_si256(raw, m4);
                 let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4);
-                acc = _mm256_add_epi32(acc, chunk::<0>(lo, a0, scale_pair(sc[2 * p], sc[2 * p])));
-                acc = _mm256_add_epi32(acc, chunk::<0>(hi, a1, scale_pair(sc[2 * p + 1], sc[2 * p + 1])));
+                acc = _mm256_add_epi32(acc, chunk::<0>(lo, a0, scale_pair(sc[2 * p].into(), sc[2 * p].into())));
+                acc = _mm256_add_epi32(acc, chunk::<0>(hi, a1, scale_pair(sc[2 * p + 1].into(), sc[2 * p + 1].into())));
             }
-            let (dy, mins) = (q8_k_d(y), bsum_mins(y, &m, 2));
+            let (dy, mins) = (q8_k_d(y), mins_dot(y, mins_32(m)));
             sums = accumulate(sums, f16_at(b, 0) * dy, acc);
             sumf -= f16_at(b, 2) * dy * mins as f32;
         }
@@ -367,10 +402,10 @@ mod avx2 {
                     _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4),
                     _mm256_slli_epi16::<4>(bit(qh, c + 1)),
                 );
-                acc = _mm256_add_epi32(acc, chunk::<0>(lo, a0, scale_pair(sc[2 * p], sc[2 * p])));
-                acc = _mm256_add_epi32(acc, chunk::<0>(hi, a1, scale_pair(sc[2 * p + 1], sc[2 * p + 1])));
+                acc = _mm256_add_epi32(acc, chunk::<0>(lo, a0, scale_pair(sc[2 * p].into(), sc[2 * p].into())));
+                acc = _mm256_add_epi32(acc, chunk::<0>(hi, a1, scale_pair(sc[2 * p + 1].into(), sc[2 * p + 1].into())));
             }
-            let (dy, mins) = (q8_k_d(y), bsum_mins(y, &m, 2));
+            let (dy, mins) = (q8_k_d(y), mins_dot(y, mins_32(m)));
             sums = accumulate(sums, f16_at(b, 0) * dy, acc);
             sumf -= f16_at(b, 2) * dy * mins as f32;
         }
@@ -457,7 +492,6 @@ mod avx2 {
         for i in 0..blocks {
             let (b, y, a) = (&w[i * 84..(i + 1) * 84], &act[i * Q8_K_BYTES..(i + 1) * Q8_K_BYTES], &pq[i * QK_K..]);
             let sc: [i16; 16] = std::array::from_fn(|j| i16::from(b[j] & 0x0f));
-            let m: [i16; 16] = std::array::from_fn(|j| i16::from(b[j] >> 4));
             let mut acc = _mm256_setzero_si256();
             for h in 0..2 {
                 // SAFETY: `qs` bytes 32h..32h + 32 at 16 + 32h < 84.
@@ -474,7 +508,7 @@ mod avx2 {
             }
             let dy = q8_k_d(y);
             let (dall, dmin) = (dy * f16_at(b, 80), dy * f16_at(b, 82));
-            sumf += dall * hsum_i32(acc) as f32 - dmin * bsum_mins(y, &m, 1) as f32;
+            sumf += dall * hsum_i32(acc) as f32 - dmin * mins_dot(y, mins_q2_k(b)) as f32;
         }
         sumf
     }
@@ -624,7 +658,7 @@ mod avx2 {
 /// the AVX2 kernels' (8 lanes).
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::avx2::{accumulate, hsum_i32, lanes, load};
+    use super::avx2::{accumulate, hsum_i32, lanes, load, mins_32, mins_dot, mins_q2_k};
     use super::*;
     use std::arch::x86_64::*;
 
@@ -726,13 +760,24 @@ mod avx512 {
                 let lo = _mm512_and_si512(raw, m4);
                 let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4);
                 let c = 4 * q;
-                acc = _mm512_add_epi32(acc, chunk2::<0>(lo, join(a0, a2), scales2(sc[c], sc[c], sc[c + 2], sc[c + 2])));
                 acc = _mm512_add_epi32(
                     acc,
-                    chunk2::<0>(hi, join(a1, a3), scales2(sc[c + 1], sc[c + 1], sc[c + 3], sc[c + 3])),
+                    chunk2::<0>(
+                        lo,
+                        join(a0, a2),
+                        scales2(sc[c].into(), sc[c].into(), sc[c + 2].into(), sc[c + 2].into()),
+                    ),
+                );
+                acc = _mm512_add_epi32(
+                    acc,
+                    chunk2::<0>(
+                        hi,
+                        join(a1, a3),
+                        scales2(sc[c + 1].into(), sc[c + 1].into(), sc[c + 3].into(), sc[c + 3].into()),
+                    ),
                 );
             }
-            let (dy, mins) = (q8_k_d(y), bsum_mins(y, &m, 2));
+            let (dy, mins) = (q8_k_d(y), mins_dot(y, mins_32(m)));
             sums = accumulate(sums, f16_at(b, 0) * dy, fold(acc));
             sumf -= f16_at(b, 2) * dy * mins as f32;
         }
@@ -777,13 +822,24 @@ mod avx512 {
                 let lo = _mm512_or_si512(_mm512_and_si512(raw, m4), _mm512_slli_epi16::<4>(h_lo));
                 let hi =
                     _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4), _mm512_slli_epi16::<4>(h_hi));
-                acc = _mm512_add_epi32(acc, chunk2::<0>(lo, join(a0, a2), scales2(sc[c], sc[c], sc[c + 2], sc[c + 2])));
                 acc = _mm512_add_epi32(
                     acc,
-                    chunk2::<0>(hi, join(a1, a3), scales2(sc[c + 1], sc[c + 1], sc[c + 3], sc[c + 3])),
+                    chunk2::<0>(
+                        lo,
+                        join(a0, a2),
+                        scales2(sc[c].into(), sc[c].into(), sc[c + 2].into(), sc[c + 2].into()),
+                    ),
+                );
+                acc = _mm512_add_epi32(
+                    acc,
+                    chunk2::<0>(
+                        hi,
+                        join(a1, a3),
+                        scales2(sc[c + 1].into(), sc[c + 1].into(), sc[c + 3].into(), sc[c + 3].into()),
+                    ),
                 );
             }
-            let (dy, mins) = (q8_k_d(y), bsum_mins(y, &m, 2));
+            let (dy, mins) = (q8_k_d(y), mins_dot(y, mins_32(m)));
             sums = accumulate(sums, f16_at(b, 0) * dy, fold(acc));
             sumf -= f16_at(b, 2) * dy * mins as f32;
         }
@@ -886,7 +942,6 @@ mod avx512 {
         for i in 0..blocks {
             let (b, y, a) = (&w[i * 84..(i + 1) * 84], &act[i * Q8_K_BYTES..(i + 1) * Q8_K_BYTES], &pq[i * QK_K..]);
             let sc: [i16; 16] = std::array::from_fn(|j| i16::from(b[j] & 0x0f));
-            let m: [i16; 16] = std::array::from_fn(|j| i16::from(b[j] >> 4));
             let mut acc = _mm512_setzero_si512();
             for h in 0..2 {
                 // SAFETY: `qs` bytes 32h..32h + 32 at 16 + 32h < 84.
@@ -906,7 +961,7 @@ mod avx512 {
             }
             let dy = q8_k_d(y);
             let (dall, dmin) = (dy * f16_at(b, 80), dy * f16_at(b, 82));
-            sumf += dall * hsum_i32(fold(acc)) as f32 - dmin * bsum_mins(y, &m, 1) as f32;
+            sumf += dall * hsum_i32(fold(acc)) as f32 - dmin * mins_dot(y, mins_q2_k(b)) as f32;
         }
         sumf
     }
@@ -1053,6 +1108,28 @@ mod tests {
         for ty in DOT_TYPES {
             for level in [Level::Avx2, Level::Avx512] {
                 assert_eq!(row_fn(level, ty).is_some(), cfg!(target_arch = "x86_64"), "{ty} {level}");
+            }
+        }
+    }
+
+    /// The u32 unpacking of Q4_K's scales and the SIMD minimum sums equal the scalar ones.
+    #[test]
+    fn scale_and_min_helpers_equal_the_scalar_ones() {
+        let mut g = Lcg(3);
+        for _ in 0..1000 {
+            let b: Vec<u8> = (0..176).map(|_| g.next() as u8).collect();
+            let (sc, m) = q4_k_scales(&b);
+            for j in 0..8 {
+                assert_eq!((sc[j], m[j]), scale_min_k4(&b[4..16], j), "group {j}");
+            }
+            let y: Vec<u8> = (0..Q8_K_BYTES).map(|_| g.next() as u8).collect();
+            #[cfg(target_arch = "x86_64")]
+            if Level::Avx2.is_supported() {
+                // SAFETY: AVX2 checked just above.
+                let (k4, k2) =
+                    unsafe { (avx2::mins_dot(&y, avx2::mins_32(m)), avx2::mins_dot(&y, avx2::mins_q2_k(&b))) };
+                let m2: Vec<u8> = b[..16].iter().map(|v| v >> 4).collect();
+                assert_eq!((k4, k2), (bsum_mins(&y, &m, 2), bsum_mins(&y, &m2, 1)));
             }
         }
     }

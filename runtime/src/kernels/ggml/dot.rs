@@ -18,7 +18,9 @@
 //!
 //! (`aux32[l]` sums `scale · q8 · q` over the block's elements `i ≡ l (mod 8)`.) These are the
 //! functions llama.cpp runs where no SIMD twin exists; on x86 with AVX2 it runs twins that sum in
-//! another order (docs/kernels.md). No SIMD twins here yet; F32/F16/BF16 dots are not here either.
+//! another order (docs/kernels.md). This module's AVX2 and AVX-512 twins (`simd.rs`, chosen by the
+//! kernel `Level` in [`matvec_quantized`] / [`matmul_quantized`] and [`ggml_matvec_at`]) give the
+//! same bits as this scalar code. F32/F16/BF16 dots are not here.
 
 use super::f16_at;
 use super::floats::mxfp4_decode;
@@ -252,7 +254,7 @@ pub fn ggml_matvec(ty: GgmlType, weights: &[u8], x_quantized: &[u8], out: &mut [
 /// `out[r]` = ggml's `vec_dot` of weight row `r` of `weights` (`out.len()` rows of whole `ty`
 /// blocks) with `xq` (one input quantized to [`vec_dot_type`]`(ty)`), at kernel level `level`: the
 /// product of [`crate::kernels::MatRef::Ggml`] once the kernels have checked the shapes. Every level
-/// gives the bits of [`ggml_matvec`] (the generic C's).
+/// gives the bits of [`ggml_matvec`] (the generic C's); AVX2 and AVX-512 run `simd.rs`.
 ///
 /// # Panics
 /// When the shapes do not match (the caller checked them: `MatRef::check`).
@@ -276,7 +278,7 @@ fn matvec_checked(level: Level, ty: GgmlType, weights: &[u8], xq: &[u8], out: &m
     ggml_matvec(ty, weights, xq, out)
 }
 
-/// [`ggml_matvec`] computed by the kernels of `level` ([`super::simd`]'s AVX2 and AVX-512 twins,
+/// [`ggml_matvec`] computed by the kernels of `level` (`ggml/simd.rs`'s AVX2 and AVX-512 twins,
 /// or the scalar code): the same bits at every level. A level the CPU lacks
 /// ([`Level::is_supported`]) runs the scalar code.
 ///

@@ -17,7 +17,8 @@
 //!
 //! ggml's CPU matmul path, scalar and exact: [`q8`] quantizes activations to Q8_0/Q8_1/Q8_K blocks
 //! byte for byte as ggml does, and [`dot`] computes each weight type's dot product with them bit
-//! for bit as ggml's generic C (`ggml-cpu/quants.c`), with a row matvec ([`ggml_matvec`]).
+//! for bit as ggml's generic C (`ggml-cpu/quants.c`), with a row matvec ([`ggml_matvec`]);
+//! `simd.rs` has its AVX2 and AVX-512 twins, bit-identical ([`ggml_matvec_at`]).
 
 use picchio_core::format::gguf::GgmlType;
 

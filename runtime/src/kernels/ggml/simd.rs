@@ -28,7 +28,7 @@
 //! runs the AVX2 code. Every level gives the same bits (tests below).
 
 use super::f16_at;
-use super::kquants::{scale_min_k4, QK_K};
+use super::kquants::QK_K;
 use super::q8::Q8_K_BYTES;
 use crate::kernels::Level;
 use picchio_core::format::gguf::GgmlType;
@@ -161,7 +161,7 @@ fn q3_k_scales(b: &[u8]) -> [i16; 16] {
 }
 
 /// The 8 scales and 8 minimums of a Q4_K or Q5_K super-block (`b`: the block), 6 bits each, as
-/// bytes: [`scale_min_k4`] of groups 0..8, four groups at a time in u32 arithmetic.
+/// bytes: `kquants::scale_min_k4` of groups 0..8, four groups at a time in u32 arithmetic.
 fn q4_k_scales(b: &[u8]) -> ([u8; 8], [u8; 8]) {
     let word = |at: usize| u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
     let (a, m, c) = (word(4), word(8), word(12));
@@ -970,6 +970,7 @@ mod avx512 {
 #[cfg(test)]
 mod tests {
     use super::super::dot::{matmul_quantized, matvec_quantized, vec_dot_type, DOT_TYPES};
+    use super::super::kquants::scale_min_k4;
     use super::super::q8::{activation_bytes, quantize_activation, Q8Arith};
     use super::*;
 

@@ -14,17 +14,23 @@
 //!   the psync pool and io_uring, at QD 1 (the kernel's copy included; psync's figure also includes
 //!   handing each read to a pool thread and back).
 //!
+//! - `ggml_matvec`: one GGUF weight matrix used as stored (`MatRef::Ggml`: the input quantized to
+//!   Q8_0/Q8_K, then ggml's dot product per row) of each ggml type at a real size (Qwen3-30B-A3B's
+//!   expert gate `[768, 2048]` and down `[2048, 768]` for the K-quants, gpt-oss's `[2880, 2880]` for
+//!   the 32-element types), at every kernel level, one thread; throughput in weight bytes.
+//!
 //! Run: `cargo bench -p picchio-bench --bench micro` (add a group name to filter).
 
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use picchio_core::format::gguf::GgmlType;
 use picchio_core::io::read_blocking;
 use picchio_core::loader::StoreDims;
 use picchio_core::{AlignedBuf, FlatStore, FlatStoreOptions, FlatWriter};
 use picchio_runtime::expert::layout::ExpertLayout;
 use picchio_runtime::image::convert::expert_payload;
-use picchio_runtime::kernels::{Kernels, MatRef};
+use picchio_runtime::kernels::{Kernels, Level, MatRef};
 use picchio_runtime::model::moe::{expert_forward, ExpertScratch};
 use picchio_runtime::quant::{quantize_q3, quantize_q4, QuantKind};
 
@@ -199,5 +205,73 @@ fn cached_read(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, weights_vs_memory, expert, store_open, cached_read);
+/// `rows × cols` weights of ggml type `ty` (random codes, every f16 scale field a small normal f16,
+/// MXFP4 exponents near 1): the bytes cost the same whatever the values.
+fn ggml_weights(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
+    let mut g = picchio_core::rng::SplitMix64::new(ty as u64 + 17);
+    let bb = ty.block_bytes() as usize;
+    let mut w: Vec<u8> = (0..rows * cols / ty.block_elems() as usize * bb).map(|_| g.next_u64() as u8).collect();
+    let f16_fields: &[usize] = match ty {
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q3_K => &[108],
+        GgmlType::Q6_K => &[208],
+        _ => &[],
+    };
+    for b in w.chunks_exact_mut(bb) {
+        for &at in f16_fields {
+            let v = half::f16::from_f32(g.next_signed_f32() * 0.01);
+            b[at..at + 2].copy_from_slice(&v.to_bits().to_le_bytes());
+        }
+        if ty == GgmlType::MXFP4 {
+            b[0] = 120 + b[0] % 10;
+        }
+    }
+    w
+}
+
+fn ggml_matvec(c: &mut Criterion) {
+    use GgmlType::*;
+    let cases: [(GgmlType, usize, usize); 15] = [
+        (Q4_K, INTER, HIDDEN),
+        (Q4_K, HIDDEN, INTER),
+        (Q6_K, INTER, HIDDEN),
+        (Q6_K, HIDDEN, INTER),
+        (Q8_0, 2880, 2880),
+        (MXFP4, 2880, 2880),
+        (Q5_K, INTER, HIDDEN),
+        (Q5_K, HIDDEN, INTER),
+        (Q3_K, INTER, HIDDEN),
+        (Q2_K, INTER, HIDDEN),
+        (Q4_0, 2880, 2880),
+        (Q4_1, 2880, 2880),
+        (Q5_0, 2880, 2880),
+        (Q5_1, 2880, 2880),
+        (Q8_0, HIDDEN, INTER),
+    ];
+    let mut g = c.benchmark_group("ggml_matvec");
+    g.sample_size(10)
+        .warm_up_time(std::time::Duration::from_millis(500))
+        .measurement_time(std::time::Duration::from_secs(2));
+    for (ty, rows, cols) in cases {
+        let w = ggml_weights(ty, rows, cols);
+        let x = values(cols, 5);
+        let mut y = vec![0f32; rows];
+        g.throughput(Throughput::Bytes(w.len() as u64));
+        for level in Level::ALL {
+            let Some(k) = Kernels::new(level) else {
+                eprintln!("ggml_matvec: {level} not supported here, skipped");
+                continue;
+            };
+            let m = MatRef::Ggml { ty, data: &w };
+            g.bench_function(BenchmarkId::new(format!("{ty}_{rows}x{cols}"), level), |b| {
+                b.iter(|| k.matvec(black_box(m), black_box(&x), black_box(&mut y)))
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, weights_vs_memory, expert, store_open, cached_read, ggml_matvec);
 criterion_main!(benches);

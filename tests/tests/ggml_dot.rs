@@ -4,7 +4,8 @@
 
 use picchio_core::format::gguf::GgmlType;
 use picchio_runtime::kernels::ggml::q8::{activation_bytes, quantize_q8_0, quantize_q8_1, quantize_q8_k, Q8Arith};
-use picchio_runtime::kernels::ggml::{ggml_matvec, vec_dot, vec_dot_type, DOT_TYPES};
+use picchio_runtime::kernels::ggml::{ggml_matvec, ggml_matvec_at, vec_dot, vec_dot_type, DOT_TYPES};
+use picchio_runtime::kernels::Level;
 use picchio_tests::fixture;
 
 /// Activation rows in `act.f32` and values per row.
@@ -67,7 +68,8 @@ fn activation_quantization_equals_ggml_byte_for_byte() {
 
 /// Every weight type's dot product with its activation type has the f32 bits of ggml's generic C:
 /// per activation row, the type's 1024 fixture weights (`dequant/<TYPE>.bin`) as one row
-/// (many blocks: the cross-block accumulation order), then as 4 rows of 256 via [`ggml_matvec`].
+/// (many blocks: the cross-block accumulation order), then as 4 rows of 256 via [`ggml_matvec`];
+/// and the same through [`ggml_matvec_at`] at every kernel level this CPU has.
 #[test]
 fn dot_products_equal_ggml_generic_c_bit_for_bit() {
     let want = f32s(&dot_fixture("dot.f32"));
@@ -93,6 +95,18 @@ fn dot_products_equal_ggml_generic_c_bit_for_bit() {
                 (got.iter().map(|f| f.to_bits()).collect(), want.iter().map(|f| f.to_bits()).collect());
             assert_eq!(g, wb, "{ty}, activation row {v}: ours {got:?}, ggml {want:?}");
             assert!(want.iter().any(|f| *f != 0.0), "{ty}, row {v}: the fixture is not all zeros");
+            // The SIMD kernels give the same bits (a level the CPU lacks is skipped).
+            for level in Level::ALL {
+                if !level.is_supported() {
+                    println!("{level}: not supported by this CPU, skipped");
+                    continue;
+                }
+                let mut simd = [0f32; 5];
+                ggml_matvec_at(level, ty, &w, a, &mut simd[..1]).unwrap();
+                ggml_matvec_at(level, ty, &w, &a[..activation_bytes(act_ty, 256).unwrap()], &mut simd[1..]).unwrap();
+                let s: Vec<u32> = simd.iter().map(|f| f.to_bits()).collect();
+                assert_eq!(s, wb, "{ty} at {level}, activation row {v}: {simd:?}, ggml {want:?}");
+            }
             checked += 5;
         }
     }

@@ -18,13 +18,16 @@
 //!
 //! (`aux32[l]` sums `scale · q8 · q` over the block's elements `i ≡ l (mod 8)`.) These are the
 //! functions llama.cpp runs where no SIMD twin exists; on x86 with AVX2 it runs twins that sum in
-//! another order (docs/kernels.md). No SIMD twins here yet; F32/F16/BF16 dots are not here either.
+//! another order (docs/kernels.md). This module's AVX2 and AVX-512 twins (`simd.rs`, chosen by the
+//! kernel `Level` in [`matvec_quantized`] / [`matmul_quantized`] and [`ggml_matvec_at`]) give the
+//! same bits as this scalar code. F32/F16/BF16 dots are not here.
 
 use super::f16_at;
 use super::floats::mxfp4_decode;
 use super::kquants::{self, QK_K};
 use super::legacy::{q8_0_decode, LegacyBlock};
 use super::q8::activation_block;
+use crate::kernels::Level;
 use picchio_core::format::gguf::GgmlType;
 
 /// Why a quantization or dot product refused its input.
@@ -251,13 +254,45 @@ pub fn ggml_matvec(ty: GgmlType, weights: &[u8], x_quantized: &[u8], out: &mut [
 /// `out[r]` = ggml's `vec_dot` of weight row `r` of `weights` (`out.len()` rows of whole `ty`
 /// blocks) with `xq` (one input quantized to [`vec_dot_type`]`(ty)`), at kernel level `level`: the
 /// product of [`crate::kernels::MatRef::Ggml`] once the kernels have checked the shapes. Every level
-/// gives the bits of [`ggml_matvec`] (the generic C's).
+/// gives the bits of [`ggml_matvec`] (the generic C's); AVX2 and AVX-512 run `simd.rs`.
 ///
 /// # Panics
 /// When the shapes do not match (the caller checked them: `MatRef::check`).
-pub(crate) fn matvec_quantized(level: crate::kernels::Level, ty: GgmlType, weights: &[u8], xq: &[u8], out: &mut [f32]) {
-    let _ = level;
-    ggml_matvec(ty, weights, xq, out).expect("matvec_ggml: shapes checked by the caller");
+pub(crate) fn matvec_quantized(level: Level, ty: GgmlType, weights: &[u8], xq: &[u8], out: &mut [f32]) {
+    matvec_checked(level, ty, weights, xq, out).expect("matvec_ggml: shapes checked by the caller");
+}
+
+/// [`ggml_matvec`] at `level`, which the CPU supports.
+fn matvec_checked(level: Level, ty: GgmlType, weights: &[u8], xq: &[u8], out: &mut [f32]) -> Result<(), DotError> {
+    if level != Level::Scalar && !out.is_empty() {
+        let row_bytes = weights.len() / out.len();
+        if row_bytes > 0
+            && row_bytes * out.len() == weights.len()
+            && row_bytes.is_multiple_of(ty.block_bytes() as usize)
+            && check_act(ty, row_bytes, xq).is_ok()
+            && super::simd::matvec(level, ty, weights, row_bytes, xq, out)
+        {
+            return Ok(());
+        }
+    }
+    ggml_matvec(ty, weights, xq, out)
+}
+
+/// [`ggml_matvec`] computed by the kernels of `level` (`ggml/simd.rs`'s AVX2 and AVX-512 twins,
+/// or the scalar code): the same bits at every level. A level the CPU lacks
+/// ([`Level::is_supported`]) runs the scalar code.
+///
+/// # Errors
+/// As [`ggml_matvec`].
+pub fn ggml_matvec_at(
+    level: Level,
+    ty: GgmlType,
+    weights: &[u8],
+    x_quantized: &[u8],
+    out: &mut [f32],
+) -> Result<(), DotError> {
+    let level = if level.is_supported() { level } else { Level::Scalar };
+    matvec_checked(level, ty, weights, x_quantized, out)
 }
 
 /// `yt[r * n + t]` = [`matvec_quantized`] of input `t` (`xqs` holds `n` quantized inputs one after
@@ -265,15 +300,7 @@ pub(crate) fn matvec_quantized(level: crate::kernels::Level, ty: GgmlType, weigh
 ///
 /// # Panics
 /// When the shapes do not match (the caller checked them).
-pub(crate) fn matmul_quantized(
-    level: crate::kernels::Level,
-    ty: GgmlType,
-    weights: &[u8],
-    xqs: &[u8],
-    n: usize,
-    yt: &mut [f32],
-) {
-    let _ = level;
+pub(crate) fn matmul_quantized(level: Level, ty: GgmlType, weights: &[u8], xqs: &[u8], n: usize, yt: &mut [f32]) {
     let rows = yt.len() / n;
     let (block_bytes, _, _) = block_sizes(ty).expect("matmul_ggml: a dot type");
     let row_bytes = weights.len().checked_div(rows).unwrap_or(0);
@@ -284,6 +311,9 @@ pub(crate) fn matmul_quantized(
         return;
     }
     let act_bytes = check_act(ty, row_bytes, &xqs[..xq_bytes]).expect("matmul_ggml: shapes checked by the caller");
+    if level != Level::Scalar && super::simd::matmul(level, ty, weights, row_bytes, xqs, n, yt) {
+        return;
+    }
     for (w, y) in weights.chunks_exact(row_bytes).zip(yt.chunks_exact_mut(n)) {
         for (o, xq) in y.iter_mut().zip(xqs.chunks_exact(xq_bytes)) {
             *o = dot_row(ty, w, xq, act_bytes);

@@ -23,7 +23,7 @@ pub fn f16_to_f32(h: u16) -> f32 {
 }
 
 /// ggml's `GGML_E8M0_TO_FP32_HALF`: half of 2^(e − 127), as f32 bits (subnormal for e < 2).
-fn e8m0_half(e: u8) -> f32 {
+pub(super) fn e8m0_half(e: u8) -> f32 {
     let e = u32::from(e);
     f32::from_bits(if e < 2 { 0x0020_0000 << e } else { (e - 1) << 23 })
 }

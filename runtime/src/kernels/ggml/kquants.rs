@@ -26,7 +26,7 @@ fn high_bit(mask: &[u8], i: usize) -> u8 {
 
 /// Q4_K's and Q5_K's 6-bit scale and minimum of group `j` (0..8) from their 12 packed bytes
 /// (ggml's `get_scale_min_k4`).
-fn scale_min_k4(s: &[u8], j: usize) -> (u8, u8) {
+pub(super) fn scale_min_k4(s: &[u8], j: usize) -> (u8, u8) {
     if j < 4 {
         (s[j] & 63, s[j + 4] & 63)
     } else {

@@ -17,7 +17,8 @@
 //!
 //! ggml's CPU matmul path, scalar and exact: [`q8`] quantizes activations to Q8_0/Q8_1/Q8_K blocks
 //! byte for byte as ggml does, and [`dot`] computes each weight type's dot product with them bit
-//! for bit as ggml's generic C (`ggml-cpu/quants.c`), with a row matvec ([`ggml_matvec`]).
+//! for bit as ggml's generic C (`ggml-cpu/quants.c`), with a row matvec ([`ggml_matvec`]);
+//! `simd.rs` has its AVX2 and AVX-512 twins, bit-identical ([`ggml_matvec_at`]).
 
 use picchio_core::format::gguf::GgmlType;
 
@@ -27,8 +28,9 @@ pub mod floats;
 pub mod kquants;
 pub mod legacy;
 pub mod q8;
+mod simd;
 
-pub use dot::{ggml_matvec, vec_dot, vec_dot_type, DotError, DOT_TYPES};
+pub use dot::{ggml_matvec, ggml_matvec_at, vec_dot, vec_dot_type, DotError, DOT_TYPES};
 pub use q8::{quantize_activation, Q8Arith};
 
 /// Why [`dequantize`] refused its input.

@@ -591,7 +591,10 @@ fn check_bundle<Q: IoQueue>(
 ) -> Result<()> {
     let not_this = |what: String| Error::NotThisBundle { source_name: source_name.into(), what };
     let Some(h) = &sb.bundle else {
-        return Err(not_this(format!("it is a version {} image, not the expert bundle (version 3) of a GGUF", sb.version)));
+        return Err(not_this(format!(
+            "it is a version {} image, not the expert bundle (version 3) of a GGUF",
+            sb.version
+        )));
     };
     if h.source.fingerprint != want.fingerprint {
         return Err(not_this(format!(
@@ -602,7 +605,8 @@ fn check_bundle<Q: IoQueue>(
             h.source.path.display()
         )));
     }
-    let table_err = |message: String| Error::LayerTable { source_name: source_name.into(), offset: h.layers_offset, message };
+    let table_err =
+        |message: String| Error::LayerTable { source_name: source_name.into(), offset: h.layers_offset, message };
     let bs = BLOCK_SIZE.max(queue.block_size());
     let len = u32::try_from(round_up(h.layers_len.max(1), u64::from(bs)))
         .map_err(|_| table_err(format!("{} bytes do not fit one read", h.layers_len)))?;

@@ -68,7 +68,8 @@ fn a_run_through_the_bundle_equals_the_run_in_place_token_for_token_and_logit_fo
     assert_eq!((sb.version, sb.n_layers, sb.n_experts, sb.n_entries, sb.hidden), (3, 2, 8, 16, 64));
     let h = sb.bundle.as_ref().unwrap();
     assert_eq!(h.source.path, std::path::absolute(&gguf).unwrap());
-    let layers = decode_layer_table(&bytes[h.layers_offset as usize..(h.layers_offset + h.layers_len) as usize]).unwrap();
+    let layers =
+        decode_layer_table(&bytes[h.layers_offset as usize..(h.layers_offset + h.layers_len) as usize]).unwrap();
     let idx = decode_index(&bytes[sb.index_offset as usize..(sb.index_offset + sb.index_len) as usize]);
     for (i, loc) in idx.iter().enumerate() {
         assert_eq!(Some(u64::from(loc.len)), layers[i / 8].payload_len(), "entry {i}");
@@ -108,7 +109,7 @@ fn a_stale_or_foreign_bundle_falls_back_under_auto_and_is_refused_when_named() {
     let (g, store) = run(&gguf, StoreUri::Auto).unwrap();
     assert!(store.starts_with("gguf"), "auto falls back to the GGUF in place: {store}");
     assert_eq!(g.logits, in_place.logits);
-    let e = run(&gguf, StoreUri::File(bundle.clone())).err().expect("a stale bundle must not open").to_string();
+    let e = run(&gguf, StoreUri::File(bundle.clone())).expect_err("a stale bundle must not open").to_string();
     assert!(e.contains("not the expert bundle of this model") && e.contains("fingerprint"), "{e}");
     assert!(e.contains("tiny_moe.gguf.picchioflat"), "{e}");
     // `pack` again (what `pack --force` does for a file) rebuilds it: the bundle is used again.
@@ -136,10 +137,11 @@ fn a_stale_or_foreign_bundle_falls_back_under_auto_and_is_refused_when_named() {
     let e = run(&gguf, StoreUri::File(bundle.clone())).err().unwrap().to_string();
     assert!(e.contains("not the expert bundle") || e.contains("store was packed for a different model"), "{e}");
     pack_file(&gguf, &bundle);
-    let e = greedy(&fixture("picchio_c/qwen3_moe"), StoreUri::File(bundle), EngineOptions::default(), Some(4), &PROMPT, 1)
-        .err()
-        .expect("a bundle must not serve a converted directory")
-        .to_string();
+    let e =
+        greedy(&fixture("picchio_c/qwen3_moe"), StoreUri::File(bundle), EngineOptions::default(), Some(4), &PROMPT, 1)
+            .err()
+            .expect("a bundle must not serve a converted directory")
+            .to_string();
     assert!(e.contains("store was packed for a different model") || e.contains("expert bundle (version 3)"), "{e}");
 }
 

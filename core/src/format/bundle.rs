@@ -130,7 +130,12 @@ impl BundleHeader {
         let bad = super::bad_field(source_name);
         if block[off::MAGIC..off::MAGIC + 8] != BUNDLE_SOURCE_MAGIC {
             let found = u64::from_le_bytes(block[off::MAGIC..off::MAGIC + 8].try_into().expect("8 bytes"));
-            return Err(bad("bundle.magic", off::MAGIC, "\"PCHGGUF1\" (a version 3 image's source record)".into(), found));
+            return Err(bad(
+                "bundle.magic",
+                off::MAGIC,
+                "\"PCHGGUF1\" (a version 3 image's source record)".into(),
+                found,
+            ));
         }
         let len = le_u32(block, off::PATH_LEN) as usize;
         if len == 0 || len > BUNDLE_MAX_PATH_LEN {

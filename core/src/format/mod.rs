@@ -17,9 +17,8 @@ mod superblock;
 mod writer;
 
 pub use bundle::{
-    bundle_data_offset, bundle_layers_offset, decode_layer_table, encode_layer_table, layer_table_sha256,
-    BundleHeader, GgufSource, LayerDesc, SlabDesc, BUNDLE_MAX_PATH_LEN, BUNDLE_SOURCE_MAGIC, BUNDLE_VERSION,
-    LAYER_DESC_SIZE,
+    bundle_data_offset, bundle_layers_offset, decode_layer_table, encode_layer_table, layer_table_sha256, BundleHeader,
+    GgufSource, LayerDesc, SlabDesc, BUNDLE_MAX_PATH_LEN, BUNDLE_SOURCE_MAGIC, BUNDLE_VERSION, LAYER_DESC_SIZE,
 };
 pub use index::{decode_index, encode_index, index_sha256, payload_hash, ExpertLoc, EXPERT_LOC_SIZE};
 pub use model_record::{ModelRecord, MODEL_RECORD_MAGIC, MODEL_RECORD_MAX_DIR_LEN, MODEL_RECORD_VERSION};

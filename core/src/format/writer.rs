@@ -14,8 +14,8 @@ use std::path::{Path, PathBuf};
 use crate::output::OutputFile;
 
 use super::{
-    encode_index, encode_layer_table, index_sha256, layer_table_sha256, payload_hash, round_up, BundleHeader, ExpertLoc,
-    GgufSource, LayerDesc, ModelRecord, Superblock, BLOCK_SIZE, EXPERT_LOC_SIZE,
+    encode_index, encode_layer_table, index_sha256, layer_table_sha256, payload_hash, round_up, BundleHeader,
+    ExpertLoc, GgufSource, LayerDesc, ModelRecord, Superblock, BLOCK_SIZE, EXPERT_LOC_SIZE,
 };
 use crate::error::{Error, Result};
 use crate::loader::StoreDims;
@@ -370,7 +370,11 @@ impl<S: ImageSink> FlatWriter<S> {
             return Err(misuse("set_bundle after a payload or a model record".into()));
         }
         if layers.len() != self.dims.n_layers as usize {
-            return Err(misuse(format!("{} layer descriptors for a model of {} layers", layers.len(), self.dims.n_layers)));
+            return Err(misuse(format!(
+                "{} layer descriptors for a model of {} layers",
+                layers.len(),
+                self.dims.n_layers
+            )));
         }
         BundleHeader::check_source(&source, self.sink.dest())?;
         self.data_offset = super::bundle_data_offset(self.n_entries, self.dims.n_layers);
@@ -465,7 +469,8 @@ impl<S: ImageSink> FlatWriter<S> {
         let sb = match self.bundle.take() {
             None => Superblock::layout(self.dims, self.n_entries, sha, self.model.take()),
             Some((source, table)) => {
-                let header = BundleHeader { source, layers_offset: 0, layers_len: 0, layers_sha256: layer_table_sha256(&table) };
+                let header =
+                    BundleHeader { source, layers_offset: 0, layers_len: 0, layers_sha256: layer_table_sha256(&table) };
                 let sb = Superblock::layout_bundle(self.dims, self.n_entries, sha, header);
                 // Index, zeros to the table, the table: one run from index_offset.
                 let h = sb.bundle.as_ref().expect("set");
@@ -474,7 +479,10 @@ impl<S: ImageSink> FlatWriter<S> {
                 sb
             }
         };
-        debug_assert_eq!((sb.index_offset, sb.index_len, sb.data_offset), (self.index_offset, sb.index_len, self.data_offset));
+        debug_assert_eq!(
+            (sb.index_offset, sb.index_len, sb.data_offset),
+            (self.index_offset, sb.index_len, self.data_offset)
+        );
         debug_assert_eq!(sb.index_len, self.entries.len() as u64 * EXPERT_LOC_SIZE as u64);
         // The index region (with a bundle's table) is padded with zeros up to the data, so it is whole blocks.
         index.resize((self.data_offset - self.index_offset) as usize, 0);
@@ -517,7 +525,8 @@ mod tests {
         let path = dir.path().join("m.gguf.picchioflat");
         let dims = StoreDims { hidden: 64, n_layers: 2, n_experts: 2, topk: 1, moe_inter: 128 };
         let s = |bytes| SlabDesc { ty: 8, stored: 8, bytes };
-        let layers = [LayerDesc { slabs: Some([s(100), s(100), s(100)]) }, LayerDesc { slabs: Some([s(100), s(100), s(50)]) }];
+        let layers =
+            [LayerDesc { slabs: Some([s(100), s(100), s(100)]) }, LayerDesc { slabs: Some([s(100), s(100), s(50)]) }];
         let source = GgufSource { path: "/m/m.gguf".into(), fingerprint: [3; 32] };
         let mut w = FlatWriter::create(&path, dims, 4).unwrap();
         w.set_bundle(source.clone(), &layers).unwrap();

@@ -70,8 +70,12 @@ impl GgufExperts {
     /// The layer table of a bundle of these experts (docs/format.md, "version 3"): per decoder
     /// layer, gate, up and down with their slot and GGUF ggml type ids and bytes per expert.
     pub fn layer_descs(&self) -> Vec<LayerDesc> {
-        let slab = |s: &ExpertSlab| SlabDesc { ty: s.ty.traits().id, stored: s.stored.traits().id, bytes: s.bytes as u64 };
-        self.layers.iter().map(|l| LayerDesc { slabs: l.as_ref().map(|s| [slab(&s[0]), slab(&s[1]), slab(&s[2])]) }).collect()
+        let slab =
+            |s: &ExpertSlab| SlabDesc { ty: s.ty.traits().id, stored: s.stored.traits().id, bytes: s.bytes as u64 };
+        self.layers
+            .iter()
+            .map(|l| LayerDesc { slabs: l.as_ref().map(|s| [slab(&s[0]), slab(&s[1]), slab(&s[2])]) })
+            .collect()
     }
 
     /// What a bundle must hold to serve these experts ([`picchio_core::FlatStore::open_bundle`]).

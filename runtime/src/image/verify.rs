@@ -380,7 +380,11 @@ pub fn verify_queue<Q: IoQueue + ?Sized>(
         };
         let digest = picchio_core::format::layer_table_sha256(table);
         if digest != h.layers_sha256 {
-            store_problems.push(problem(format!("SHA-256 {}, superblock says {}", hex(&digest), hex(&h.layers_sha256))));
+            store_problems.push(problem(format!(
+                "SHA-256 {}, superblock says {}",
+                hex(&digest),
+                hex(&h.layers_sha256)
+            )));
         } else if let Err(e) = picchio_core::format::decode_layer_table(table) {
             store_problems.push(problem(e));
         }

@@ -4,8 +4,9 @@
 //! a run through the bundle gives the tokens and logits of the run in place; a stale bundle (the
 //! GGUF's metadata rewritten) or a foreign one (another GGUF's, a version 2 image) falls back under
 //! `--store auto` and is an error naming what differs under an explicit store; `verify` compares
-//! the bundle with the GGUF byte for byte; and the bundle on a loop device (`raw:`) gives the same
-//! tokens.
+//! the bundle with the GGUF byte for byte; and the bundle read by the user-space NVMe driver over
+//! its controller model (`nvme-sim:`) or written to and read from a loop device (`raw:`) gives the
+//! same tokens and logits.
 
 use std::path::{Path, PathBuf};
 
@@ -89,6 +90,17 @@ fn a_run_through_the_bundle_equals_the_run_in_place_token_for_token_and_logit_fo
         assert_eq!(g.logits, in_place.logits, "{uri}: logits bit for bit");
         assert_eq!((g.stats.fallbacks, g.stats.store_errors), (0, 0), "{uri}: {:?}", g.stats);
         assert!(g.stats.reads > 0 && g.stats.reads == g.stats.cache_misses, "{uri}: {:?}", g.stats);
+    }
+    // The user-space NVMe driver over its controller model (`nvme-sim:`), serving the bundle file
+    // as a namespace: the same.
+    #[cfg(target_os = "linux")]
+    {
+        let uri = StoreUri::NvmeSim(bundle.clone());
+        let (g, store) = run(&gguf, uri.clone()).unwrap();
+        assert_eq!(store, uri.to_string());
+        assert_eq!(g.logits, in_place.logits, "{uri}");
+        assert_eq!((g.stats.fallbacks, g.stats.store_errors), (0, 0), "{uri}: {:?}", g.stats);
+        assert!(g.stats.reads > 0, "{uri}: {:?}", g.stats);
     }
     // psync with O_DIRECT and threads: the same.
     let io = EngineOptions { engine: IoEngine::Psync, direct: true, threads: 2, ..EngineOptions::default() };

@@ -598,11 +598,11 @@ fn check_bundle<Q: IoQueue>(
     };
     if h.source.fingerprint != want.fingerprint {
         return Err(not_this(format!(
-            "it was packed from a GGUF with fingerprint {}…, this GGUF's is {}… (the GGUF changed, or the bundle \
-             is of {})",
+            "it was packed from {} with fingerprint {}…, and this GGUF's fingerprint is {}… (the GGUF changed \
+             since, or the bundle is another GGUF's)",
+            h.source.path.display(),
             hex(&h.source.fingerprint[..8]),
-            hex(&want.fingerprint[..8]),
-            h.source.path.display()
+            hex(&want.fingerprint[..8])
         )));
     }
     let table_err =
@@ -993,6 +993,64 @@ mod tests {
     /// An image that starts past byte 0 of its target (`raw:/dev/X@BYTES`) is read at
     /// `base_offset + offset` — superblock, index, payloads and the superblock recheck — and the
     /// guard outlives the queue.
+    #[test]
+    fn a_bundle_opens_only_for_its_gguf_and_checks_each_layers_entry_length() {
+        use crate::format::{GgufSource, LayerDesc, SlabDesc};
+        let dims = StoreDims { hidden: 64, n_layers: 2, n_experts: 2, topk: 1, moe_inter: 128 };
+        let s = |stored, bytes| SlabDesc { ty: stored, stored, bytes };
+        let layers = vec![
+            LayerDesc { slabs: Some([s(8, 100), s(8, 100), s(8, 100)]) },
+            LayerDesc { slabs: Some([s(8, 100), s(8, 100), s(2, 50)]) },
+        ];
+        let mut sink = MemSink::default();
+        let mut w = FlatWriter::with_sink(&mut sink, dims, 4).unwrap();
+        w.set_bundle(GgufSource { path: "/m/a.gguf".into(), fingerprint: [1; 32] }, &layers).unwrap();
+        // Entry 1 has layer 1's length in layer 0: rejected alone.
+        for len in [300, 250, 250, 250] {
+            w.push(&vec![9u8; len]).unwrap();
+        }
+        w.finish().unwrap();
+        let bytes = sink.bytes;
+        let open = |want: &BundleExpect, expect: bool| {
+            let q = mem(bytes.clone(), Arc::default(), Arc::default());
+            let opts = FlatStoreOptions {
+                image_len: bytes.len() as u64,
+                expect: expect.then_some(StoreExpect { dims, payload_len: 300 }),
+                ..Default::default()
+            };
+            FlatStore::open_bundle(q, "b", opts, want)
+        };
+        let want = BundleExpect { fingerprint: [1; 32], layers: layers.clone() };
+        let store = open(&want, true).unwrap();
+        let key = |layer, expert| ExpertKey { layer, expert };
+        assert!(store.entry(key(0, 0)).is_ok() && store.entry(key(1, 0)).is_ok() && store.entry(key(1, 1)).is_ok());
+        let e = store.entry(key(0, 1)).unwrap_err().to_string();
+        assert!(e.contains("len 250 differs from the model's expert payload of 300 bytes"), "{e}");
+        // Another GGUF (fingerprint), other slabs in a layer: the whole store is refused, naming it.
+        let e = open(&BundleExpect { fingerprint: [2; 32], ..want.clone() }, true).unwrap_err();
+        assert!(matches!(e, Error::NotThisBundle { .. }) && e.to_string().contains("/m/a.gguf"), "{e}");
+        let mut other = layers.clone();
+        other[1].slabs.as_mut().unwrap()[2] = s(6, 210);
+        let e = open(&BundleExpect { layers: other, ..want.clone() }, true).unwrap_err().to_string();
+        assert!(e.contains("not the expert bundle of this model: layer 1:"), "{e}");
+        // A bundle given to a model that is not a GGUF (plain open with expectations) is refused.
+        let q = mem(bytes.clone(), Arc::default(), Arc::default());
+        let opts = FlatStoreOptions {
+            image_len: bytes.len() as u64,
+            expect: Some(StoreExpect { dims, payload_len: 300 }),
+            ..Default::default()
+        };
+        let e = FlatStore::open(q, "b", opts).unwrap_err().to_string();
+        assert!(e.contains("expert bundle (version 3) of the GGUF /m/a.gguf"), "{e}");
+        // A damaged layer table is named with its offset.
+        let mut damaged = bytes.clone();
+        damaged[8192 + 8] ^= 1;
+        let q = mem(damaged, Arc::default(), Arc::default());
+        let opts = FlatStoreOptions { image_len: bytes.len() as u64, ..Default::default() };
+        let e = FlatStore::open_bundle(q, "b", opts, &want).unwrap_err().to_string();
+        assert!(e.contains("layer table at 0x2000") && e.contains("SHA-256"), "{e}");
+    }
+
     #[test]
     fn base_offset_is_added_to_every_read_and_the_guard_drops_after_the_queue() {
         let dims = StoreDims { hidden: 64, n_layers: 1, n_experts: 2, topk: 1, moe_inter: 128 };

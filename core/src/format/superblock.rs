@@ -393,6 +393,34 @@ mod tests {
     }
 
     #[test]
+    fn a_version_3_superblock_needs_its_source_record_and_a_table_between_index_and_data() {
+        use crate::format::{BundleHeader, GgufSource};
+        let dims = StoreDims { hidden: 64, n_layers: 3, n_experts: 16, topk: 4, moe_inter: 128 };
+        let source = GgufSource { path: "/m/x.gguf".into(), fingerprint: [5; 32] };
+        let h = BundleHeader { source, layers_offset: 0, layers_len: 0, layers_sha256: [6; 32] };
+        let sb = Superblock::layout_bundle(dims, 48, [7; 32], h);
+        assert_eq!((sb.version, sb.data_offset), (3, 12288));
+        let b = sb.encode();
+        assert_eq!(&b[..8], b"PCHIOFL1");
+        assert_eq!(Superblock::decode(&b, "t", 1 << 20).unwrap(), sb);
+        // The table must not overlap the index.
+        let mut bad = sb.clone();
+        bad.bundle.as_mut().unwrap().layers_offset = 4096;
+        let e = Superblock::decode(&bad.encode(), "t", 1 << 20).unwrap_err().to_string();
+        assert!(e.contains("bundle.layers_offset") && e.contains("0x90"), "{e}");
+        // One descriptor per layer.
+        let mut bad = sb.clone();
+        bad.bundle.as_mut().unwrap().layers_len = 64;
+        let e = Superblock::decode(&bad.encode(), "t", 1 << 20).unwrap_err().to_string();
+        assert!(e.contains("bundle.layers_len") && e.contains("192"), "{e}");
+        // Version 3 without the source record: the version is what is wrong.
+        let mut b = b;
+        b[96..].fill(0);
+        let e = Superblock::decode(&b, "t", 1 << 20).unwrap_err().to_string();
+        assert!(e.contains("`version`") && e.contains("PCHGGUF1"), "{e}");
+    }
+
+    #[test]
     fn names_the_first_wrong_offset_field() {
         // index_offset corrupted to 2^63: blamed on index_offset, not on data_offset.
         let mut sb = sample();

@@ -232,3 +232,30 @@ fn the_bundle_on_a_raw_device_gives_the_tokens_in_place() {
         assert!(v.is_clean() && v.compared_with_model, "{v}");
     }
 }
+
+#[test]
+fn given_only_the_bundle_the_front_end_finds_its_gguf() {
+    use picchio_runtime::image::record::find_model_dir;
+    let tmp = scratch();
+    let gguf = gguf_copy(tmp.path(), "tiny_moe.gguf");
+    let bundle = default_image(&gguf, true);
+    pack_file(&gguf, &bundle);
+    let found = find_model_dir(&StoreUri::File(bundle.clone()), EngineOptions::default()).unwrap();
+    assert_eq!(found.dir, std::path::absolute(&gguf).unwrap());
+    assert_eq!(found.how, "the GGUF the bundle records");
+    // Moved together: the GGUF beside the bundle.
+    let moved = tmp.path().join("moved");
+    std::fs::create_dir(&moved).unwrap();
+    let (g2, b2) = (moved.join("tiny_moe.gguf"), moved.join("tiny_moe.gguf.picchioflat"));
+    std::fs::rename(&gguf, &g2).unwrap();
+    std::fs::rename(&bundle, &b2).unwrap();
+    let found = find_model_dir(&StoreUri::File(b2.clone()), EngineOptions::default()).unwrap();
+    assert_eq!(
+        (found.dir, found.how),
+        (std::path::absolute(&g2).unwrap(), "the GGUF beside the bundle (moved with it)")
+    );
+    // The GGUF changed: neither matches, and the error says what was found.
+    rewrite_u32(&g2, "qwen3moe.context_length", 1024);
+    let e = find_model_dir(&StoreUri::File(b2), EngineOptions::default()).unwrap_err().to_string();
+    assert!(e.contains("expert bundle of the GGUF") && e.contains("no GGUF there") && e.contains("--model"), "{e}");
+}

@@ -77,6 +77,27 @@ pub enum Error {
         /// Hex digest computed.
         found: String,
     },
+    /// A version 3 bundle's layer table cannot be used: the read failed, its SHA-256 differs from
+    /// the superblock's, or a descriptor is malformed.
+    #[error("{source_name}: layer table at {offset:#x}: {message}")]
+    LayerTable {
+        /// The store.
+        source_name: String,
+        /// Byte offset of the table.
+        offset: u64,
+        /// What is wrong.
+        message: String,
+    },
+    /// The image is not the expert bundle of the GGUF model it is used with (a v2 image, another
+    /// GGUF's bundle, a stale bundle of a GGUF that changed), or a bundle is used with a converted
+    /// directory.
+    #[error("{source_name}: not the expert bundle of this model: {what}")]
+    NotThisBundle {
+        /// The store.
+        source_name: String,
+        /// The first difference found.
+        what: String,
+    },
     /// The store's dimensions differ from the model it is used with.
     #[error("{source_name}: store was packed for a different model: {field} is {found} in the store, {expected} in the model")]
     DimensionMismatch {

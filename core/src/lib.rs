@@ -23,7 +23,7 @@ pub use error::{Error, Result};
 pub use format::{ExpertLoc, FlatWriter, Superblock, BLOCK_SIZE};
 pub use io::{ByteOffset, Completion, InstantQueue, IoQueue, ReadReq, SlotAllocator, Tag};
 pub use loader::{
-    ExpertKey, ExpertLoader, FallbackLoader, FlatStore, FlatStoreOptions, LoadError, Loaded, StoreExpect,
+    BundleExpect, ExpertKey, ExpertLoader, FallbackLoader, FlatStore, FlatStoreOptions, LoadError, Loaded, StoreExpect,
 };
 pub use stats::{IoStats, StatsSnapshot};
 pub use units::human_bytes;

@@ -6,7 +6,10 @@ use std::time::Instant;
 
 use crate::buf::AlignedBuf;
 use crate::error::{Error, Result};
-use crate::format::{decode_index, index_sha256, payload_hash, round_up, ExpertLoc, Superblock, BLOCK_SIZE};
+use crate::format::{
+    decode_index, decode_layer_table, index_sha256, layer_table_sha256, payload_hash, round_up, ExpertLoc, LayerDesc,
+    Superblock, BLOCK_SIZE,
+};
 use crate::io::{read_blocking, ByteOffset, Completion, IoQueue, ReadReq, SlotAllocator, Tag};
 use crate::stats::IoStats;
 
@@ -215,6 +218,17 @@ pub struct StoreExpect {
     pub payload_len: u32,
 }
 
+/// What the GGUF model using a version 3 bundle requires of it ([`FlatStore::open_bundle`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BundleExpect {
+    /// The GGUF's fingerprint, which must equal the bundle's (`GgufWeights::fingerprint` in the
+    /// runtime).
+    pub fingerprint: [u8; 32],
+    /// One descriptor per decoder layer, as the model computes with its experts: the bundle's
+    /// layer table must equal it, and each entry's `len` must be its layer's payload length.
+    pub layers: Vec<LayerDesc>,
+}
+
 /// Options for [`FlatStore::open`].
 #[derive(Clone, Debug, Default)]
 pub struct FlatStoreOptions {
@@ -282,8 +296,35 @@ impl<Q: IoQueue> FlatStore<Q> {
     /// # Errors
     /// [`Error::Read`], [`Error::BadMagic`], [`Error::BadField`], [`Error::Truncated`],
     /// [`Error::IndexHash`], [`Error::DimensionMismatch`].
-    pub fn open(mut queue: Q, source_name: impl Into<String>, opts: FlatStoreOptions) -> Result<Self> {
-        let source_name = source_name.into();
+    pub fn open(queue: Q, source_name: impl Into<String>, opts: FlatStoreOptions) -> Result<Self> {
+        Self::open_checked(queue, source_name.into(), opts, None)
+    }
+
+    /// Opens a version 3 bundle of a GGUF model as [`FlatStore::open`] does, and checks it against
+    /// `bundle`: the bundle's recorded fingerprint, and its layer table (read, its SHA-256 checked
+    /// against the superblock's, then compared layer by layer). Each entry's `len` must then equal
+    /// its layer's payload length (the placeholder's for a layer without routed experts is rejected
+    /// as in v2); `opts.expect`'s `payload_len` is not used for entries.
+    ///
+    /// # Errors
+    /// As [`FlatStore::open`]; [`Error::LayerTable`] for a layer table that does not read, hash or
+    /// decode; [`Error::NotThisBundle`] for a version 2 image, another GGUF's bundle (fingerprint)
+    /// or a layer table that differs from `bundle`'s, naming the first difference.
+    pub fn open_bundle(
+        queue: Q,
+        source_name: impl Into<String>,
+        opts: FlatStoreOptions,
+        bundle: &BundleExpect,
+    ) -> Result<Self> {
+        Self::open_checked(queue, source_name.into(), opts, Some(bundle))
+    }
+
+    fn open_checked(
+        mut queue: Q,
+        source_name: String,
+        opts: FlatStoreOptions,
+        bundle: Option<&BundleExpect>,
+    ) -> Result<Self> {
         let bs = BLOCK_SIZE.max(queue.block_size());
         if opts.image_len < u64::from(bs) {
             return Err(short_target(&mut queue, source_name, opts.base_offset, opts.image_len, bs));
@@ -327,31 +368,63 @@ impl<Q: IoQueue> FlatStore<Q> {
                 return Err(e);
             }
         }
+        // The payload length each entry must have: per layer for a bundle, else uniform.
+        let layer_lens: Option<Vec<Option<u64>>> = match (bundle, &sb.bundle) {
+            (Some(want), _) => {
+                check_bundle(&mut queue, &sb, &source_name, &opts, want)?;
+                Some(want.layers.iter().map(LayerDesc::payload_len).collect())
+            }
+            (None, Some(h)) if opts.expect.is_some() => {
+                return Err(Error::NotThisBundle {
+                    source_name,
+                    what: format!(
+                        "it is the expert bundle (version 3) of the GGUF {}, not an image of this model directory",
+                        h.source.path.display()
+                    ),
+                })
+            }
+            (None, _) => None,
+        };
+        let n_experts = sb.n_experts.max(1) as usize;
+        let expected_len = |i: usize| -> Option<u64> {
+            match &layer_lens {
+                Some(lens) => lens.get(i / n_experts).copied().flatten(),
+                None => opts.expect.as_ref().map(|e| u64::from(e.payload_len)),
+            }
+        };
+        let has_expect = opts.expect.is_some() || layer_lens.is_some();
         let entries = decode_index(index_bytes)
             .into_iter()
-            .map(|loc| {
+            .enumerate()
+            .map(|(i, loc)| {
                 loc.check(sb.block_size, sb.data_offset, opts.image_len)?;
-                if let Some(expect) = &opts.expect {
-                    if loc.len != expect.payload_len {
-                        return Err(format!(
-                            "len {} differs from the model's expert payload of {} bytes",
-                            loc.len, expect.payload_len
-                        ));
+                if has_expect {
+                    match expected_len(i) {
+                        Some(want) if u64::from(loc.len) == want => {}
+                        Some(want) => {
+                            return Err(format!(
+                                "len {} differs from the model's expert payload of {want} bytes",
+                                loc.len
+                            ))
+                        }
+                        None => return Err("the model's layer has no routed experts".into()),
                     }
                 }
                 Ok(loc)
             })
             .collect::<Vec<_>>();
-        if let Some(expect) = &opts.expect {
+        if has_expect {
             // No entry of the model's payload size at all: the image holds another quantization (or
             // another model), which is a whole-store mismatch, not n_entries separate faults.
             let lens = decode_index(index_bytes);
-            if !lens.is_empty() && lens.iter().all(|l| l.len != expect.payload_len) {
+            let fits = |(i, l): (usize, &ExpertLoc)| expected_len(i) == Some(u64::from(l.len));
+            let first_moe = (0..lens.len()).find(|&i| expected_len(i).is_some());
+            if let Some(i) = first_moe.filter(|_| !lens.iter().enumerate().any(fits)) {
                 return Err(Error::DimensionMismatch {
                     source_name,
                     field: "expert payload length (quantization)",
-                    expected: expect.payload_len.into(),
-                    found: lens[0].len.into(),
+                    expected: expected_len(i).unwrap_or(0),
+                    found: lens[i].len.into(),
                 });
             }
         }
@@ -505,6 +578,56 @@ impl<Q: IoQueue> std::fmt::Debug for FlatStore<Q> {
             .field("superblock", &self.sb)
             .finish_non_exhaustive()
     }
+}
+
+/// Reads the layer table of the bundle `sb` describes, checks its SHA-256, and compares the bundle
+/// with what the model expects (`want`): the version, the fingerprint, then each layer.
+fn check_bundle<Q: IoQueue>(
+    queue: &mut Q,
+    sb: &Superblock,
+    source_name: &str,
+    opts: &FlatStoreOptions,
+    want: &BundleExpect,
+) -> Result<()> {
+    let not_this = |what: String| Error::NotThisBundle { source_name: source_name.into(), what };
+    let Some(h) = &sb.bundle else {
+        return Err(not_this(format!(
+            "it is a version {} image, not the expert bundle (version 3) of a GGUF",
+            sb.version
+        )));
+    };
+    if h.source.fingerprint != want.fingerprint {
+        return Err(not_this(format!(
+            "it was packed from {} with fingerprint {}…, and this GGUF's fingerprint is {}… (the GGUF changed \
+             since, or the bundle is another GGUF's)",
+            h.source.path.display(),
+            hex(&h.source.fingerprint[..8]),
+            hex(&want.fingerprint[..8])
+        )));
+    }
+    let table_err =
+        |message: String| Error::LayerTable { source_name: source_name.into(), offset: h.layers_offset, message };
+    let bs = BLOCK_SIZE.max(queue.block_size());
+    let len = u32::try_from(round_up(h.layers_len.max(1), u64::from(bs)))
+        .map_err(|_| table_err(format!("{} bytes do not fit one read", h.layers_len)))?;
+    let at = opts.base_offset.checked_add(h.layers_offset).ok_or_else(|| table_err("offset past 2^64".into()))?;
+    let buf = read_blocking(queue, at, len).map_err(|e| table_err(format!("read failed: {e}")))?;
+    let table = &buf.as_slice()[..h.layers_len as usize];
+    if layer_table_sha256(table) != h.layers_sha256 {
+        return Err(table_err(format!(
+            "SHA-256 {}, superblock says {}",
+            hex(&layer_table_sha256(table)),
+            hex(&h.layers_sha256)
+        )));
+    }
+    let layers = decode_layer_table(table).map_err(table_err)?;
+    if layers.len() != want.layers.len() {
+        return Err(not_this(format!("{} layers in the bundle, {} in the model", layers.len(), want.layers.len())));
+    }
+    if let Some((l, (got, w))) = layers.iter().zip(&want.layers).enumerate().find(|(_, (g, w))| g != w) {
+        return Err(not_this(format!("layer {l}: the bundle's experts are {got:?}, the model's {w:?}")));
+    }
+    Ok(())
 }
 
 /// The error for an image target of `image_len` bytes, shorter than one block of `bs` bytes, that
@@ -870,6 +993,64 @@ mod tests {
     /// An image that starts past byte 0 of its target (`raw:/dev/X@BYTES`) is read at
     /// `base_offset + offset` — superblock, index, payloads and the superblock recheck — and the
     /// guard outlives the queue.
+    #[test]
+    fn a_bundle_opens_only_for_its_gguf_and_checks_each_layers_entry_length() {
+        use crate::format::{GgufSource, LayerDesc, SlabDesc};
+        let dims = StoreDims { hidden: 64, n_layers: 2, n_experts: 2, topk: 1, moe_inter: 128 };
+        let s = |stored, bytes| SlabDesc { ty: stored, stored, bytes };
+        let layers = vec![
+            LayerDesc { slabs: Some([s(8, 100), s(8, 100), s(8, 100)]) },
+            LayerDesc { slabs: Some([s(8, 100), s(8, 100), s(2, 50)]) },
+        ];
+        let mut sink = MemSink::default();
+        let mut w = FlatWriter::with_sink(&mut sink, dims, 4).unwrap();
+        w.set_bundle(GgufSource { path: "/m/a.gguf".into(), fingerprint: [1; 32] }, &layers).unwrap();
+        // Entry 1 has layer 1's length in layer 0: rejected alone.
+        for len in [300, 250, 250, 250] {
+            w.push(&vec![9u8; len]).unwrap();
+        }
+        w.finish().unwrap();
+        let bytes = sink.bytes;
+        let open = |want: &BundleExpect, expect: bool| {
+            let q = mem(bytes.clone(), Arc::default(), Arc::default());
+            let opts = FlatStoreOptions {
+                image_len: bytes.len() as u64,
+                expect: expect.then_some(StoreExpect { dims, payload_len: 300 }),
+                ..Default::default()
+            };
+            FlatStore::open_bundle(q, "b", opts, want)
+        };
+        let want = BundleExpect { fingerprint: [1; 32], layers: layers.clone() };
+        let store = open(&want, true).unwrap();
+        let key = |layer, expert| ExpertKey { layer, expert };
+        assert!(store.entry(key(0, 0)).is_ok() && store.entry(key(1, 0)).is_ok() && store.entry(key(1, 1)).is_ok());
+        let e = store.entry(key(0, 1)).unwrap_err().to_string();
+        assert!(e.contains("len 250 differs from the model's expert payload of 300 bytes"), "{e}");
+        // Another GGUF (fingerprint), other slabs in a layer: the whole store is refused, naming it.
+        let e = open(&BundleExpect { fingerprint: [2; 32], ..want.clone() }, true).unwrap_err();
+        assert!(matches!(e, Error::NotThisBundle { .. }) && e.to_string().contains("/m/a.gguf"), "{e}");
+        let mut other = layers.clone();
+        other[1].slabs.as_mut().unwrap()[2] = s(6, 210);
+        let e = open(&BundleExpect { layers: other, ..want.clone() }, true).unwrap_err().to_string();
+        assert!(e.contains("not the expert bundle of this model: layer 1:"), "{e}");
+        // A bundle given to a model that is not a GGUF (plain open with expectations) is refused.
+        let q = mem(bytes.clone(), Arc::default(), Arc::default());
+        let opts = FlatStoreOptions {
+            image_len: bytes.len() as u64,
+            expect: Some(StoreExpect { dims, payload_len: 300 }),
+            ..Default::default()
+        };
+        let e = FlatStore::open(q, "b", opts).unwrap_err().to_string();
+        assert!(e.contains("expert bundle (version 3) of the GGUF /m/a.gguf"), "{e}");
+        // A damaged layer table is named with its offset.
+        let mut damaged = bytes.clone();
+        damaged[8192 + 8] ^= 1;
+        let q = mem(damaged, Arc::default(), Arc::default());
+        let opts = FlatStoreOptions { image_len: bytes.len() as u64, ..Default::default() };
+        let e = FlatStore::open_bundle(q, "b", opts, &want).unwrap_err().to_string();
+        assert!(e.contains("layer table at 0x2000") && e.contains("SHA-256"), "{e}");
+    }
+
     #[test]
     fn base_offset_is_added_to_every_read_and_the_guard_drops_after_the_queue() {
         let dims = StoreDims { hidden: 64, n_layers: 1, n_experts: 2, topk: 1, moe_inter: 128 };

@@ -607,6 +607,22 @@ pub enum Error {
         #[source]
         cause: Box<picchio_core::Error>,
     },
+    /// The GGUF an expert bundle records is gone (or changed), and none beside the bundle matches.
+    #[error(
+        "{image} is the expert bundle of the GGUF {} (fingerprint {fingerprint_8}…), which was not found: {why}. \
+         Give the GGUF with --model X.gguf",
+        gguf.display()
+    )]
+    BundleGgufMissing {
+        /// The bundle.
+        image: String,
+        /// The recorded GGUF.
+        gguf: PathBuf,
+        /// The first 8 bytes of the recorded fingerprint, in hex.
+        fingerprint_8: String,
+        /// What was looked at and found instead.
+        why: String,
+    },
     /// The model directory an image records is gone (or changed), and none beside the image matches.
     #[error(
         "{image} was written for the model directory {} (config.json SHA-256 {sha256_8}…), which was not found: \

@@ -284,14 +284,6 @@ impl Session {
                 config: Some(opts.model.config_path()),
             });
         }
-        if opts.model.gguf().is_some() && !matches!(opts.store, StoreUri::Auto | StoreUri::Safetensors) {
-            return Err(Error::Invalid(format!(
-                "--store {}: {} is a GGUF, whose experts are read in place (--store auto); \
-                 expert images of GGUF models are not written yet",
-                opts.store,
-                opts.model.path().display()
-            )));
-        }
         let model = Model::load_as(&opts.model, opts.max_seq, opts.dense)?;
         let layout = model.layout().clone();
         let (mut loader, mut info, io_stats) = open_store(

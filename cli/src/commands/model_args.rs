@@ -18,7 +18,8 @@ pub struct ModelArgs {
     /// Converted model directory (from `picchio convert`), or a GGUF file (`qwen3moe` or `gpt-oss`,
     /// read in place) [default: $PICCHIO_MODEL, else the
     /// directory the --store image records (`picchio pack` and `synth --model-out` record it in
-    /// the superblock), else the directory holding a file image].
+    /// the superblock), else the directory holding a file image; for a GGUF's expert bundle, the
+    /// GGUF it records, else X.gguf beside X.gguf.picchioflat].
     #[arg(long, value_name = "DIR|GGUF", env = "PICCHIO_MODEL")]
     pub model: Option<PathBuf>,
     /// Where routed experts come from (as `picchio run --store`): `auto`, `safetensors`,

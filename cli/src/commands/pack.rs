@@ -12,8 +12,11 @@ use picchio_runtime::image::write::{WriteOptions, WriteTo};
 /// Options of `picchio pack`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Converted model directory (from `picchio convert`, or one written by Picchio (C)).
-    #[arg(value_name = "MODEL_DIR")]
+    /// Converted model directory (from `picchio convert`, or one written by Picchio (C)), or a
+    /// GGUF file: its expert bundle (format version 3: each expert's gate|up|down bytes as the GGUF
+    /// stores them, with the GGUF's fingerprint) goes by default to X.gguf.picchioflat beside
+    /// X.gguf, where `run --store auto` looks for it; re-packing replaces a stale bundle.
+    #[arg(value_name = "MODEL_DIR|X.gguf")]
     pub model: PathBuf,
     /// Where to write the image [default: MODEL_DIR/experts.picchioflat]. A path (or file:PATH; a
     /// name containing ':' must be written file:PATH or ./PATH) is written atomically (temporary
@@ -57,6 +60,9 @@ pub struct Args {
 }
 
 pub fn exec(a: Args) -> anyhow::Result<()> {
+    if picchio_runtime::model::gguf::is_gguf(&a.model) {
+        return exec_gguf(&a);
+    }
     let record = match a.no_model_record {
         true => picchio_runtime::image::record::RecordModel::Nothing,
         false => picchio_runtime::image::record::RecordModel::Packed,
@@ -97,6 +103,22 @@ fn pack_nvme(a: &Args, bdf: &str, nsid: u32, pack: PackOptions) -> anyhow::Resul
 fn pack_device(a: &Args, uri: &StoreUri, pack: PackOptions) -> anyhow::Result<()> {
     let wopts = WriteOptions { force: a.force, io_threads: a.io_threads, ..WriteOptions::default() };
     let report = pack_to(&a.model, WriteTo::Uri(uri), &pack, &wopts, &mut |plan| eprintln!("{plan}"))?;
+    println!("{report}");
+    Ok(())
+}
+
+/// `picchio pack X.gguf`: the GGUF's expert bundle (`--no-model-record` does not apply: a bundle
+/// records its GGUF).
+fn exec_gguf(a: &Args) -> anyhow::Result<()> {
+    use picchio_runtime::image::bundle::pack_gguf_to;
+    picchio_runtime::interrupt::install().context("installing the SIGINT/SIGTERM handlers")?;
+    let uri = match a.out.as_deref().map(write_target).transpose()? {
+        None => StoreUri::File(picchio_runtime::expert::store::default_image(&a.model, true)),
+        Some(uri) => uri,
+    };
+    let wopts = WriteOptions { force: a.force, io_threads: a.io_threads, ..WriteOptions::default() };
+    let report =
+        pack_gguf_to(&a.model, WriteTo::Uri(&uri), a.layers, !a.no_progress, &wopts, &mut |plan| eprintln!("{plan}"))?;
     println!("{report}");
     Ok(())
 }

@@ -1,4 +1,5 @@
-//! The `.picchioflat` version 2 image (byte-compatible with Picchio (C) v0.6+; see docs/format.md).
+//! The `.picchioflat` version 2 image (byte-compatible with Picchio (C) v0.6+; see docs/format.md),
+//! and version 3, a GGUF's expert bundle ([`BundleHeader`], [`LayerDesc`]).
 //!
 //! ```text
 //! offset 0              superblock, one BLOCK_SIZE block ([`Superblock`]; from byte 96 an optional [`ModelRecord`])
@@ -8,12 +9,17 @@
 //!
 //! [`gguf`] reads llama.cpp's GGUF model files (a model source; nothing here writes them).
 
+mod bundle;
 pub mod gguf;
 mod index;
 mod model_record;
 mod superblock;
 mod writer;
 
+pub use bundle::{
+    bundle_data_offset, bundle_layers_offset, decode_layer_table, encode_layer_table, layer_table_sha256, BundleHeader,
+    GgufSource, LayerDesc, SlabDesc, BUNDLE_MAX_PATH_LEN, BUNDLE_SOURCE_MAGIC, BUNDLE_VERSION, LAYER_DESC_SIZE,
+};
 pub use index::{decode_index, encode_index, index_sha256, payload_hash, ExpertLoc, EXPERT_LOC_SIZE};
 pub use model_record::{ModelRecord, MODEL_RECORD_MAGIC, MODEL_RECORD_MAX_DIR_LEN, MODEL_RECORD_VERSION};
 pub use superblock::{Superblock, MAGIC, SUPERBLOCK_ENCODED_LEN, VERSION};

@@ -1,12 +1,13 @@
 //! The superblock: the first `BLOCK_SIZE` bytes of an image (Python struct `<8sIIIIIIIIQQQ32s`).
 
-use super::{le_u32, le_u64, ModelRecord, BLOCK_SIZE, EXPERT_LOC_SIZE};
+use super::{le_u32, le_u64, BundleHeader, ModelRecord, BLOCK_SIZE, BUNDLE_VERSION, EXPERT_LOC_SIZE, LAYER_DESC_SIZE};
 use crate::error::{Error, Result};
 use crate::loader::StoreDims;
 
 /// `"PCHIOFL1"`, the first eight bytes of every image.
 pub const MAGIC: [u8; 8] = *b"PCHIOFL1";
-/// The only format version this crate reads and writes.
+/// The format version of images of converted directories (Picchio (C)'s); a GGUF's expert bundle is
+/// [`BUNDLE_VERSION`] (3).
 pub const VERSION: u32 = 2;
 /// Bytes of the superblock that carry fields (the rest of the block is reserved, written as zeros).
 pub const SUPERBLOCK_ENCODED_LEN: usize = 96;
@@ -29,7 +30,7 @@ mod off {
     const _: () = assert!(INDEX_SHA256 + 32 == super::SUPERBLOCK_ENCODED_LEN);
 }
 
-/// The decoded superblock of a `.picchioflat` v2 image.
+/// The decoded superblock of a `.picchioflat` v2 image, or of a v3 GGUF bundle (`bundle`).
 ///
 /// All integers are little-endian on disk. `moe_inter` is **2 × moe_intermediate_size**: the number of
 /// rows of the fused gate_up matrix, as Picchio (C) writes it.
@@ -65,6 +66,9 @@ pub struct Superblock {
     /// damage there never stops the experts from being read. [`ModelRecord::decode`] on the block
     /// names what is wrong with it.
     pub model: Option<ModelRecord>,
+    /// Version 3 only: the GGUF the payloads come from and where the layer table is (superblock
+    /// bytes 96.. hold it instead of a model record; [`BundleHeader`]). `None` for version 2.
+    pub bundle: Option<BundleHeader>,
 }
 
 impl Superblock {
@@ -88,6 +92,26 @@ impl Superblock {
             data_offset: super::data_offset(n_entries),
             index_sha256,
             model,
+            bundle: None,
+        }
+    }
+
+    /// The superblock of a version 3 bundle ([`super::FlatWriter::set_bundle`]): as
+    /// [`Superblock::layout`], but version [`BUNDLE_VERSION`], the layer table of `dims.n_layers`
+    /// descriptors at [`super::bundle_layers_offset`]`(n_entries)`, the payloads from
+    /// [`super::bundle_data_offset`], and `bundle` (its `layers_offset` and `layers_len` are set
+    /// here) in place of a model record.
+    pub fn layout_bundle(dims: StoreDims, n_entries: u32, index_sha256: [u8; 32], bundle: BundleHeader) -> Superblock {
+        let bundle = BundleHeader {
+            layers_offset: super::bundle_layers_offset(n_entries),
+            layers_len: u64::from(dims.n_layers) * LAYER_DESC_SIZE as u64,
+            ..bundle
+        };
+        Superblock {
+            version: BUNDLE_VERSION,
+            data_offset: super::bundle_data_offset(n_entries, dims.n_layers),
+            bundle: Some(bundle),
+            ..Superblock::layout(dims, n_entries, index_sha256, None)
         }
     }
 
@@ -122,8 +146,10 @@ impl Superblock {
             b[o..o + 8].copy_from_slice(&v.to_le_bytes());
         }
         b[off::INDEX_SHA256..off::INDEX_SHA256 + 32].copy_from_slice(&self.index_sha256);
-        if let Some(r) = &self.model {
-            if b.len() >= super::BLOCK_SIZE as usize {
+        if b.len() >= super::BLOCK_SIZE as usize {
+            if let Some(h) = &self.bundle {
+                h.encode_into(&mut b);
+            } else if let Some(r) = &self.model {
                 r.encode_into(&mut b);
             }
         }
@@ -175,10 +201,18 @@ impl Superblock {
             data_offset: le_u64(bytes, off::DATA_OFFSET),
             index_sha256,
             model: None,
+            bundle: None,
         };
         let bad = super::bad_field(source_name);
-        if sb.version != VERSION {
-            return Err(bad("version", off::VERSION, format!("{VERSION}"), sb.version.into()));
+        // Version 3 is a GGUF bundle: without its source record at 96 the version is what is wrong.
+        let bundle_record = bytes.len() >= 104 && bytes[96..104] == super::BUNDLE_SOURCE_MAGIC;
+        if sb.version != VERSION && !(sb.version == BUNDLE_VERSION && bundle_record) {
+            return Err(bad(
+                "version",
+                off::VERSION,
+                format!("{VERSION} (or {BUNDLE_VERSION} with a GGUF source record \"PCHGGUF1\" at 0x60)"),
+                sb.version.into(),
+            ));
         }
         if sb.block_size != super::BLOCK_SIZE {
             return Err(bad("block_size", off::BLOCK_SIZE, format!("{}", super::BLOCK_SIZE), sb.block_size.into()));
@@ -262,6 +296,28 @@ impl Superblock {
                 len: image_len,
             });
         }
+        if sb.version == BUNDLE_VERSION {
+            let h = BundleHeader::decode(bytes, source_name)?;
+            let (lo_off, ll_off) = BundleHeader::FIELD_OFFSETS;
+            let want = u64::from(sb.n_layers) * LAYER_DESC_SIZE as u64;
+            if h.layers_len != want {
+                return Err(bad("bundle.layers_len", ll_off, format!("n_layers × 64 = {want}"), h.layers_len));
+            }
+            // The table lies between the index end and data_offset, both BS-aligned.
+            let fits = h.layers_offset.checked_add(h.layers_len).is_some_and(|end| end <= sb.data_offset);
+            if !h.layers_offset.is_multiple_of(bs) || h.layers_offset < index_end || !fits {
+                return Err(bad(
+                    "bundle.layers_offset",
+                    lo_off,
+                    format!(
+                        "a multiple of {bs} at or after the index end {index_end:#x} whose {} bytes end by data_offset {:#x}",
+                        h.layers_len, sb.data_offset
+                    ),
+                    h.layers_offset,
+                ));
+            }
+            return Ok(Superblock { bundle: Some(h), ..sb });
+        }
         Ok(Superblock { model: ModelRecord::decode(bytes, source_name).ok().flatten(), ..sb })
     }
 }
@@ -334,6 +390,34 @@ mod tests {
         assert!(e.contains("version") && e.contains("0x8") && e.contains("found 3"), "{e}");
         let e = Superblock::decode(&sample().encode(), "img", 4096).unwrap_err().to_string();
         assert!(e.contains("truncated") && e.contains("index"), "{e}");
+    }
+
+    #[test]
+    fn a_version_3_superblock_needs_its_source_record_and_a_table_between_index_and_data() {
+        use crate::format::{BundleHeader, GgufSource};
+        let dims = StoreDims { hidden: 64, n_layers: 3, n_experts: 16, topk: 4, moe_inter: 128 };
+        let source = GgufSource { path: "/m/x.gguf".into(), fingerprint: [5; 32] };
+        let h = BundleHeader { source, layers_offset: 0, layers_len: 0, layers_sha256: [6; 32] };
+        let sb = Superblock::layout_bundle(dims, 48, [7; 32], h);
+        assert_eq!((sb.version, sb.data_offset), (3, 12288));
+        let b = sb.encode();
+        assert_eq!(&b[..8], b"PCHIOFL1");
+        assert_eq!(Superblock::decode(&b, "t", 1 << 20).unwrap(), sb);
+        // The table must not overlap the index.
+        let mut bad = sb.clone();
+        bad.bundle.as_mut().unwrap().layers_offset = 4096;
+        let e = Superblock::decode(&bad.encode(), "t", 1 << 20).unwrap_err().to_string();
+        assert!(e.contains("bundle.layers_offset") && e.contains("0x90"), "{e}");
+        // One descriptor per layer.
+        let mut bad = sb.clone();
+        bad.bundle.as_mut().unwrap().layers_len = 64;
+        let e = Superblock::decode(&bad.encode(), "t", 1 << 20).unwrap_err().to_string();
+        assert!(e.contains("bundle.layers_len") && e.contains("192"), "{e}");
+        // Version 3 without the source record: the version is what is wrong.
+        let mut b = b;
+        b[96..].fill(0);
+        let e = Superblock::decode(&b, "t", 1 << 20).unwrap_err().to_string();
+        assert!(e.contains("`version`") && e.contains("PCHGGUF1"), "{e}");
     }
 
     #[test]

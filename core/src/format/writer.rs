@@ -14,7 +14,8 @@ use std::path::{Path, PathBuf};
 use crate::output::OutputFile;
 
 use super::{
-    encode_index, index_sha256, payload_hash, round_up, ExpertLoc, ModelRecord, Superblock, BLOCK_SIZE, EXPERT_LOC_SIZE,
+    encode_index, encode_layer_table, index_sha256, layer_table_sha256, payload_hash, round_up, BundleHeader,
+    ExpertLoc, GgufSource, LayerDesc, ModelRecord, Superblock, BLOCK_SIZE, EXPERT_LOC_SIZE,
 };
 use crate::error::{Error, Result};
 use crate::loader::StoreDims;
@@ -292,6 +293,8 @@ pub struct FlatWriter<S: ImageSink = FileSink> {
     next_offset: u64,
     entries: Vec<ExpertLoc>,
     model: Option<ModelRecord>,
+    /// A version 3 bundle: its source and its encoded layer table.
+    bundle: Option<(GgufSource, Vec<u8>)>,
 }
 
 impl FlatWriter<FileSink> {
@@ -348,7 +351,36 @@ impl<S: ImageSink> FlatWriter<S> {
             next_offset: data_offset,
             entries: Vec::with_capacity(n_entries as usize),
             model: None,
+            bundle: None,
         })
+    }
+
+    /// Makes the image a version 3 bundle of the GGUF `source` (docs/format.md, "version 3"):
+    /// `layers` (one descriptor per decoder layer, `dims.n_layers` of them) go into the layer table
+    /// after the index, and the payloads start after it ([`super::bundle_data_offset`]). Call it
+    /// before the first [`FlatWriter::push`]; the image then has no model record.
+    ///
+    /// # Errors
+    /// [`Error::WriterMisuse`] after a payload was pushed, for a model record already set, for a
+    /// layer count other than `dims.n_layers`, or a source path that does not fit
+    /// ([`BundleHeader::check_source`]).
+    pub fn set_bundle(&mut self, source: GgufSource, layers: &[LayerDesc]) -> Result<()> {
+        let misuse = |message: String| Error::WriterMisuse { path: self.sink.dest().into(), message };
+        if !self.entries.is_empty() || self.model.is_some() {
+            return Err(misuse("set_bundle after a payload or a model record".into()));
+        }
+        if layers.len() != self.dims.n_layers as usize {
+            return Err(misuse(format!(
+                "{} layer descriptors for a model of {} layers",
+                layers.len(),
+                self.dims.n_layers
+            )));
+        }
+        BundleHeader::check_source(&source, self.sink.dest())?;
+        self.data_offset = super::bundle_data_offset(self.n_entries, self.dims.n_layers);
+        self.next_offset = self.data_offset;
+        self.bundle = Some((source, encode_layer_table(layers)));
+        Ok(())
     }
 
     /// Records `record` (the converted model directory the image is for) in the superblock's
@@ -358,6 +390,12 @@ impl<S: ImageSink> FlatWriter<S> {
     /// [`Error::WriterMisuse`] when the path is not UTF-8 or too long ([`ModelRecord::check`]).
     pub fn set_model_record(&mut self, record: ModelRecord) -> Result<()> {
         record.check(self.sink.dest())?;
+        if self.bundle.is_some() {
+            return Err(Error::WriterMisuse {
+                path: self.sink.dest().into(),
+                message: "a version 3 bundle records its GGUF, not a model directory".into(),
+            });
+        }
         self.model = Some(record);
         Ok(())
     }
@@ -427,12 +465,26 @@ impl<S: ImageSink> FlatWriter<S> {
             });
         }
         let mut index = encode_index(&self.entries);
-        let sb = Superblock::layout(self.dims, self.n_entries, index_sha256(&index), self.model.take());
+        let sha = index_sha256(&index);
+        let sb = match self.bundle.take() {
+            None => Superblock::layout(self.dims, self.n_entries, sha, self.model.take()),
+            Some((source, table)) => {
+                let header =
+                    BundleHeader { source, layers_offset: 0, layers_len: 0, layers_sha256: layer_table_sha256(&table) };
+                let sb = Superblock::layout_bundle(self.dims, self.n_entries, sha, header);
+                // Index, zeros to the table, the table: one run from index_offset.
+                let h = sb.bundle.as_ref().expect("set");
+                index.resize((h.layers_offset - self.index_offset) as usize, 0);
+                index.extend_from_slice(&table);
+                sb
+            }
+        };
         debug_assert_eq!(
             (sb.index_offset, sb.index_len, sb.data_offset),
-            (self.index_offset, index.len() as u64, self.data_offset)
+            (self.index_offset, sb.index_len, self.data_offset)
         );
-        // The index region is padded with zeros up to the data, so it is whole blocks.
+        debug_assert_eq!(sb.index_len, self.entries.len() as u64 * EXPERT_LOC_SIZE as u64);
+        // The index region (with a bundle's table) is padded with zeros up to the data, so it is whole blocks.
         index.resize((self.data_offset - self.index_offset) as usize, 0);
         self.sink.end_run().map_err(self.werr("payload"))?;
         self.sink.write_at(self.index_offset, &index).map_err(self.werr("index"))?;
@@ -464,6 +516,40 @@ mod tests {
         assert!(bytes[8192 + 5000..16384].iter().all(|&b| b == 0));
         // No temporary file is left behind.
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn a_bundle_has_its_layer_table_between_index_and_data() {
+        use crate::format::{decode_layer_table, GgufSource, LayerDesc, SlabDesc};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.gguf.picchioflat");
+        let dims = StoreDims { hidden: 64, n_layers: 2, n_experts: 2, topk: 1, moe_inter: 128 };
+        let s = |bytes| SlabDesc { ty: 8, stored: 8, bytes };
+        let layers =
+            [LayerDesc { slabs: Some([s(100), s(100), s(100)]) }, LayerDesc { slabs: Some([s(100), s(100), s(50)]) }];
+        let source = GgufSource { path: "/m/m.gguf".into(), fingerprint: [3; 32] };
+        let mut w = FlatWriter::create(&path, dims, 4).unwrap();
+        w.set_bundle(source.clone(), &layers).unwrap();
+        for len in [300, 300, 250, 250] {
+            w.push(&vec![7u8; len]).unwrap();
+        }
+        let sb = w.finish().unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        // superblock, index (4 × 24 B), table (2 × 64 B), 4 one-block payloads
+        assert_eq!(bytes.len(), 3 * 4096 + 4 * 4096);
+        let back = Superblock::decode(&bytes, "t", bytes.len() as u64).unwrap();
+        assert_eq!(back, sb);
+        assert_eq!((back.version, back.data_offset, back.model.as_ref()), (3, 12288, None));
+        let h = back.bundle.unwrap();
+        assert_eq!((h.source, h.layers_offset, h.layers_len), (source, 8192, 128));
+        assert_eq!(decode_layer_table(&bytes[8192..8192 + 128]).unwrap(), layers);
+        assert_eq!(decode_index(&bytes[4096..4096 + 96])[2].len, 250);
+        // Picchio (C) reads the version at 8 and refuses anything but 2.
+        assert_eq!(&bytes[8..12], &3u32.to_le_bytes());
+        // Only before the first payload.
+        let mut w = FlatWriter::create(&path, dims, 4).unwrap();
+        w.push(&[1]).unwrap();
+        assert!(w.set_bundle(GgufSource { path: "/m".into(), fingerprint: [0; 32] }, &layers).is_err());
     }
 
     #[test]

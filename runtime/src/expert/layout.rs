@@ -24,6 +24,8 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use picchio_core::format::{LayerDesc, SlabDesc};
+use picchio_core::BundleExpect;
 use safetensors::Dtype;
 
 use crate::error::{Error, Result};
@@ -59,9 +61,33 @@ impl ExpertNaming {
 pub struct GgufExperts {
     /// Per decoder layer.
     pub layers: Arc<[Option<[ExpertSlab; 3]>]>,
+    /// The GGUF's fingerprint ([`crate::model::gguf::GgufWeights::fingerprint`]): what a bundle of
+    /// these experts records, and must record to be used for them.
+    pub fingerprint: [u8; 32],
 }
 
 impl GgufExperts {
+    /// The layer table of a bundle of these experts (docs/format.md, "version 3"): per decoder
+    /// layer, gate, up and down with their slot and GGUF ggml type ids and bytes per expert.
+    pub fn layer_descs(&self) -> Vec<LayerDesc> {
+        let slab =
+            |s: &ExpertSlab| SlabDesc { ty: s.ty.traits().id, stored: s.stored.traits().id, bytes: s.bytes as u64 };
+        self.layers
+            .iter()
+            .map(|l| LayerDesc { slabs: l.as_ref().map(|s| [slab(&s[0]), slab(&s[1]), slab(&s[2])]) })
+            .collect()
+    }
+
+    /// What a bundle must hold to serve these experts ([`picchio_core::FlatStore::open_bundle`]).
+    pub fn bundle_expect(&self) -> BundleExpect {
+        BundleExpect { fingerprint: self.fingerprint, layers: self.layer_descs() }
+    }
+
+    /// Bytes of one expert's payload of `layer` (`None` for a layer without routed experts).
+    pub fn payload_len(&self, layer: usize) -> Option<usize> {
+        self.slabs(layer).map(|s| s.iter().map(|x| x.bytes).sum())
+    }
+
     /// The slabs of `layer`, or `None` for a layer without routed experts (or out of range).
     pub fn slabs(&self, layer: usize) -> Option<&[ExpertSlab; 3]> {
         self.layers.get(layer).and_then(Option::as_ref)

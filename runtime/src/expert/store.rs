@@ -19,6 +19,19 @@ use crate::model::config::Config;
 /// The default image name inside a converted model directory.
 pub const DEFAULT_IMAGE: &str = "experts.picchioflat";
 
+/// The default image of the model at `model`: `<model>/experts.picchioflat` for a converted
+/// directory, the expert bundle `<model>.picchioflat` beside a GGUF file (`X.gguf` →
+/// `X.gguf.picchioflat`; docs/format.md, "version 3").
+pub fn default_image(model: &Path, gguf: bool) -> std::path::PathBuf {
+    if gguf {
+        let mut name = model.as_os_str().to_os_string();
+        name.push(".picchioflat");
+        name.into()
+    } else {
+        model.join(DEFAULT_IMAGE)
+    }
+}
+
 /// What was opened, for reports.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StoreInfo {
@@ -63,12 +76,15 @@ pub fn open_flat(
 }
 
 /// The image an opened engine reads, checked against the model (`verify`: every payload's hash
-/// prefix is checked after reading). The store reads at `opened.base` plus each image offset and
+/// prefix is checked after reading). For a GGUF model (`layout.ggml`) the image must be its expert
+/// bundle ([`FlatStore::open_bundle`]: version 3, the GGUF's fingerprint, the same per-layer slabs). The store reads at `opened.base` plus each image offset and
 /// keeps `opened.lock` for as long as it lives, dropping it after the queue
 /// ([`FlatStore::with_guard`]).
 ///
 /// # Errors
-/// [`Error::Store`] for a rejected superblock, index hash or dimensions.
+/// [`Error::Store`] for a rejected superblock, index hash or dimensions;
+/// [`picchio_core::Error::NotThisBundle`] in it for a bundle of another GGUF, a stale one, or a
+/// version 2 image given for a GGUF (or a bundle given for a converted directory).
 pub fn flat_from(
     opened: Opened,
     cfg: &Config,
@@ -82,7 +98,10 @@ pub fn flat_from(
         expect: Some(StoreExpect { dims: store_dims(cfg), payload_len: layout.len() as u32 }),
         recheck_every: RECHECK_EVERY,
     };
-    let store = FlatStore::open(opened.queue, opened.name, opts)?;
+    let store = match &layout.ggml {
+        Some(g) => FlatStore::open_bundle(opened.queue, opened.name, opts, &g.bundle_expect())?,
+        None => FlatStore::open(opened.queue, opened.name, opts)?,
+    };
     Ok(match opened.lock {
         Some(lock) => store.with_guard(lock),
         None => store,
@@ -131,9 +150,11 @@ pub fn open_flat_file(
 /// it updates. `fallback` is [`crate::model::Model::in_place_loader`]: the directory's safetensors
 /// experts, or a GGUF's own expert tensors.
 ///
-/// `auto` uses `<model_dir>/experts.picchioflat` when it exists and passes every check (if O_DIRECT
-/// is refused by the file system it retries buffered), else logs why and uses the in-place loader.
-/// An explicit `file:` store that fails to open is an error.
+/// `auto` uses the model's default image ([`default_image`]: `<model_dir>/experts.picchioflat`, or
+/// `X.gguf.picchioflat` beside a GGUF `X.gguf`) when it exists and passes every check (if O_DIRECT
+/// is refused by the file system it retries buffered), else logs why in one line and uses the
+/// in-place loader (a stale or foreign GGUF bundle: what differs, and that `picchio pack --force`
+/// rebuilds it). An explicit store that fails to open is an error.
 ///
 /// # Errors
 /// As [`open_flat`].
@@ -156,9 +177,10 @@ pub fn open_store(
     match uri {
         StoreUri::Safetensors => safetensors_only(fallback, stats),
         StoreUri::Auto => {
-            let p = model_dir.join(DEFAULT_IMAGE);
+            let p = default_image(model_dir, layout.ggml.is_some());
+            let kind = if layout.ggml.is_some() { "the GGUF in place" } else { "safetensors" };
             if !p.exists() {
-                tracing::info!("{} not found: serving experts from safetensors", p.display());
+                tracing::info!("{} not found: serving experts from {kind}", p.display());
                 return safetensors_only(fallback, stats);
             }
             let attempt = open_flat_file(&p, cfg, layout, engine, verify).or_else(|e| {
@@ -174,8 +196,15 @@ pub fn open_store(
             });
             match attempt {
                 Ok(flat) => Ok(wrap(flat, fallback, stats)),
+                Err(Error::Store(e @ picchio_core::Error::NotThisBundle { .. })) => {
+                    tracing::warn!(
+                        "stale or foreign bundle: {e}; serving experts from {kind} (`picchio pack {} --force` rebuilds it)",
+                        model_dir.display()
+                    );
+                    safetensors_only(fallback, stats)
+                }
                 Err(e) => {
-                    tracing::warn!("{e}: serving experts from safetensors instead (run `picchio pack` to rebuild)");
+                    tracing::warn!("{e}: serving experts from {kind} instead (run `picchio pack` to rebuild)");
                     safetensors_only(fallback, stats)
                 }
             }

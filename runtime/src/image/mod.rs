@@ -3,8 +3,10 @@
 //! synthetic images of seeded random payloads in a real model's expert geometry, for storage
 //! experiments ([`synthetic_image`]), the image writer both share ([`write`]), random-weight converted
 //! model directories for the demo ([`synthetic_model`]), re-quantizing a converted directory's
-//! experts ([`transcode`]), and the model directory an image records ([`record`]).
+//! experts ([`transcode`]), the model directory an image records ([`record`]), and the expert bundle
+//! of a GGUF ([`bundle`], format version 3).
 
+pub mod bundle;
 pub mod convert;
 pub mod guard;
 pub mod pack;

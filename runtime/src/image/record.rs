@@ -108,7 +108,10 @@ pub struct FoundModel {
 ///    directory was moved or copied together with its `experts.picchioflat`);
 /// 3. for a file image without a record (Picchio (C)'s, or one packed before records existed), the
 ///    directory holding it when it has a config.json (where `picchio pack` writes by default; the
-///    session checks the image's dimensions against it).
+///    session checks the image's dimensions against it);
+/// 4. for a GGUF's expert bundle (version 3), the GGUF it records, or `X.gguf` beside a file
+///    bundle `X.gguf.picchioflat`, when its fingerprint is the recorded one (the path is then the
+///    GGUF file, which [`crate::ModelDir::open`] takes as a model).
 ///
 /// # Errors
 /// [`Error::RecordedModelMissing`], [`Error::NoModelRecord`] or [`Error::RecordDamaged`] naming the
@@ -125,7 +128,7 @@ pub fn find_model_dir(uri: &StoreUri, io: EngineOptions) -> Result<FoundModel> {
             reason: "names no image to find the model in: give --model DIR (or set PICCHIO_MODEL)".into(),
         });
     }
-    let (name, _superblock, record) = read_superblock(uri, io)?;
+    let (name, superblock, record) = read_superblock(uri, io)?;
     let beside = match uri {
         StoreUri::File(p) | StoreUri::NvmeSim(p) => {
             let p = std::path::absolute(p).unwrap_or_else(|_| p.clone());
@@ -133,6 +136,9 @@ pub fn find_model_dir(uri: &StoreUri, io: EngineOptions) -> Result<FoundModel> {
         }
         _ => None,
     };
+    if let Some(h) = &superblock.bundle {
+        return find_bundle_gguf(uri, &name, h);
+    }
     let hash_of = |dir: &Path| -> Option<[u8; 32]> {
         if dir.join("config.json").is_file() {
             config_sha256(dir).ok()
@@ -169,6 +175,43 @@ pub fn find_model_dir(uri: &StoreUri, io: EngineOptions) -> Result<FoundModel> {
         }
     }
     Err(Error::RecordedModelMissing { image: name, dir: rec.dir, sha256_8: short, why })
+}
+
+/// [`find_model_dir`] for a GGUF's expert bundle (format version 3): the GGUF it records, when
+/// that file's fingerprint is still the recorded one; else, for a file bundle `X.gguf.picchioflat`,
+/// the GGUF `X.gguf` beside it when its fingerprint is (the two were moved together).
+///
+/// # Errors
+/// [`Error::BundleGgufMissing`] naming the recorded GGUF, the fingerprint prefix and why neither
+/// candidate matched.
+fn find_bundle_gguf(uri: &StoreUri, name: &str, h: &picchio_core::format::BundleHeader) -> Result<FoundModel> {
+    let fingerprint_of = |p: &Path| -> Option<[u8; 32]> {
+        crate::model::gguf::is_gguf(p)
+            .then(|| crate::model::gguf::GgufWeights::open(p).ok())
+            .flatten()
+            .map(|g| *g.fingerprint())
+    };
+    let want = h.source.fingerprint;
+    let recorded = &h.source.path;
+    let mut why = match fingerprint_of(recorded) {
+        Some(f) if f == want => return Ok(FoundModel { dir: recorded.clone(), how: "the GGUF the bundle records" }),
+        Some(f) => format!("{} (its fingerprint is now {}…)", recorded.display(), hex8(&f)),
+        None => format!("{} (no GGUF there)", recorded.display()),
+    };
+    if let StoreUri::File(p) | StoreUri::NvmeSim(p) = uri {
+        let p = std::path::absolute(p).unwrap_or_else(|_| p.clone());
+        let beside = p.to_str().and_then(|s| s.strip_suffix(".picchioflat")).map(PathBuf::from);
+        if let Some(g) = beside.filter(|g| g != recorded) {
+            match fingerprint_of(&g) {
+                Some(f) if f == want => {
+                    return Ok(FoundModel { dir: g, how: "the GGUF beside the bundle (moved with it)" })
+                }
+                Some(f) => why.push_str(&format!("; {} has fingerprint {}…", g.display(), hex8(&f))),
+                None => {}
+            }
+        }
+    }
+    Err(Error::BundleGgufMissing { image: name.into(), gguf: recorded.clone(), fingerprint_8: hex8(&want), why })
 }
 
 /// [`find_model_dir`] for an image without a record: the directory holding a file image (`beside`)

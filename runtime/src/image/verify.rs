@@ -1,6 +1,8 @@
 //! `picchio verify`: checks a `.picchioflat` image completely — superblock, index SHA-256, every
 //! index entry, every payload's hash — and, given the converted model directory, that every payload
-//! is byte for byte what the model's safetensors tensors hold.
+//! is byte for byte what the model's safetensors tensors hold. A GGUF's expert bundle (version 3)
+//! also has its layer table checked, and is compared byte for byte with its GGUF (the one given as
+//! the model, else the one it records when that file exists), after its fingerprint.
 //!
 //! The superblock's dimension fields (hidden, n_layers, n_experts, topk, moe_inter) are covered by no
 //! hash in format v2: without the model the report says they were not checked; with it they must
@@ -200,11 +202,41 @@ impl std::fmt::Display for VerifyReport {
     }
 }
 
-/// The model side of a verification.
+/// The model side of a verification: a converted directory, or the GGUF of a bundle.
 struct Model {
     cfg: Config,
-    store: TensorStore,
-    layout: ExpertLayout,
+    experts: ModelExperts,
+}
+
+/// Where the model's expert payloads come from.
+enum ModelExperts {
+    /// A converted directory's safetensors, in `layout`.
+    Dir { store: TensorStore, layout: ExpertLayout },
+    /// A GGUF's stacked expert tensors, per layer in `experts`.
+    Gguf { weights: crate::model::gguf::GgufWeights, experts: crate::expert::layout::GgufExperts },
+}
+
+impl Model {
+    /// The model's payload length of `layer`'s experts.
+    fn payload_len(&self, layer: usize) -> usize {
+        match &self.experts {
+            ModelExperts::Dir { layout, .. } => layout.len(),
+            ModelExperts::Gguf { experts, .. } => experts.payload_len(layer).unwrap_or(0),
+        }
+    }
+
+    /// The model's payload of `(layer, expert)` into `out` (of [`Model::payload_len`] bytes).
+    fn payload(&self, layer: usize, expert: usize, out: &mut [u8]) -> Result<()> {
+        match &self.experts {
+            ModelExperts::Dir { store, layout } => layout.payload_from_store(store, layer, expert, out),
+            ModelExperts::Gguf { weights, experts } => {
+                let slabs = experts.slabs(layer).expect("a MoE layer has slabs");
+                weights.expert_payload(layer, expert, slabs, out)?;
+                weights.release_expert(layer, expert, slabs);
+                Ok(())
+            }
+        }
+    }
 }
 
 /// Verifies the image in the file or block device `store` (read with the psync engine), and with
@@ -332,9 +364,58 @@ pub fn verify_queue<Q: IoQueue + ?Sized>(
             found: hex(&digest),
         });
     }
+    // A bundle is compared with its recorded GGUF when no model is given and that file is there.
+    let recorded = sb.bundle.as_ref().map(|h| h.source.path.clone()).filter(|p| p.is_file());
+    let model = model.or(recorded.as_deref());
     let model_dir = model;
+    if let Some(h) = &sb.bundle {
+        // The layer table of a bundle: read, hashed, decoded.
+        let len = round_up(h.layers_len.max(1), u64::from(bs));
+        let table = rd(queue, "the layer table", h.layers_offset, len)?;
+        let table = &table.as_slice()[..h.layers_len as usize];
+        let problem = |message: String| picchio_core::Error::LayerTable {
+            source_name: source_name.into(),
+            offset: h.layers_offset,
+            message,
+        };
+        let digest = picchio_core::format::layer_table_sha256(table);
+        if digest != h.layers_sha256 {
+            store_problems.push(problem(format!(
+                "SHA-256 {}, superblock says {}",
+                hex(&digest),
+                hex(&h.layers_sha256)
+            )));
+        } else if let Err(e) = picchio_core::format::decode_layer_table(table) {
+            store_problems.push(problem(e));
+        }
+    }
     let model = match model {
         None => None,
+        Some(path) if crate::model::gguf::is_gguf(path) => {
+            let weights = crate::model::gguf::GgufWeights::open(path)?;
+            let cfg = weights.config()?;
+            let layout = weights.expert_layout(&cfg)?;
+            let experts = layout.ggml.clone().expect("a GGUF layout has its slabs");
+            let mut mismatches = store_dims(&cfg).mismatches(&sb, source_name);
+            // The bundle must be this GGUF's: fingerprint and layer table.
+            let not_this = |what: String| picchio_core::Error::NotThisBundle { source_name: source_name.into(), what };
+            match &sb.bundle {
+                None => mismatches.push(not_this(format!(
+                    "it is a version {} image, not the expert bundle (version 3) of a GGUF",
+                    sb.version
+                ))),
+                Some(h) if h.source.fingerprint != experts.fingerprint => mismatches.push(not_this(format!(
+                    "it was packed from a GGUF with fingerprint {}…, {}'s is {}…",
+                    hex(&h.source.fingerprint[..8]),
+                    path.display(),
+                    hex(&experts.fingerprint[..8])
+                ))),
+                Some(_) => {}
+            }
+            let same = mismatches.is_empty();
+            store_problems.extend(mismatches);
+            same.then_some(Model { cfg, experts: ModelExperts::Gguf { weights, experts } })
+        }
         Some(dir) => {
             let cfg = Config::from_dir(dir)?;
             let mstore = TensorStore::open(dir)?;
@@ -344,7 +425,7 @@ pub fn verify_queue<Q: IoQueue + ?Sized>(
             let same = mismatches.is_empty();
             store_problems.extend(mismatches);
             // Payloads of a store packed for other dimensions cannot be compared.
-            same.then_some(Model { cfg, store: mstore, layout })
+            same.then_some(Model { cfg, experts: ModelExperts::Dir { store: mstore, layout } })
         }
     };
     let entries = decode_index(index);
@@ -441,11 +522,12 @@ fn check_payload(
     if !m.cfg.is_moe_layer(layer) {
         return (payload != DENSE_LAYER_PLACEHOLDER).then_some(FailureKind::NotPlaceholder);
     }
-    if payload.len() != m.layout.len() {
-        return Some(FailureKind::Length { expected: m.layout.len(), found: loc.len });
+    let want = m.payload_len(layer);
+    if payload.len() != want {
+        return Some(FailureKind::Length { expected: want, found: loc.len });
     }
-    expected.resize(m.layout.len(), 0);
-    if let Err(e) = m.layout.payload_from_store(&m.store, layer, key.expert as usize, expected) {
+    expected.resize(want, 0);
+    if let Err(e) = m.payload(layer, key.expert as usize, expected) {
         return Some(FailureKind::Model(picchio_core::error::chain(&e).to_string()));
     }
     let mut diff = payload.iter().zip(expected.iter()).enumerate().filter(|(_, (a, b))| a != b).map(|(k, _)| k);

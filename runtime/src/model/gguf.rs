@@ -403,7 +403,11 @@ impl GgufWeights {
         let layers = (0..cfg.num_hidden_layers)
             .map(|l| if cfg.is_moe_layer(l) { self.expert_slabs(l, cfg).map(Some) } else { Ok(None) })
             .collect::<Result<Vec<_>>>()?;
-        Ok(ExpertLayout::gguf(cfg.hidden_size, cfg.moe_intermediate_size, GgufExperts { layers: layers.into() }))
+        Ok(ExpertLayout::gguf(
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            GgufExperts { layers: layers.into(), fingerprint: self.fingerprint },
+        ))
     }
 
     /// The bytes the resident part takes once loaded: every tensor but the stacked expert weights

@@ -211,14 +211,7 @@ fn ggml_weights(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
     let mut g = picchio_core::rng::SplitMix64::new(ty as u64 + 17);
     let bb = ty.block_bytes() as usize;
     let mut w: Vec<u8> = (0..rows * cols / ty.block_elems() as usize * bb).map(|_| g.next_u64() as u8).collect();
-    let f16_fields: &[usize] = match ty {
-        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
-        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
-        GgmlType::Q2_K => &[80, 82],
-        GgmlType::Q3_K => &[108],
-        GgmlType::Q6_K => &[208],
-        _ => &[],
-    };
+    let f16_fields = picchio_runtime::kernels::ggml::f16_scale_fields(ty);
     for b in w.chunks_exact_mut(bb) {
         for &at in f16_fields {
             let v = half::f16::from_f32(g.next_signed_f32() * 0.01);

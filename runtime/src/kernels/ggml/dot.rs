@@ -338,14 +338,7 @@ mod tests {
             })
             .collect();
         // f16 0.25 (and dmin 0.125) in every f16 field, a small exponent for MXFP4.
-        let f16_fields: &[usize] = match ty {
-            GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
-            GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
-            GgmlType::Q2_K => &[80, 82],
-            GgmlType::Q3_K => &[108],
-            GgmlType::Q6_K => &[208],
-            _ => &[],
-        };
+        let f16_fields = super::super::f16_scale_fields(ty);
         for blk in b.chunks_exact_mut(ty.block_bytes() as usize) {
             for (k, &at) in f16_fields.iter().enumerate() {
                 let bits: u16 = if k == 0 { 0x3400 } else { 0x3000 };

@@ -139,6 +139,22 @@ pub(crate) fn with_activation<R>(ty: GgmlType, xs: &[f32], n: usize, f: impl FnO
     r
 }
 
+/// Byte offsets, within one block of `ty`, of its f16 scale fields (`d`, then `m`/`dmin` where the
+/// type has one), as ggml's block structs lay them out (`ggml-common.h`): Q4_0/Q5_0/Q8_0 `d` at 0;
+/// Q4_1/Q5_1/Q4_K/Q5_K `d` at 0 and `m`/`dmin` at 2; Q2_K `d` at 80 and `dmin` at 82; Q3_K `d` at
+/// 108; Q6_K `d` at 208. Empty for the float types and MXFP4 (its scale is the e8m0 byte 0). For
+/// making valid blocks in tests and benches (random bytes elsewhere, a finite f16 here).
+pub fn f16_scale_fields(ty: GgmlType) -> &'static [usize] {
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q3_K => &[108],
+        GgmlType::Q6_K => &[208],
+        _ => &[],
+    }
+}
+
 /// The little-endian u16 at byte `at` of `b`.
 fn le16(b: &[u8], at: usize) -> u16 {
     u16::from_le_bytes([b[at], b[at + 1]])

@@ -996,14 +996,7 @@ mod tests {
     fn random_blocks(ty: GgmlType, blocks: usize, g: &mut Lcg) -> Vec<u8> {
         let bb = ty.block_bytes() as usize;
         let mut w: Vec<u8> = (0..blocks * bb).map(|_| g.next() as u8).collect();
-        let f16_fields: &[usize] = match ty {
-            GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
-            GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
-            GgmlType::Q2_K => &[80, 82],
-            GgmlType::Q3_K => &[108],
-            GgmlType::Q6_K => &[208],
-            _ => &[],
-        };
+        let f16_fields = super::super::f16_scale_fields(ty);
         for b in w.chunks_exact_mut(bb) {
             for &at in f16_fields {
                 b[at..at + 2].copy_from_slice(&g.f16());

@@ -14,7 +14,7 @@
 //! departs from the common table) plus its math; the loaders ([`super::DecoderLayer`]) are shared.
 
 use std::fs::File;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use memmap2::Mmap;
 use picchio_core::format::gguf::{GgmlType, GgufModel, ModelTensor, Value};
@@ -469,26 +469,6 @@ impl GgufWeights {
                 crate::sys::drop_mapped_pages(self.model.path_of(t), &self.maps[t.file], start..start + n);
             }
         }
-    }
-
-    /// The file offsets of expert `expert`'s three slabs in layer `layer`: `(file path, offset,
-    /// length)` each, for readers that fetch them from storage themselves.
-    ///
-    /// # Errors
-    /// [`Error::Gguf`] for a missing tensor.
-    pub fn expert_ranges(
-        &self,
-        layer: usize,
-        expert: usize,
-        slabs: &[ExpertSlab; 3],
-    ) -> Result<[(PathBuf, u64, usize); 3]> {
-        let mut out: [(PathBuf, u64, usize); 3] = Default::default();
-        for (k, (suffix, slab)) in EXPERT_TENSORS.iter().zip(slabs).enumerate() {
-            let t = self.model.tensor(&format!("blk.{layer}.{suffix}"))?;
-            let n = slab.stored_bytes();
-            out[k] = (self.model.path_of(t).into(), t.info.range.start + (expert * n) as u64, n);
-        }
-        Ok(out)
     }
 
     /// `blk.{layer}.{gate,up}_exps.bias` `[E, I]` interleaved into `[E, 2I]` (row `2i` the gate's
